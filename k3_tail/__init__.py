@@ -1,0 +1,36 @@
+"""k3_tail: the Kimi-K3 latent MoE tail under tensor parallelism, in JAX.
+
+    y = RMSNorm_g(c * sum_i r_i) @ W + sum_i s_i      (replicated on every TP rank)
+
+Four tiers compute it (native, overlap, column-parallel, scatter-gather); ``select_tier`` picks one
+per token count and says why; ``tail_forward`` runs it on global arrays; ``LatentMoETail`` is the
+Flax NNX module. Tier functions run inside ``jax.shard_map`` over a named TP axis.
+"""
+
+from k3_tail.column_parallel import column_parallel_tail
+from k3_tail.columns import WEIGHT_LAYOUTS, padded_hidden_size
+from k3_tail.config import TailConfig
+from k3_tail.forward import tail_forward
+from k3_tail.module import LatentMoETail
+from k3_tail.native import native_tail
+from k3_tail.norm import allreduce_norm_latent_out, rms_norm
+from k3_tail.overlap import overlap_tail
+from k3_tail.scatter_gather import scatter_gather_tail
+from k3_tail.selection import Tier, TierDecision, select_tier
+
+__all__ = [
+    "LatentMoETail",
+    "TailConfig",
+    "Tier",
+    "TierDecision",
+    "WEIGHT_LAYOUTS",
+    "allreduce_norm_latent_out",
+    "column_parallel_tail",
+    "native_tail",
+    "overlap_tail",
+    "padded_hidden_size",
+    "rms_norm",
+    "scatter_gather_tail",
+    "select_tier",
+    "tail_forward",
+]

@@ -1,0 +1,3 @@
+from k3_tail.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,57 @@
+"""The column-parallel tier (vLLM tier 2): one final all-reduce stitches the column blocks."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from k3_tail.columns import own_kernel_block, pad_columns
+from k3_tail.config import TailConfig
+from k3_tail.norm import allreduce_norm_latent_out
+
+
+def column_parallel_tail(
+    routed_partial: jax.Array,
+    shared_partial: jax.Array | None,
+    norm_weight: jax.Array | None,
+    up_proj_kernel: jax.Array,
+    *,
+    config: TailConfig,
+    axis_name: str,
+    weight_layout: str,
+    defer_all_reduce: bool = False,
+) -> jax.Array:
+    """AR(r) + norm; rank k adds latent @ W[:, block k] into block k of its shared partial; AR.
+
+    Inside ``jax.shard_map``. Per rank: routed_partial [T, L], shared_partial [T, H] or None (zeros),
+    norm_weight [L] or None, up_proj_kernel [L, H] ("replicated") or this rank's [L, Hb] block
+    ("column"), Hb = ceil(H / p).
+
+    Contract (spec, section 3): the buffer handed to the final all-reduce equals the shared partial
+    everywhere except this rank's columns [k*Hb, min((k+1)*Hb, H)), which hold shared + latent @ block
+    (added in float32, rounded once). Summed over ranks, every column gets its projection exactly once.
+    With ``defer_all_reduce=True`` that per-rank [T, H] buffer is returned instead of y, for a caller
+    that folds the reduction into a later collective (out_specs must then be per-rank).
+
+    Returns y [T, H] in ``config.dtype``, identical on every rank.
+    Cost per rank, either layout: 2TLH/p GEMM FLOPs, 2LH/p weight bytes, AR(T*L) then AR(T*H),
+    serial. The replicated layout slices its block out of the whole kernel (which it keeps in memory).
+    """
+    latent = allreduce_norm_latent_out(routed_partial, norm_weight, config=config, axis_name=axis_name)
+    block = own_kernel_block(
+        up_proj_kernel, hidden_size=config.hidden_size, weight_layout=weight_layout, axis_name=axis_name
+    )
+    block_width = block.shape[1]
+    start = lax.axis_index(axis_name) * block_width
+    if shared_partial is None:
+        shared_partial = jnp.zeros((latent.shape[0], config.hidden_size), config.dtype)
+    buffer = pad_columns(shared_partial, block_width * lax.axis_size(axis_name))
+    own = lax.dynamic_slice_in_dim(buffer, start, block_width, axis=1).astype(jnp.float32)
+    own = own + jnp.dot(latent, block, preferred_element_type=jnp.float32)
+    buffer = lax.dynamic_update_slice_in_dim(buffer, own.astype(config.dtype), start, axis=1)
+    # Padding columns are sliced off before the collective, so it moves T*H, not T*p*Hb.
+    buffer = buffer[:, : config.hidden_size]
+    if defer_all_reduce:
+        return buffer
+    return lax.psum(buffer, axis_name)

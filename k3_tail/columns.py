@@ -1,0 +1,72 @@
+"""Column blocks of the up projection: weight layouts, padding, and each rank's own block.
+
+The column tiers give TP rank k the columns [k*Hb, (k+1)*Hb) of the [L, H] up projection, with
+Hb = ceil(H / p). When H % p != 0 the kernel and the shared partial are padded with zero columns to
+p*Hb and the result is sliced back to H, so no column is ever dropped (vLLM's CUDA tier 2 drops the
+last H mod p columns).
+
+Weight layouts (where the [L, H] kernel lives):
+  "replicated": every rank holds the whole kernel (vLLM's layout): 2LH bytes per rank.
+  "column": rank k holds only its block [L, Hb] (``P(None, axis)``): 2LH/p bytes per rank.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+WEIGHT_LAYOUTS = ("column", "replicated")
+
+
+def check_weight_layout(weight_layout: str) -> str:
+    """``weight_layout`` unchanged, or ValueError when it is not one of WEIGHT_LAYOUTS."""
+    if weight_layout not in WEIGHT_LAYOUTS:
+        raise ValueError(f"weight_layout: expected one of {WEIGHT_LAYOUTS}, got {weight_layout!r}")
+    return weight_layout
+
+
+def padded_hidden_size(hidden_size: int, tp_size: int) -> int:
+    """``hidden_size`` rounded up to a multiple of ``tp_size``: the width the column tiers shard.
+
+    A column-layout kernel is stored [L, padded_hidden_size(H, p)], its extra columns zero.
+    """
+    return -(-hidden_size // tp_size) * tp_size
+
+
+def pad_columns(x: jax.Array, width: int) -> jax.Array:
+    """``x`` with zero columns appended on its last axis up to ``width`` (no-op when already there)."""
+    extra = width - x.shape[-1]
+    if extra == 0:
+        return x
+    return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, extra)])
+
+
+def own_kernel_block(up_proj_kernel: jax.Array, *, hidden_size: int, weight_layout: str, axis_name: str) -> jax.Array:
+    """This rank's column block [L, Hb] of the up projection (inside ``jax.shard_map``).
+
+    "column": the local kernel already is the block. "replicated": the block is sliced out of the
+    whole kernel (padded first when H % p != 0), reading 2*L*Hb bytes of it.
+    """
+    if weight_layout == "column":
+        return up_proj_kernel
+    tp_size = lax.axis_size(axis_name)
+    block_width = padded_hidden_size(hidden_size, tp_size) // tp_size
+    kernel = pad_columns(up_proj_kernel, block_width * tp_size)
+    return lax.dynamic_slice_in_dim(kernel, lax.axis_index(axis_name) * block_width, block_width, axis=1)
+
+
+def project_all_columns(
+    latent: jax.Array, up_proj_kernel: jax.Array, *, hidden_size: int, weight_layout: str, axis_name: str
+) -> jax.Array:
+    """``latent @ W`` for all H columns on every rank: [T, L] x [L, H] -> [T, H] (inside shard_map).
+
+    "replicated": one full GEMM (2TLH FLOPs, 2LH weight bytes), float32 result.
+    "column": each rank projects its own block (2TLH/p FLOPs) and an all-gather of the [T, Hb]
+    blocks in the latent's dtype assembles the columns: gathering the outputs moves 2TH bytes,
+    where gathering the kernel would move 2LH per call.
+    """
+    if weight_layout == "replicated":
+        return jnp.dot(latent, up_proj_kernel, preferred_element_type=jnp.float32)
+    block = jnp.dot(latent, up_proj_kernel, preferred_element_type=jnp.float32).astype(latent.dtype)
+    return lax.all_gather(block, axis_name, axis=1, tiled=True, to="invarying")[:, :hidden_size]

@@ -1,0 +1,128 @@
+"""The tail's configuration: model shapes, numerics and the switches that steer tier selection."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import jax.numpy as jnp
+
+_FLOAT_DTYPES = tuple(np.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64))
+
+# vLLM's environment variables, honoured by TailConfig.from_env.
+ENV_OVERLAP_TOKEN_THRESHOLD = "VLLM_SHARED_EXPERTS_STREAM_TOKEN_THRESHOLD"
+ENV_DISABLE_OVERLAP = "VLLM_DISABLE_SHARED_EXPERTS_STREAM"
+
+_TRUE_WORDS = ("1", "true", "yes", "on")
+_FALSE_WORDS = ("0", "false", "no", "off", "")
+
+
+@dataclasses.dataclass(frozen=True)
+class TailConfig:
+    """Static description of one latent MoE tail (hashable: it is a static argument under jit).
+
+    Shapes: the routed experts finish in ``latent_size`` (L) columns, the layer's output has
+    ``hidden_size`` (H) columns; the up projection maps L -> H.
+
+    Numerics: ``y = RMSNorm_g(routed_scaling_factor * sum_i r_i) @ W + sum_i s_i``, the norm in
+    float32 with ``rms_norm_eps``, skipped when ``use_latent_norm`` is False. Activations and
+    weights are ``dtype``; GEMMs and the norm accumulate in float32; collectives move ``dtype``.
+
+    Selection switches (see :func:`k3_tail.select_tier`):
+      overlap_token_threshold: largest token count served by the overlap tier (vLLM: 256).
+      disable_overlap: never pick the overlap tier (vLLM_DISABLE_SHARED_EXPERTS_STREAM).
+      use_scatter_gather / scatter_gather_max_tokens: pick the scatter-gather tier for
+        0 < T <= max tokens, as vLLM does with its fused tier-0 op (off by default: vLLM enables it
+        only on SM100 GPUs).
+      has_shared_experts: the layer has shared experts, so a shared partial exists.
+      fused_output_is_reduced: the routed output arrives already reduced (expert parallelism
+        reduces it in the combine); the tail then skips the latent all-reduce and takes one
+        replicated [T, L] latent instead of per-rank partials.
+      sequence_parallel: the surrounding model shards tokens over the TP axis. The fast tiers do not
+        serve it in this version: selection falls back to the native tier and says so; the output
+        is still returned replicated [T, H].
+    """
+
+    hidden_size: int
+    latent_size: int
+    rms_norm_eps: float = 1e-6
+    routed_scaling_factor: float = 1.0
+    use_latent_norm: bool = True
+    dtype: Any = jnp.bfloat16
+    overlap_token_threshold: int = 256
+    disable_overlap: bool = False
+    use_scatter_gather: bool = False
+    scatter_gather_max_tokens: int = 128
+    has_shared_experts: bool = True
+    fused_output_is_reduced: bool = False
+    sequence_parallel: bool = False
+
+    def __post_init__(self):
+        for name, minimum in (("hidden_size", 1), ("latent_size", 1),
+                              ("overlap_token_threshold", 0), ("scatter_gather_max_tokens", 0)):
+            object.__setattr__(self, name, check_int(name, getattr(self, name), minimum=minimum))
+        eps = self.rms_norm_eps
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps <= 0:
+            raise ValueError(f"rms_norm_eps: expected a finite number > 0, got {eps!r}")
+        scale = self.routed_scaling_factor
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+            raise ValueError(f"routed_scaling_factor: expected a finite number, got {scale!r}")
+        for name in ("use_latent_norm", "disable_overlap", "use_scatter_gather", "has_shared_experts",
+                     "fused_output_is_reduced", "sequence_parallel"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
+        names = ", ".join(d.name for d in _FLOAT_DTYPES)
+        try:
+            dtype = np.dtype(self.dtype)
+        except TypeError:
+            raise ValueError(f"dtype: expected one of {names}, got {self.dtype!r}") from None
+        if dtype not in _FLOAT_DTYPES:
+            raise ValueError(f"dtype: expected one of {names}, got {self.dtype!r}")
+        # Normalised so that equal configs hash equally whatever spelling of the dtype was given.
+        object.__setattr__(self, "dtype", dtype)
+
+    @classmethod
+    def kimi_k3(cls, **overrides: Any) -> TailConfig:
+        """Kimi-K3's tail: H = 7168, L = 3584, eps 1e-6, scale 1.0, bf16 (spec, section 1)."""
+        return cls(**{"hidden_size": 7168, "latent_size": 3584, **overrides})
+
+    @classmethod
+    def from_env(cls, base: TailConfig | None = None, environ: Mapping[str, str] | None = None) -> TailConfig:
+        """``base`` (default: Kimi-K3) with vLLM's selection variables applied.
+
+        VLLM_SHARED_EXPERTS_STREAM_TOKEN_THRESHOLD sets ``overlap_token_threshold`` (an integer >= 0);
+        VLLM_DISABLE_SHARED_EXPERTS_STREAM sets ``disable_overlap`` (1/0, true/false, yes/no, on/off).
+        Unset variables leave ``base`` as it is; unparsable values raise ValueError naming the variable.
+        """
+        base = cls.kimi_k3() if base is None else base
+        environ = os.environ if environ is None else environ
+        changes: dict[str, Any] = {}
+        raw = environ.get(ENV_OVERLAP_TOKEN_THRESHOLD)
+        if raw is not None:
+            try:
+                changes["overlap_token_threshold"] = int(raw.strip())
+            except ValueError:
+                raise ValueError(
+                    f"overlap_token_threshold: {ENV_OVERLAP_TOKEN_THRESHOLD}={raw!r} is not an integer"
+                ) from None
+        raw = environ.get(ENV_DISABLE_OVERLAP)
+        if raw is not None:
+            word = raw.strip().lower()
+            if word not in _TRUE_WORDS + _FALSE_WORDS:
+                raise ValueError(
+                    f"disable_overlap: {ENV_DISABLE_OVERLAP}={raw!r} is not a boolean "
+                    f"(expected one of {', '.join(w for w in _TRUE_WORDS + _FALSE_WORDS if w)})"
+                )
+            changes["disable_overlap"] = word in _TRUE_WORDS
+        return dataclasses.replace(base, **changes)
+
+
+def check_int(name: str, value: Any, *, minimum: int) -> int:
+    """``value`` as an int, or ValueError naming ``name`` when it is not an integer >= ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise ValueError(f"{name}: expected an integer >= {minimum}, got {value!r}")
+    return int(value)

@@ -1,0 +1,41 @@
+"""The native tier: vLLM's base path and the reference semantics of the tail."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from k3_tail.columns import project_all_columns
+from k3_tail.config import TailConfig
+from k3_tail.norm import allreduce_norm_latent_out
+
+
+def native_tail(
+    routed_partial: jax.Array,
+    shared_partial: jax.Array | None,
+    norm_weight: jax.Array | None,
+    up_proj_kernel: jax.Array,
+    *,
+    config: TailConfig,
+    axis_name: str,
+    weight_layout: str,
+) -> jax.Array:
+    """AR(r); scale; norm; GEMM; AR(s); add, in that order. Runs inside ``jax.shard_map``.
+
+    Per rank: routed_partial [T, L], shared_partial [T, H] or None, norm_weight [L] or None,
+    up_proj_kernel [L, H] ("replicated") or this rank's [L, Hb] block ("column").
+    Returns y [T, H] in ``config.dtype``, identical on every rank.
+
+    Cost per rank, replicated layout: 2TLH GEMM FLOPs, 2LH weight bytes, AR(T*L) and AR(T*H).
+    Column layout: 2TLH/p FLOPs and 2LH/p weight bytes, plus an all-gather of the [T, H/p] output
+    blocks. The collectives are issued serially; XLA's scheduler may still reorder or combine them.
+    """
+    latent = allreduce_norm_latent_out(routed_partial, norm_weight, config=config, axis_name=axis_name)
+    projected = project_all_columns(
+        latent, up_proj_kernel, hidden_size=config.hidden_size, weight_layout=weight_layout, axis_name=axis_name
+    )
+    if shared_partial is None:
+        return projected.astype(config.dtype)
+    shared = lax.psum(shared_partial, axis_name)
+    return (projected.astype(jnp.float32) + shared.astype(jnp.float32)).astype(config.dtype)

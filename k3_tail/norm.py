@@ -1,0 +1,45 @@
+"""The latent RMSNorm and the all-reduce + RMSNorm helper that every tier starts with."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from k3_tail.config import TailConfig
+
+
+def rms_norm(x: jax.Array, weight: jax.Array | None, *, eps: float, scale: float = 1.0) -> jax.Array:
+    """``RMSNorm_weight(scale * x)`` over the last axis, in float32; returns float32.
+
+    x: [..., L] any float dtype; weight: [L] or None (no norm: only the scale is applied).
+    ``scale`` multiplies x before the norm (routed_scaling_factor, spec section 2), so with a norm it
+    only matters through eps.
+    """
+    x = x.astype(jnp.float32) * scale
+    if weight is None:
+        return x
+    inverse_rms = lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+    return x * inverse_rms * weight.astype(jnp.float32)
+
+
+def allreduce_norm_latent_out(
+    routed_partial: jax.Array, norm_weight: jax.Array | None, *, config: TailConfig, axis_name: str
+) -> jax.Array:
+    """``RMSNorm_g(c * psum(r))`` for this rank: the fully reduced, normalised latent.
+
+    Runs inside ``jax.shard_map``. routed_partial: this rank's [T, L] partial (``config.dtype``),
+    or the already reduced latent when ``config.fused_output_is_reduced`` (then no collective).
+    norm_weight: [L], ignored when ``config.use_latent_norm`` is False.
+    Returns [T, L] in ``config.dtype``, identical on every rank.
+    Cost per rank: one all-reduce of T*L elements in ``config.dtype`` (2(p-1)/p * 2TL bytes on a
+    ring for bf16) and O(TL) elementwise work. The norm must see the fully reduced latent: it is
+    nonlinear per row, so it cannot be applied to partials.
+
+    vLLM fuses the all-reduce and the norm into one AITER kernel on ROCm; XLA fuses the norm's
+    elementwise work into the consumer of the all-reduce on its own, so this is the plain form.
+    """
+    latent = routed_partial if config.fused_output_is_reduced else lax.psum(routed_partial, axis_name)
+    weight = norm_weight if config.use_latent_norm else None
+    normed = rms_norm(latent, weight, eps=config.rms_norm_eps, scale=config.routed_scaling_factor)
+    return normed.astype(config.dtype)

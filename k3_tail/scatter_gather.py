@@ -1,0 +1,45 @@
+"""The scatter-gather tier: vLLM's fused tier-0 op expressed with standard collectives."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from k3_tail.columns import own_kernel_block, pad_columns
+from k3_tail.config import TailConfig
+from k3_tail.norm import allreduce_norm_latent_out
+
+
+def scatter_gather_tail(
+    routed_partial: jax.Array,
+    shared_partial: jax.Array | None,
+    norm_weight: jax.Array | None,
+    up_proj_kernel: jax.Array,
+    *,
+    config: TailConfig,
+    axis_name: str,
+    weight_layout: str,
+) -> jax.Array:
+    """AR(r) + norm; RS(s) over columns; shard GEMM + add on the own block; AG of the blocks.
+
+    Inside ``jax.shard_map``. Per rank: routed_partial [T, L], shared_partial [T, H] or None,
+    norm_weight [L] or None, up_proj_kernel [L, H] ("replicated") or this rank's [L, Hb] block
+    ("column"), Hb = ceil(H / p); rank k's block is columns [k*Hb, (k+1)*Hb), the block that
+    the reduce-scatter hands it.
+
+    Returns y [T, H] in ``config.dtype``, identical on every rank.
+    Cost per rank, either layout: 2TLH/p GEMM FLOPs, 2LH/p weight bytes, AR(T*L), RS(T*H), AG(T*H):
+    the same bytes as one AR(T*H), but the add runs on 1/p of the columns and the GEMM can start
+    as soon as the latent is ready.
+    """
+    latent = allreduce_norm_latent_out(routed_partial, norm_weight, config=config, axis_name=axis_name)
+    block = own_kernel_block(
+        up_proj_kernel, hidden_size=config.hidden_size, weight_layout=weight_layout, axis_name=axis_name
+    )
+    own = jnp.dot(latent, block, preferred_element_type=jnp.float32)
+    if shared_partial is not None:
+        padded = pad_columns(shared_partial, block.shape[1] * lax.axis_size(axis_name))
+        own = own + lax.psum_scatter(padded, axis_name, scatter_dimension=1, tiled=True).astype(jnp.float32)
+    gathered = lax.all_gather(own.astype(config.dtype), axis_name, axis=1, tiled=True, to="invarying")
+    return gathered[:, : config.hidden_size]

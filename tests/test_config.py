@@ -1,0 +1,89 @@
+"""TailConfig: defaults, the Kimi-K3 preset, vLLM's environment variables, and rejected values."""
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from k3_tail import TailConfig
+
+
+def test_defaults_follow_the_spec():
+    config = TailConfig(hidden_size=64, latent_size=32)
+    assert config.rms_norm_eps == 1e-6
+    assert config.routed_scaling_factor == 1.0
+    assert config.use_latent_norm is True
+    assert config.dtype == np.dtype(jnp.bfloat16)
+    assert config.overlap_token_threshold == 256
+    assert config.disable_overlap is False
+    assert config.has_shared_experts is True
+    assert config.fused_output_is_reduced is False
+    assert config.sequence_parallel is False
+
+
+def test_kimi_k3_shapes_and_overrides():
+    assert (TailConfig.kimi_k3().hidden_size, TailConfig.kimi_k3().latent_size) == (7168, 3584)
+    assert TailConfig.kimi_k3(rms_norm_eps=1e-5).rms_norm_eps == 1e-5
+
+
+def test_equal_configs_hash_equally_whatever_the_dtype_spelling():
+    """Configs are static jit arguments: "bfloat16", jnp.bfloat16 and np.dtype must be one key."""
+    spellings = [TailConfig(8, 4, dtype=d) for d in ("bfloat16", jnp.bfloat16, np.dtype(jnp.bfloat16))]
+    assert len(set(spellings)) == 1
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("hidden_size", 0),
+        ("hidden_size", -7168),
+        ("latent_size", 2.5),
+        ("latent_size", True),
+        ("rms_norm_eps", 0.0),
+        ("rms_norm_eps", -1e-6),
+        ("rms_norm_eps", float("nan")),
+        ("routed_scaling_factor", float("inf")),
+        ("overlap_token_threshold", -1),
+        ("scatter_gather_max_tokens", -1),
+        ("dtype", jnp.int32),
+        ("dtype", "not-a-dtype"),
+        ("use_latent_norm", 1),
+        ("sequence_parallel", "yes"),
+    ],
+)
+def test_invalid_field_raises_value_error_naming_it(field, value):
+    with pytest.raises(ValueError, match=f"^{field}: expected"):
+        dataclasses.replace(TailConfig.kimi_k3(), **{field: value})
+
+
+def test_from_env_honours_vllm_variables():
+    environ = {"VLLM_SHARED_EXPERTS_STREAM_TOKEN_THRESHOLD": " 64 ", "VLLM_DISABLE_SHARED_EXPERTS_STREAM": "1"}
+    config = TailConfig.from_env(environ=environ)
+    assert (config.overlap_token_threshold, config.disable_overlap) == (64, True)
+    assert (config.hidden_size, config.latent_size) == (7168, 3584)
+
+
+@pytest.mark.parametrize("word, disabled", [("0", False), ("false", False), ("TRUE", True), ("on", True), ("", False)])
+def test_from_env_reads_boolean_words(word, disabled):
+    config = TailConfig.from_env(environ={"VLLM_DISABLE_SHARED_EXPERTS_STREAM": word})
+    assert config.disable_overlap is disabled
+
+
+def test_from_env_without_variables_keeps_the_base():
+    base = TailConfig(hidden_size=96, latent_size=64, overlap_token_threshold=7)
+    assert TailConfig.from_env(base, environ={}) == base
+
+
+@pytest.mark.parametrize(
+    "variable, value, field",
+    [
+        ("VLLM_SHARED_EXPERTS_STREAM_TOKEN_THRESHOLD", "lots", "overlap_token_threshold"),
+        ("VLLM_SHARED_EXPERTS_STREAM_TOKEN_THRESHOLD", "2.5", "overlap_token_threshold"),
+        ("VLLM_SHARED_EXPERTS_STREAM_TOKEN_THRESHOLD", "-3", "overlap_token_threshold"),
+        ("VLLM_DISABLE_SHARED_EXPERTS_STREAM", "maybe", "disable_overlap"),
+    ],
+)
+def test_from_env_rejects_unparsable_values(variable, value, field):
+    with pytest.raises(ValueError, match=f"^{field}:"):
+        TailConfig.from_env(environ={variable: value})

@@ -1,0 +1,96 @@
+"""select_tier: vLLM's rule order, a reason for every outcome, and no silent fallback."""
+
+import dataclasses
+
+import pytest
+
+from k3_tail import TailConfig, Tier, select_tier
+
+K3 = TailConfig.kimi_k3()
+
+
+@pytest.mark.parametrize("tp_size", [4, 8, 16])
+@pytest.mark.parametrize("num_tokens, tier", [(1, Tier.OVERLAP), (256, Tier.OVERLAP), (257, Tier.COLUMN_PARALLEL),
+                                              (8192, Tier.COLUMN_PARALLEL)])
+def test_threshold_boundary(num_tokens, tier, tp_size):
+    decision = select_tier(K3, num_tokens, tp_size)
+    assert decision.tier == tier
+    assert f"T={num_tokens}" in decision.reason and "overlap_token_threshold=256" in decision.reason
+
+
+def test_threshold_comes_from_the_config():
+    config = dataclasses.replace(K3, overlap_token_threshold=16)
+    assert select_tier(config, 16, 8).tier == Tier.OVERLAP
+    assert select_tier(config, 17, 8).tier == Tier.COLUMN_PARALLEL
+
+
+def test_disable_switch_forces_the_column_tier():
+    decision = select_tier(dataclasses.replace(K3, disable_overlap=True), 5, 8)
+    assert decision.tier == Tier.COLUMN_PARALLEL
+    assert "disable_overlap is True" in decision.reason
+
+
+@pytest.mark.parametrize(
+    "changes, tp_size, reason",
+    [
+        ({}, 1, "tp_size == 1"),
+        ({"has_shared_experts": False}, 8, "has_shared_experts is False"),
+        ({"sequence_parallel": True}, 8, "sequence_parallel is True"),
+        ({"fused_output_is_reduced": True}, 8, "fused_output_is_reduced is True"),
+    ],
+    ids=["no_tp", "no_shared", "sequence_parallel", "already_reduced"],
+)
+@pytest.mark.parametrize("num_tokens", [5, 1024])
+def test_broken_precondition_selects_native_and_names_it(changes, tp_size, reason, num_tokens):
+    decision = select_tier(dataclasses.replace(K3, **changes), num_tokens, tp_size)
+    assert decision.tier == Tier.NATIVE
+    assert decision.reason.startswith(reason)
+
+
+def test_scale_other_than_one_keeps_the_fast_tiers():
+    """Every tier honours routed_scaling_factor, so unlike vLLM's ROCm runner it is no precondition."""
+    config = dataclasses.replace(K3, routed_scaling_factor=2.5)
+    assert select_tier(config, 5, 8).tier == Tier.OVERLAP
+    assert select_tier(config, 1024, 8).tier == Tier.COLUMN_PARALLEL
+
+
+def test_empty_batch_selects_native_with_a_reason():
+    decision = select_tier(K3, 0, 8)
+    assert decision.tier == Tier.NATIVE and "num_tokens == 0" in decision.reason
+
+
+@pytest.mark.parametrize("num_tokens, tier", [(1, Tier.SCATTER_GATHER), (128, Tier.SCATTER_GATHER),
+                                              (129, Tier.OVERLAP), (257, Tier.COLUMN_PARALLEL)])
+def test_scatter_gather_tier_when_enabled(num_tokens, tier):
+    decision = select_tier(dataclasses.replace(K3, use_scatter_gather=True), num_tokens, 8)
+    assert decision.tier == tier
+
+
+def test_hidden_not_divisible_keeps_the_column_tier_and_says_it_pads():
+    decision = select_tier(dataclasses.replace(K3, hidden_size=7170), 1024, 8)
+    assert decision.tier == Tier.COLUMN_PARALLEL
+    assert "not divisible by tp_size=8" in decision.reason and "padded to 7176" in decision.reason
+
+
+def test_decision_prints_tier_and_reason():
+    assert str(select_tier(K3, 1024, 8)).startswith("column_parallel: T=1024 >")
+
+
+@pytest.mark.parametrize(
+    "args, argument",
+    [(("config", 5, 8), "config"), ((K3, -1, 8), "num_tokens"), ((K3, 5, 0), "tp_size"), ((K3, 5.0, 8), "num_tokens")],
+)
+def test_bad_arguments_raise_value_error(args, argument):
+    with pytest.raises(ValueError, match=f"^{argument}:"):
+        select_tier(*args)
+
+
+@pytest.mark.parametrize("text, tier", [("overlap", Tier.OVERLAP), ("COLUMN_PARALLEL", Tier.COLUMN_PARALLEL),
+                                        (Tier.NATIVE, Tier.NATIVE)])
+def test_tier_parses_values_and_names(text, tier):
+    assert Tier.parse(text) is tier
+
+
+def test_tier_parse_rejects_unknown_names():
+    with pytest.raises(ValueError, match="^tier: expected a k3_tail.Tier or one of 'native'"):
+        Tier.parse("tier0")
