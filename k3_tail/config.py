@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import jax.numpy as jnp
 
-_FLOAT_DTYPES = tuple(np.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64))
+_FLOAT_DTYPES = tuple(np.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32))
 
 # vLLM's environment variables, honoured by TailConfig.from_env.
 ENV_OVERLAP_TOKEN_THRESHOLD = "VLLM_SHARED_EXPERTS_STREAM_TOKEN_THRESHOLD"
@@ -75,12 +75,9 @@ class TailConfig:
                      "fused_output_is_reduced", "sequence_parallel"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
-        names = ", ".join(d.name for d in _FLOAT_DTYPES)
-        try:
-            dtype = np.dtype(self.dtype)
-        except TypeError:
-            raise ValueError(f"dtype: expected one of {names}, got {self.dtype!r}") from None
-        if dtype not in _FLOAT_DTYPES:
+        dtype = _float_dtype(self.dtype)
+        if dtype is None:
+            names = ", ".join(d.name for d in _FLOAT_DTYPES)
             raise ValueError(f"dtype: expected one of {names}, got {self.dtype!r}")
         # Normalised so that equal configs hash equally whatever spelling of the dtype was given.
         object.__setattr__(self, "dtype", dtype)
@@ -126,3 +123,14 @@ def check_int(name: str, value: Any, *, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
         raise ValueError(f"{name}: expected an integer >= {minimum}, got {value!r}")
     return int(value)
+
+
+def _float_dtype(value: Any) -> np.dtype | None:
+    """``value`` as one of the supported float dtypes, or None when it names none of them."""
+    if value is None:  # np.dtype(None) would be float64
+        return None
+    try:
+        dtype = np.dtype(value)
+    except TypeError:
+        return None
+    return dtype if dtype in _FLOAT_DTYPES else None

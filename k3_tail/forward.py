@@ -17,7 +17,7 @@ from k3_tail.overlap import overlap_tail
 from k3_tail.scatter_gather import scatter_gather_tail
 from k3_tail.selection import Tier, select_tier
 
-TIER_FUNCTIONS = {
+_TIER_FUNCTIONS = {
     Tier.NATIVE: native_tail,
     Tier.OVERLAP: overlap_tail,
     Tier.COLUMN_PARALLEL: column_parallel_tail,
@@ -99,7 +99,7 @@ def _tail_forward_jit(routed_partials, shared_partials, norm_weight, up_proj_ker
         for x, spec in zip((routed_partials, shared_partials, norm_weight, up_proj_kernel), specs)
     )
     tier_function = functools.partial(
-        TIER_FUNCTIONS[tier], config=config, axis_name=axis_name, weight_layout=weight_layout
+        _TIER_FUNCTIONS[tier], config=config, axis_name=axis_name, weight_layout=weight_layout
     )
 
     def per_rank(routed, shared, norm, kernel):

@@ -48,6 +48,8 @@ def test_equal_configs_hash_equally_whatever_the_dtype_spelling():
         ("scatter_gather_max_tokens", -1),
         ("dtype", jnp.int32),
         ("dtype", "not-a-dtype"),
+        ("dtype", None),
+        ("dtype", "float64"),
         ("use_latent_norm", 1),
         ("sequence_parallel", "yes"),
     ],
