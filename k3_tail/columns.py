@@ -46,7 +46,8 @@ def own_kernel_block(up_proj_kernel: jax.Array, *, hidden_size: int, weight_layo
     """This rank's column block [L, Hb] of the up projection (inside ``jax.shard_map``).
 
     "column": the local kernel already is the block. "replicated": the block is sliced out of the
-    whole kernel (padded first when H % p != 0), reading 2*L*Hb bytes of it.
+    whole kernel, reading 2*L*Hb bytes of it; when H % p != 0 the kernel is padded first, which
+    XLA may materialise as a per-call copy (the column layout stores the padded kernel once).
     """
     if weight_layout == "column":
         return up_proj_kernel
