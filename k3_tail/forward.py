@@ -61,10 +61,7 @@ def tail_forward(
     """
     if not isinstance(config, TailConfig):
         raise ValueError(f"config: expected a k3_tail.TailConfig, got {type(config).__name__}")
-    if not isinstance(mesh, Mesh):
-        raise ValueError(f"mesh: expected a jax.sharding.Mesh, got {type(mesh).__name__}")
-    if axis_name not in mesh.axis_names:
-        raise ValueError(f"mesh: expected a mesh axis named {axis_name!r} (axis_name), got axes {mesh.axis_names}")
+    check_mesh(mesh, axis_name)
     parsed_tier = None if tier is None else Tier.parse(tier)
     return _tail_forward_jit(
         routed_partials,
@@ -77,6 +74,15 @@ def tail_forward(
         tier=parsed_tier,
         weight_layout=check_weight_layout(weight_layout),
     )
+
+
+def check_mesh(mesh: Mesh, axis_name: str) -> int:
+    """The size p of ``mesh`` along ``axis_name``, or ValueError when it is no Mesh with that axis."""
+    if not isinstance(mesh, Mesh):
+        raise ValueError(f"mesh: expected a jax.sharding.Mesh, got {type(mesh).__name__}")
+    if axis_name not in mesh.axis_names:
+        raise ValueError(f"mesh: expected a mesh axis named {axis_name!r} (axis_name), got axes {mesh.axis_names}")
+    return mesh.shape[axis_name]
 
 
 @functools.partial(jax.jit, static_argnames=("config", "mesh", "axis_name", "tier", "weight_layout"))
@@ -96,7 +102,7 @@ def _tail_forward_jit(routed_partials, shared_partials, norm_weight, up_proj_ker
     specs = (routed_spec, P(axis_name), P(), P(None, axis_name) if weight_layout == "column" else P())
     args = tuple(
         None if x is None else jax.device_put(x, NamedSharding(mesh, spec))
-        for x, spec in zip((routed_partials, shared_partials, norm_weight, up_proj_kernel), specs)
+        for x, spec in zip((routed_partials, shared_partials, norm_weight, up_proj_kernel), specs, strict=True)
     )
     tier_function = functools.partial(
         _TIER_FUNCTIONS[tier], config=config, axis_name=axis_name, weight_layout=weight_layout
@@ -107,7 +113,7 @@ def _tail_forward_jit(routed_partials, shared_partials, norm_weight, up_proj_ker
         routed = routed if config.fused_output_is_reduced else routed[0]
         return tier_function(routed, None if shared is None else shared[0], norm, kernel)
 
-    in_specs = tuple(None if x is None else spec for x, spec in zip(args, specs))
+    in_specs = tuple(None if x is None else spec for x, spec in zip(args, specs, strict=True))
     return jax.shard_map(per_rank, mesh=mesh, in_specs=in_specs, out_specs=P())(*args)
 
 

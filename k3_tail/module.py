@@ -8,8 +8,11 @@ from jax.sharding import Mesh
 
 from k3_tail.columns import check_weight_layout, pad_columns, padded_hidden_size
 from k3_tail.config import TailConfig
-from k3_tail.forward import tail_forward
+from k3_tail.forward import check_mesh, tail_forward
 from k3_tail.selection import Tier, TierDecision, select_tier
+
+
+_LECUN_NORMAL = nnx.initializers.lecun_normal()
 
 
 class LatentMoETail(nnx.Module):
@@ -41,17 +44,15 @@ class LatentMoETail(nnx.Module):
         rngs: nnx.Rngs,
         axis_name: str = "tp",
         weight_layout: str = "column",
-        kernel_init: nnx.Initializer = nnx.initializers.lecun_normal(),
+        kernel_init: nnx.Initializer = _LECUN_NORMAL,
     ):
         if not isinstance(config, TailConfig):
             raise ValueError(f"config: expected a k3_tail.TailConfig, got {type(config).__name__}")
-        if not isinstance(mesh, Mesh) or axis_name not in mesh.axis_names:
-            raise ValueError(f"mesh: expected a jax.sharding.Mesh with an axis named {axis_name!r} (axis_name)")
+        tp_size = check_mesh(mesh, axis_name)
         self.config = config
         self.mesh = mesh
         self.axis_name = axis_name
         self.weight_layout = check_weight_layout(weight_layout)
-        tp_size = mesh.shape[axis_name]
         latent, hidden = config.latent_size, config.hidden_size
 
         if weight_layout == "column":

@@ -75,11 +75,13 @@ def select_tier(config: TailConfig, num_tokens: int, tp_size: int) -> TierDecisi
         return TierDecision(Tier.NATIVE, "tp_size == 1: no tensor parallelism, nothing to reduce or shard")
     if not config.has_shared_experts:
         return TierDecision(
-            Tier.NATIVE, "has_shared_experts is False: no shared-expert partial to overlap or fold into the projection"
+            Tier.NATIVE,
+            "has_shared_experts is False: no shared-expert partial to overlap or fold into the projection",
         )
     if config.fused_output_is_reduced:
         return TierDecision(
-            Tier.NATIVE, "fused_output_is_reduced is True: the routed output is already reduced (expert-parallel combine)"
+            Tier.NATIVE,
+            "fused_output_is_reduced is True: the routed output is already reduced (expert-parallel combine)",
         )
     if config.sequence_parallel:
         return TierDecision(
@@ -90,7 +92,8 @@ def select_tier(config: TailConfig, num_tokens: int, tp_size: int) -> TierDecisi
     if config.use_scatter_gather and num_tokens <= config.scatter_gather_max_tokens:
         return TierDecision(
             Tier.SCATTER_GATHER,
-            f"use_scatter_gather is True and T={num_tokens} <= scatter_gather_max_tokens={config.scatter_gather_max_tokens}",
+            f"use_scatter_gather is True and T={num_tokens} <= "
+            f"scatter_gather_max_tokens={config.scatter_gather_max_tokens}",
         )
     if num_tokens <= config.overlap_token_threshold:
         if not config.disable_overlap:

@@ -1,6 +1,5 @@
 """The norm helper: RMSNorm against numpy, and the all-reduce + norm under shard_map."""
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp
