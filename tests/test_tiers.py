@@ -40,25 +40,29 @@ def assert_matches_reference(config, inputs, y, expected=None):
 
 @pytest.mark.parametrize("weight_layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("base", [SMALL, SMALL_ODD], ids=["H96", "H99"])
 @pytest.mark.parametrize("num_tokens", [0, 1, 5, 16, 257, 1024])
 @pytest.mark.parametrize("tp_size", [1, 2, 4, 8])
 @pytest.mark.parametrize("tier", list(k3_tail.Tier), ids=lambda t: t.value)
-def test_tier_matches_float64_reference(tier, tp_size, num_tokens, dtype, weight_layout):
-    config = dataclasses.replace(SMALL, dtype=dtype)
+def test_tier_matches_float64_reference(tier, tp_size, num_tokens, base, dtype, weight_layout):
+    config = dataclasses.replace(base, dtype=dtype)
     inputs = make_inputs(config, tp_size, num_tokens)
     y = run_tail(config, inputs, make_tp_mesh(tp_size), tier, weight_layout)
     assert_matches_reference(config, inputs, y)
 
 
 @pytest.mark.parametrize("weight_layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("use_latent_norm", [True, False], ids=["norm", "no_norm"])
 @pytest.mark.parametrize("scale", [1.0, 2.0], ids=["scale1", "scale2"])
 @pytest.mark.parametrize("base", [SMALL, SMALL_ODD], ids=["H96", "H99"])
 @pytest.mark.parametrize("tp_size", [2, 8])
 @pytest.mark.parametrize("tier", list(k3_tail.Tier), ids=lambda t: t.value)
-def test_tier_honours_scale_norm_and_odd_hidden(tier, tp_size, base, scale, use_latent_norm, weight_layout):
-    config = dataclasses.replace(base, routed_scaling_factor=scale, use_latent_norm=use_latent_norm)
-    inputs = make_inputs(config, tp_size, 5)
+def test_tier_honours_scale_and_norm(tier, tp_size, base, scale, use_latent_norm, dtype, weight_layout):
+    config = dataclasses.replace(
+        base, routed_scaling_factor=scale, use_latent_norm=use_latent_norm, dtype=dtype
+    )
+    inputs = make_inputs(config, tp_size, 16)
     y = run_tail(config, inputs, make_tp_mesh(tp_size), tier, weight_layout)
     assert_matches_reference(config, inputs, y)
 
