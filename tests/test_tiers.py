@@ -205,5 +205,6 @@ def test_column_tier_writes_only_its_own_block(tp_size, num_tokens, base, dtype,
         others = np.ones(config.hidden_size, bool)
         others[own] = False
         np.testing.assert_array_equal(buffers[rank][:, others], inputs.shared[rank][:, others])
-        expected_own = inputs.shared[rank][:, own].astype(np.float64) + latent @ inputs.kernel[:, own].astype(float)
+        projection = latent @ inputs.kernel[:, own].astype(np.float64)
+        expected_own = inputs.shared[rank][:, own].astype(np.float64) + projection
         assert relative_error(buffers[rank][:, own], expected_own) <= TOLERANCE[config.dtype]
