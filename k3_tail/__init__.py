@@ -5,10 +5,13 @@
 Four tiers compute it (native, overlap, column-parallel, scatter-gather); ``select_tier`` picks one
 per token count and says why; ``tail_forward`` runs it on global arrays; ``LatentMoETail`` is the
 Flax NNX module. Tier functions run inside ``jax.shard_map`` over a named TP axis.
+``compile_tail`` compiles one call (also for a deviceless GPU topology, ``topology_mesh``) and
+``k3_tail.xla_report`` reads what XLA made of it.
 """
 
 from k3_tail.column_parallel import column_parallel_tail
 from k3_tail.columns import WEIGHT_LAYOUTS, padded_hidden_size
+from k3_tail.compilation import compile_tail, compiler_options, tail_arguments
 from k3_tail.config import TailConfig
 from k3_tail.forward import tail_forward
 from k3_tail.module import LatentMoETail
@@ -17,20 +20,29 @@ from k3_tail.norm import allreduce_norm_latent_out, rms_norm
 from k3_tail.overlap import overlap_tail
 from k3_tail.scatter_gather import scatter_gather_tail
 from k3_tail.selection import Tier, TierDecision, select_tier
+from k3_tail.topologies import GPU_TARGETS, TopologyUnavailable, topology_mesh
+from k3_tail.xla_report import XlaReport
 
 __all__ = [
+    "GPU_TARGETS",
     "LatentMoETail",
     "TailConfig",
     "Tier",
     "TierDecision",
+    "TopologyUnavailable",
     "WEIGHT_LAYOUTS",
+    "XlaReport",
     "allreduce_norm_latent_out",
     "column_parallel_tail",
+    "compile_tail",
+    "compiler_options",
     "native_tail",
     "overlap_tail",
     "padded_hidden_size",
     "rms_norm",
     "scatter_gather_tail",
     "select_tier",
+    "tail_arguments",
     "tail_forward",
+    "topology_mesh",
 ]

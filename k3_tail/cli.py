@@ -4,6 +4,9 @@ Commands:
   demo  Run the Kimi-K3 tail (H=7168, L=3584, bf16) on a TP mesh for a few token counts, on every
         tier, and print a table: for each token count T the tier :func:`k3_tail.select_tier` picks
         and why, and for each tier its error against the native tier and its median run time.
+  hlo   Compile one tail call (Kimi-K3 shapes) for a deviceless GPU topology (``h100x8``, ...), a
+        CPU mesh or this machine's accelerators, and print :mod:`k3_tail.xla_report`'s report:
+        per-device cost, every collective, and whether the shared reduction overlaps the GEMM.
 
 The demo builds its own mesh: with an accelerator backend (GPU) it uses all of that backend's
 devices; otherwise it asks JAX for ``--devices`` CPU devices (8 by default), which must happen
@@ -15,6 +18,11 @@ is further than ``RELATIVE_ERROR_TOLERANCE`` from native (relative Frobenius err
 
 Each command is a subparser whose ``run`` default takes the parsed arguments and returns the exit
 status; a :class:`CommandError` is reported in one line with exit status 2.
+
+On a machine without a GPU, with a GPU plugin installed (the ``[aot]`` extra), JAX would print the
+plugin's failed start-up (a cuDNN traceback) before falling back to the CPU. ``main`` therefore
+selects the CPU platform itself when neither ``JAX_PLATFORMS`` is set nor a GPU device node
+(``/dev/nvidiactl`` for CUDA, ``/dev/kfd`` for ROCm) exists.
 """
 
 from __future__ import annotations
@@ -22,6 +30,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import json
+import os
 import statistics
 import sys
 import time
@@ -32,10 +42,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from k3_tail import xla_report
 from k3_tail.columns import WEIGHT_LAYOUTS, padded_hidden_size
+from k3_tail.compilation import compile_tail, compiler_options
 from k3_tail.config import TailConfig
 from k3_tail.forward import tail_forward
 from k3_tail.selection import Tier, TierDecision, select_tier
+from k3_tail.topologies import TopologyUnavailable, topology_mesh
 
 PROG = "k3-tail"
 AXIS_NAME = "tp"
@@ -46,6 +59,10 @@ DEFAULT_CPU_DEVICES = 8
 DEFAULT_SEED = 0
 # bf16 keeps 8 significand bits: tiers that sum and round in another order differ by a few 1e-3.
 RELATIVE_ERROR_TOLERANCE = 1e-2
+DEFAULT_HLO_TOKENS = 16
+DEFAULT_TOPOLOGY = "h100x8"
+# Device nodes whose presence means a GPU backend can start (CUDA, ROCm).
+GPU_DEVICE_NODES = ("/dev/nvidiactl", "/dev/kfd")
 
 
 class CommandError(Exception):
@@ -55,6 +72,7 @@ class CommandError(Exception):
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` (default: ``sys.argv[1:]``), run the chosen command, return its exit status."""
     args = build_parser().parse_args(argv)
+    use_cpu_without_gpu()
     try:
         return args.run(args)
     except CommandError as error:
@@ -69,7 +87,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_demo_command(commands)
+    add_hlo_command(commands)
     return parser
+
+
+def use_cpu_without_gpu() -> None:
+    """Select JAX's CPU platform when the user chose none and no GPU device node exists.
+
+    Keeps a GPU plugin that cannot start from printing its traceback (module docstring). Does
+    nothing once JAX's backends are up, or when ``JAX_PLATFORMS`` / ``jax_platforms`` is set.
+    """
+    if os.environ.get("JAX_PLATFORMS") or jax.config.jax_platforms:
+        return
+    if any(os.path.exists(node) for node in GPU_DEVICE_NODES):
+        return
+    try:
+        jax.config.update("jax_platforms", "cpu")
+    except RuntimeError:
+        pass  # the backend is already initialised: nothing left to protect
 
 
 def add_demo_command(commands: argparse._SubParsersAction) -> None:
@@ -101,14 +136,97 @@ def add_demo_command(commands: argparse._SubParsersAction) -> None:
     demo.set_defaults(run=run_demo)
 
 
+def add_hlo_command(commands: argparse._SubParsersAction) -> None:
+    """Register ``hlo``: the XLA report of one compiled tail call."""
+    hlo = commands.add_parser(
+        "hlo",
+        help="compile one tail call and report its cost, collectives and overlap",
+        description="Compile one Kimi-K3 tail call for a deviceless GPU topology (no GPU needed), a CPU mesh or "
+        "this machine's accelerators, and print per-device FLOPs and bytes, every collective (kind, shape, bytes, "
+        "async or not, what is scheduled inside it) and whether the shared reduction overlaps the GEMM.",
+    )
+    hlo.add_argument(
+        "--tier", choices=["auto", *(tier.value for tier in Tier)], default="auto",
+        help="tier to compile; auto: what select_tier picks for --tokens (default: auto)",
+    )
+    hlo.add_argument(
+        "--tokens", type=non_negative_int, default=DEFAULT_HLO_TOKENS, metavar="T",
+        help=f"token count T (default: {DEFAULT_HLO_TOKENS})",
+    )
+    hlo.add_argument(
+        "--topology", default=DEFAULT_TOPOLOGY, metavar="NAME",
+        help=f"h100x8, h200x8, mi300xx8, mi355xx8 (<target>x<count>, deviceless), cpu (--devices CPU devices) or "
+        f"local (this machine's accelerators) (default: {DEFAULT_TOPOLOGY})",
+    )
+    hlo.add_argument(
+        "--devices", type=positive_int, default=DEFAULT_CPU_DEVICES, metavar="N",
+        help=f"CPU devices for --topology cpu (default: {DEFAULT_CPU_DEVICES})",
+    )
+    hlo.add_argument(
+        "--weight-layout", choices=WEIGHT_LAYOUTS, default="column",
+        help="where the up-projection kernel lives: column-sharded or replicated (default: column)",
+    )
+    hlo.add_argument("--json", action="store_true", help="print the report as JSON")
+    hlo.set_defaults(run=run_hlo)
+
+
+def run_hlo(args: argparse.Namespace) -> int:
+    """The ``hlo`` command: compile, report, print (text or JSON)."""
+    mesh = hlo_mesh(args.topology, args.devices)
+    config = TailConfig.kimi_k3()
+    tp_size = mesh.shape[AXIS_NAME]
+    selection = select_tier(config, args.tokens, tp_size)
+    tier = selection.tier if args.tier == "auto" else Tier.parse(args.tier)
+    why = f"selected: {selection.reason}" if args.tier == "auto" else "forced by --tier"
+    options = compiler_options(tier, mesh.devices.flat[0].platform)
+    compiled = compile_tail(config, mesh, args.tokens, tier=tier, axis_name=AXIS_NAME, weight_layout=args.weight_layout)
+    report = xla_report.report(compiled)
+    if args.json:
+        print(json.dumps({
+            "topology": args.topology, "tier": tier.value, "tier_reason": why, "num_tokens": args.tokens,
+            "tp_size": tp_size, "weight_layout": args.weight_layout, "compiler_options": options,
+            "report": report.to_dict(),
+        }, indent=2))
+        return 0
+    print(f"tier: {tier.value} ({why}); T={args.tokens}, p={tp_size}, kernel layout {args.weight_layout}")
+    print(f"config: Kimi-K3 tail, H={config.hidden_size}, L={config.latent_size}, {config.dtype.name}")
+    print(f"topology: {args.topology}; compiler options: {options or 'none'}")
+    print(report.format())
+    return 0
+
+
+def hlo_mesh(topology: str, cpu_device_count: int) -> Mesh:
+    """The 1-d TP mesh to compile on: a deviceless topology, CPU devices or the local accelerators."""
+    if topology == "cpu":
+        devices = demo_devices(cpu_device_count, accelerators=False)
+    elif topology == "local":
+        devices = jax.devices()
+    else:
+        try:
+            return topology_mesh(topology, axis_name=AXIS_NAME)
+        except (ValueError, TopologyUnavailable) as error:
+            raise CommandError(f"--topology: {error}") from None
+    return jax.make_mesh((len(devices),), (AXIS_NAME,), devices=devices)
+
+
 def positive_int(text: str) -> int:
     """``text`` as an integer >= 1 (argparse type)."""
+    return bounded_int(text, 1)
+
+
+def non_negative_int(text: str) -> int:
+    """``text`` as an integer >= 0 (argparse type)."""
+    return bounded_int(text, 0)
+
+
+def bounded_int(text: str, minimum: int) -> int:
+    """``text`` as an integer >= ``minimum``, else argparse.ArgumentTypeError."""
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}") from None
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}")
     return value
 
 
@@ -165,8 +283,9 @@ def run_demo(args: argparse.Namespace) -> int:
     return 1
 
 
-def demo_devices(cpu_device_count: int) -> list[jax.Device]:
-    """The devices to build the TP mesh on: all accelerators, else ``cpu_device_count`` CPU devices.
+def demo_devices(cpu_device_count: int, *, accelerators: bool = True) -> list[jax.Device]:
+    """The devices to build the TP mesh on: all accelerators (when ``accelerators`` and the default
+    backend is one), else ``cpu_device_count`` CPU devices.
 
     Sets JAX's CPU device count before anything initialises the backend. When the backend is
     already up (``main`` called inside a program that has used JAX) the count can no longer change;
@@ -176,7 +295,7 @@ def demo_devices(cpu_device_count: int) -> list[jax.Device]:
         jax.config.update("jax_num_cpu_devices", cpu_device_count)
     except RuntimeError:
         pass  # the backend is already initialised: checked against the count below
-    if jax.default_backend() != "cpu":
+    if accelerators and jax.default_backend() != "cpu":
         return jax.devices()
     cpu_devices = jax.devices("cpu")
     if len(cpu_devices) < cpu_device_count:

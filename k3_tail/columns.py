@@ -62,12 +62,26 @@ def project_all_columns(
 ) -> jax.Array:
     """``latent @ W`` for all H columns on every rank: [T, L] x [L, H] -> [T, H] (inside shard_map).
 
-    "replicated": one full GEMM (2TLH FLOPs, 2LH weight bytes), float32 result.
-    "column": each rank projects its own block (2TLH/p FLOPs) and an all-gather of the [T, Hb]
-    blocks in the latent's dtype assembles the columns: gathering the outputs moves 2TH bytes,
-    where gathering the kernel would move 2LH per call.
+    :func:`project_own_columns` followed by :func:`gather_columns`; see those for the costs.
+    """
+    projected = project_own_columns(latent, up_proj_kernel, weight_layout=weight_layout)
+    return gather_columns(projected, hidden_size=hidden_size, weight_layout=weight_layout, axis_name=axis_name)
+
+
+def project_own_columns(latent: jax.Array, up_proj_kernel: jax.Array, *, weight_layout: str) -> jax.Array:
+    """This rank's GEMM: [T, L] x [L, H] -> float32 [T, H] ("replicated": 2TLH FLOPs, 2LH weight bytes),
+    or [T, L] x [L, Hb] -> [T, Hb] in the latent's dtype ("column": 2TLH/p FLOPs, 2LH/p weight bytes)."""
+    projected = jnp.dot(latent, up_proj_kernel, preferred_element_type=jnp.float32)
+    return projected if weight_layout == "replicated" else projected.astype(latent.dtype)
+
+
+def gather_columns(projected: jax.Array, *, hidden_size: int, weight_layout: str, axis_name: str) -> jax.Array:
+    """All H columns on every rank from :func:`project_own_columns`' result (inside shard_map).
+
+    "replicated": nothing to do. "column": an all-gather of the [T, Hb] blocks in the latent's dtype
+    assembles them: gathering the outputs moves 2TH bytes, where gathering the kernel would move
+    2LH per call.
     """
     if weight_layout == "replicated":
-        return jnp.dot(latent, up_proj_kernel, preferred_element_type=jnp.float32)
-    block = jnp.dot(latent, up_proj_kernel, preferred_element_type=jnp.float32).astype(latent.dtype)
-    return lax.all_gather(block, axis_name, axis=1, tiled=True, to="invarying")[:, :hidden_size]
+        return projected
+    return lax.all_gather(projected, axis_name, axis=1, tiled=True, to="invarying")[:, :hidden_size]

@@ -1,8 +1,17 @@
-"""Test setup: 8 CPU devices (before jax initialises its backend) and the meshes built on them."""
+"""Test setup: the platform and 8 CPU devices (before jax initialises its backend), and the meshes.
+
+Without ``JAX_PLATFORMS`` the tests run on the CPU backend with 8 forced devices: the ``[aot]``
+extra installs a CUDA plugin that would otherwise try to start (and print a traceback) on a machine
+without a GPU. ``JAX_PLATFORMS=rocm`` (scripts/rocm_check.sh) or ``=cuda`` runs them on that GPU mesh.
+"""
+
+import os
 
 import jax
 import pytest
 
+if not os.environ.get("JAX_PLATFORMS"):
+    jax.config.update("jax_platforms", "cpu")
 # Forced host devices only affect the CPU backend; on a GPU/ROCm host the tests use its devices.
 jax.config.update("jax_num_cpu_devices", 8)
 
@@ -12,3 +21,19 @@ def make_tp_mesh(tp_size, axis_type=jax.sharding.AxisType.Explicit):
     if len(jax.devices()) < tp_size:
         pytest.skip(f"needs {tp_size} devices, have {len(jax.devices())}")
     return jax.make_mesh((tp_size,), ("tp",), axis_types=(axis_type,), devices=jax.devices()[:tp_size])
+
+
+def pytest_collection_modifyitems(config, items):
+    """Skip the ``rocm`` tests unless the default backend is a ROCm GPU."""
+    if _on_rocm():
+        return
+    skip = pytest.mark.skip(reason="needs a ROCm GPU mesh: run scripts/rocm_check.sh on a ROCm host")
+    for item in items:
+        if "rocm" in item.keywords:
+            item.add_marker(skip)
+
+
+def _on_rocm():
+    if os.environ.get("JAX_PLATFORMS", "cpu").split(",")[0] not in ("rocm", "gpu"):
+        return False
+    return "rocm" in jax.devices()[0].client.platform_version.lower()

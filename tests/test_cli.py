@@ -1,5 +1,7 @@
 """The command line: `python -m k3_tail demo` in a fresh process, as a user runs it."""
 
+import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -7,6 +9,8 @@ import sys
 import pytest
 
 from k3_tail.cli import main
+
+AOT_MISSING = importlib.util.find_spec("jax_plugins.xla_cuda13") is None
 
 
 def test_demo_builds_its_own_mesh_and_all_tiers_agree_with_native():
@@ -33,3 +37,32 @@ def test_bad_arguments_exit_with_usage_error(argv, capsys):
         main(argv)
     assert exit_info.value.code == 2
     assert "usage: k3-tail" in capsys.readouterr().err
+
+
+def run_cli(*argv):
+    environment = {key: value for key, value in os.environ.items() if key not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    return subprocess.run([sys.executable, "-m", "k3_tail", *argv], capture_output=True, text=True, env=environment,
+                          timeout=600, check=False)
+
+
+@pytest.mark.skipif(AOT_MISSING, reason="needs the [aot] extra (jax-cuda13-plugin and -pjrt of the installed jax)")
+def test_hlo_shows_the_overlap_tier_overlapped_on_eight_h100s():
+    result = run_cli("hlo", "--tier", "overlap", "--tokens", "16", "--topology", "h100x8")
+    assert result.returncode == 0, result.stderr
+    assert "overlapped: True" in result.stdout and "NVIDIA H100" in result.stdout
+    assert "Traceback" not in result.stderr and "cuDNN" not in result.stderr
+
+
+def test_hlo_json_on_a_cpu_mesh_names_the_selected_tier():
+    result = run_cli("hlo", "--topology", "cpu", "--devices", "4", "--tokens", "300", "--json")
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["tier"] == "column_parallel" and "overlap_token_threshold" in data["tier_reason"]
+    assert data["tp_size"] == 4 and data["report"]["platform"] == "cpu"
+    assert "Traceback" not in result.stderr
+
+
+def test_hlo_unknown_topology_is_a_one_line_error():
+    result = run_cli("hlo", "--topology", "a100x8")
+    assert result.returncode == 2
+    assert result.stderr.startswith("k3-tail hlo: error: --topology") and "Traceback" not in result.stderr

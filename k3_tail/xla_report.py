@@ -1,0 +1,288 @@
+"""What XLA made of a compiled tail: per-device cost, every collective, and the overlap verdict.
+
+:func:`report` reads a compiled executable (:func:`k3_tail.compile_tail`, or any ``jax.jit(...)
+.lower(...).compile()`` of a tail) and returns an :class:`XlaReport`, per device:
+
+- ``flops`` and ``bytes_accessed``: from ``compiled.cost_analysis()`` where the backend gives it
+  (CPU does); else derived from the HLO shapes (``cost_source`` says which): FLOPs of the GEMMs
+  (2*M*N*K of every dot and GEMM custom call, fusion bodies included) and bytes as the operand plus
+  result bytes of every top-level instruction that touches data.
+- ``gemms``: each top-level instruction that runs a GEMM, with its FLOPs and schedule position.
+- ``collectives``: kind, the full buffer (the gathered result of an all-gather, the input of a
+  reduce-scatter, the reduced buffer of an all-reduce; a combined all-reduce lists all of its
+  buffers), bytes, group size, per-rank wire bytes on a ring (all-reduce 2(g-1)/g * B, reduce-scatter
+  and all-gather (g-1)/g * B), whether it is an async start/done pair, and the compute instructions
+  the schedule puts between its start and done.
+- ``shared_reduction``: the first collective whose input derives from the shared partial (program
+  argument ``shared_argument``), and ``overlapped``: whether it is async with a GEMM between its start
+  and done. On the CPU backend every collective is synchronous, so ``overlapped`` is False there.
+
+The entry computation of a compiled module is scheduled, so its instruction order is the order the
+device runs it in (one stream of compute; async collectives run beside it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+
+from k3_tail.hlo_text import (
+    ArrayShape, Instruction, Module, computation_flops, dot_flops, exact_gemm_names, parse_module, replica_group_size,
+)
+
+_COLLECTIVE_KINDS = (
+    "all-reduce", "all-gather", "reduce-scatter", "all-to-all", "ragged-all-to-all", "collective-permute",
+    "collective-broadcast",
+)
+# Instructions that name or regroup buffers without touching their data.
+_NO_DATA = {
+    "parameter", "constant", "bitcast", "get-tuple-element", "tuple", "partition-id", "replica-id", "after-all",
+    "opt-barrier",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Gemm:
+    """A top-level instruction that runs a GEMM: its name, per-device FLOPs, schedule position."""
+
+    name: str
+    flops: int
+    position: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective of the compiled program (a start/done pair counts once, named by its start)."""
+
+    name: str
+    kind: str
+    arrays: tuple[ArrayShape, ...]
+    bytes: int
+    group_size: int
+    wire_bytes: int
+    is_async: bool
+    start: int
+    done: int
+    between: tuple[str, ...]
+    between_gemms: tuple[str, ...]
+    carries_shared: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class XlaReport:
+    """Per-device figures and the collective schedule of one compiled program (module docstring)."""
+
+    platform: str
+    device_kind: str
+    num_devices: int
+    flops: float
+    bytes_accessed: float
+    cost_source: str
+    gemms: tuple[Gemm, ...]
+    collectives: tuple[Collective, ...]
+    shared_reduction: Collective | None
+
+    @property
+    def gemm_flops(self) -> int:
+        """Per-device FLOPs of all GEMMs, from the HLO shapes."""
+        return sum(gemm.flops for gemm in self.gemms)
+
+    @property
+    def overlapped(self) -> bool | None:
+        """Whether the shared reduction runs async with a GEMM inside it; None without one."""
+        if self.shared_reduction is None:
+            return None
+        return self.shared_reduction.is_async and bool(self.shared_reduction.between_gemms)
+
+    def of_kind(self, kind: str) -> tuple[Collective, ...]:
+        """The collectives of one kind ("all-reduce", "reduce-scatter", "all-gather", ...)."""
+        return tuple(collective for collective in self.collectives if collective.kind == kind)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (JSON-serialisable), with ``gemm_flops`` and ``overlapped`` included."""
+        return {**dataclasses.asdict(self), "gemm_flops": self.gemm_flops, "overlapped": self.overlapped}
+
+    def format(self) -> str:
+        """The report as readable text."""
+        lines = [
+            f"compiled for: {self.platform} ({self.device_kind}), {self.num_devices} devices",
+            f"per device: {self.flops / 1e9:.4f} GFLOP, {self.bytes_accessed / 1e6:.3f} MB accessed "
+            f"({self.cost_source}); GEMMs {self.gemm_flops / 1e9:.4f} GFLOP",
+            "GEMMs:",
+            *(f"  [{gemm.position:3d}] {gemm.name}: {gemm.flops / 1e9:.4f} GFLOP" for gemm in self.gemms),
+            "collectives:",
+        ]
+        for collective in self.collectives:
+            timing = f"sync [{collective.start}]"
+            if collective.is_async:
+                timing = f"async [{collective.start}..{collective.done}]"
+            shared = "  <- shared reduction" if collective is self.shared_reduction else ""
+            lines.append(
+                f"  {collective.kind} {' + '.join(map(str, collective.arrays))}: {collective.bytes / 1e3:.1f} kB, "
+                f"group {collective.group_size}, wire {collective.wire_bytes / 1e3:.1f} kB/rank, {timing}{shared}"
+            )
+            if collective.between:
+                lines.append(f"      scheduled inside: {', '.join(collective.between)}")
+        lines.append(f"overlapped: {self.overlapped}")
+        return "\n".join(lines)
+
+
+def report(compiled: jax.stages.Compiled, *, shared_argument: int | None = 1) -> XlaReport:
+    """The :class:`XlaReport` of ``compiled``.
+
+    ``shared_argument`` is the flat index of the shared partial among the program's arguments (1 for
+    :func:`k3_tail.compile_tail`'s programs and for a jitted ``tail_forward(routed, shared, ...)``);
+    None when there is none, which leaves ``shared_reduction`` and ``overlapped`` None.
+    """
+    if not isinstance(shared_argument, (int, type(None))) or isinstance(shared_argument, bool):
+        raise ValueError(f"shared_argument: expected an argument index or None, got {shared_argument!r}")
+    module = parse_module(compiled.as_text())
+    schedule = module.entry.instructions
+    symbols = module.entry.by_name()
+    device = _first_device(compiled)
+    num_devices = module.num_partitions
+
+    gemms = []
+    exact = exact_gemm_names(module)
+    for position, instruction in enumerate(schedule):
+        flops = dot_flops(instruction, symbols, exact) + sum(
+            computation_flops(module, name, exact) for name in instruction.called
+        )
+        if flops and _collective_kind(module, instruction) is None:
+            gemms.append(Gemm(instruction.name, flops, position))
+    gemm_names = {gemm.name for gemm in gemms}
+
+    derives_from_shared = functools.partial(_derives_from, symbols=symbols, argument=shared_argument, memo={})
+    collectives = tuple(
+        _collective(module, schedule, position, num_devices, gemm_names, derives_from_shared)
+        for position, instruction in enumerate(schedule)
+        if _collective_kind(module, instruction) and not instruction.opcode.endswith("-done")
+    )
+    shared = next((c for c in collectives if c.carries_shared), None) if shared_argument is not None else None
+
+    flops, bytes_accessed, source = _cost(compiled, schedule, symbols, sum(gemm.flops for gemm in gemms))
+    return XlaReport(
+        platform=device.platform if device else "unknown",
+        device_kind=getattr(device, "device_kind", "unknown"),
+        num_devices=num_devices,
+        flops=flops,
+        bytes_accessed=bytes_accessed,
+        cost_source=source,
+        gemms=tuple(gemms),
+        collectives=collectives,
+        shared_reduction=shared,
+    )
+
+
+def _collective_kind(module: Module, instruction: Instruction) -> str | None:
+    """The collective an instruction performs (sync op, ``<kind>-start/-done`` or ``async-start``)."""
+    opcode = instruction.opcode
+    for suffix in ("-start", "-done"):
+        if opcode.endswith(suffix):
+            opcode = opcode[: -len(suffix)]
+    if opcode == "async" and instruction.called:
+        wrapped = module.computations.get(instruction.called[0])
+        root = next((i for i in wrapped.instructions if i.is_root), None) if wrapped else None
+        opcode = root.opcode if root else opcode
+    return opcode if opcode in _COLLECTIVE_KINDS else None
+
+
+def _collective(module, schedule, position, num_devices, gemm_names, derives_from_shared) -> Collective:
+    instruction = schedule[position]
+    kind = _collective_kind(module, instruction)
+    is_async = instruction.opcode.endswith("-start")
+    done = position
+    if is_async:
+        done = next(
+            (index for index in range(position + 1, len(schedule))
+             if schedule[index].opcode.endswith("-done") and schedule[index].operands[:1] == (instruction.name,)),
+            position,
+        )
+    symbols = module.entry.by_name()
+    if kind == "all-gather":
+        arrays = schedule[done].arrays if is_async else instruction.arrays
+        arrays = arrays[-1:]  # an all-gather-start's result is (input, output)
+    else:
+        arrays = tuple(array for operand in instruction.operands for array in symbols[operand].arrays)
+    size = sum(array.bytes for array in arrays)
+    group = replica_group_size(instruction, num_devices)
+    factor = {"all-reduce": 2 * (group - 1) / group, "all-gather": (group - 1) / group,
+              "reduce-scatter": (group - 1) / group, "all-to-all": (group - 1) / group}.get(kind, 1.0)
+    between = tuple(
+        op.name for op in schedule[position + 1:done]
+        if op.opcode not in _NO_DATA and _collective_kind(module, op) is None
+    )
+    return Collective(
+        name=instruction.name,
+        kind=kind,
+        arrays=tuple(arrays),
+        bytes=size,
+        group_size=group,
+        wire_bytes=int(round(factor * size)),
+        is_async=is_async,
+        start=position,
+        done=done,
+        between=between,
+        between_gemms=tuple(name for name in between if name in gemm_names),
+        carries_shared=any(derives_from_shared(operand) for operand in instruction.operands),
+    )
+
+
+def _derives_from(name: str, *, symbols: dict[str, Instruction], argument: int | None, memo: dict[str, bool]) -> bool:
+    """Whether the value ``name`` is computed from entry parameter ``argument``.
+
+    A get-tuple-element of a ``tuple`` (or of an optimization barrier over one) follows only the
+    element it takes, so a barrier that ties the shared partial to the latent does not make the
+    latent look like shared data.
+    """
+    if argument is None or name not in symbols:
+        return False
+    if name not in memo:
+        memo[name] = False  # cycles cannot occur in HLO; this only guards the recursion
+        instruction = symbols[name]
+        if instruction.opcode == "parameter":
+            memo[name] = instruction.operand_text.strip() == str(argument)
+        else:
+            memo[name] = any(
+                _derives_from(operand, symbols=symbols, argument=argument, memo=memo)
+                for operand in _followed_operands(instruction, symbols)
+            )
+    return memo[name]
+
+
+def _followed_operands(instruction: Instruction, symbols: dict[str, Instruction]) -> tuple[str, ...]:
+    if instruction.opcode != "get-tuple-element" or not instruction.operands:
+        return instruction.operands
+    source = symbols.get(instruction.operands[0])
+    if source is not None and source.opcode == "opt-barrier" and source.operands:
+        source = symbols.get(source.operands[0])
+    index = int(instruction.attribute("index") or -1)
+    if source is not None and source.opcode == "tuple" and 0 <= index < len(source.operands):
+        return (source.operands[index],)
+    return instruction.operands
+
+
+def _first_device(compiled: jax.stages.Compiled):
+    shardings = jax.tree_util.tree_leaves(compiled.input_shardings)
+    for sharding in shardings:
+        for device in sharding.device_set:
+            return device
+    return None
+
+
+def _cost(compiled, schedule, symbols, gemm_flops) -> tuple[float, float, str]:
+    analysis = compiled.cost_analysis()
+    if isinstance(analysis, (list, tuple)):
+        analysis = analysis[0] if analysis else None
+    if analysis and "flops" in analysis:
+        return float(analysis["flops"]), float(analysis.get("bytes accessed", 0.0)), "cost_analysis"
+    touched = 0
+    for instruction in schedule:
+        if instruction.opcode in _NO_DATA or instruction.opcode.endswith("-done"):
+            continue
+        touched += sum(array.bytes for array in instruction.arrays)
+        touched += sum(array.bytes for operand in instruction.operands for array in symbols[operand].arrays)
+    return float(gemm_flops), float(touched), "hlo shapes (GEMM FLOPs only)"

@@ -1,0 +1,138 @@
+"""What XLA's GPU pipeline makes of every tier, at Kimi-K3 shapes on an 8-GPU mesh.
+
+The mesh is a deviceless H100 x 8 topology (needs the ``[aot]`` extra; the tests skip only when
+its plugin is not installed) or, under scripts/rocm_check.sh, the real ROCm mesh of the host.
+"""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from k3_tail import Tier, TailConfig, compile_tail, compiler_options, tail_arguments, tail_forward, topology_mesh
+from k3_tail.hlo_text import parse_module
+from k3_tail.xla_report import report
+
+CONFIG = TailConfig.kimi_k3()
+L, H, P = CONFIG.latent_size, CONFIG.hidden_size, 8
+TOKEN_COUNTS = [1, 16, 256]
+LAYOUTS = ["column", "replicated"]
+AOT_MISSING = importlib.util.find_spec("jax_plugins.xla_cuda13") is None
+
+
+@pytest.fixture(scope="module", params=["h100x8", pytest.param("rocm", marks=pytest.mark.rocm)])
+def gpu_mesh(request):
+    if request.param == "rocm":
+        return jax.make_mesh((P,), ("tp",), devices=jax.devices()[:P])
+    if AOT_MISSING:
+        pytest.skip("needs the [aot] extra (jax-cuda13-plugin and -pjrt of the installed jax) for h100x8")
+    return topology_mesh(request.param)
+
+
+def compiled_report(mesh, tier, num_tokens, weight_layout):
+    return report(compile_tail(CONFIG, mesh, num_tokens, tier=tier, weight_layout=weight_layout))
+
+
+def elements(collective):
+    return sum(array.elements for array in collective.arrays)
+
+
+@pytest.mark.parametrize("weight_layout", LAYOUTS)
+@pytest.mark.parametrize("num_tokens", TOKEN_COUNTS)
+def test_overlap_tier_runs_the_shared_all_reduce_async_around_the_gemm(gpu_mesh, num_tokens, weight_layout):
+    result = compiled_report(gpu_mesh, Tier.OVERLAP, num_tokens, weight_layout)
+    shared = result.shared_reduction
+    assert shared.kind == "all-reduce" and elements(shared) == num_tokens * H
+    assert shared.is_async and shared.between_gemms
+    assert result.overlapped is True
+
+
+@pytest.mark.parametrize("weight_layout", LAYOUTS)
+@pytest.mark.parametrize("num_tokens", TOKEN_COUNTS)
+def test_overlap_tier_reduces_the_latent_before_the_gemm(gpu_mesh, num_tokens, weight_layout):
+    result = compiled_report(gpu_mesh, Tier.OVERLAP, num_tokens, weight_layout)
+    latent = [c for c in result.of_kind("all-reduce") if not c.carries_shared]
+    assert [elements(c) for c in latent] == [num_tokens * L]
+    assert latent[0].done < min(gemm.position for gemm in result.gemms)
+
+
+def test_overlap_tier_overlaps_without_compiler_options(gpu_mesh):
+    """The ordering barrier alone is enough for a program that is just the tail."""
+    arguments = tail_arguments(CONFIG, gpu_mesh, 16)
+    compiled = jax.jit(
+        lambda *a: tail_forward(*a, config=CONFIG, mesh=gpu_mesh, tier="overlap")
+    ).lower(*arguments).compile()
+    assert report(compiled).overlapped is True
+
+
+def test_native_tier_is_not_overlapped(gpu_mesh):
+    """The verdict can be False: native's shared all-reduce waits for nothing to hide behind."""
+    assert compiled_report(gpu_mesh, Tier.NATIVE, 16, "replicated").overlapped is False
+
+
+def test_overlap_survives_two_chained_tails_in_one_program_with_the_library_options(gpu_mesh):
+    arguments = tail_arguments(CONFIG, gpu_mesh, 16, weight_layout="column")
+
+    def two_layers(routed, shared, norm_weight, kernel, routed_2, shared_2):
+        forward = dict(config=CONFIG, mesh=gpu_mesh, tier="overlap", weight_layout="column")
+        first = tail_forward(routed, shared, norm_weight, kernel, **forward)
+        # The second layer's partials depend on the first layer's output, as in a model.
+        second = tail_forward(routed_2 + first[None, :, :L], shared_2 + first[None], norm_weight, kernel, **forward)
+        return first, second
+
+    options = compiler_options(Tier.OVERLAP, gpu_mesh.devices.flat[0].platform)
+    compiled = jax.jit(two_layers).lower(*arguments, arguments[0], arguments[1]).compile(compiler_options=options)
+    assert report(compiled, shared_argument=1).overlapped is True
+    assert report(compiled, shared_argument=5).overlapped is True
+
+
+@pytest.mark.parametrize("weight_layout", LAYOUTS)
+@pytest.mark.parametrize("num_tokens", TOKEN_COUNTS)
+def test_column_tier_is_one_latent_and_one_hidden_all_reduce_around_a_local_gemm(gpu_mesh, num_tokens, weight_layout):
+    result = compiled_report(gpu_mesh, Tier.COLUMN_PARALLEL, num_tokens, weight_layout)
+    assert [(c.kind, elements(c)) for c in result.collectives] == [
+        ("all-reduce", num_tokens * L), ("all-reduce", num_tokens * H)
+    ]
+    # The local GEMM is [T, L] x [L, H/p]: its FLOPs are exactly 2 * T * L * H/p.
+    assert result.gemm_flops == 2 * num_tokens * L * (H // P)
+
+
+def test_column_tier_kernel_argument_is_the_local_block(gpu_mesh):
+    compiled = compile_tail(CONFIG, gpu_mesh, 16, tier=Tier.COLUMN_PARALLEL, weight_layout="column")
+    entry = parse_module(compiled.as_text()).entry
+    parameters = {i.operand_text: i for i in entry.instructions if i.opcode == "parameter"}
+    assert parameters["3"].arrays[0].dims == (L, H // P)
+
+
+@pytest.mark.parametrize("num_tokens", TOKEN_COUNTS)
+def test_scatter_gather_tier_is_a_latent_all_reduce_then_reduce_scatter_and_all_gather(gpu_mesh, num_tokens):
+    result = compiled_report(gpu_mesh, Tier.SCATTER_GATHER, num_tokens, "column")
+    assert [(c.kind, elements(c)) for c in result.collectives] == [
+        ("all-reduce", num_tokens * L), ("reduce-scatter", num_tokens * H), ("all-gather", num_tokens * H)
+    ]
+    assert result.shared_reduction.kind == "reduce-scatter"
+    assert result.gemm_flops == 2 * num_tokens * L * (H // P)
+
+
+@pytest.mark.skipif(AOT_MISSING, reason="needs the [aot] extra (jax-cuda13-plugin and -pjrt of the installed jax)")
+def test_library_options_override_user_xla_flags_that_make_all_reduce_synchronous():
+    script = (
+        "import jax, json; jax.config.update('jax_platforms', 'cpu');"
+        "from k3_tail import TailConfig, compile_tail, tail_arguments, tail_forward, topology_mesh;"
+        "from k3_tail.xla_report import report;"
+        "mesh = topology_mesh('h100x8'); config = TailConfig.kimi_k3();"
+        "plain = jax.jit(lambda *a: tail_forward(*a, config=config, mesh=mesh, tier='overlap'))"
+        ".lower(*tail_arguments(config, mesh, 16)).compile();"
+        "print(json.dumps([report(plain).overlapped,"
+        " report(compile_tail(config, mesh, 16, tier='overlap')).overlapped]))"
+    )
+    environment = dict(os.environ, XLA_FLAGS="--xla_gpu_disable_async_collectives=ALLREDUCE", JAX_PLATFORMS="cpu")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=environment,
+                            timeout=300, check=False)
+    assert result.returncode == 0, result.stderr
+    without_options, with_options = json.loads(result.stdout.splitlines()[-1])
+    assert (without_options, with_options) == (False, True)
