@@ -9,6 +9,7 @@ Flax NNX module. Tier functions run inside ``jax.shard_map`` over a named TP axi
 ``k3_tail.xla_report`` reads what XLA made of it.
 """
 
+from k3_tail import multiprocess, xla_report
 from k3_tail.column_parallel import column_parallel_tail
 from k3_tail.columns import WEIGHT_LAYOUTS, padded_hidden_size
 from k3_tail.compilation import compile_tail, compiler_options, tail_arguments
@@ -16,6 +17,7 @@ from k3_tail.config import TailConfig
 from k3_tail.forward import tail_forward
 from k3_tail.module import LatentMoETail
 from k3_tail.native import native_tail
+from k3_tail.one_shot import one_shot_tail
 from k3_tail.norm import allreduce_norm_latent_out, rms_norm
 from k3_tail.overlap import overlap_tail
 from k3_tail.scatter_gather import scatter_gather_tail
@@ -34,9 +36,11 @@ __all__ = [
     "XlaReport",
     "allreduce_norm_latent_out",
     "column_parallel_tail",
+    "multiprocess",
     "compile_tail",
     "compiler_options",
     "native_tail",
+    "one_shot_tail",
     "overlap_tail",
     "padded_hidden_size",
     "rms_norm",
@@ -45,4 +49,5 @@ __all__ = [
     "tail_arguments",
     "tail_forward",
     "topology_mesh",
+    "xla_report",
 ]

@@ -179,7 +179,12 @@ def run_hlo(args: argparse.Namespace) -> int:
     tier = selection.tier if args.tier == "auto" else Tier.parse(args.tier)
     why = f"selected: {selection.reason}" if args.tier == "auto" else "forced by --tier"
     options = compiler_options(tier, mesh.devices.flat[0].platform)
-    compiled = compile_tail(config, mesh, args.tokens, tier=tier, axis_name=AXIS_NAME, weight_layout=args.weight_layout)
+    try:
+        compiled = compile_tail(
+            config, mesh, args.tokens, tier=tier, axis_name=AXIS_NAME, weight_layout=args.weight_layout
+        )
+    except ValueError as error:  # e.g. the one_shot tier with the column layout
+        raise CommandError(str(error)) from None
     report = xla_report.report(compiled)
     if args.json:
         print(json.dumps({
@@ -255,6 +260,11 @@ def run_demo(args: argparse.Namespace) -> int:
     )
     print(flush=True)
 
+    tiers = [tier for tier in Tier if tier.supports(args.weight_layout)]
+    skipped = [tier.value for tier in Tier if tier not in tiers]
+    if skipped:
+        print(f"not run with kernel layout {args.weight_layout}: {', '.join(skipped)} "
+              "(needs --weight-layout replicated)")
     progress("placing the weights on the mesh")
     norm_weight, up_proj_kernel = place_weights(config, mesh, args.weight_layout, rng)
     rows = []
@@ -266,7 +276,7 @@ def run_demo(args: argparse.Namespace) -> int:
         )
         selection = select_tier(config, num_tokens, tp_size)
         label = f"T={num_tokens} ({index}/{len(args.tokens)})"
-        rows += run_every_tier(forward, num_tokens, selection, args.repeats, label)
+        rows += run_every_tier(forward, tiers, num_tokens, selection, args.repeats, label)
 
     print_table(rows)
     # `not <=` so that a NaN error fails too.
@@ -371,15 +381,17 @@ class TierRow:
 
 
 def run_every_tier(
-    forward: Callable[..., jax.Array], num_tokens: int, selection: TierDecision, repeats: int, label: str
+    forward: Callable[..., jax.Array], tiers: Sequence[Tier], num_tokens: int, selection: TierDecision, repeats: int,
+    label: str,
 ) -> list[TierRow]:
-    """Time ``forward(tier=...)`` on every tier at one token count and compare each with native.
+    """Time ``forward(tier=...)`` on each of ``tiers`` (native first) at one token count and compare
+    each with native.
 
     ``selection`` is what :func:`select_tier` picks for this token count; ``label`` starts the
     progress lines.
     """
     timings = {}
-    for tier in Tier:
+    for tier in tiers:
         progress(f"{label} {tier.value}: ", end="")
         output, warmup_seconds, median_seconds = time_runs(functools.partial(forward, tier=tier), repeats)
         timings[tier] = np.asarray(output, dtype=np.float32), median_seconds

@@ -9,6 +9,7 @@ from jax import lax
 from k3_tail.columns import own_kernel_block, pad_columns
 from k3_tail.config import TailConfig
 from k3_tail.norm import allreduce_norm_latent_out
+from k3_tail.sequence_parallel import reduce_output
 
 
 def column_parallel_tail(
@@ -34,7 +35,8 @@ def column_parallel_tail(
     With ``defer_all_reduce=True`` that per-rank [T, H] buffer is returned instead of y, for a caller
     that folds the reduction into a later collective (out_specs must then be per-rank).
 
-    Returns y [T, H] in ``config.dtype``, identical on every rank.
+    Returns y [T, H] in ``config.dtype``, identical on every rank. For sequence-parallel output
+    (T % p == 0) the final AR is a reduce-scatter over tokens and this rank gets its [T/p, H] rows.
     Cost per rank, either layout: 2TLH/p GEMM FLOPs, 2LH/p weight bytes, AR(T*L) then AR(T*H),
     serial. The replicated layout slices its block out of the whole kernel (which it keeps in memory).
     """
@@ -54,4 +56,4 @@ def column_parallel_tail(
     buffer = buffer[:, : config.hidden_size]
     if defer_all_reduce:
         return buffer
-    return lax.psum(buffer, axis_name)
+    return reduce_output(buffer, axis_name=axis_name, sequence_parallel=config.sequence_parallel)

@@ -10,8 +10,8 @@ on from XLA's defaults and from the user's ``XLA_FLAGS`` (per-executable options
   behind nothing.
 - scatter-gather, on GPU: async collectives pinned on, for the reduce-scatter that runs beside
   the GEMM.
-- native and column-parallel: none; their collectives are serial by data dependence. CPU: none;
-  its collectives are synchronous.
+- native and column-parallel: none; their collectives are serial by data dependence. One-shot:
+  none; it has one collective. CPU: none; its collectives are synchronous.
 
 A model that calls the tail inside its own ``jit`` passes the same options to its own
 ``.compile(compiler_options=...)`` to keep the overlap there.
@@ -36,6 +36,7 @@ _GPU_OPTIONS = MappingProxyType({
     Tier.OVERLAP: MappingProxyType({**_ASYNC_COLLECTIVES, "xla_gpu_all_reduce_combine_threshold_bytes": 0}),
     Tier.COLUMN_PARALLEL: MappingProxyType({}),
     Tier.SCATTER_GATHER: MappingProxyType(_ASYNC_COLLECTIVES),
+    Tier.ONE_SHOT: MappingProxyType({}),
 })
 
 

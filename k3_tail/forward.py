@@ -13,15 +13,18 @@ from k3_tail.column_parallel import column_parallel_tail
 from k3_tail.columns import check_weight_layout, pad_columns, padded_hidden_size
 from k3_tail.config import TailConfig
 from k3_tail.native import native_tail
+from k3_tail.one_shot import one_shot_tail
 from k3_tail.overlap import overlap_tail
 from k3_tail.scatter_gather import scatter_gather_tail
 from k3_tail.selection import Tier, select_tier
+from k3_tail.sequence_parallel import padded_token_count
 
 _TIER_FUNCTIONS = {
     Tier.NATIVE: native_tail,
     Tier.OVERLAP: overlap_tail,
     Tier.COLUMN_PARALLEL: column_parallel_tail,
     Tier.SCATTER_GATHER: scatter_gather_tail,
+    Tier.ONE_SHOT: one_shot_tail,
 }
 
 
@@ -52,9 +55,14 @@ def tail_forward(
       tier: a :class:`Tier` (or its value) to force, or None to let :func:`select_tier` decide at
         trace time.
       weight_layout: where the kernel lives during the call: "replicated" (whole on every rank) or
-        "column" (P(None, axis_name): each rank holds [L, H/p]); see :mod:`k3_tail.columns`.
+        "column" (P(None, axis_name): each rank holds [L, H/p]); see :mod:`k3_tail.columns`. The
+        one_shot tier needs "replicated".
 
-    Returns y: [T, H] in ``config.dtype``, replicated over the mesh. T = 0 gives an empty [0, H].
+    Returns y: [T, H] in ``config.dtype``, replicated over the mesh; with ``config.sequence_parallel``
+    sharded over ``axis_name`` on its token dimension (rank k holds rows [k*T/p, (k+1)*T/p)). JAX
+    arrays shard evenly only, so when p does not divide T the tokens are padded for the tier's
+    reduce-scatter and the T rows are then gathered: replicated, as :func:`select_tier`'s reason says.
+    T = 0 gives an empty [0, H].
     Bad shapes, dtypes, a mesh without the axis or a wrong p raise ValueError naming the argument.
     Works eagerly (compiled once per shape and placement) and under ``jax.jit``; never modifies or
     donates its inputs.
@@ -98,6 +106,14 @@ def _tail_forward_jit(routed_partials, shared_partials, norm_weight, up_proj_ker
     if weight_layout == "column":
         up_proj_kernel = pad_columns(up_proj_kernel, padded_hidden_size(config.hidden_size, tp_size))
 
+    if config.sequence_parallel:
+        # Zero token rows up to a multiple of p (at least p: a reduce-scatter cannot split zero rows),
+        # so each rank owns T/p rows; they are sliced off below.
+        padding = (padded_token_count(num_tokens, tp_size) or tp_size) - num_tokens
+        token_axis = 0 if config.fused_output_is_reduced else 1
+        routed_partials = _pad_axis(routed_partials, token_axis, padding)
+        shared_partials = None if shared_partials is None else _pad_axis(shared_partials, 1, padding)
+
     routed_spec = P() if config.fused_output_is_reduced else P(axis_name)
     specs = (routed_spec, P(axis_name), P(), P(None, axis_name) if weight_layout == "column" else P())
     args = tuple(
@@ -114,7 +130,20 @@ def _tail_forward_jit(routed_partials, shared_partials, norm_weight, up_proj_ker
         return tier_function(routed, None if shared is None else shared[0], norm, kernel)
 
     in_specs = tuple(None if x is None else spec for x, spec in zip(args, specs, strict=True))
-    return jax.shard_map(per_rank, mesh=mesh, in_specs=in_specs, out_specs=P())(*args)
+    out_spec = P(axis_name) if config.sequence_parallel else P()
+    y = jax.shard_map(per_rank, mesh=mesh, in_specs=in_specs, out_specs=out_spec)(*args)
+    if not config.sequence_parallel or y.shape[0] == num_tokens:
+        return y
+    # JAX arrays shard evenly only: T rows that p does not divide can only be returned replicated.
+    return jax.sharding.reshard(y, NamedSharding(mesh, P()))[:num_tokens]
+
+
+def _pad_axis(x, axis: int, padding: int):
+    if not padding:
+        return x
+    widths = [(0, 0)] * np.ndim(x)
+    widths[axis] = (0, padding)
+    return jnp.pad(x, widths)
 
 
 def _check_inputs(routed_partials, shared_partials, norm_weight, up_proj_kernel, *, config, tp_size, weight_layout):

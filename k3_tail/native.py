@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from k3_tail.columns import project_all_columns
 from k3_tail.config import TailConfig
 from k3_tail.norm import allreduce_norm_latent_out
+from k3_tail.sequence_parallel import own_tokens, reduce_output
 
 
 def native_tail(
@@ -25,7 +25,8 @@ def native_tail(
 
     Per rank: routed_partial [T, L], shared_partial [T, H] or None, norm_weight [L] or None,
     up_proj_kernel [L, H] ("replicated") or this rank's [L, Hb] block ("column").
-    Returns y [T, H] in ``config.dtype``, identical on every rank.
+    Returns y [T, H] in ``config.dtype``, identical on every rank; for sequence-parallel output
+    (T % p == 0) this rank's [T/p, H] rows, AR(s) then being a reduce-scatter over tokens.
 
     Cost per rank, replicated layout: 2TLH GEMM FLOPs, 2LH weight bytes, AR(T*L) and AR(T*H).
     Column layout: 2TLH/p FLOPs and 2LH/p weight bytes, plus an all-gather of the [T, H/p] output
@@ -35,7 +36,9 @@ def native_tail(
     projected = project_all_columns(
         latent, up_proj_kernel, hidden_size=config.hidden_size, weight_layout=weight_layout, axis_name=axis_name
     )
+    if config.sequence_parallel:
+        projected = own_tokens(projected, axis_name=axis_name)
     if shared_partial is None:
         return projected.astype(config.dtype)
-    shared = lax.psum(shared_partial, axis_name)
+    shared = reduce_output(shared_partial, axis_name=axis_name, sequence_parallel=config.sequence_parallel)
     return (projected.astype(jnp.float32) + shared.astype(jnp.float32)).astype(config.dtype)

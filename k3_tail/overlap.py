@@ -30,6 +30,7 @@ from jax import lax
 from k3_tail.columns import gather_columns, project_own_columns
 from k3_tail.config import TailConfig
 from k3_tail.norm import allreduce_norm_latent_out
+from k3_tail.sequence_parallel import own_tokens, reduce_output
 
 
 def overlap_tail(
@@ -46,7 +47,8 @@ def overlap_tail(
 
     Per rank: routed_partial [T, L], shared_partial [T, H] or None, norm_weight [L] or None,
     up_proj_kernel [L, H] ("replicated") or this rank's [L, Hb] block ("column").
-    Returns y [T, H] in ``config.dtype``, identical on every rank.
+    Returns y [T, H] in ``config.dtype``, identical on every rank; for sequence-parallel output
+    (T % p == 0) this rank's [T/p, H] rows, AR(s) then being a reduce-scatter over tokens.
 
     Cost per rank: as the native tier (replicated: 2TLH FLOPs, 2LH weight bytes, AR(T*L) + AR(T*H);
     column: 2TLH/p FLOPs, 2LH/p weight bytes and an all-gather of the [T, H/p] output blocks), but
@@ -58,12 +60,14 @@ def overlap_tail(
     if shared_partial is not None:
         # The shared partial waits for the normalised latent, so the two all-reduces cannot be combined.
         _, shared_partial = lax.optimization_barrier((latent, shared_partial))
-        shared = lax.psum(shared_partial, axis_name)
+        shared = reduce_output(shared_partial, axis_name=axis_name, sequence_parallel=config.sequence_parallel)
         # The column layout's all-gather waits for the shared all-reduce, which leaves the GEMM as the
         # only work to schedule inside it (else XLA may run the GEMM first and hide the all-gather).
         _, projected = lax.optimization_barrier((shared, projected))
     projected = gather_columns(projected, hidden_size=config.hidden_size, weight_layout=weight_layout,
                                axis_name=axis_name)
+    if config.sequence_parallel:
+        projected = own_tokens(projected, axis_name=axis_name)
     if shared is None:
         return projected.astype(config.dtype)
     return (projected.astype(jnp.float32) + shared.astype(jnp.float32)).astype(config.dtype)

@@ -28,7 +28,9 @@ def scatter_gather_tail(
     ("column"), Hb = ceil(H / p); rank k's block is columns [k*Hb, (k+1)*Hb), the block that
     the reduce-scatter hands it.
 
-    Returns y [T, H] in ``config.dtype``, identical on every rank.
+    Returns y [T, H] in ``config.dtype``, identical on every rank. For sequence-parallel output
+    (T % p == 0) an all-to-all replaces the AG: rank k sends token block j of its column block to
+    rank j and gets its own [T/p, H] rows (AR(T*L), RS(T*H), all-to-all of (p-1)/p * T*H/p).
     Cost per rank, either layout: 2TLH/p GEMM FLOPs, 2LH/p weight bytes, AR(T*L), RS(T*H), AG(T*H):
     the same bytes as one AR(T*H), but the add runs on 1/p of the columns and the GEMM can start
     as soon as the latent is ready.
@@ -41,5 +43,9 @@ def scatter_gather_tail(
     if shared_partial is not None:
         padded = pad_columns(shared_partial, block.shape[1] * lax.axis_size(axis_name))
         own = own + lax.psum_scatter(padded, axis_name, scatter_dimension=1, tiled=True).astype(jnp.float32)
-    gathered = lax.all_gather(own.astype(config.dtype), axis_name, axis=1, tiled=True, to="invarying")
+    own = own.astype(config.dtype)
+    if config.sequence_parallel:
+        rows = lax.all_to_all(own, axis_name, split_axis=0, concat_axis=1, tiled=True)
+        return rows[:, : config.hidden_size]
+    gathered = lax.all_gather(own, axis_name, axis=1, tiled=True, to="invarying")
     return gathered[:, : config.hidden_size]

@@ -11,6 +11,7 @@ import enum
 
 from k3_tail.columns import padded_hidden_size
 from k3_tail.config import TailConfig, check_int
+from k3_tail.sequence_parallel import padded_token_count
 
 
 class Tier(str, enum.Enum):
@@ -22,12 +23,20 @@ class Tier(str, enum.Enum):
         columns of its shared partial; one AR of [T, H] stitches and sums (vLLM tier 2).
     SCATTER_GATHER: AR(r) + norm; RS(s) over columns; shard GEMM + add; AG of [T, H/p] blocks
         (the standard-collective form of vLLM's fused tier 0).
+    ONE_SHOT: each rank projects its own (c r_i g); one AR of the packed [s | (c r g) @ W | c r];
+        the row RMS factor applied after (spec, section 3; not in vLLM). Needs the whole kernel on
+        every rank: only the "replicated" weight layout.
     """
 
     NATIVE = "native"
     OVERLAP = "overlap"
     COLUMN_PARALLEL = "column_parallel"
     SCATTER_GATHER = "scatter_gather"
+    ONE_SHOT = "one_shot"
+
+    def supports(self, weight_layout: str) -> bool:
+        """Whether the tier runs with ``weight_layout`` ("column" or "replicated")."""
+        return self is not Tier.ONE_SHOT or weight_layout == "replicated"
 
     @classmethod
     def parse(cls, value: Tier | str, *, argument: str = "tier") -> Tier:
@@ -57,20 +66,49 @@ def select_tier(config: TailConfig, num_tokens: int, tp_size: int) -> TierDecisi
     """Pick the tier for a call with ``num_tokens`` tokens (T) on ``tp_size`` (p) TP ranks.
 
     The rules, in order:
-      1. The fast tiers need p > 1, a shared-expert partial, an unreduced routed output, no sequence
-         parallelism and a non-empty batch; otherwise NATIVE, the reason naming the failed condition.
+      1. The fast tiers need p > 1, a shared-expert partial, an unreduced routed output and a
+         non-empty batch; otherwise NATIVE, the reason naming the failed condition.
          (routed_scaling_factor is honoured by every tier, so unlike vLLM's ROCm runner it is no
-         precondition.)
+         precondition; nor is sequence parallelism, which every tier serves: see below.)
       2. SCATTER_GATHER if ``config.use_scatter_gather`` and T <= ``scatter_gather_max_tokens``.
       3. OVERLAP if T <= ``overlap_token_threshold`` and overlap is not disabled.
       4. COLUMN_PARALLEL otherwise; when H % p != 0 the projection's columns are padded to the next
          multiple of p and sliced back, so no columns are dropped and no fallback is needed.
+    With ``config.sequence_parallel`` the same rules pick the tier and the reason says how that tier
+    returns token-sharded output (:mod:`k3_tail.sequence_parallel`). ONE_SHOT is never selected
+    here: it trades a full GEMM per rank for one collective fewer, and only a cost model or a
+    measured table for the hardware can say where that wins; force it with ``tier=``.
     """
     if not isinstance(config, TailConfig):
         raise ValueError(f"config: expected a k3_tail.TailConfig, got {type(config).__name__}")
     num_tokens = check_int("num_tokens", num_tokens, minimum=0)
     tp_size = check_int("tp_size", tp_size, minimum=1)
 
+    decision = _select_replicated(config, num_tokens, tp_size)
+    if not config.sequence_parallel:
+        return decision
+    reason = f"{decision.reason}; sequence-parallel output: {_SP_FORM[decision.tier]}"
+    if num_tokens % tp_size:
+        reason += (
+            f"; T={num_tokens} is not divisible by tp_size={tp_size} and JAX arrays shard evenly only, so the "
+            f"tokens are padded to {padded_token_count(num_tokens, tp_size)} and the [T, H] result is gathered "
+            "(replicated)"
+        )
+    return TierDecision(decision.tier, reason)
+
+
+# How each tier makes token-sharded [T/p, H] output (sequence_parallel=True).
+_SP_FORM = {
+    Tier.NATIVE: "AR(s) becomes a reduce-scatter over tokens and each rank keeps its rows of the projection",
+    Tier.OVERLAP: "AR(s) becomes a reduce-scatter over tokens and each rank keeps its rows of the projection",
+    Tier.COLUMN_PARALLEL: "the final AR becomes a reduce-scatter over tokens",
+    Tier.SCATTER_GATHER: "the final all-gather over columns becomes an all-to-all from columns to tokens",
+    Tier.ONE_SHOT: "the packed all-reduce becomes a reduce-scatter over tokens",
+}
+
+
+def _select_replicated(config: TailConfig, num_tokens: int, tp_size: int) -> TierDecision:
+    """The rules of :func:`select_tier`, whatever the output's token sharding."""
     if tp_size == 1:
         return TierDecision(Tier.NATIVE, "tp_size == 1: no tensor parallelism, nothing to reduce or shard")
     if not config.has_shared_experts:
@@ -82,10 +120,6 @@ def select_tier(config: TailConfig, num_tokens: int, tp_size: int) -> TierDecisi
         return TierDecision(
             Tier.NATIVE,
             "fused_output_is_reduced is True: the routed output is already reduced (expert-parallel combine)",
-        )
-    if config.sequence_parallel:
-        return TierDecision(
-            Tier.NATIVE, "sequence_parallel is True: the fast tiers do not serve token-sharded output in this version"
         )
     if num_tokens == 0:
         return TierDecision(Tier.NATIVE, "num_tokens == 0: empty batch, the result is an empty [0, H]")

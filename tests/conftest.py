@@ -10,6 +10,8 @@ import os
 import jax
 import pytest
 
+import k3_tail
+
 if not os.environ.get("JAX_PLATFORMS"):
     jax.config.update("jax_platforms", "cpu")
 # Forced host devices only affect the CPU backend; on a GPU/ROCm host the tests use its devices.
@@ -37,3 +39,18 @@ def _on_rocm():
     if os.environ.get("JAX_PLATFORMS", "cpu").split(",")[0] not in ("rocm", "gpu"):
         return False
     return "rocm" in jax.devices()[0].client.platform_version.lower()
+
+
+def tier_layouts():
+    """Every (tier, weight layout) pair that runs: the one_shot tier needs the replicated kernel."""
+    return [
+        pytest.param(tier, layout, id=f"{tier.value}-{layout}")
+        for tier in k3_tail.Tier
+        for layout in k3_tail.WEIGHT_LAYOUTS
+        if tier.supports(layout)
+    ]
+
+
+def layout_for(tier, preferred="column"):
+    """``preferred`` when ``tier`` runs with it, else "replicated"."""
+    return preferred if tier.supports(preferred) else "replicated"

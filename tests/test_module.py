@@ -9,7 +9,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import k3_tail
-from conftest import make_tp_mesh
+from conftest import make_tp_mesh, tier_layouts
 from reference import TOLERANCE, TailInputs, make_inputs, reference_tail, relative_error
 
 CONFIG = k3_tail.TailConfig(hidden_size=96, latent_size=64)
@@ -62,9 +62,8 @@ def test_norm_scale_starts_at_one_and_is_absent_without_the_norm():
     assert without.norm_scale is None
 
 
-@pytest.mark.parametrize("weight_layout", k3_tail.WEIGHT_LAYOUTS)
 @pytest.mark.parametrize("config", [CONFIG, ODD], ids=["H96", "H90"])
-@pytest.mark.parametrize("tier", list(k3_tail.Tier), ids=lambda t: t.value)
+@pytest.mark.parametrize(("tier", "weight_layout"), tier_layouts())
 def test_every_tier_works_with_both_layouts(tier, config, weight_layout):
     module = k3_tail.LatentMoETail(config, make_tp_mesh(8), rngs=nnx.Rngs(0), weight_layout=weight_layout)
     inputs = module_inputs(module, 16)

@@ -35,10 +35,9 @@ def test_disable_switch_forces_the_column_tier():
     [
         ({}, 1, "tp_size == 1"),
         ({"has_shared_experts": False}, 8, "has_shared_experts is False"),
-        ({"sequence_parallel": True}, 8, "sequence_parallel is True"),
         ({"fused_output_is_reduced": True}, 8, "fused_output_is_reduced is True"),
     ],
-    ids=["no_tp", "no_shared", "sequence_parallel", "already_reduced"],
+    ids=["no_tp", "no_shared", "already_reduced"],
 )
 @pytest.mark.parametrize("num_tokens", [5, 1024])
 def test_broken_precondition_selects_native_and_names_it(changes, tp_size, reason, num_tokens):
@@ -94,3 +93,29 @@ def test_tier_parses_values_and_names(text, tier):
 def test_tier_parse_rejects_unknown_names():
     with pytest.raises(ValueError, match="^tier: expected a k3_tail.Tier or one of 'native'"):
         Tier.parse("tier0")
+
+
+@pytest.mark.parametrize(
+    "changes, num_tokens, tier, form",
+    [
+        ({}, 16, Tier.OVERLAP, "AR(s) becomes a reduce-scatter over tokens"),
+        ({}, 1024, Tier.COLUMN_PARALLEL, "the final AR becomes a reduce-scatter over tokens"),
+        ({"use_scatter_gather": True}, 16, Tier.SCATTER_GATHER, "all-gather over columns becomes an all-to-all"),
+    ],
+    ids=["overlap", "column_parallel", "scatter_gather"],
+)
+def test_sequence_parallel_keeps_the_fast_tiers_and_says_how_they_shard_tokens(changes, num_tokens, tier, form):
+    decision = select_tier(dataclasses.replace(K3, sequence_parallel=True, **changes), num_tokens, 8)
+    assert decision.tier == tier
+    assert f"sequence-parallel output: {form}" in decision.reason
+    assert "padded" not in decision.reason
+
+
+def test_sequence_parallel_reason_says_when_tokens_do_not_divide():
+    decision = select_tier(dataclasses.replace(K3, sequence_parallel=True), 5, 8)
+    assert "T=5 is not divisible by tp_size=8" in decision.reason and "padded to 8" in decision.reason
+
+
+@pytest.mark.parametrize("num_tokens", [1, 256, 257, 8192])
+def test_one_shot_is_never_selected_without_a_cost_model(num_tokens):
+    assert select_tier(K3, num_tokens, 8).tier != Tier.ONE_SHOT

@@ -1,0 +1,71 @@
+"""The one-collective tier: the norm is a per-row scale, so it can be applied after the GEMM.
+
+    y = sum_i s_i + rsqrt(mean(x^2) + eps) * sum_i ((c * r_i * g) @ W),   x = c * sum_i r_i
+
+(spec, section 3, last paragraph). Each rank projects its own routed partial, and ONE all-reduce of
+the packed [s_i | (c r_i g) @ W | c r_i] buffer replaces the two serial collectives of the other
+tiers; the per-row RMS factor is computed from the reduced x and applied afterwards. Not in vLLM.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from k3_tail.config import TailConfig
+from k3_tail.sequence_parallel import reduce_output
+
+
+def one_shot_tail(
+    routed_partial: jax.Array,
+    shared_partial: jax.Array | None,
+    norm_weight: jax.Array | None,
+    up_proj_kernel: jax.Array,
+    *,
+    config: TailConfig,
+    axis_name: str,
+    weight_layout: str,
+) -> jax.Array:
+    """Project the own partial; one AR of [s | z | x]; scale z by the row RMS factor; add. In shard_map.
+
+    Per rank: routed_partial [T, L], shared_partial [T, H] or None, norm_weight [L] or None,
+    up_proj_kernel [L, H]: the whole kernel, so ``weight_layout`` must be "replicated" (each rank
+    projects a partial over ALL columns; a column block would need every rank's partial).
+    Returns y [T, H] in ``config.dtype``, identical on every rank ([T/p, H], this rank's rows, for
+    sequence-parallel output: then T % p == 0).
+
+    Cost per rank: 2TLH GEMM FLOPs (the full GEMM, as native), 2LH weight bytes, and one collective
+    of T*(2H + L) elements (without shared experts T*(H + L); without the norm x is not needed):
+    one latency instead of two serial ones, for 2TH more bytes than native moves. The packed
+    buffer is in ``config.dtype``, like every other tier's collectives, so each rank's projected
+    partial is rounded once before the sum: the error stays at the other tiers' level (a few
+    bf16 ulps of y).
+    """
+    if weight_layout != "replicated":
+        raise ValueError(
+            f"weight_layout: the one_shot tier needs the whole [L, H] kernel on every rank ('replicated'), "
+            f"got {weight_layout!r}"
+        )
+    if config.fused_output_is_reduced:
+        raise ValueError(
+            "tier: one_shot reduces the routed partials itself, so it cannot serve fused_output_is_reduced=True"
+        )
+    scaled = config.routed_scaling_factor * routed_partial.astype(jnp.float32)
+    weighted = scaled * norm_weight.astype(jnp.float32) if config.use_latent_norm else scaled
+    projected = jnp.dot(weighted.astype(config.dtype), up_proj_kernel, preferred_element_type=jnp.float32)
+    hidden = config.hidden_size
+    parts = [projected.astype(config.dtype)]
+    if shared_partial is not None:
+        parts.append(shared_partial)
+    if config.use_latent_norm:
+        parts.append(scaled.astype(config.dtype))
+    packed = reduce_output(jnp.concatenate(parts, axis=1), axis_name=axis_name,
+                           sequence_parallel=config.sequence_parallel).astype(jnp.float32)
+    y = packed[:, :hidden]
+    if config.use_latent_norm:
+        latent = packed[:, -config.latent_size:]
+        y = y * lax.rsqrt(jnp.mean(latent * latent, axis=-1, keepdims=True) + config.rms_norm_eps)
+    if shared_partial is not None:
+        y = y + packed[:, hidden:2 * hidden]
+    return y.astype(config.dtype)

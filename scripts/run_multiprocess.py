@@ -1,0 +1,246 @@
+"""Run every tier of the Kimi-K3 tail on a TP mesh that spans several JAX processes, and check it.
+
+On several hosts, one process each: every host runs the same command, only --process-id differs,
+
+    python scripts/run_multiprocess.py --coordinator HOST0:PORT --num-processes N --process-id I
+
+where HOST0 runs process 0, which serves the coordinator on PORT (every host must reach it). The
+mesh "tp" spans the devices of all processes: each host's GPUs, or with --cpu-devices K, K CPU
+devices per process (their collectives go through gloo). To try it on one machine:
+
+    python scripts/run_multiprocess.py --local 2 --small
+
+spawns 2 processes of this script on 127.0.0.1 with 4 CPU devices each, and stops the others when
+one fails or --timeout passes.
+
+Every process runs every tier (k3_tail.Tier) with every weight layout it supports at each --tokens
+T, on the same random inputs (same --seed), passed as host numpy arrays; a model would pass its
+own global jax.Arrays instead. Every process compares its copy of the replicated output with a
+float64 numpy reference, and process 0 prints the relative errors. The exit status is 0 when every
+error is within the tolerance of the dtype, 1 when one is not or a process failed, 2 for bad
+arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import socket
+import subprocess
+import sys
+import time
+import traceback
+
+import jax
+import numpy as np
+
+import k3_tail
+from k3_tail.multiprocess import initialize
+
+LOCAL_HOST = "127.0.0.1"
+DEFAULT_LOCAL_CPU_DEVICES = 4
+DEFAULT_TOKENS = (1, 16, 320)
+SMALL_SHAPES = {"hidden_size": 99, "latent_size": 64}  # 99: no TP size > 1 divides it, the column tiers pad
+# Relative Frobenius error allowed against float64: bf16 keeps 8 significand bits.
+TOLERANCE = {"bfloat16": 1e-2, "float32": 1e-5}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_arguments(argv)
+    if args.local is not None:
+        return run_local(args)
+    try:
+        return run_process(args)
+    except Exception:
+        # Exit at once: a normal exit would wait in JAX's shutdown barrier for the other processes,
+        # which may be waiting for this one in a collective; exiting stops its heartbeats, so they
+        # abort after --heartbeat-timeout instead of hanging.
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+
+
+def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
+    summary, _, details = __doc__.partition("\n\n")
+    parser = argparse.ArgumentParser(
+        prog=os.path.basename(__file__), description=summary, epilog=details,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--local", type=positive_int, metavar="N", help=f"run N processes on {LOCAL_HOST}")
+    where.add_argument("--coordinator", metavar="HOST:PORT", help="address of process 0's coordinator")
+    parser.add_argument("--num-processes", type=positive_int, metavar="N", help="processes in all (with --coordinator)")
+    parser.add_argument("--process-id", type=int, metavar="I", help="this process, 0 <= I < N (with --coordinator)")
+    parser.add_argument(
+        "--cpu-devices", type=positive_int, metavar="K",
+        help=f"K CPU devices per process (default: the platform's own; {DEFAULT_LOCAL_CPU_DEVICES} with --local)",
+    )
+    parser.add_argument("--small", action="store_true", help="H=99, L=64 instead of Kimi-K3's H=7168, L=3584")
+    parser.add_argument(
+        "--dtype", choices=sorted(TOLERANCE), default="bfloat16", help="activation dtype (default: bfloat16)"
+    )
+    parser.add_argument(
+        "--tokens", type=token_counts, default=DEFAULT_TOKENS, metavar="T,T,...",
+        help=f"token counts (default: {','.join(map(str, DEFAULT_TOKENS))})",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="random seed of the inputs, the same in every process")
+    parser.add_argument(
+        "--initialization-timeout", type=positive_int, default=300, metavar="SECONDS",
+        help="how long to wait for every process to join (default: 300)",
+    )
+    parser.add_argument(
+        "--heartbeat-timeout", type=positive_int, default=100, metavar="SECONDS",
+        help="silence after which a process counts as dead and the others abort (default: 100)",
+    )
+    parser.add_argument(
+        "--timeout", type=positive_int, default=1800, metavar="SECONDS",
+        help="with --local: stop every process after this long (default: 1800)",
+    )
+    args = parser.parse_args(argv)
+    if args.coordinator is not None and (args.num_processes is None or args.process_id is None):
+        parser.error("--coordinator needs --num-processes and --process-id")
+    if args.local is not None and (args.num_processes is not None or args.process_id is not None):
+        parser.error("--local N starts processes 0..N-1 itself: leave out --num-processes and --process-id")
+    if args.process_id is not None and not 0 <= args.process_id < (args.num_processes or 0):
+        parser.error(f"--process-id: expected 0 <= I < --num-processes, got {args.process_id}")
+    return args
+
+
+def positive_int(text: str) -> int:
+    """``text`` as an integer >= 1 (argparse type)."""
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return int(text)
+
+
+def token_counts(text: str) -> tuple[int, ...]:
+    """A comma-separated list of token counts, each >= 1 (argparse type)."""
+    return tuple(positive_int(item) for item in text.split(","))
+
+
+def run_local(args: argparse.Namespace) -> int:
+    """Start ``args.local`` processes of this script on the loopback address; 0 when all succeed, else 1.
+
+    When one process fails the others are stopped: they would wait for it until their heartbeat
+    timeout. Only process 0 prints the results; every process's stderr stays visible.
+    """
+    port = free_loopback_port()
+    shared_options = [
+        "--coordinator", f"{LOCAL_HOST}:{port}", "--num-processes", str(args.local),
+        "--cpu-devices", str(args.cpu_devices or DEFAULT_LOCAL_CPU_DEVICES),
+        "--dtype", args.dtype, "--tokens", ",".join(map(str, args.tokens)), "--seed", str(args.seed),
+        "--initialization-timeout", str(args.initialization_timeout),
+        "--heartbeat-timeout", str(args.heartbeat_timeout),
+        *(["--small"] if args.small else []),
+    ]
+    processes = [
+        # The other processes' stdout only repeats process 0's (gloo's connection notices).
+        subprocess.Popen(
+            [sys.executable, __file__, *shared_options, "--process-id", str(process_id)],
+            stdout=None if process_id == 0 else subprocess.DEVNULL,
+        )
+        for process_id in range(args.local)
+    ]
+    deadline = time.monotonic() + args.timeout
+    while None in (statuses := [process.poll() for process in processes]):
+        failed = [i for i, status in enumerate(statuses) if status not in (None, 0)]
+        if failed or time.monotonic() > deadline:
+            why = f"process {failed[0]} failed" if failed else f"--timeout {args.timeout} s passed"
+            print(f"stopping the other processes: {why}", file=sys.stderr)
+            for process in processes:
+                if process.poll() is None:
+                    process.kill()
+            break
+        time.sleep(0.1)
+    return 0 if all(process.wait() == 0 for process in processes) else 1
+
+
+def free_loopback_port() -> int:
+    """A TCP port on the loopback address that nothing listens on now (the coordinator binds it next)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((LOCAL_HOST, 0))
+        return probe.getsockname()[1]
+
+
+def run_process(args: argparse.Namespace) -> int:
+    """This process's part: join, run every (T, tier, layout) on the global mesh, check, report on process 0."""
+    initialize(
+        args.coordinator, args.num_processes, args.process_id,
+        local_cpu_devices=args.cpu_devices,
+        initialization_timeout=args.initialization_timeout,
+        heartbeat_timeout_seconds=args.heartbeat_timeout,
+    )
+    shapes = SMALL_SHAPES if args.small else {}
+    config = k3_tail.TailConfig.kimi_k3(**shapes, dtype=args.dtype)
+    devices = jax.devices()
+    mesh = jax.make_mesh((len(devices),), ("tp",), devices=devices)
+    tp_size = mesh.shape["tp"]
+    tolerance = TOLERANCE[args.dtype]
+    show(
+        f"mesh: tp={tp_size} over {len(devices)} {devices[0].platform} devices in {jax.process_count()} processes "
+        f"(jax {jax.__version__}); tail H={config.hidden_size}, L={config.latent_size}, {args.dtype}"
+    )
+
+    failures = 0
+    for num_tokens in args.tokens:
+        routed, shared, norm_weight, kernel = random_inputs(config, tp_size, num_tokens, args.seed)
+        expected = reference_tail(config, routed, shared, norm_weight, kernel)
+        picked = k3_tail.select_tier(config, num_tokens, tp_size)
+        show(f"T={num_tokens} (select_tier picks {picked})")
+        for tier, weight_layout in itertools.product(k3_tail.Tier, k3_tail.WEIGHT_LAYOUTS):
+            if not tier.supports(weight_layout):
+                continue
+            y = k3_tail.tail_forward(
+                routed, shared, norm_weight, kernel, config=config, mesh=mesh, tier=tier, weight_layout=weight_layout
+            )
+            error = relative_error(np.asarray(y.addressable_shards[0].data), expected)
+            ok = error <= tolerance  # False for NaN too
+            failures += not ok
+            show(f"  {tier.value:<16} {weight_layout:<11} relative error {error:.2e}  {'ok' if ok else 'FAIL'}")
+    if failures:
+        show(f"FAILED: {failures} run(s) exceed the {args.dtype} tolerance {tolerance:g}")
+        return 1
+    show(f"every tier and layout is within {tolerance:g} of the float64 reference")
+    return 0
+
+
+def show(line: str) -> None:
+    """Print ``line`` on process 0 only: every process holds the same results."""
+    if jax.process_index() == 0:
+        print(line, flush=True)
+
+
+def random_inputs(config, tp_size: int, num_tokens: int, seed: int) -> tuple[np.ndarray, ...]:
+    """routed [p, T, L], shared [p, T, H], norm weight [L], kernel [L, H] in the config's dtype.
+
+    Drawn from ``seed`` alone, so every process holds the same values. Routed and shared term each
+    carry about half of y, so dropping either would show.
+    """
+    rng = np.random.default_rng([seed, num_tokens])
+    latent, hidden = config.latent_size, config.hidden_size
+    arrays = (
+        rng.standard_normal((tp_size, num_tokens, latent), dtype=np.float32) / np.sqrt(tp_size),
+        rng.standard_normal((tp_size, num_tokens, hidden), dtype=np.float32) / np.sqrt(tp_size),
+        1 + 0.1 * rng.standard_normal(latent, dtype=np.float32),
+        rng.standard_normal((latent, hidden), dtype=np.float32) / np.sqrt(latent),
+    )
+    return tuple(x.astype(config.dtype) for x in arrays)
+
+
+def reference_tail(config, routed, shared, norm_weight, kernel) -> np.ndarray:
+    """y = RMSNorm_g(c * sum_i r_i) @ W + sum_i s_i in float64: [T, H]."""
+    latent = config.routed_scaling_factor * routed.astype(np.float64).sum(axis=0)
+    latent = latent / np.sqrt(np.mean(latent * latent, axis=-1, keepdims=True) + config.rms_norm_eps)
+    latent = latent * norm_weight.astype(np.float64)
+    return latent @ kernel.astype(np.float64) + shared.astype(np.float64).sum(axis=0)
+
+
+def relative_error(actual: np.ndarray, expected: np.ndarray) -> float:
+    """||actual - expected||_F / ||expected||_F."""
+    return float(np.linalg.norm(actual.astype(np.float64) - expected) / np.linalg.norm(expected))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
