@@ -7,14 +7,23 @@ Commands:
   hlo   Compile one tail call (Kimi-K3 shapes) for a deviceless GPU topology (``h100x8``, ...), a
         CPU mesh or this machine's accelerators, and print :mod:`k3_tail.xla_report`'s report:
         per-device cost, every collective, and whether the shared reduction overlaps the GEMM.
+  bench Time every tier for token counts x TP sizes (:mod:`k3_tail.benchmark`; Kimi-K3 shapes or
+        any TailConfig by flags) and print the median, the quartiles and the speedup over native of
+        each; ``--json``, ``--csv`` and ``--plot`` (log-log time vs T) write them out. TP size p runs
+        on the first p devices of that device set (below). Default token counts: 1, 2, 4, ... 8192,
+        on the CPU backend up to 1024 (:data:`k3_tail.benchmark.CPU_MAX_TOKENS` says why).
+  calibrate  Measure the tiers as bench does, on one TP size, and write the fastest tier per token
+        range as a JSON selection table (:mod:`k3_tail.calibration`) for
+        ``TailConfig(selection_policy="measured")``.
 
-The demo builds its own mesh: with an accelerator backend (GPU) it uses all of that backend's
-devices; otherwise it asks JAX for ``--devices`` CPU devices (8 by default), which must happen
-before JAX initialises its backend, so the demo does it first. Inputs are random with a fixed
+The demo, bench and calibrate build their own mesh: with an accelerator backend (GPU) they use all of that
+backend's devices; otherwise they ask JAX for ``--devices`` CPU devices (8 by default), which must
+happen before JAX initialises its backend, so they do it first. Inputs are random with a fixed
 seed and are placed on the mesh once, the weights before the first token count and each T's
 partials before its runs, so the times measure the tail, not host transfers. Each (T, tier) runs
-once to compile (the warm-up), then ``--repeats`` timed runs. The exit status is 1 when some tier
-is further than ``RELATIVE_ERROR_TOLERANCE`` from native (relative Frobenius error), 0 otherwise.
+once to compile (the warm-up; bench: ``--warmup`` times), then ``--repeats`` timed runs. The demo's
+exit status is 1 when some tier is further than ``RELATIVE_ERROR_TOLERANCE`` from native (relative
+Frobenius error), 0 otherwise.
 
 Each command is a subparser whose ``run`` default takes the parsed arguments and returns the exit
 status; a :class:`CommandError` is reported in one line with exit status 2.
@@ -28,22 +37,28 @@ selects the CPU platform itself when neither ``JAX_PLATFORMS`` is set nor a GPU 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import csv
 import dataclasses
 import functools
 import json
 import os
-import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import IO
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh
 
 from k3_tail import xla_report
-from k3_tail.columns import WEIGHT_LAYOUTS, padded_hidden_size
+from k3_tail.benchmark import (
+    CPU_MAX_TOKENS, DEFAULT_MAX_TOKENS, Measurement, check_tiers, config_dict, default_token_counts, machine_info,
+    measure_tiers, place_partials, place_weights, plot_measurements, tiers_for, time_runs,
+)
+from k3_tail.calibration import table_from_measurements
+from k3_tail.columns import WEIGHT_LAYOUTS
 from k3_tail.compilation import compile_tail, compiler_options
 from k3_tail.config import TailConfig
 from k3_tail.forward import tail_forward
@@ -60,6 +75,7 @@ DEFAULT_SEED = 0
 # bf16 keeps 8 significand bits: tiers that sum and round in another order differ by a few 1e-3.
 RELATIVE_ERROR_TOLERANCE = 1e-2
 DEFAULT_HLO_TOKENS = 16
+CONFIG_DTYPES = ("bfloat16", "float16", "float32")
 DEFAULT_TOPOLOGY = "h100x8"
 # Device nodes whose presence means a GPU backend can start (CUDA, ROCm).
 GPU_DEVICE_NODES = ("/dev/nvidiactl", "/dev/kfd")
@@ -88,6 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_demo_command(commands)
     add_hlo_command(commands)
+    add_bench_command(commands)
+    add_calibrate_command(commands)
     return parser
 
 
@@ -116,7 +134,7 @@ def add_demo_command(commands: argparse._SubParsersAction) -> None:
         "print the tier select_tier picks and why, each tier's error against native and its median time.",
     )
     demo.add_argument(
-        "--tokens", type=token_counts, default=DEFAULT_TOKEN_COUNTS, metavar="T,T,...",
+        "--tokens", type=positive_int_list, default=DEFAULT_TOKEN_COUNTS, metavar="T,T,...",
         help=f"token counts to run, comma-separated (default: {','.join(map(str, DEFAULT_TOKEN_COUNTS))})",
     )
     demo.add_argument(
@@ -200,6 +218,337 @@ def run_hlo(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_bench_command(commands: argparse._SubParsersAction) -> None:
+    """Register ``bench``: time every tier over token counts x TP sizes (k3_tail.benchmark)."""
+    bench = commands.add_parser(
+        "bench",
+        help="time the tiers over token counts x TP sizes; table, JSON, CSV, plot",
+        description="Time tail_forward for every token count x tier x TP size on this machine's mesh (forced CPU "
+        "devices without a GPU): warm-up runs, then repeated timed runs; print the median and quartiles of each and "
+        "its speedup over the native tier. Kimi-K3 shapes unless the config flags say otherwise.",
+    )
+    bench.add_argument(
+        "--tp-sizes", type=positive_int_list, metavar="P,P,...",
+        help="TP sizes, comma-separated; size p runs on the first p devices (default: all devices)",
+    )
+    add_measurement_arguments(bench)
+    outputs = bench.add_argument_group("output (the table goes to stdout, or to stderr when stdout carries - below)")
+    outputs.add_argument("--json", metavar="FILE", help="write the machine, config, settings and measurements as "
+                         "JSON to FILE ('-': stdout)")
+    outputs.add_argument("--csv", metavar="FILE", help="write one row per measurement to FILE ('-': stdout)")
+    outputs.add_argument("--plot", metavar="FILE.png", help="draw median time vs T, log-log, one line per tier and "
+                         "one subplot per TP size, into a PNG (needs matplotlib: the [plot] extra)")
+    bench.set_defaults(run=run_bench)
+
+
+def add_measurement_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags ``bench`` and ``calibrate`` share: what to measure, how often, and the tail config."""
+    kimi = TailConfig.kimi_k3()
+    parser.add_argument(
+        "--tokens", type=positive_int_list, metavar="T,T,...",
+        help=f"token counts, comma-separated (default: 1, 2, 4, ... {DEFAULT_MAX_TOKENS}; on the CPU backend "
+        f"up to {CPU_MAX_TOKENS})",
+    )
+    parser.add_argument(
+        "--tiers", type=tier_list, metavar="TIER,...",
+        help=f"tiers to time, comma-separated, of {', '.join(tier.value for tier in Tier)} "
+        "(default: every tier that runs with --weight-layout)",
+    )
+    parser.add_argument(
+        "--devices", type=positive_int, default=DEFAULT_CPU_DEVICES, metavar="N",
+        help=f"CPU devices to make without an accelerator (default: {DEFAULT_CPU_DEVICES}); with a GPU all GPUs "
+        "are used",
+    )
+    parser.add_argument(
+        "--repeats", type=positive_int, default=DEFAULT_REPEATS, metavar="N",
+        help=f"timed runs per (T, tier) and TP size (default: {DEFAULT_REPEATS})",
+    )
+    parser.add_argument(
+        "--warmup", type=positive_int, default=1, metavar="N",
+        help="untimed runs before them, the first of which compiles (default: 1)",
+    )
+    parser.add_argument(
+        "--weight-layout", choices=WEIGHT_LAYOUTS, default="column",
+        help="where the up-projection kernel lives: column-sharded or replicated (default: column)",
+    )
+    parser.add_argument("--seed", type=int, default=DEFAULT_SEED, help=f"random seed (default: {DEFAULT_SEED})")
+    shapes = parser.add_argument_group("tail config (default: Kimi-K3)")
+    shapes.add_argument("--hidden-size", type=positive_int, default=kimi.hidden_size, metavar="H",
+                        help=f"hidden size H (default: {kimi.hidden_size})")
+    shapes.add_argument("--latent-size", type=positive_int, default=kimi.latent_size, metavar="L",
+                        help=f"latent size L (default: {kimi.latent_size})")
+    shapes.add_argument("--dtype", choices=CONFIG_DTYPES, default=kimi.dtype.name,
+                        help=f"activation and weight dtype (default: {kimi.dtype.name})")
+    shapes.add_argument("--eps", type=float, default=kimi.rms_norm_eps,
+                        help=f"RMSNorm epsilon (default: {kimi.rms_norm_eps:g})")
+    shapes.add_argument("--scale", type=float, default=kimi.routed_scaling_factor,
+                        help=f"routed_scaling_factor (default: {kimi.routed_scaling_factor:g})")
+    shapes.add_argument("--no-norm", action="store_true", help="no latent RMSNorm (use_latent_norm=False)")
+    shapes.add_argument("--no-shared", action="store_true", help="no shared experts (has_shared_experts=False)")
+    shapes.add_argument("--reduced-routed", action="store_true",
+                        help="the routed output arrives reduced, [T, L] (fused_output_is_reduced=True)")
+    shapes.add_argument("--sequence-parallel", action="store_true",
+                        help="token-sharded output (sequence_parallel=True)")
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """The ``bench`` command: check every argument, measure, then print the table and write the outputs."""
+    config = measurement_config(args)
+    tiers = measurement_tiers(args.tiers, args.weight_layout, config)
+    check_outputs(args)
+    devices = demo_devices(args.devices)
+    tp_sizes = tuple(dict.fromkeys(args.tp_sizes or (len(devices),)))
+    too_large = [p for p in tp_sizes if p > len(devices)]
+    if too_large:
+        flag = "--devices" if devices[0].platform == "cpu" else "the accelerators"
+        raise CommandError(f"--tp-sizes: {too_large[0]} is more than the {len(devices)} devices ({flag})")
+    platform = devices[0].platform
+    tokens = args.tokens or default_token_counts(platform)
+    table_stream = sys.stderr if "-" in (args.json, args.csv) else sys.stdout
+
+    def say(line: str = "") -> None:
+        print(line, file=table_stream, flush=True)
+
+    say(f"jax {jax.__version__}, backend {jax.default_backend()}, {len(devices)} {platform} devices")
+    say(f"config: {describe_config(config)}; kernel layout {args.weight_layout}")
+    trimmed = f" (the {platform} default; --tokens for more)" if args.tokens is None and platform == "cpu" else ""
+    say(f"T in {','.join(map(str, tokens))}{trimmed}; p in {','.join(map(str, tp_sizes))}; "
+        f"tiers {', '.join(tier.value for tier in tiers)}")
+    say(f"runs: {args.warmup} warm-up + {args.repeats} timed per (p, T, tier); seed {args.seed}")
+    for tier in Tier if args.tiers is None else ():
+        reason = tier.why_not(args.weight_layout, config)
+        if reason is not None:
+            say(f"not run: {reason}")
+    say()
+
+    bar = ProgressBar(len(tp_sizes) * len(tokens) * len(tiers))
+    measurements = []
+    for tp_size in tp_sizes:
+        mesh = jax.make_mesh((tp_size,), (AXIS_NAME,), devices=devices[:tp_size])
+        measurements += measure_tiers(
+            config, mesh, tokens, tiers=tiers, weight_layout=args.weight_layout, repeats=args.repeats,
+            warmup=args.warmup, axis_name=AXIS_NAME, seed=args.seed, on_progress=bar.step,
+        )
+    bar.finish()
+
+    say(format_bench_table(measurements, config, device_kind=devices[0].device_kind))
+    if args.json:
+        document = {
+            "machine": machine_info(), "config": config_dict(config),
+            "settings": {
+                "tokens": list(tokens), "tiers": [tier.value for tier in tiers], "tp_sizes": list(tp_sizes),
+                "weight_layout": args.weight_layout, "repeats": args.repeats, "warmup": args.warmup, "seed": args.seed,
+            },
+            "measurements": [m.to_dict() for m in measurements],
+        }
+        with output_stream(args.json) as stream:
+            json.dump(document, stream, indent=2)
+            stream.write("\n")
+    if args.csv:
+        with output_stream(args.csv) as stream:
+            writer = csv.DictWriter(stream, fieldnames=[field.name for field in dataclasses.fields(Measurement)])
+            writer.writeheader()
+            writer.writerows(m.to_dict() for m in measurements)
+    if args.plot:
+        title = f"{describe_config(config)}; kernel {args.weight_layout}; {platform}"
+        plot_measurements(measurements, args.plot, title=title)
+        say(f"plot: {args.plot}")
+    return 0
+
+
+def add_calibrate_command(commands: argparse._SubParsersAction) -> None:
+    """Register ``calibrate``: measure the tiers and write a selection table (k3_tail.calibration)."""
+    calibrate = commands.add_parser(
+        "calibrate",
+        help="measure the tiers on this mesh and write a selection table (JSON) for selection_policy='measured'",
+        description="Time every tier at each token count on this machine's mesh (forced CPU devices without a GPU), "
+        "keep the fastest per T and write the token ranges -> tier table as JSON. Load it with "
+        "TailConfig(selection_policy='measured', selection_table=SelectionTable.load(FILE)); it is valid for this "
+        "device kind, TP size, kernel layout, shapes and dtype only.",
+    )
+    calibrate.add_argument("--out", required=True, metavar="FILE.json", help="where to write the table")
+    calibrate.add_argument(
+        "--tp-size", type=positive_int, metavar="P", help="TP size: the first P devices (default: all devices)"
+    )
+    add_measurement_arguments(calibrate)
+    calibrate.set_defaults(run=run_calibrate)
+
+
+def run_calibrate(args: argparse.Namespace) -> int:
+    """The ``calibrate`` command: measure, build the table, write it, print it."""
+    config = measurement_config(args)
+    tiers = measurement_tiers(args.tiers, args.weight_layout, config)
+    directory = os.path.dirname(os.path.abspath(args.out))
+    if not os.path.isdir(directory):
+        raise CommandError(f"--out: directory {directory!r} does not exist")
+    devices = demo_devices(args.devices)
+    tp_size = args.tp_size or len(devices)
+    if tp_size > len(devices):
+        raise CommandError(f"--tp-size: {tp_size} is more than the {len(devices)} devices")
+    mesh = jax.make_mesh((tp_size,), (AXIS_NAME,), devices=devices[:tp_size])
+    tokens = args.tokens or default_token_counts(devices[0].platform)
+    device_kind = devices[0].device_kind
+    print(f"calibrating on p={tp_size} {device_kind} devices; config: {describe_config(config)}; "
+          f"kernel layout {args.weight_layout}")
+    print(f"T in {','.join(map(str, tokens))}; tiers {', '.join(t.value for t in tiers)}; "
+          f"{args.warmup} warm-up + {args.repeats} timed runs each", flush=True)
+    bar = ProgressBar(len(tokens) * len(tiers))
+    measurements = measure_tiers(
+        config, mesh, tokens, tiers=tiers, weight_layout=args.weight_layout, repeats=args.repeats,
+        warmup=args.warmup, axis_name=AXIS_NAME, seed=args.seed, on_progress=bar.step,
+    )
+    bar.finish()
+    source = (f"k3-tail calibrate, {time.strftime('%Y-%m-%d')}, jax {jax.__version__}, "
+              f"T={','.join(map(str, tokens))}, {args.repeats} repeats")
+    table = table_from_measurements(measurements, config=config, device_kind=device_kind, source=source)
+    table.save(args.out)
+    print(format_bench_table(measurements, config, device_kind=device_kind))
+    print(f"\nselection table ({args.out}):")
+    for token_range in table.ranges:
+        print(f"  T in {token_range}")
+    print("use it with TailConfig(..., selection_policy='measured', "
+          f"selection_table=k3_tail.SelectionTable.load({args.out!r}))")
+    return 0
+
+
+def measurement_config(args: argparse.Namespace) -> TailConfig:
+    """The TailConfig the config flags describe (CommandError when TailConfig rejects them)."""
+    try:
+        return TailConfig(
+            hidden_size=args.hidden_size, latent_size=args.latent_size, dtype=args.dtype, rms_norm_eps=args.eps,
+            routed_scaling_factor=args.scale, use_latent_norm=not args.no_norm, has_shared_experts=not args.no_shared,
+            fused_output_is_reduced=args.reduced_routed, sequence_parallel=args.sequence_parallel,
+        )
+    except ValueError as error:
+        raise CommandError(f"config: {error}") from None
+
+
+def measurement_tiers(tiers: Sequence[Tier] | None, weight_layout: str, config: TailConfig) -> tuple[Tier, ...]:
+    """The tiers to time (CommandError when one is repeated or cannot run with the layout or config)."""
+    try:
+        return check_tiers(tiers, weight_layout, config)
+    except ValueError as error:  # its message starts with "tiers: "
+        raise CommandError(f"--{error}") from None
+
+
+def check_outputs(args: argparse.Namespace) -> None:
+    """Fail before measuring, not after: at most one output on stdout, every output file's directory
+    present, matplotlib importable for --plot."""
+    if args.json == "-" and args.csv == "-":
+        raise CommandError("--json - and --csv -: only one of them can go to stdout")
+    for flag, path in (("--json", args.json), ("--csv", args.csv), ("--plot", args.plot)):
+        if path and path != "-" and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            raise CommandError(f"{flag} {path}: no such directory")
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401  (only to know that plot_measurements can draw)
+        except ImportError:
+            raise CommandError("--plot needs matplotlib: pip install 'k3_tail[plot]'") from None
+
+
+@contextlib.contextmanager
+def output_stream(path: str) -> Iterator[IO[str]]:
+    """A text stream to write an output to: the file ``path``, closed afterwards, or stdout for "-"
+    (flushed afterwards, left open)."""
+    if path == "-":
+        yield sys.stdout
+        sys.stdout.flush()
+        return
+    with open(path, "w", encoding="utf-8", newline="") as stream:
+        yield stream
+
+
+def describe_config(config: TailConfig) -> str:
+    """One line: the config's shapes and numerics, e.g. "H=7168, L=3584, bfloat16, eps 1e-06, scale 1"."""
+    text = (f"H={config.hidden_size}, L={config.latent_size}, {config.dtype.name}, eps {config.rms_norm_eps:g}, "
+            f"scale {config.routed_scaling_factor:g}")
+    flags = [name for name, on in (
+        ("no norm", not config.use_latent_norm), ("no shared experts", not config.has_shared_experts),
+        ("reduced routed output", config.fused_output_is_reduced), ("sequence-parallel", config.sequence_parallel),
+    ) if on]
+    return ", ".join([text, *flags])
+
+
+def format_bench_table(measurements: Sequence[Measurement], config: TailConfig, *, device_kind: str) -> str:
+    """The bench table: one row per (p, T, tier) with the median, the q25-q75 spread (ms) and the
+    speedup over native at the same (p, T) (median over median; "-" when native was not timed).
+    A "*" marks the tier select_tier picks for that call (``config``, T, p, layout, ``device_kind``)."""
+    native = {(m.tp_size, m.num_tokens): m.median_s for m in measurements if m.tier == Tier.NATIVE}
+    lines = [f"{'p':>4}{'T':>7}  {'tier':<16}{'median ms':>11}{'q25-q75 ms':>19}{'vs native':>11}"]
+    previous = None
+    for m in measurements:
+        if previous is not None and (m.tp_size, m.num_tokens) != previous:
+            lines.append("")
+        previous = m.tp_size, m.num_tokens
+        speedup = native.get(previous)
+        speedup = "-" if speedup is None else f"{speedup / m.median_s:.2f}x"
+        spread = f"{format_ms(m.q25_s)}-{format_ms(m.q75_s)}"
+        selection = select_tier(config, m.num_tokens, m.tp_size, weight_layout=m.weight_layout,
+                                device_kind=device_kind)
+        selected = " *" if selection.tier == m.tier else ""
+        lines.append(f"{m.tp_size:>4}{m.num_tokens:>7}  {m.tier.value:<16}{format_ms(m.median_s):>11}{spread:>19}"
+                     f"{speedup:>11}{selected}")
+    lines += ["", "* the tier select_tier picks for that call (config, T, p, layout, device kind)"]
+    return "\n".join(lines)
+
+
+def format_ms(seconds: float) -> str:
+    """``seconds`` in milliseconds with about 3 significant digits (0.0123, 1.23, 123)."""
+    milliseconds = 1e3 * seconds
+    digits = next((d for d, bound in ((4, 0.1), (3, 1), (2, 10), (1, 100)) if milliseconds < bound), 0)
+    return f"{milliseconds:.{digits}f}"
+
+
+def tier_list(text: str) -> tuple[Tier, ...]:
+    """A comma-separated list of tier values (argparse type)."""
+    tiers = []
+    for item in text.split(","):
+        try:
+            tiers.append(Tier.parse(item.strip()))
+        except ValueError:
+            choices = ", ".join(tier.value for tier in Tier)
+            raise argparse.ArgumentTypeError(f"expected tiers among {choices}, got {item.strip()!r}") from None
+    return tuple(tiers)
+
+
+class ProgressBar:
+    """A text progress bar on ``stream`` (default: stderr) over ``total`` steps, with the elapsed time.
+
+    On a terminal it redraws one line in place; elsewhere (a pipe, a CI log) it writes one line per
+    step instead, because carriage returns would pile up there as one garbled line.
+    """
+
+    WIDTH = 24
+
+    def __init__(self, total: int, stream: IO[str] | None = None):
+        self.total = total
+        self.stream = sys.stderr if stream is None else stream
+        self.interactive = self.stream.isatty()
+        self.done = 0
+        self.start = time.perf_counter()
+
+    def step(self, label: str) -> None:
+        """A step named ``label`` starts (the previous one, if any, is done)."""
+        self._draw(label)
+        self.done += 1
+
+    def finish(self) -> None:
+        """Every step is done."""
+        self.done = self.total
+        self._draw("done")
+        if self.interactive:
+            self.stream.write("\n")
+            self.stream.flush()
+
+    def _draw(self, label: str) -> None:
+        filled = self.WIDTH * self.done // max(self.total, 1)
+        text = (f"[{'#' * filled}{'-' * (self.WIDTH - filled)}] {self.done}/{self.total} "
+                f"{time.perf_counter() - self.start:.0f} s  {label}")
+        # "\x1b[K" erases what a longer previous label left on the line.
+        self.stream.write(f"\r{text}\x1b[K" if self.interactive else f"{text}\n")
+        self.stream.flush()
+
+
 def hlo_mesh(topology: str, cpu_device_count: int) -> Mesh:
     """The 1-d TP mesh to compile on: a deviceless topology, CPU devices or the local accelerators."""
     if topology == "cpu":
@@ -235,8 +584,8 @@ def bounded_int(text: str, minimum: int) -> int:
     return value
 
 
-def token_counts(text: str) -> tuple[int, ...]:
-    """A comma-separated list of token counts, each >= 1 (argparse type)."""
+def positive_int_list(text: str) -> tuple[int, ...]:
+    """A comma-separated list of integers, each >= 1 (argparse type): token counts, TP sizes."""
     return tuple(positive_int(item.strip()) for item in text.split(","))
 
 
@@ -260,16 +609,16 @@ def run_demo(args: argparse.Namespace) -> int:
     )
     print(flush=True)
 
-    tiers = [tier for tier in Tier if tier.supports(args.weight_layout)]
+    tiers = tiers_for(args.weight_layout)
     skipped = [tier.value for tier in Tier if tier not in tiers]
     if skipped:
         print(f"not run with kernel layout {args.weight_layout}: {', '.join(skipped)} "
               "(needs --weight-layout replicated)")
     progress("placing the weights on the mesh")
-    norm_weight, up_proj_kernel = place_weights(config, mesh, args.weight_layout, rng)
+    norm_weight, up_proj_kernel = place_weights(config, mesh, args.weight_layout, rng, axis_name=AXIS_NAME)
     rows = []
     for index, num_tokens in enumerate(args.tokens, start=1):
-        routed_partials, shared_partials = place_partials(config, mesh, num_tokens, rng)
+        routed_partials, shared_partials = place_partials(config, mesh, num_tokens, rng, axis_name=AXIS_NAME)
         forward = functools.partial(
             tail_forward, routed_partials, shared_partials, norm_weight, up_proj_kernel,
             config=config, mesh=mesh, axis_name=AXIS_NAME, weight_layout=args.weight_layout,
@@ -311,61 +660,9 @@ def demo_devices(cpu_device_count: int, *, accelerators: bool = True) -> list[ja
     if len(cpu_devices) < cpu_device_count:
         raise CommandError(
             f"--devices {cpu_device_count}: JAX's CPU backend was already initialised with {len(cpu_devices)} "
-            "device(s); run the demo in a fresh process"
+            "device(s); run the command in a fresh process"
         )
     return cpu_devices[:cpu_device_count]
-
-
-def place_weights(
-    config: TailConfig, mesh: Mesh, weight_layout: str, rng: np.random.Generator
-) -> tuple[jax.Array, jax.Array]:
-    """Random norm weight [L] (1 + 0.1 randn, replicated) and up-projection kernel (randn / sqrt(L)).
-
-    The kernel is [L, H] replicated, or for the "column" layout column-sharded ``P(None, "tp")``,
-    stored with zero columns up to ``padded_hidden_size(H, p)`` when p does not divide H.
-    """
-    latent, hidden = config.latent_size, config.hidden_size
-    norm_weight = 1 + 0.1 * rng.standard_normal(latent, dtype=np.float32)
-    kernel = rng.standard_normal((latent, hidden), dtype=np.float32) / np.sqrt(latent)
-    if weight_layout == "column":
-        padding = padded_hidden_size(hidden, mesh.shape[AXIS_NAME]) - hidden
-        kernel, kernel_spec = np.pad(kernel, [(0, 0), (0, padding)]), P(None, AXIS_NAME)
-    else:
-        kernel_spec = P()
-    return place(norm_weight, config, mesh, P()), place(kernel, config, mesh, kernel_spec)
-
-
-def place_partials(
-    config: TailConfig, mesh: Mesh, num_tokens: int, rng: np.random.Generator
-) -> tuple[jax.Array, jax.Array]:
-    """Random routed [p, T, L] and shared [p, T, H] partials (randn / sqrt(p)), rank i holding entry i."""
-    tp_size = mesh.shape[AXIS_NAME]
-    scale = 1 / np.sqrt(tp_size)
-    routed = scale * rng.standard_normal((tp_size, num_tokens, config.latent_size), dtype=np.float32)
-    shared = scale * rng.standard_normal((tp_size, num_tokens, config.hidden_size), dtype=np.float32)
-    return place(routed, config, mesh, P(AXIS_NAME)), place(shared, config, mesh, P(AXIS_NAME))
-
-
-def place(host_array: np.ndarray, config: TailConfig, mesh: Mesh, spec: P) -> jax.Array:
-    """``host_array`` cast to ``config.dtype`` and put on ``mesh`` with sharding ``spec``."""
-    return jax.device_put(jnp.asarray(host_array, dtype=config.dtype), NamedSharding(mesh, spec))
-
-
-def time_runs(forward: Callable[[], jax.Array], repeats: int) -> tuple[jax.Array, float, float]:
-    """Run ``forward`` once (compiling it), then ``repeats`` times more.
-
-    Returns the warm-up run's output, its wall time in seconds and the median wall time of the
-    timed runs in seconds; every run waits for its result to be ready.
-    """
-    start = time.perf_counter()
-    output = forward().block_until_ready()
-    warmup_seconds = time.perf_counter() - start
-    run_seconds = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        forward().block_until_ready()
-        run_seconds.append(time.perf_counter() - start)
-    return output, warmup_seconds, statistics.median(run_seconds)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -393,9 +690,9 @@ def run_every_tier(
     timings = {}
     for tier in tiers:
         progress(f"{label} {tier.value}: ", end="")
-        output, warmup_seconds, median_seconds = time_runs(functools.partial(forward, tier=tier), repeats)
-        timings[tier] = np.asarray(output, dtype=np.float32), median_seconds
-        progress(f"warm-up {warmup_seconds:.2f} s, median {1e3 * median_seconds:.1f} ms")
+        output, warmup_seconds, timing = time_runs(functools.partial(forward, tier=tier), repeats=repeats)
+        timings[tier] = np.asarray(output, dtype=np.float32), timing.median_s
+        progress(f"warm-up {warmup_seconds:.2f} s, median {1e3 * timing.median_s:.1f} ms")
     native_output, _ = timings[Tier.NATIVE]
     native_norm = np.linalg.norm(native_output)
     rows = []

@@ -98,7 +98,12 @@ def compile_tail(
     if not isinstance(config, TailConfig):
         raise ValueError(f"config: expected a k3_tail.TailConfig, got {type(config).__name__}")
     arguments = tail_arguments(config, mesh, num_tokens, axis_name=axis_name, weight_layout=weight_layout)
-    resolved = Tier.parse(tier) if tier is not None else select_tier(config, num_tokens, mesh.shape[axis_name]).tier
+    if tier is None:
+        tier = select_tier(
+            config, num_tokens, mesh.shape[axis_name], weight_layout=weight_layout,
+            device_kind=mesh.devices.flat[0].device_kind,
+        ).tier
+    resolved = Tier.parse(tier)
 
     def call(routed, shared, norm_weight, kernel):
         return tail_forward(

@@ -17,6 +17,8 @@ _FLOAT_DTYPES = tuple(np.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float
 ENV_OVERLAP_TOKEN_THRESHOLD = "VLLM_SHARED_EXPERTS_STREAM_TOKEN_THRESHOLD"
 ENV_DISABLE_OVERLAP = "VLLM_DISABLE_SHARED_EXPERTS_STREAM"
 
+SELECTION_POLICIES = ("vllm", "measured", "model")
+
 _TRUE_WORDS = ("1", "true", "yes", "on")
 _FALSE_WORDS = ("0", "false", "no", "off", "")
 
@@ -42,9 +44,16 @@ class TailConfig:
       fused_output_is_reduced: the routed output arrives already reduced (expert parallelism
         reduces it in the combine); the tail then skips the latent all-reduce and takes one
         replicated [T, L] latent instead of per-rank partials.
-      sequence_parallel: the surrounding model shards tokens over the TP axis. The fast tiers do not
-        serve it in this version: selection falls back to the native tier and says so; the output
-        is still returned replicated [T, H].
+      sequence_parallel: the surrounding model shards tokens over the TP axis: every tier returns
+        y token-sharded ([T/p, H] per rank; see :mod:`k3_tail.sequence_parallel`).
+      selection_policy: how the tier is chosen for a token count. "vllm" (default): the rules above
+        (vLLM's fixed threshold). "measured": the ``selection_table`` measured on this hardware
+        (:mod:`k3_tail.calibration`). "model": the tier :mod:`k3_tail.cost_model` predicts fastest
+        on the ``hardware`` preset.
+      selection_table: a :class:`k3_tail.calibration.SelectionTable`; required by, and only allowed
+        with, the "measured" policy.
+      hardware: a :data:`k3_tail.cost_model.HARDWARE` preset name; required by, and only allowed
+        with, the "model" policy.
     """
 
     hidden_size: int
@@ -60,6 +69,9 @@ class TailConfig:
     has_shared_experts: bool = True
     fused_output_is_reduced: bool = False
     sequence_parallel: bool = False
+    selection_policy: str = "vllm"
+    selection_table: Any = None
+    hardware: str | None = None
 
     def __post_init__(self):
         for name, minimum in (("hidden_size", 1), ("latent_size", 1),
@@ -81,6 +93,28 @@ class TailConfig:
             raise ValueError(f"dtype: expected one of {names}, got {self.dtype!r}")
         # Normalised so that equal configs hash equally whatever spelling of the dtype was given.
         object.__setattr__(self, "dtype", dtype)
+        self._check_selection_policy()
+
+    def _check_selection_policy(self) -> None:
+        if self.selection_policy not in SELECTION_POLICIES:
+            raise ValueError(f"selection_policy: expected one of {SELECTION_POLICIES}, got {self.selection_policy!r}")
+        measured = self.selection_policy == "measured"
+        if measured != (self.selection_table is not None):
+            raise ValueError('selection_table: expected a SelectionTable exactly when selection_policy == "measured"')
+        model = self.selection_policy == "model"
+        if model != (self.hardware is not None):
+            raise ValueError('hardware: expected a cost-model preset name exactly when selection_policy == "model"')
+        # Imported here: calibration and cost_model build on this module.
+        if measured:
+            from k3_tail.calibration import SelectionTable
+
+            if not isinstance(self.selection_table, SelectionTable):
+                raise ValueError(f"selection_table: expected a k3_tail.SelectionTable, got {self.selection_table!r}")
+        if model:
+            from k3_tail.cost_model import HARDWARE
+
+            if self.hardware not in HARDWARE:
+                raise ValueError(f"hardware: expected one of {sorted(HARDWARE)}, got {self.hardware!r}")
 
     @classmethod
     def kimi_k3(cls, **overrides: Any) -> TailConfig:

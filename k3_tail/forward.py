@@ -102,7 +102,9 @@ def _tail_forward_jit(routed_partials, shared_partials, norm_weight, up_proj_ker
         config=config, tp_size=tp_size, weight_layout=weight_layout,
     )
     if tier is None:
-        tier = select_tier(config, num_tokens, tp_size).tier
+        tier = select_tier(
+            config, num_tokens, tp_size, weight_layout=weight_layout, device_kind=mesh.devices.flat[0].device_kind
+        ).tier
     if weight_layout == "column":
         up_proj_kernel = pad_columns(up_proj_kernel, padded_hidden_size(config.hidden_size, tp_size))
 

@@ -79,7 +79,10 @@ class LatentMoETail(nnx.Module):
 
     def plan(self, num_tokens: int) -> TierDecision:
         """The tier a call with ``num_tokens`` tokens takes on this module's mesh, and why."""
-        return select_tier(self.config, num_tokens, self.tp_size)
+        return select_tier(
+            self.config, num_tokens, self.tp_size, weight_layout=self.weight_layout,
+            device_kind=self.mesh.devices.flat[0].device_kind,
+        )
 
     def __call__(self, routed_partials, shared_partials, *, tier: Tier | str | None = None) -> jax.Array:
         """y [T, H] from routed_partials [p, T, L] and shared_partials [p, T, H] (see tail_forward)."""

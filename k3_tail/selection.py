@@ -34,9 +34,20 @@ class Tier(str, enum.Enum):
     SCATTER_GATHER = "scatter_gather"
     ONE_SHOT = "one_shot"
 
-    def supports(self, weight_layout: str) -> bool:
-        """Whether the tier runs with ``weight_layout`` ("column" or "replicated")."""
-        return self is not Tier.ONE_SHOT or weight_layout == "replicated"
+    def supports(self, weight_layout: str, config: TailConfig | None = None) -> bool:
+        """Whether the tier runs with ``weight_layout`` ("column" or "replicated") and ``config``."""
+        return self.why_not(weight_layout, config) is None
+
+    def why_not(self, weight_layout: str, config: TailConfig | None = None) -> str | None:
+        """Why the tier cannot run with ``weight_layout`` and ``config`` (None: not considered), or
+        None when it can: one_shot needs the whole kernel and the routed partials unreduced."""
+        if self is not Tier.ONE_SHOT:
+            return None
+        if weight_layout != "replicated":
+            return f"one_shot does not run with weight_layout={weight_layout!r} (it needs 'replicated')"
+        if config is not None and config.fused_output_is_reduced:
+            return "one_shot reduces the routed partials itself, so it cannot serve fused_output_is_reduced=True"
+        return None
 
     @classmethod
     def parse(cls, value: Tier | str, *, argument: str = "tier") -> Tier:
@@ -62,8 +73,24 @@ class TierDecision:
         return f"{self.tier.value}: {self.reason}"
 
 
-def select_tier(config: TailConfig, num_tokens: int, tp_size: int) -> TierDecision:
+def select_tier(
+    config: TailConfig,
+    num_tokens: int,
+    tp_size: int,
+    *,
+    weight_layout: str | None = None,
+    device_kind: str | None = None,
+) -> TierDecision:
     """Pick the tier for a call with ``num_tokens`` tokens (T) on ``tp_size`` (p) TP ranks.
+
+    ``weight_layout`` and ``device_kind`` (a device's ``.device_kind``) describe the call where the
+    caller knows them: the "measured" and "model" policies need them to check or price the call.
+
+    Rule 1 below holds for every ``config.selection_policy``; rules 2-4 are the "vllm" policy. The
+    "measured" policy replaces them by the range of ``config.selection_table`` that holds T (the
+    table must have been measured for this p, shapes, dtype, layout and device kind, else
+    ValueError); the "model" policy by the tier :mod:`k3_tail.cost_model` predicts fastest on
+    ``config.hardware``. The reason names the policy's evidence.
 
     The rules, in order:
       1. The fast tiers need p > 1, a shared-expert partial, an unreduced routed output and a
@@ -84,7 +111,7 @@ def select_tier(config: TailConfig, num_tokens: int, tp_size: int) -> TierDecisi
     num_tokens = check_int("num_tokens", num_tokens, minimum=0)
     tp_size = check_int("tp_size", tp_size, minimum=1)
 
-    decision = _select_replicated(config, num_tokens, tp_size)
+    decision = _select_replicated(config, num_tokens, tp_size, weight_layout, device_kind)
     if not config.sequence_parallel:
         return decision
     reason = f"{decision.reason}; sequence-parallel output: {_SP_FORM[decision.tier]}"
@@ -107,7 +134,9 @@ _SP_FORM = {
 }
 
 
-def _select_replicated(config: TailConfig, num_tokens: int, tp_size: int) -> TierDecision:
+def _select_replicated(
+    config: TailConfig, num_tokens: int, tp_size: int, weight_layout: str | None, device_kind: str | None
+) -> TierDecision:
     """The rules of :func:`select_tier`, whatever the output's token sharding."""
     if tp_size == 1:
         return TierDecision(Tier.NATIVE, "tp_size == 1: no tensor parallelism, nothing to reduce or shard")
@@ -123,6 +152,10 @@ def _select_replicated(config: TailConfig, num_tokens: int, tp_size: int) -> Tie
         )
     if num_tokens == 0:
         return TierDecision(Tier.NATIVE, "num_tokens == 0: empty batch, the result is an empty [0, H]")
+    if config.selection_policy == "measured":
+        return _select_measured(config, num_tokens, tp_size, weight_layout, device_kind)
+    if config.selection_policy == "model":
+        return _select_by_model(config, num_tokens, tp_size, weight_layout)
     if config.use_scatter_gather and num_tokens <= config.scatter_gather_max_tokens:
         return TierDecision(
             Tier.SCATTER_GATHER,
@@ -144,3 +177,26 @@ def _select_replicated(config: TailConfig, num_tokens: int, tp_size: int) -> Tie
         )
     return TierDecision(Tier.COLUMN_PARALLEL, why)
 
+
+
+def _select_measured(
+    config: TailConfig, num_tokens: int, tp_size: int, weight_layout: str | None, device_kind: str | None
+) -> TierDecision:
+    table = config.selection_table
+    table.check_matches(config, tp_size, weight_layout=weight_layout, device_kind=device_kind)
+    token_range = table.range_for(num_tokens)
+    source = f", {table.source}" if table.source else ""
+    return TierDecision(
+        token_range.tier,
+        f"measured selection table ({table.device_kind}, p={table.tp_size}, {table.weight_layout} layout{source}): "
+        f"T={num_tokens} in {token_range}",
+    )
+
+
+def _select_by_model(config: TailConfig, num_tokens: int, tp_size: int, weight_layout: str | None) -> TierDecision:
+    from k3_tail import cost_model  # imported here: the cost model builds on this module
+
+    if weight_layout is None:
+        raise ValueError('weight_layout: the "model" selection policy prices the call, so it needs its weight layout')
+    decision = cost_model.best_tier(config, num_tokens, tp_size, hardware=config.hardware, weight_layout=weight_layout)
+    return TierDecision(decision.tier, f"cost model: {decision.reason}")

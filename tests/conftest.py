@@ -5,7 +5,9 @@ extra installs a CUDA plugin that would otherwise try to start (and print a trac
 without a GPU. ``JAX_PLATFORMS=rocm`` (scripts/rocm_check.sh) or ``=cuda`` runs them on that GPU mesh.
 """
 
+import json
 import os
+import time
 
 import jax
 import pytest
@@ -54,3 +56,40 @@ def tier_layouts():
 def layout_for(tier, preferred="column"):
     """``preferred`` when ``tier`` runs with it, else "replicated"."""
     return preferred if tier.supports(preferred) else "replicated"
+
+
+def once_per_session(tmp_path_factory, name, produce, *, timeout_s):
+    """``produce(directory)``'s JSON-serialisable result, computed once per test session.
+
+    Under pytest-xdist every worker asks for it; the worker that creates the shared directory first
+    runs ``produce`` there and the others wait for its result (at most ``timeout_s``). Returns
+    (directory, result). A ``produce`` that raises fails every test that asked for the result.
+    """
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent  # the session's directory, above each worker's own
+    directory = shared / name
+    result_path = directory / "result.json"
+    try:
+        directory.mkdir()  # atomic: exactly one worker gets here first
+    except FileExistsError:
+        deadline = time.monotonic() + timeout_s
+        while not result_path.exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if not result_path.exists():
+            pytest.fail(f"{name}: the worker producing it did not finish within {timeout_s} s", pytrace=False)
+    else:
+        outcome = {"error": "interrupted"}
+        try:
+            outcome = {"result": produce(directory)}
+        except Exception as error:  # reported below, to this worker's tests and the others' alike
+            outcome = {"error": f"{type(error).__name__}: {error}"}
+        finally:
+            # Written whole, then renamed: a waiting worker never reads half of it.
+            partial = directory / "result.partial"
+            partial.write_text(json.dumps(outcome))
+            partial.rename(result_path)
+    outcome = json.loads(result_path.read_text())
+    if "error" in outcome:
+        pytest.fail(f"{name}: {outcome['error']}", pytrace=False)
+    return directory, outcome["result"]

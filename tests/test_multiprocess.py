@@ -20,6 +20,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import pytest
 
+from conftest import once_per_session
 from k3_tail.multiprocess import initialize
 from multiprocess_worker import CASES, TIERS_AND_LAYOUTS
 from reference import TOLERANCE
@@ -32,8 +33,6 @@ RUN_LIMIT_S = 240  # start-up and every case of one pair of processes
 FAILURE_LIMIT_S = 120  # the failure tests end in seconds; this only bounds a harness bug
 STDERR_TAIL_LINES = 15
 
-# Under `pytest -n`, `--dist loadgroup` keeps the tests of `results` on one worker: the processes run once.
-ONE_RUN = pytest.mark.xdist_group("multiprocess-results")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,20 +124,25 @@ def stderr_tail(stderr: str) -> list[str]:
     return lines[-STDERR_TAIL_LINES:]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def results(tmp_path_factory):
-    """Each process's JSON result, from one pair of processes running every case."""
-    run_dir = tmp_path_factory.mktemp("multiprocess")
-    port = free_loopback_port()
-    result_paths = [run_dir / f"result{i}.json" for i in range(NUM_PROCESSES)]
-    commands = [worker_command(i, port, path) for i, path in enumerate(result_paths)]
-    ended = run_processes(commands, run_dir, limit_s=RUN_LIMIT_S)
-    if any(e.returncode != 0 for e in ended):
-        pytest.fail(f"the {NUM_PROCESSES} processes did not all succeed:\n{report(ended)}", pytrace=False)
-    return [json.loads(path.read_text()) for path in result_paths]
+    """Each process's JSON result, from one pair of processes running every case (once per session)."""
+
+    def run(run_dir):
+        port = free_loopback_port()
+        result_paths = [run_dir / f"result{i}.json" for i in range(NUM_PROCESSES)]
+        commands = [worker_command(i, port, path) for i, path in enumerate(result_paths)]
+        ended = run_processes(commands, run_dir, limit_s=RUN_LIMIT_S)
+        if any(e.returncode != 0 for e in ended):
+            return {"failure": f"the {NUM_PROCESSES} processes did not all succeed:\n{report(ended)}"}
+        return {"results": [json.loads(path.read_text()) for path in result_paths]}
+
+    _, outcome = once_per_session(tmp_path_factory, "multiprocess", run, timeout_s=RUN_LIMIT_S + 30)
+    if "failure" in outcome:
+        pytest.fail(outcome["failure"], pytrace=False)
+    return outcome["results"]
 
 
-@ONE_RUN
 def test_every_process_sees_the_devices_of_all_processes(results):
     for process_id, result in enumerate(results):
         assert result["process_id"] == process_id
@@ -147,7 +151,6 @@ def test_every_process_sees_the_devices_of_all_processes(results):
         assert result["device_count"] == NUM_PROCESSES * LOCAL_DEVICES
 
 
-@ONE_RUN
 @pytest.mark.parametrize("case", CASES, ids=lambda case: case.id)
 def test_every_process_gets_the_float64_reference(case, results):
     for process_id, result in enumerate(results):

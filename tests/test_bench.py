@@ -1,0 +1,266 @@
+"""The benchmark: k3_tail.benchmark on small meshes, and `python -m k3_tail bench` in a fresh process.
+
+Nothing here asserts that one tier is faster than another (times depend on the machine and its
+load); the tests check that every measurement is there and its statistics are consistent.
+"""
+
+import csv
+import io
+import itertools
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+from conftest import make_tp_mesh, once_per_session
+
+from k3_tail import TailConfig, Tier
+from k3_tail.benchmark import (
+    Measurement, Timing, check_tiers, default_token_counts, local_gemm_columns, measure_local_gemm, measure_tiers,
+    token_ladder,
+)
+from k3_tail.cli import ProgressBar, main
+
+SMALL_CONFIG = TailConfig(hidden_size=48, latent_size=16)
+SMALL_FLAGS = ["--hidden-size", "64", "--latent-size", "32"]
+COLUMN_TIERS = ["native", "overlap", "column_parallel", "scatter_gather"]
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+CLI_RUN_LIMIT_S = 300
+
+
+def run_cli(*argv, timeout=CLI_RUN_LIMIT_S):
+    environment = {key: value for key, value in os.environ.items() if key not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    return subprocess.run([sys.executable, "-m", "k3_tail", *map(str, argv)], capture_output=True, text=True,
+                          env=environment, timeout=timeout, check=False)
+
+
+def assert_consistent(measurement, repeats):
+    assert 0 < measurement.min_s <= measurement.q25_s <= measurement.median_s <= measurement.q75_s <= measurement.max_s
+    assert measurement.repeats == repeats
+
+
+# ---- k3_tail.benchmark, in this process ----
+
+
+@pytest.mark.parametrize("layout", ["column", "replicated"])
+def test_measure_tiers_defaults_to_every_tier_the_layout_runs(layout):
+    measurements = measure_tiers(SMALL_CONFIG, make_tp_mesh(2), [3], weight_layout=layout, repeats=2)
+    assert [m.tier for m in measurements] == [tier for tier in Tier if tier.supports(layout)]
+    for m in measurements:
+        assert (m.num_tokens, m.tp_size, m.weight_layout) == (3, 2, layout)
+        assert_consistent(m, repeats=2)
+
+
+def test_measure_tiers_keeps_the_given_tiers_in_order_token_count_major():
+    measurements = measure_tiers(SMALL_CONFIG, make_tp_mesh(2), [1, 3], tiers=["scatter_gather", Tier.NATIVE],
+                                 repeats=1)
+    assert [(m.num_tokens, m.tier) for m in measurements] == [
+        (1, Tier.SCATTER_GATHER), (1, Tier.NATIVE), (3, Tier.SCATTER_GATHER), (3, Tier.NATIVE)
+    ]
+
+
+def test_measure_tiers_reports_each_measurement_as_it_starts():
+    labels = []
+    measure_tiers(SMALL_CONFIG, make_tp_mesh(2), [1, 3], tiers=["native"], repeats=1, on_progress=labels.append)
+    assert labels == ["p=2 T=1 native", "p=2 T=3 native"]
+
+
+@pytest.mark.parametrize("changes", [
+    {"use_latent_norm": False}, {"has_shared_experts": False}, {"fused_output_is_reduced": True},
+], ids=["no-norm", "no-shared", "reduced-routed"])
+def test_measure_tiers_places_inputs_for_any_config(changes):
+    config = TailConfig(hidden_size=48, latent_size=16, **changes)
+    measurements = measure_tiers(config, make_tp_mesh(2), [3], tiers=["native", "column_parallel"], repeats=1)
+    assert [m.tier for m in measurements] == [Tier.NATIVE, Tier.COLUMN_PARALLEL]
+
+
+@pytest.mark.parametrize("tiers, layout, config, message", [
+    (["one_shot"], "column", SMALL_CONFIG, "tiers: one_shot does not run with weight_layout='column'"),
+    (["one_shot"], "replicated", TailConfig(48, 16, fused_output_is_reduced=True), "tiers: one_shot reduces"),
+    (["native", "native"], "column", SMALL_CONFIG, "tiers: native is given twice"),
+    (["fastest"], "column", SMALL_CONFIG, "tiers: expected a k3_tail.Tier"),
+    ([], "column", SMALL_CONFIG, "tiers: expected at least one tier"),
+])
+def test_check_tiers_names_the_tier_that_cannot_run(tiers, layout, config, message):
+    with pytest.raises(ValueError, match=f"^{message}"):
+        check_tiers(tiers, layout, config)
+
+
+def test_measure_tiers_rejects_an_unrunnable_tier_before_running_anything():
+    labels = []
+    with pytest.raises(ValueError, match="^tiers: one_shot"):
+        measure_tiers(SMALL_CONFIG, make_tp_mesh(2), [1], tiers=["native", "one_shot"], on_progress=labels.append)
+    assert labels == []
+
+
+@pytest.mark.parametrize("concurrent", [False, True], ids=["one-device", "every-device"])
+def test_measure_local_gemm_times_the_bare_projection(concurrent):
+    timing = measure_local_gemm(SMALL_CONFIG, make_tp_mesh(2), 3, columns=24, repeats=3, concurrent=concurrent)
+    assert_consistent(timing, repeats=3)
+
+
+@pytest.mark.parametrize("layout, tier, columns", [
+    ("column", Tier.NATIVE, 25), ("column", Tier.SCATTER_GATHER, 25),
+    ("replicated", Tier.NATIVE, 99), ("replicated", Tier.OVERLAP, 99), ("replicated", Tier.ONE_SHOT, 99),
+    ("replicated", Tier.COLUMN_PARALLEL, 25), ("replicated", Tier.SCATTER_GATHER, 25),
+])
+def test_local_gemm_columns_is_the_padded_block_or_all_of_h(layout, tier, columns):
+    assert local_gemm_columns(tier, TailConfig(hidden_size=99, latent_size=16), 4, layout) == columns
+
+
+def test_token_ladder_doubles_up_to_its_maximum():
+    assert token_ladder() == tuple(2**k for k in range(14))
+    assert token_ladder(100) == (1, 2, 4, 8, 16, 32, 64, 100)
+
+
+def test_default_token_counts_stop_at_1024_on_cpu():
+    assert default_token_counts("cpu")[-1] == 1024 and default_token_counts("gpu")[-1] == 8192
+
+
+def test_timing_interpolates_quartiles_between_runs():
+    assert Timing.of([3.0, 1.0, 2.0, 10.0]) == Timing(
+        median_s=2.5, min_s=1.0, max_s=10.0, q25_s=1.75, q75_s=4.75, repeats=4
+    )
+
+
+def test_measurement_round_trips_through_its_dict_and_csv_strings():
+    measurement = Measurement(Tier.ONE_SHOT, 16, 8, "replicated", 2e-3, 1e-3, 4e-3, 1.5e-3, 3e-3, 5)
+    assert measurement.to_dict()["tier"] == "one_shot"
+    assert Measurement.from_dict(measurement.to_dict()) == measurement
+    assert Measurement.from_dict({k: str(v) for k, v in measurement.to_dict().items()}) == measurement
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_progress_bar_writes_a_line_per_step_off_a_terminal():
+    stream = io.StringIO()
+    bar = ProgressBar(2, stream)
+    bar.step("p=2 T=1 native")
+    bar.step("p=2 T=1 overlap")
+    bar.finish()
+    lines = stream.getvalue().splitlines()
+    assert "\r" not in stream.getvalue() and len(lines) == 3
+    assert lines[1].startswith("[############------------] 1/2 ") and lines[1].endswith("p=2 T=1 overlap")
+
+
+def test_progress_bar_redraws_one_line_on_a_terminal():
+    stream = _Terminal()
+    bar = ProgressBar(2, stream)
+    bar.step("p=2 T=1 native")
+    bar.finish()
+    text = stream.getvalue()
+    assert text.count("\r") == 2 and text.count("\n") == 1 and text.endswith("done\x1b[K\n")
+
+
+# ---- the command line ----
+
+
+def bench_error(argv, capsys):
+    """Exit status and stderr of ``main(["bench", *argv])`` in this process (argparse errors exit)."""
+    try:
+        status = main(["bench", *SMALL_FLAGS, *argv])
+    except SystemExit as exit_info:
+        status = exit_info.code
+    return status, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--tiers", "one_shot"], "--tiers: one_shot does not run with weight_layout='column'"),
+    (["--tiers", "native,native"], "--tiers: native is given twice"),
+    (["--json", "-", "--csv", "-"], "--json - and --csv -: only one of them can go to stdout"),
+    (["--csv", "/no/such/dir/bench.csv"], "--csv /no/such/dir/bench.csv: no such directory"),
+    (["--tp-sizes", "16"], "--tp-sizes: 16 is more than the 8 devices"),
+    (["--eps", "0"], "config: rms_norm_eps: expected a finite number > 0"),
+    (["--tiers", "fastest"], "argument --tiers: expected tiers among native,"),
+    (["--tokens", "1,0"], "argument --tokens: expected an integer >= 1, got '0'"),
+    (["--dtype", "int8"], "argument --dtype: invalid choice"),
+])
+def test_bench_bad_arguments_exit_2_with_a_one_line_error(argv, message, capsys):
+    status, error = bench_error(argv, capsys)
+    assert status == 2
+    error_lines = [line for line in error.splitlines() if "error:" in line]
+    assert len(error_lines) == 1 and error_lines[0].startswith(f"k3-tail bench: error: {message}")
+    assert "Traceback" not in error
+
+
+def test_bench_plot_without_matplotlib_says_how_to_install_it(monkeypatch, capsys, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` raise ImportError
+    status, error = bench_error(["--plot", str(tmp_path / "bench.png")], capsys)
+    assert status == 2 and error == "k3-tail bench: error: --plot needs matplotlib: pip install 'k3_tail[plot]'\n"
+
+
+@pytest.fixture(scope="session")
+def bench_run(tmp_path_factory):
+    """One small `bench` run (p in {2, 4} x T in {1, 8} x the column layout's tiers) with every output,
+    once per session (also under xdist)."""
+
+    def run(directory):
+        paths = {name: directory / f"bench.{name}" for name in ("json", "csv", "png")}
+        completed = run_cli("bench", *SMALL_FLAGS, "--tokens", "1,8", "--repeats", "2", "--tp-sizes", "2,4",
+                            "--json", paths["json"], "--csv", paths["csv"], "--plot", paths["png"],
+                            timeout=CLI_RUN_LIMIT_S)
+        return {"returncode": completed.returncode, "stdout": completed.stdout, "stderr": completed.stderr}
+
+    directory, outcome = once_per_session(tmp_path_factory, "bench-cli", run, timeout_s=CLI_RUN_LIMIT_S + 30)
+    result = subprocess.CompletedProcess("bench", **outcome)
+    assert result.returncode == 0, result.stderr
+    return result, {name: directory / f"bench.{name}" for name in ("json", "csv", "png")}
+
+
+EXPECTED_ROWS = {(p, t, tier) for p, t, tier in itertools.product((2, 4), (1, 8), COLUMN_TIERS)}
+
+
+def test_bench_table_has_a_row_per_p_t_and_tier(bench_run):
+    result, _ = bench_run
+    assert "config: H=64, L=32, bfloat16" in result.stdout and "not run: one_shot" in result.stdout
+    # Rows: p, T, tier, median ms, q25-q75 ms, speedup vs native, maybe "*".
+    rows = [line.split() for line in result.stdout.splitlines() if re.match(r"\s*\d+\s+\d+\s", line)]
+    assert {(int(row[0]), int(row[1]), row[2]) for row in rows} == EXPECTED_ROWS
+    assert all(row[5] == "1.00x" for row in rows if row[2] == "native")
+    selected = [(int(row[0]), int(row[1])) for row in rows if row[-1] == "*"]
+    assert sorted(selected) == sorted({(p, t) for p, t, _ in EXPECTED_ROWS})  # select_tier's pick, once per (p, T)
+
+
+def test_bench_json_has_every_measurement_with_consistent_statistics(bench_run):
+    document = json.loads(bench_run[1]["json"].read_text())
+    assert document["config"]["hidden_size"] == 64 and document["machine"]["device_count"] == 8
+    assert document["settings"]["tp_sizes"] == [2, 4] and document["settings"]["weight_layout"] == "column"
+    measurements = [Measurement.from_dict(row) for row in document["measurements"]]
+    assert {(m.tp_size, m.num_tokens, m.tier.value) for m in measurements} == EXPECTED_ROWS
+    for m in measurements:
+        assert_consistent(m, repeats=2)
+
+
+def test_bench_csv_holds_the_json_measurements(bench_run):
+    paths = bench_run[1]
+    with paths["csv"].open(newline="") as stream:
+        from_csv = [Measurement.from_dict(row) for row in csv.DictReader(stream)]
+    from_json = [Measurement.from_dict(row) for row in json.loads(paths["json"].read_text())["measurements"]]
+    assert from_csv == from_json and len(from_csv) == len(EXPECTED_ROWS)
+
+
+def test_bench_plot_is_a_png(bench_run):
+    assert bench_run[1]["png"].read_bytes().startswith(PNG_SIGNATURE)
+
+
+def test_bench_progress_off_a_terminal_is_one_line_per_step(bench_run):
+    result, _ = bench_run
+    progress = [line for line in result.stderr.splitlines() if line.startswith("[")]
+    assert len(progress) == len(EXPECTED_ROWS) + 1 and progress[-1].startswith("[" + "#" * 24 + "] 16/16 ")
+    assert "\r" not in result.stderr and "Traceback" not in result.stderr
+
+
+def test_bench_json_to_stdout_leaves_the_table_to_stderr():
+    result = run_cli("bench", *SMALL_FLAGS, "--tokens", "4", "--repeats", "1", "--tp-sizes", "2",
+                     "--weight-layout", "replicated", "--tiers", "native,one_shot", "--json", "-")
+    assert result.returncode == 0, result.stderr
+    document = json.loads(result.stdout)
+    assert [(m["tier"], m["weight_layout"]) for m in document["measurements"]] == [
+        ("native", "replicated"), ("one_shot", "replicated")
+    ]
+    assert "median ms" in result.stderr

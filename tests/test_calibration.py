@@ -1,0 +1,181 @@
+"""Measured selection: tables from measurements, their JSON form, and select_tier following them."""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import make_tp_mesh
+from k3_tail import TailConfig, Tier, select_tier, tail_forward
+from k3_tail.benchmark import Measurement
+from k3_tail.calibration import FORMAT, SelectionTable, TokenRange, table_from_measurements
+from reference import TOLERANCE, make_inputs, reference_tail, relative_error
+
+CONFIG = TailConfig(hidden_size=96, latent_size=64)
+
+
+def measured(num_tokens, medians, tp_size=8, weight_layout="column"):
+    """Measurements at one T, ``medians`` mapping tier -> median seconds."""
+    return [
+        Measurement(tier, num_tokens, tp_size, weight_layout, median, median, median, median, median, 3)
+        for tier, median in medians.items()
+    ]
+
+
+def table(ranges, **changes):
+    fields = dict(device_kind="cpu", tp_size=8, weight_layout="column", hidden_size=96, latent_size=64,
+                  dtype="bfloat16", ranges=ranges)
+    return SelectionTable(**{**fields, **changes})
+
+
+TWO_RANGES = (TokenRange(1, 63, Tier.OVERLAP), TokenRange(64, None, Tier.COLUMN_PARALLEL))
+
+
+def test_each_measured_token_count_starts_a_range_of_its_fastest_tier():
+    measurements = (
+        measured(1, {Tier.OVERLAP: 1.0, Tier.COLUMN_PARALLEL: 2.0})
+        + measured(8, {Tier.OVERLAP: 1.0, Tier.COLUMN_PARALLEL: 3.0})
+        + measured(64, {Tier.OVERLAP: 5.0, Tier.COLUMN_PARALLEL: 4.0})
+        + measured(512, {Tier.OVERLAP: 9.0, Tier.COLUMN_PARALLEL: 8.0})
+    )
+    result = table_from_measurements(measurements, config=CONFIG, device_kind="cpu")
+    assert result.ranges == TWO_RANGES
+    assert (result.tp_size, result.weight_layout, result.dtype) == (8, "column", "bfloat16")
+
+
+def test_measurements_of_several_setups_are_rejected():
+    mixed = measured(1, {Tier.OVERLAP: 1.0}) + measured(1, {Tier.OVERLAP: 1.0}, tp_size=4)
+    with pytest.raises(ValueError, match="measurements: expected one TP size"):
+        table_from_measurements(mixed, config=CONFIG, device_kind="cpu")
+
+
+def test_json_round_trip(tmp_path):
+    path = tmp_path / "table.json"
+    original = table(TWO_RANGES, source="unit test")
+    original.save(path)
+    assert json.loads(path.read_text())["format"] == FORMAT
+    assert SelectionTable.load(path) == original
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"format": "v0"}, "selection_table.format"),
+        ({"tp_size": "8"}, "selection_table.tp_size"),
+        ({"ranges": []}, "selection_table.ranges"),
+        ({"ranges": [{"first": 2, "last": None, "tier": "overlap"}]}, "starting at T = 1"),
+        ({"ranges": [{"first": 1, "last": 9, "tier": "overlap"}]}, "only the last range is open-ended"),
+        ({"ranges": [{"first": 1, "last": 9, "tier": "overlap"}, {"first": 11, "last": None, "tier": "native"}]},
+         "expected first = 10"),
+        ({"ranges": [{"first": 1, "last": None, "tier": "tier0"}]}, r"selection_table.ranges\[0\]"),
+        ({"ranges": [{"first": 1, "last": None, "tier": "one_shot"}]}, "does not run with the 'column'"),
+    ],
+    ids=["format", "type", "no_ranges", "gap_at_start", "closed_end", "gap", "unknown_tier", "layout"],
+)
+def test_malformed_tables_are_value_errors_naming_the_field(tmp_path, change, message):
+    data = {**table(TWO_RANGES).to_dict(), **change}
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=message):
+        SelectionTable.load(path)
+
+
+def test_unreadable_file_is_a_value_error(tmp_path):
+    with pytest.raises(ValueError, match="cannot read"):
+        SelectionTable.load(tmp_path / "missing.json")
+
+
+@pytest.mark.parametrize(("num_tokens", "tier"), [(1, Tier.OVERLAP), (63, Tier.OVERLAP), (64, Tier.COLUMN_PARALLEL),
+                                                  (10**6, Tier.COLUMN_PARALLEL)])
+def test_select_tier_follows_the_table_and_names_it(num_tokens, tier):
+    config = dataclasses.replace(CONFIG, selection_policy="measured", selection_table=table(TWO_RANGES))
+    decision = select_tier(config, num_tokens, 8, weight_layout="column", device_kind="cpu")
+    assert decision.tier == tier
+    assert decision.reason.startswith("measured selection table (cpu, p=8, column layout)")
+
+
+def test_preconditions_still_come_first():
+    config = dataclasses.replace(CONFIG, selection_policy="measured", selection_table=table(TWO_RANGES))
+    assert select_tier(config, 0, 8).tier == Tier.NATIVE
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (dict(tp_size=4), "tp_size=8"),
+        (dict(weight_layout="replicated"), "weight_layout='column'"),
+        (dict(device_kind="NVIDIA H200"), "device_kind='cpu'"),
+    ],
+    ids=["tp_size", "layout", "device_kind"],
+)
+def test_a_table_measured_elsewhere_is_a_value_error(call, message):
+    config = dataclasses.replace(CONFIG, selection_policy="measured", selection_table=table(TWO_RANGES))
+    arguments = {"tp_size": 8, "weight_layout": "column", "device_kind": "cpu", **call}
+    with pytest.raises(ValueError, match=f"selection_table: measured with {message}"):
+        select_tier(config, 16, arguments.pop("tp_size"), **arguments)
+
+
+def test_a_table_for_other_shapes_is_a_value_error():
+    config = TailConfig(hidden_size=99, latent_size=64, selection_policy="measured",
+                        selection_table=table(TWO_RANGES))
+    with pytest.raises(ValueError, match="hidden_size=96"):
+        select_tier(config, 16, 8)
+
+
+@pytest.mark.parametrize(
+    ("changes", "argument"),
+    [
+        ({"selection_policy": "fastest"}, "selection_policy"),
+        ({"selection_policy": "measured"}, "selection_table"),
+        ({"selection_table": table(TWO_RANGES)}, "selection_table"),
+        ({"selection_policy": "measured", "selection_table": "table.json"}, "selection_table"),
+        ({"selection_policy": "model"}, "hardware"),
+        ({"hardware": "mi355x"}, "hardware"),
+        ({"selection_policy": "model", "hardware": "tpu"}, "hardware"),
+    ],
+    ids=["unknown_policy", "measured_without_table", "table_without_policy", "table_not_a_table",
+         "model_without_hardware", "hardware_without_policy", "unknown_hardware"],
+)
+def test_inconsistent_policy_settings_are_value_errors(changes, argument):
+    with pytest.raises(ValueError, match=f"^{argument}"):
+        dataclasses.replace(CONFIG, **changes)
+
+
+def test_tail_forward_checks_the_device_kind_of_its_mesh():
+    config = dataclasses.replace(CONFIG, selection_policy="measured",
+                                 selection_table=table(TWO_RANGES, device_kind="AMD Instinct MI355X"))
+    inputs = make_inputs(config, 8, 4)
+    with pytest.raises(ValueError, match="device_kind"):
+        tail_forward(inputs.routed, inputs.shared, inputs.norm_weight, inputs.kernel, config=config,
+                     mesh=make_tp_mesh(8), weight_layout="column")
+
+
+def run_cli(*argv):
+    environment = {key: value for key, value in os.environ.items() if key not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    return subprocess.run([sys.executable, "-m", "k3_tail", *argv], capture_output=True, text=True, env=environment,
+                          timeout=600, check=False)
+
+
+def test_calibrate_writes_a_table_that_tail_forward_follows(tmp_path):
+    path = tmp_path / "table.json"
+    result = run_cli("calibrate", "--out", str(path), "--tokens", "1,8", "--hidden-size", "96", "--latent-size", "64",
+                     "--repeats", "1", "--tp-size", "4")
+    assert result.returncode == 0, result.stderr
+    measured_table = SelectionTable.load(path)
+    assert (measured_table.device_kind, measured_table.tp_size, measured_table.weight_layout) == ("cpu", 4, "column")
+    assert "selection table" in result.stdout and "Traceback" not in result.stderr
+    config = dataclasses.replace(CONFIG, selection_policy="measured", selection_table=measured_table)
+    inputs = make_inputs(config, 4, 8)
+    y = tail_forward(inputs.routed, inputs.shared, inputs.norm_weight, inputs.kernel, config=config,
+                     mesh=make_tp_mesh(4), weight_layout="column")
+    assert relative_error(y, reference_tail(config, inputs)) <= TOLERANCE[config.dtype]
+    decision = select_tier(config, 8, 4, weight_layout="column", device_kind="cpu")
+    assert decision.tier == measured_table.range_for(8).tier and "k3-tail calibrate" in decision.reason
+
+
+def test_calibrate_into_a_missing_directory_is_a_one_line_error(tmp_path):
+    result = run_cli("calibrate", "--out", str(tmp_path / "missing" / "table.json"))
+    assert result.returncode == 2 and result.stderr.startswith("k3-tail calibrate: error: --out")

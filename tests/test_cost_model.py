@@ -1,0 +1,338 @@
+"""k3_tail.cost_model: per-rank counts that agree with the compiled programs, the time model, crossovers.
+
+The agreement tests compile every tier with :func:`k3_tail.compile_tail` and read the result with
+:func:`k3_tail.xla_report.report` and the program's HLO: on the deviceless 8 x H100 topology
+(XLA's real GPU pipeline; needs the ``[aot]`` extra), where collectives move bf16 as the tiers issue
+them, they compare bytes; on the 8-device CPU mesh, which moves bf16 collectives as float32, they
+compare element counts.
+"""
+
+import dataclasses
+import importlib.util
+import math
+
+import pytest
+
+from conftest import make_tp_mesh, tier_layouts
+from k3_tail import TailConfig, Tier, compile_tail, tail_arguments, topology_mesh
+from k3_tail.cost_model import (
+    ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, HARDWARE, REDUCE_SCATTER, CollectiveCost, Crossover, Hardware,
+    TierCost, best_tier, crossovers, predict_time, tier_cost,
+)
+from k3_tail.hlo_text import parse_module
+from k3_tail.xla_report import report
+
+K3 = TailConfig.kimi_k3()
+L, H, P = K3.latent_size, K3.hidden_size, 8
+AOT_MISSING = importlib.util.find_spec("jax_plugins.xla_cuda13") is None
+KINDS = (ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER, ALL_TO_ALL)
+TOLERANCE = 0.05
+# H not divisible by p (padded column blocks), and the switches that change what a tier moves.
+VARIANTS = {
+    "h1001": TailConfig(hidden_size=1001, latent_size=512),
+    "no_shared": TailConfig.kimi_k3(has_shared_experts=False),
+    "no_norm": TailConfig.kimi_k3(use_latent_norm=False),
+    "fused_reduced": TailConfig.kimi_k3(fused_output_is_reduced=True),
+}
+
+
+@pytest.fixture(scope="module")
+def gpu_mesh():
+    if AOT_MISSING:
+        pytest.skip("needs the [aot] extra (jax-cuda13-plugin and -pjrt of the installed jax) for h100x8")
+    return topology_mesh("h100x8")
+
+
+def compiled_figures(config, mesh, num_tokens, tier, weight_layout, *, elements=False):
+    """Per-device figures of the compiled program, named as the model's (bytes, or elements on CPU)."""
+    compiled = compile_tail(config, mesh, num_tokens, tier=tier, weight_layout=weight_layout)
+    result = report(compiled)
+    entry = parse_module(compiled.as_text()).entry
+    arguments = tail_arguments(config, mesh, num_tokens, weight_layout=weight_layout)
+    roles = [role for role, argument in zip(("routed", "shared", "norm", "kernel"), arguments, strict=True)
+             if argument is not None]
+    parameters = {roles[int(i.operand_text)]: sum(a.bytes for a in i.arrays)
+                  for i in entry.instructions if i.opcode == "parameter"}
+    kernel = parameters["kernel"]
+    if tier in (Tier.COLUMN_PARALLEL, Tier.SCATTER_GATHER) and weight_layout == "replicated":
+        kernel /= mesh.shape["tp"]  # these tiers read only their own [L, H/p] block of the whole kernel
+    root = next(i for i in entry.instructions if i.is_root)
+    size = (lambda array: array.elements) if elements else (lambda array: array.bytes)
+    figures = {
+        "gemm_flops": result.gemm_flops,
+        "weight_bytes": kernel + parameters.get("norm", 0),
+        "activation_bytes": parameters["routed"] + parameters.get("shared", 0) + sum(a.bytes for a in root.arrays),
+    }
+    for kind in KINDS:
+        figures[kind] = sum(size(array) for c in result.of_kind(kind) for array in c.arrays)
+    return figures
+
+
+def model_figures(config, num_tokens, tier, weight_layout, *, elements=False):
+    cost = tier_cost(config, num_tokens, P, tier=tier, weight_layout=weight_layout)
+    scale = config.dtype.itemsize if elements else 1
+    figures = {"gemm_flops": cost.gemm_flops, "weight_bytes": cost.weight_bytes,
+               "activation_bytes": cost.activation_bytes}
+    for kind in KINDS:
+        figures[kind] = cost.collective_bytes(kind) // scale
+    return figures
+
+
+def assert_agree(model, compiled):
+    """Every figure within TOLERANCE of the compiled program's (both zero counts as agreement)."""
+    off = {name: (model[name], compiled[name]) for name in model
+           if not math.isclose(model[name], compiled[name], rel_tol=TOLERANCE)}
+    assert not off, f"model vs compiled beyond {TOLERANCE:.0%}: {off}"
+
+
+@pytest.mark.parametrize("tier, weight_layout", tier_layouts())
+@pytest.mark.parametrize("num_tokens", [1, 16, 256])
+def test_counts_agree_with_the_gpu_compiled_program(gpu_mesh, num_tokens, tier, weight_layout):
+    """GEMM FLOPs, weight, activation and collective bytes per kind (XLA may combine all-reduces)."""
+    assert_agree(model_figures(K3, num_tokens, tier, weight_layout),
+                 compiled_figures(K3, gpu_mesh, num_tokens, tier, weight_layout))
+
+
+@pytest.mark.parametrize("tier, weight_layout", tier_layouts())
+def test_sequence_parallel_counts_agree_with_the_gpu_compiled_program(gpu_mesh, tier, weight_layout):
+    config = TailConfig.kimi_k3(sequence_parallel=True)
+    assert_agree(model_figures(config, 16, tier, weight_layout),
+                 compiled_figures(config, gpu_mesh, 16, tier, weight_layout))
+
+
+# Where a config switch changes what a tier moves (T = 16): padded column blocks (H = 1001, p = 8), no
+# shared reduction, no x in one_shot's packed buffer, no latent all-reduce.
+VARIANT_CASES = [
+    *(pytest.param("h1001", tier, layout, id=f"h1001-{tier.value}-{layout}")
+      for tier in Tier for layout in ("column", "replicated") if tier.supports(layout)
+      and (layout == "column" or tier is Tier.ONE_SHOT)),
+    *(pytest.param("no_shared", tier, "replicated", id=f"no_shared-{tier.value}")
+      for tier in (Tier.OVERLAP, Tier.SCATTER_GATHER, Tier.ONE_SHOT)),
+    pytest.param("no_norm", Tier.ONE_SHOT, "replicated", id="no_norm-one_shot"),
+    pytest.param("fused_reduced", Tier.COLUMN_PARALLEL, "column", id="fused_reduced-column_parallel"),
+]
+
+
+@pytest.mark.parametrize("variant, tier, weight_layout", VARIANT_CASES)
+def test_counts_agree_for_config_variants(gpu_mesh, variant, tier, weight_layout):
+    config = VARIANTS[variant]
+    assert_agree(model_figures(config, 16, tier, weight_layout),
+                 compiled_figures(config, gpu_mesh, 16, tier, weight_layout))
+
+
+@pytest.mark.parametrize("tier", [Tier.NATIVE, Tier.SCATTER_GATHER])
+def test_padded_sequence_parallel_call_agrees_with_the_gpu_compiled_program(gpu_mesh, tier):
+    """p does not divide T = 5: the tier runs on 8 rows and the result is gathered (tail_forward)."""
+    config = TailConfig.kimi_k3(sequence_parallel=True)
+    model = model_figures(config, 5, tier, "replicated")
+    compiled = compiled_figures(config, gpu_mesh, 5, tier, "replicated")
+    del model["activation_bytes"], compiled["activation_bytes"]  # the program's arguments hold T rows, the tier 8
+    assert_agree(model, compiled)
+
+
+@pytest.mark.parametrize("tier, weight_layout", tier_layouts())
+def test_element_counts_agree_with_the_cpu_compiled_program(tier, weight_layout):
+    """On CPU collectives move float32, so collectives compare as elements (the rest as bytes)."""
+    model = model_figures(K3, 16, tier, weight_layout, elements=True)
+    compiled = compiled_figures(K3, make_tp_mesh(P), 16, tier, weight_layout, elements=True)
+    assert_agree(model, compiled)
+
+
+# The module docstring's table at Kimi-K3, T = 16, p = 8: (kind, elements, hidden) per collective.
+T16 = 16
+HB = H // P
+EXPECTED_COLLECTIVES = {
+    (Tier.NATIVE, "replicated"): [(ALL_REDUCE, T16 * L, False), (ALL_REDUCE, T16 * H, False)],
+    (Tier.NATIVE, "column"): [(ALL_REDUCE, T16 * L, False), (ALL_GATHER, T16 * H, False), (ALL_REDUCE, T16 * H, False)],
+    (Tier.OVERLAP, "replicated"): [(ALL_REDUCE, T16 * L, False), (ALL_REDUCE, T16 * H, True)],
+    (Tier.OVERLAP, "column"): [(ALL_REDUCE, T16 * L, False), (ALL_REDUCE, T16 * H, True), (ALL_GATHER, T16 * H, False)],
+    (Tier.COLUMN_PARALLEL, "replicated"): [(ALL_REDUCE, T16 * L, False), (ALL_REDUCE, T16 * H, False)],
+    (Tier.COLUMN_PARALLEL, "column"): [(ALL_REDUCE, T16 * L, False), (ALL_REDUCE, T16 * H, False)],
+    (Tier.SCATTER_GATHER, "replicated"): [(ALL_REDUCE, T16 * L, False), (REDUCE_SCATTER, T16 * H, True),
+                                          (ALL_GATHER, T16 * H, False)],
+    (Tier.SCATTER_GATHER, "column"): [(ALL_REDUCE, T16 * L, False), (REDUCE_SCATTER, T16 * H, True),
+                                      (ALL_GATHER, T16 * H, False)],
+    (Tier.ONE_SHOT, "replicated"): [(ALL_REDUCE, T16 * (2 * H + L), False)],
+}
+
+
+@pytest.mark.parametrize("tier, weight_layout", tier_layouts())
+def test_collectives_follow_the_table(tier, weight_layout):
+    cost = tier_cost(K3, T16, P, tier=tier, weight_layout=weight_layout)
+    assert [(c.kind, c.buffer_bytes // 2, c.hidden) for c in cost.collectives] == \
+        EXPECTED_COLLECTIVES[tier, weight_layout]
+    assert all(c.group_size == P for c in cost.collectives)
+
+
+@pytest.mark.parametrize("tier, weight_layout", tier_layouts())
+def test_full_projection_only_for_the_replicated_native_overlap_and_one_shot(tier, weight_layout):
+    cost = tier_cost(K3, T16, P, tier=tier, weight_layout=weight_layout)
+    columns = H if weight_layout == "replicated" and tier in (Tier.NATIVE, Tier.OVERLAP, Tier.ONE_SHOT) else HB
+    assert cost.gemm_flops == 2 * T16 * L * columns
+    assert cost.weight_bytes == 2 * (L * columns + L)
+    assert cost.activation_bytes == 2 * T16 * (L + 2 * H)
+
+
+@pytest.mark.parametrize("kind, factor", [(ALL_REDUCE, 2 * 7 / 8), (REDUCE_SCATTER, 7 / 8), (ALL_GATHER, 7 / 8),
+                                          (ALL_TO_ALL, 7 / 8)])
+def test_ring_wire_bytes(kind, factor):
+    assert CollectiveCost(kind, 1024, 8).wire_bytes == pytest.approx(factor * 1024)
+
+
+def test_sequence_parallel_output_reduce_scatters_and_writes_own_rows():
+    cost = tier_cost(TailConfig.kimi_k3(sequence_parallel=True), T16, P, tier=Tier.COLUMN_PARALLEL)
+    assert [(c.kind, c.buffer_bytes // 2) for c in cost.collectives] == [(ALL_REDUCE, T16 * L),
+                                                                         (REDUCE_SCATTER, T16 * H)]
+    assert cost.activation_bytes == 2 * T16 * (L + H + H // P)
+
+
+def test_sequence_parallel_with_p_not_dividing_t_runs_padded_rows_then_gathers():
+    config = TailConfig.kimi_k3(sequence_parallel=True)
+    padded = tier_cost(config, 5, P, tier=Tier.OVERLAP)
+    exact = tier_cost(config, 8, P, tier=Tier.OVERLAP)
+    assert padded.collectives == exact.collectives + (CollectiveCost(ALL_GATHER, 2 * 8 * H, P),)
+    assert (padded.gemm_flops, padded.activation_bytes) == (exact.gemm_flops, exact.activation_bytes)
+
+
+@pytest.mark.parametrize("tier", list(Tier))
+def test_empty_batch_costs_nothing(tier):
+    cost = tier_cost(K3, 0, P, tier=tier)
+    assert (cost.gemm_flops, cost.weight_bytes, cost.activation_bytes, cost.collectives) == (0, 0, 0, ())
+    assert predict_time(cost, "mi355x").total_s == 0
+
+
+def test_time_is_the_roofline_plus_serial_collectives_with_the_hidden_one_overlapped():
+    hardware = Hardware("unit", peak_flops=1e12, hbm_bytes_per_s=1e9, link_bytes_per_s=1e6, collective_latency_s=1.0)
+    cost = TierCost(Tier.OVERLAP, 1, 4, "replicated", gemm_flops=3e12, weight_bytes=1e9, activation_bytes=1e9,
+                    collectives=(CollectiveCost(ALL_REDUCE, 4e6, 4), CollectiveCost(ALL_REDUCE, 1e6, 4, hidden=True)))
+    # compute 3 s, memory 2 s; serial AR 1 + 1.5 * 4 = 7 s; hidden AR 1 + 1.5 * 1 = 2.5 s, inside the 3 s local work
+    prediction = predict_time(cost, hardware)
+    assert dataclasses.astuple(prediction) == pytest.approx((3.0, 2.0, 9.5, 10.0))
+    assert prediction.local_s == 3.0
+
+
+def test_collectives_of_one_rank_cost_nothing():
+    cost = tier_cost(K3, 16, 1, tier=Tier.NATIVE)
+    prediction = predict_time(cost, "h200")
+    assert cost.collectives and prediction.collective_s == 0
+    assert prediction.total_s == prediction.local_s
+
+
+@pytest.mark.parametrize("hardware", sorted(HARDWARE))
+@pytest.mark.parametrize("weight_layout", ["column", "replicated"])
+@pytest.mark.parametrize("num_tokens", [1, 64, 4096])
+def test_overlap_is_never_slower_than_native(num_tokens, weight_layout, hardware):
+    native, overlap = (predict_time(tier_cost(K3, num_tokens, P, tier=tier, weight_layout=weight_layout),
+                                    hardware).total_s for tier in (Tier.NATIVE, Tier.OVERLAP))
+    assert overlap <= native
+
+
+@pytest.mark.parametrize("hardware", sorted(HARDWARE))
+@pytest.mark.parametrize("tier, weight_layout", tier_layouts())
+def test_predicted_time_grows_with_the_token_count(tier, weight_layout, hardware):
+    times = [predict_time(tier_cost(K3, t, P, tier=tier, weight_layout=weight_layout), hardware).total_s
+             for t in (1, 2, 16, 256, 4096)]
+    assert times == sorted(times)
+
+
+@pytest.mark.parametrize("hardware", sorted(HARDWARE))
+def test_one_shot_wins_only_through_the_latency_it_saves(hardware):
+    """It moves more bytes than overlap for the same local work: with no latency it never wins."""
+    no_latency = dataclasses.replace(HARDWARE[hardware], collective_latency_s=0.0)
+    assert all(c.after is not Tier.ONE_SHOT for c in crossovers(K3, P, hardware=no_latency))
+    assert best_tier(K3, 1, P, hardware=no_latency).tier is not Tier.ONE_SHOT
+
+
+@pytest.mark.parametrize("hardware", ["mi300x", "mi325x", "mi355x"])
+def test_replicated_layout_on_amd_one_shot_then_overlap(hardware):
+    """What the model implies for Kimi-K3 at TP8: one collective wins small batches, the hidden AR the rest."""
+    changes = crossovers(K3, P, hardware=hardware, weight_layout="replicated")
+    assert [(c.before, c.after) for c in changes] == [(Tier.ONE_SHOT, Tier.OVERLAP)]
+    assert 1 < changes[0].num_tokens <= 256
+
+
+@pytest.mark.parametrize("hardware", sorted(HARDWARE))
+def test_column_layout_column_parallel_then_scatter_gather(hardware):
+    """Few tokens: two collectives beat three; many: the reduce-scatter hidden behind the GEMM wins."""
+    changes = crossovers(K3, P, hardware=hardware, weight_layout="column")
+    assert [(c.before, c.after) for c in changes] == [(Tier.COLUMN_PARALLEL, Tier.SCATTER_GATHER)]
+    assert changes[0].num_tokens > 256
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+@pytest.mark.parametrize("weight_layout", ["column", "replicated"])
+@pytest.mark.parametrize("hardware", ["mi355x", "h200"])
+def test_crossovers_are_where_best_tier_changes(hardware, weight_layout, sequence_parallel):
+    """The vectorised scan agrees with best_tier at every T of the range."""
+    config = TailConfig.kimi_k3(sequence_parallel=sequence_parallel)
+    kwargs = {"hardware": hardware, "weight_layout": weight_layout}
+    fastest = [best_tier(config, t, P, **kwargs).tier for t in range(1, 2049)]
+    pairs = zip(range(2, 2049), fastest, fastest[1:], strict=False)
+    expected = [Crossover(t, before, after) for t, before, after in pairs if before is not after]
+    assert list(crossovers(config, P, token_range=(1, 2048), **kwargs)) == expected
+
+
+def test_crossovers_within_the_given_tiers():
+    changes = crossovers(K3, P, hardware="mi355x", tiers=["native", Tier.COLUMN_PARALLEL])
+    assert {c.before for c in changes} | {c.after for c in changes} <= {Tier.NATIVE, Tier.COLUMN_PARALLEL}
+
+
+def test_best_tier_reason_quotes_every_candidate_fastest_first():
+    decision = best_tier(K3, 1, P, hardware="mi355x")
+    assert decision.tier is Tier.ONE_SHOT
+    assert decision.reason.startswith("predicted fastest on mi355x at T=1, p=8, replicated weights: one_shot ")
+    assert all(tier.value in decision.reason for tier in Tier)
+
+
+@pytest.mark.parametrize("name", sorted(HARDWARE))
+def test_presets_are_positive_and_named_by_their_key(name):
+    hardware = HARDWARE[name]
+    assert hardware.name == name
+    assert min(hardware.peak_flops, hardware.hbm_bytes_per_s, hardware.link_bytes_per_s,
+               hardware.collective_latency_s) > 0
+
+
+def test_presets_cover_the_served_gpus():
+    assert set(HARDWARE) == {"mi300x", "mi325x", "mi355x", "h200"}
+
+
+BAD_ARGUMENTS = {
+    "config": lambda: tier_cost("k3", 16, P, tier=Tier.NATIVE),
+    "num_tokens-negative": lambda: tier_cost(K3, -1, P, tier=Tier.NATIVE),
+    "num_tokens-bool": lambda: tier_cost(K3, True, P, tier=Tier.NATIVE),
+    "tp_size": lambda: tier_cost(K3, 16, 0, tier=Tier.NATIVE),
+    "tier": lambda: tier_cost(K3, 16, P, tier="fast"),
+    "weight_layout": lambda: tier_cost(K3, 16, P, tier=Tier.NATIVE, weight_layout="row"),
+    "tier-one_shot_column": lambda: tier_cost(K3, 16, P, tier=Tier.ONE_SHOT, weight_layout="column"),
+    "tier-one_shot_fused_reduced": lambda: tier_cost(VARIANTS["fused_reduced"], 16, P, tier=Tier.ONE_SHOT),
+    "cost": lambda: predict_time("cost", "h200"),
+    "hardware-unknown": lambda: predict_time(tier_cost(K3, 16, P, tier=Tier.NATIVE), "b200"),
+    "hardware-none": lambda: best_tier(K3, 16, P, hardware=None),
+    "tiers-empty": lambda: best_tier(K3, 16, P, hardware="h200", tiers=[]),
+    "tiers-string": lambda: best_tier(K3, 16, P, hardware="h200", tiers="native"),
+    "tiers-unknown": lambda: best_tier(K3, 16, P, hardware="h200", tiers=["fast"]),
+    "tiers-one_shot_column": lambda: best_tier(K3, 16, P, hardware="h200", weight_layout="column", tiers=["one_shot"]),
+    "token_range-zero": lambda: crossovers(K3, P, hardware="h200", token_range=(0, 16)),
+    "token_range-reversed": lambda: crossovers(K3, P, hardware="h200", token_range=(16, 1)),
+    "token_range-list": lambda: crossovers(K3, P, hardware="h200", token_range=[1, 16]),
+    "tp_size-crossovers": lambda: crossovers(K3, 0, hardware="h200"),
+    "kind": lambda: CollectiveCost("all_reduce", 1024, P),
+    "kind-collective_bytes": lambda: tier_cost(K3, 16, P, tier=Tier.NATIVE).collective_bytes("allreduce"),
+    "group_size": lambda: CollectiveCost(ALL_REDUCE, 1024, 0),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_ARGUMENTS))
+def test_bad_arguments_are_value_errors_naming_the_argument(case):
+    with pytest.raises(ValueError, match=f"^{case.split('-')[0]}:"):
+        BAD_ARGUMENTS[case]()
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("name", ""), ("peak_flops", 0), ("hbm_bytes_per_s", -1.0), ("link_bytes_per_s", math.inf),
+     ("collective_latency_s", -1e-6), ("peak_flops", True), ("collective_latency_s", math.nan)],
+)
+def test_bad_hardware_fields_are_value_errors_naming_the_field(field, value):
+    with pytest.raises(ValueError, match=f"^{field}:"):
+        dataclasses.replace(HARDWARE["h200"], **{field: value})

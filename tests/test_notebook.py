@@ -1,0 +1,30 @@
+"""notebooks/tier_analysis.ipynb runs top to bottom on a CPU-only machine, from a clean kernel."""
+
+from pathlib import Path
+
+import pytest
+
+nbformat = pytest.importorskip("nbformat", reason="needs the [notebook] extra (nbformat, nbclient, ipykernel)")
+nbclient = pytest.importorskip("nbclient", reason="needs the [notebook] extra (nbformat, nbclient, ipykernel)")
+
+NOTEBOOK = Path(__file__).parent.parent / "notebooks" / "tier_analysis.ipynb"
+
+
+def test_notebook_is_committed_without_outputs():
+    notebook = nbformat.read(NOTEBOOK, as_version=4)
+    code = [cell for cell in notebook.cells if cell.cell_type == "code"]
+    assert code and all(not cell.outputs and cell.execution_count is None for cell in code)
+
+
+def test_notebook_executes_without_errors(tmp_path, monkeypatch):
+    # The kernel is a fresh process: it must not inherit a forced device count from XLA_FLAGS.
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    notebook = nbformat.read(NOTEBOOK, as_version=4)
+    client = nbclient.NotebookClient(
+        notebook, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+    )
+    client.execute()
+    errors = [output for cell in notebook.cells for output in cell.get("outputs", [])
+              if output.output_type == "error"]
+    assert not errors
+    assert (tmp_path / "cpu_sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
