@@ -108,8 +108,8 @@ def test_selection_runs_at_trace_time_and_a_second_call_does_not_retrace(inputs,
     config = dataclasses.replace(CONFIG, overlap_token_threshold=77)
     decisions = []
 
-    def recording_select_tier(*args):
-        decisions.append(k3_tail.select_tier(*args))
+    def recording_select_tier(*args, **kwargs):
+        decisions.append(k3_tail.select_tier(*args, **kwargs))
         return decisions[-1]
 
     monkeypatch.setattr(k3_tail.forward, "select_tier", recording_select_tier)
