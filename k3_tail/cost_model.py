@@ -243,7 +243,7 @@ def tier_cost(
     block = padded_hidden_size(hidden, tp_size) // tp_size
     sequence_parallel = config.sequence_parallel
     # The rows the tier works on: sequence-parallel output pads T to a multiple of p (at least p).
-    rows = (padded_token_count(num_tokens, tp_size) or tp_size) if sequence_parallel else num_tokens
+    rows = padded_token_count(num_tokens, tp_size) if sequence_parallel else num_tokens
     if rows == 0:
         return TierCost(tier, num_tokens, tp_size, weight_layout, 0, 0, 0, ())
     shared = config.has_shared_experts

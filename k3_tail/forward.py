@@ -109,9 +109,8 @@ def _tail_forward_jit(routed_partials, shared_partials, norm_weight, up_proj_ker
         up_proj_kernel = pad_columns(up_proj_kernel, padded_hidden_size(config.hidden_size, tp_size))
 
     if config.sequence_parallel:
-        # Zero token rows up to a multiple of p (at least p: a reduce-scatter cannot split zero rows),
-        # so each rank owns T/p rows; they are sliced off below.
-        padding = (padded_token_count(num_tokens, tp_size) or tp_size) - num_tokens
+        # Zero token rows up to a multiple of p, so each rank owns T/p rows; they are sliced off below.
+        padding = padded_token_count(num_tokens, tp_size) - num_tokens
         token_axis = 0 if config.fused_output_is_reduced else 1
         routed_partials = _pad_axis(routed_partials, token_axis, padding)
         shared_partials = None if shared_partials is None else _pad_axis(shared_partials, 1, padding)

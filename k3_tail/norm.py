@@ -19,8 +19,12 @@ def rms_norm(x: jax.Array, weight: jax.Array | None, *, eps: float, scale: float
     x = x.astype(jnp.float32) * scale
     if weight is None:
         return x
-    inverse_rms = lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
-    return x * inverse_rms * weight.astype(jnp.float32)
+    return x * inverse_rms(x, eps=eps) * weight.astype(jnp.float32)
+
+
+def inverse_rms(x: jax.Array, *, eps: float) -> jax.Array:
+    """``1 / sqrt(mean(x^2) + eps)`` over the last axis of float32 ``x`` [..., L]: [..., 1]."""
+    return lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
 
 
 def allreduce_norm_latent_out(

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from k3_tail.config import TailConfig
+from k3_tail.norm import inverse_rms
 from k3_tail.sequence_parallel import reduce_output
 
 
@@ -65,7 +65,7 @@ def one_shot_tail(
     y = packed[:, :hidden]
     if config.use_latent_norm:
         latent = packed[:, -config.latent_size:]
-        y = y * lax.rsqrt(jnp.mean(latent * latent, axis=-1, keepdims=True) + config.rms_norm_eps)
+        y = y * inverse_rms(latent, eps=config.rms_norm_eps)
     if shared_partial is not None:
         y = y + packed[:, hidden:2 * hidden]
     return y.astype(config.dtype)

@@ -178,7 +178,6 @@ def _select_replicated(
     return TierDecision(Tier.COLUMN_PARALLEL, why)
 
 
-
 def _select_measured(
     config: TailConfig, num_tokens: int, tp_size: int, weight_layout: str | None, device_kind: str | None
 ) -> TierDecision:

@@ -5,7 +5,7 @@ instead of all of y: the final all-reduce of [T, H] becomes a reduce-scatter ove
 wire bytes: (p-1)/p * 2TH instead of 2(p-1)/p * 2TH), an all-gather over columns becomes an
 all-to-all, and a replicated intermediate is cut to the own rows. The tier functions need T % p == 0
 per rank; :func:`k3_tail.tail_forward` pads the token dimension with zero rows (whose outputs are
-zero, since RMSNorm of a zero row is zero) and slices them off again.
+zero, since RMSNorm of a zero row is zero; at least p rows, also for T = 0) and slices them off again.
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ from jax import lax
 
 
 def padded_token_count(num_tokens: int, tp_size: int) -> int:
-    """The smallest multiple of ``tp_size`` that is >= ``num_tokens``."""
-    return -(-num_tokens // tp_size) * tp_size
+    """The rows a tier works on for sequence-parallel output: the smallest multiple of ``tp_size``
+    that is >= ``num_tokens``, and at least ``tp_size`` (a reduce-scatter cannot split zero rows)."""
+    return max(-(-num_tokens // tp_size), 1) * tp_size
 
 
 def reduce_output(x: jax.Array, *, axis_name: str, sequence_parallel: bool) -> jax.Array:

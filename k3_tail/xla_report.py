@@ -157,7 +157,7 @@ def report(compiled: jax.stages.Compiled, *, shared_argument: int | None = 1) ->
 
     derives_from_shared = functools.partial(_derives_from, symbols=symbols, argument=shared_argument, memo={})
     collectives = tuple(
-        _collective(module, schedule, position, num_devices, gemm_names, derives_from_shared)
+        _collective(module, symbols, position, num_devices, gemm_names, derives_from_shared)
         for position, instruction in enumerate(schedule)
         if _collective_kind(module, instruction) and not instruction.opcode.endswith("-done")
     )
@@ -190,7 +190,8 @@ def _collective_kind(module: Module, instruction: Instruction) -> str | None:
     return opcode if opcode in _COLLECTIVE_KINDS else None
 
 
-def _collective(module, schedule, position, num_devices, gemm_names, derives_from_shared) -> Collective:
+def _collective(module, symbols, position, num_devices, gemm_names, derives_from_shared) -> Collective:
+    schedule = module.entry.instructions
     instruction = schedule[position]
     kind = _collective_kind(module, instruction)
     is_async = instruction.opcode.endswith("-start")
@@ -201,7 +202,6 @@ def _collective(module, schedule, position, num_devices, gemm_names, derives_fro
              if schedule[index].opcode.endswith("-done") and schedule[index].operands[:1] == (instruction.name,)),
             position,
         )
-    symbols = module.entry.by_name()
     if kind == "all-gather":
         arrays = schedule[done].arrays if is_async else instruction.arrays
         arrays = arrays[-1:]  # an all-gather-start's result is (input, output)
