@@ -2,31 +2,44 @@
 
     y = RMSNorm_g(c * sum_i r_i) @ W + sum_i s_i      (replicated on every TP rank)
 
-Five tiers compute it (native, overlap, column-parallel, scatter-gather, one-shot); ``select_tier``
-picks one per token count (vLLM's rule, a measured table or the cost model) and says why;
-``tail_forward`` runs it on global arrays; ``LatentMoETail`` is the Flax NNX module. Tier functions
-run inside ``jax.shard_map`` over a named TP axis.
-``compile_tail`` compiles one call (also for a deviceless GPU topology, ``topology_mesh``) and
-``k3_tail.xla_report`` reads what XLA made of it. ``k3_tail.cost_model`` predicts each tier's cost,
-``k3_tail.benchmark`` measures it, ``k3_tail.calibration`` turns measurements into a selection table.
+The tiers (``Tier``; one module and one record each under ``k3_tail.tiers``) all compute it with
+different schedules; ``select_tier`` picks one per token count (vLLM's rule, a measured table or the
+cost model) and says why. ``latent_moe_tail`` is the per-rank entry point, for a model's own
+``jax.shard_map``; ``tail_forward`` runs it on global arrays; ``LatentMoETail`` is the Flax NNX
+module. ``compile_tail`` compiles one call (also for a deviceless GPU topology, ``topology_mesh``)
+and ``k3_tail.xla_report`` reads what XLA made of it; ``k3_tail.cost_model`` predicts each tier's
+cost. The benchmark (``k3_tail.benchmark``) and the multi-process helper (``k3_tail.multiprocess``)
+load on first use: ``import k3_tail`` loads only the core.
 """
 
-from k3_tail import benchmark, calibration, cost_model, multiprocess, xla_report
-from k3_tail.calibration import SelectionTable, TokenRange
-from k3_tail.column_parallel import column_parallel_tail
-from k3_tail.columns import WEIGHT_LAYOUTS, padded_hidden_size
-from k3_tail.compilation import compile_tail, compiler_options, tail_arguments
+import importlib
+
 from k3_tail.config import TailConfig
 from k3_tail.forward import tail_forward
 from k3_tail.module import LatentMoETail
-from k3_tail.native import native_tail
-from k3_tail.one_shot import one_shot_tail
-from k3_tail.norm import allreduce_norm_latent_out, rms_norm
-from k3_tail.overlap import overlap_tail
-from k3_tail.scatter_gather import scatter_gather_tail
-from k3_tail.selection import Tier, TierDecision, select_tier
-from k3_tail.topologies import GPU_TARGETS, TopologyUnavailable, topology_mesh
-from k3_tail.xla_report import XlaReport
+from k3_tail.per_rank import latent_moe_tail
+from k3_tail.selection import cost_model
+from k3_tail.selection import table as calibration
+from k3_tail.selection.decision import TierDecision
+from k3_tail.selection.rules import select_tier
+from k3_tail.selection.table import SelectionTable, TokenRange
+from k3_tail.tiers.column_parallel import column_parallel_tail
+from k3_tail.tiers.columns import WEIGHT_LAYOUTS, padded_hidden_size
+from k3_tail.tiers.native import native_tail
+from k3_tail.tiers.norm import allreduce_norm_latent_out, rms_norm
+from k3_tail.tiers.one_shot import one_shot_tail
+from k3_tail.tiers.overlap import overlap_tail
+from k3_tail.tiers.record import TierRecord
+from k3_tail.tiers.registry import Tier
+from k3_tail.tiers.scatter_gather import scatter_gather_tail
+from k3_tail.tiers.tokens import is_token_sharded_output
+from k3_tail.xla import report as xla_report
+from k3_tail.xla.compilation import compile_tail, compiler_options, tail_arguments
+from k3_tail.xla.report import XlaReport
+from k3_tail.xla.topologies import GPU_TARGETS, TopologyUnavailable, topology_mesh
+
+# Tools that are not part of the core, imported when first used as attributes of the package.
+_TOOLS = {"benchmark": "k3_tail.tools.benchmark", "multiprocess": "k3_tail.tools.multiprocess"}
 
 __all__ = [
     "GPU_TARGETS",
@@ -35,6 +48,7 @@ __all__ = [
     "TailConfig",
     "Tier",
     "TierDecision",
+    "TierRecord",
     "TokenRange",
     "TopologyUnavailable",
     "WEIGHT_LAYOUTS",
@@ -43,10 +57,12 @@ __all__ = [
     "benchmark",
     "calibration",
     "column_parallel_tail",
-    "multiprocess",
     "compile_tail",
     "compiler_options",
     "cost_model",
+    "is_token_sharded_output",
+    "latent_moe_tail",
+    "multiprocess",
     "native_tail",
     "one_shot_tail",
     "overlap_tail",
@@ -59,3 +75,13 @@ __all__ = [
     "topology_mesh",
     "xla_report",
 ]
+
+
+def __getattr__(name: str):
+    if name in _TOOLS:
+        return importlib.import_module(_TOOLS[name])
+    raise AttributeError(f"module 'k3_tail' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_TOOLS))

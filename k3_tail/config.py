@@ -8,8 +8,11 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
 import jax.numpy as jnp
+import numpy as np
+
+from k3_tail._checks import check_int
+from k3_tail.selection.hardware import HARDWARE
 
 _FLOAT_DTYPES = tuple(np.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32))
 
@@ -45,12 +48,12 @@ class TailConfig:
         reduces it in the combine); the tail then skips the latent all-reduce and takes one
         replicated [T, L] latent instead of per-rank partials.
       sequence_parallel: the surrounding model shards tokens over the TP axis: every tier returns
-        y token-sharded ([T/p, H] per rank; see :mod:`k3_tail.sequence_parallel`).
+        y token-sharded ([T/p, H] per rank; see :mod:`k3_tail.tiers.tokens`).
       selection_policy: how the tier is chosen for a token count. "vllm" (default): the rules above
         (vLLM's fixed threshold). "measured": the ``selection_table`` measured on this hardware
-        (:mod:`k3_tail.calibration`). "model": the tier :mod:`k3_tail.cost_model` predicts fastest
+        (:mod:`k3_tail.selection.table`). "model": the tier :mod:`k3_tail.cost_model` predicts fastest
         on the ``hardware`` preset.
-      selection_table: a :class:`k3_tail.calibration.SelectionTable`; required by, and only allowed
+      selection_table: a :class:`k3_tail.SelectionTable`; required by, and only allowed
         with, the "measured" policy.
       hardware: a :data:`k3_tail.cost_model.HARDWARE` preset name; required by, and only allowed
         with, the "model" policy.
@@ -101,24 +104,23 @@ class TailConfig:
         measured = self.selection_policy == "measured"
         if measured != (self.selection_table is not None):
             raise ValueError('selection_table: expected a SelectionTable exactly when selection_policy == "measured"')
+        # Checked by what a table does: the table's module builds on the tiers, which build on this one.
+        # select_tier checks the exact type where it reads the table.
+        table = self.selection_table
+        if measured and not all(callable(getattr(table, method, None)) for method in ("range_for", "check_matches")):
+            raise ValueError(
+                f"selection_table: expected a k3_tail.SelectionTable (SelectionTable.load(path) reads one), "
+                f"got {type(table).__name__}"
+            )
         model = self.selection_policy == "model"
         if model != (self.hardware is not None):
             raise ValueError('hardware: expected a cost-model preset name exactly when selection_policy == "model"')
-        # Imported here: calibration and cost_model build on this module.
-        if measured:
-            from k3_tail.calibration import SelectionTable
-
-            if not isinstance(self.selection_table, SelectionTable):
-                raise ValueError(f"selection_table: expected a k3_tail.SelectionTable, got {self.selection_table!r}")
-        if model:
-            from k3_tail.cost_model import HARDWARE
-
-            if self.hardware not in HARDWARE:
-                raise ValueError(f"hardware: expected one of {sorted(HARDWARE)}, got {self.hardware!r}")
+        if model and self.hardware not in HARDWARE:
+            raise ValueError(f"hardware: expected one of {sorted(HARDWARE)}, got {self.hardware!r}")
 
     @classmethod
     def kimi_k3(cls, **overrides: Any) -> TailConfig:
-        """Kimi-K3's tail: H = 7168, L = 3584, eps 1e-6, scale 1.0, bf16 (spec, section 1)."""
+        """Kimi-K3's tail: H = 7168, L = 3584, eps 1e-6, scale 1.0, bf16."""
         return cls(**{"hidden_size": 7168, "latent_size": 3584, **overrides})
 
     @classmethod
@@ -152,11 +154,11 @@ class TailConfig:
         return dataclasses.replace(base, **changes)
 
 
-def check_int(name: str, value: Any, *, minimum: int) -> int:
-    """``value`` as an int, or ValueError naming ``name`` when it is not an integer >= ``minimum``."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ValueError(f"{name}: expected an integer >= {minimum}, got {value!r}")
-    return int(value)
+def check_config(config: Any) -> TailConfig:
+    """``config`` unchanged, or ValueError when it is not a :class:`TailConfig`."""
+    if not isinstance(config, TailConfig):
+        raise ValueError(f"config: expected a k3_tail.TailConfig, got {type(config).__name__}")
+    return config
 
 
 def _float_dtype(value: Any) -> np.dtype | None:

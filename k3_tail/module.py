@@ -1,4 +1,8 @@
-"""The Flax NNX module: a thin shell that owns the tail's weights and calls ``tail_forward``."""
+"""The Flax NNX module: a thin shell that owns the tail's weights and calls the tail on them.
+
+``__call__`` takes global arrays (:func:`k3_tail.tail_forward`); ``per_rank`` runs inside a
+caller's shard_map (:func:`k3_tail.latent_moe_tail`), for models that shard the layer themselves.
+"""
 
 from __future__ import annotations
 
@@ -6,11 +10,14 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh
 
-from k3_tail.columns import check_weight_layout, pad_columns, padded_hidden_size
-from k3_tail.config import TailConfig
-from k3_tail.forward import check_mesh, tail_forward
-from k3_tail.selection import Tier, TierDecision, select_tier
-
+from k3_tail._checks import AxisName, check_axis_name, check_mesh
+from k3_tail.config import TailConfig, check_config
+from k3_tail.forward import tail_forward
+from k3_tail.per_rank import latent_moe_tail
+from k3_tail.selection.decision import TierDecision
+from k3_tail.selection.rules import select_tier
+from k3_tail.tiers.columns import check_weight_layout, pad_columns, padded_hidden_size
+from k3_tail.tiers.registry import Tier
 
 _LECUN_NORMAL = nnx.initializers.lecun_normal()
 
@@ -25,15 +32,15 @@ class LatentMoETail(nnx.Module):
           holds [L, Hs/p], 1/p of the memory; the padding columns (only when H % p != 0) are zero.
         weight_layout="replicated": Hs = H, whole on every rank, as vLLM stores it.
 
-    Per-rank cost of each tier with each layout (T tokens, p ranks, bf16):
-      native / overlap: replicated 2TLH FLOPs, 2LH weight bytes, AR(TL) + AR(TH);
-                        column 2TLH/p FLOPs, 2LH/p weight bytes, AR(TL) + AR(TH) + AG of [T, H/p].
-      column_parallel:  either layout 2TLH/p FLOPs, 2LH/p weight bytes, AR(TL) then AR(TH).
-      scatter_gather:   either layout 2TLH/p FLOPs, 2LH/p weight bytes, AR(TL), RS(TH), AG(TH).
-    The replicated layout keeps the whole kernel resident even on the column tiers.
+    The tiers' per-rank costs with each layout are in the README's tier table; the replicated layout
+    keeps the whole kernel resident even on the column tiers.
 
     ``__call__(routed_partials, shared_partials, *, tier=None)`` takes and returns what
-    :func:`k3_tail.tail_forward` does; ``plan(num_tokens)`` tells which tier a call would take and why.
+    :func:`k3_tail.tail_forward` does; ``per_rank(routed_partial, shared_partial, *, tier=None)``
+    what :func:`k3_tail.latent_moe_tail` does, inside a shard_map that hands it this rank's blocks of
+    the parameters (``nnx.shard_map`` with in_spec
+    ``nnx.StateSharding(nnx.get_partition_spec(nnx.state(module)))`` for the module);
+    ``plan(num_tokens)`` tells which tier a call would take and why.
     """
 
     def __init__(
@@ -42,12 +49,12 @@ class LatentMoETail(nnx.Module):
         mesh: Mesh,
         *,
         rngs: nnx.Rngs,
-        axis_name: str = "tp",
+        axis_name: AxisName = "tp",
         weight_layout: str = "column",
         kernel_init: nnx.Initializer = _LECUN_NORMAL,
     ):
-        if not isinstance(config, TailConfig):
-            raise ValueError(f"config: expected a k3_tail.TailConfig, got {type(config).__name__}")
+        check_config(config)
+        axis_name = check_axis_name(axis_name)
         tp_size = check_mesh(mesh, axis_name)
         self.config = config
         self.mesh = mesh
@@ -75,7 +82,8 @@ class LatentMoETail(nnx.Module):
 
     @property
     def tp_size(self) -> int:
-        return self.mesh.shape[self.axis_name]
+        """p: the size of the TP axis (the product over a tuple of axes)."""
+        return check_mesh(self.mesh, self.axis_name)
 
     def plan(self, num_tokens: int) -> TierDecision:
         """The tier a call with ``num_tokens`` tokens takes on this module's mesh, and why."""
@@ -86,14 +94,17 @@ class LatentMoETail(nnx.Module):
 
     def __call__(self, routed_partials, shared_partials, *, tier: Tier | str | None = None) -> jax.Array:
         """y [T, H] from routed_partials [p, T, L] and shared_partials [p, T, H] (see tail_forward)."""
-        return tail_forward(
-            routed_partials,
-            shared_partials,
-            None if self.norm_scale is None else self.norm_scale[...],
-            self.up_proj_kernel[...],
-            config=self.config,
-            mesh=self.mesh,
-            axis_name=self.axis_name,
-            tier=tier,
-            weight_layout=self.weight_layout,
-        )
+        return tail_forward(routed_partials, shared_partials, *self._weights(), config=self.config, mesh=self.mesh,
+                            axis_name=self.axis_name, tier=tier, weight_layout=self.weight_layout)
+
+    def per_rank(self, routed_partial, shared_partial, *, tier: Tier | str | None = None) -> jax.Array:
+        """This rank's result from its routed [T, L] and shared [T, H] partials, inside a shard_map
+        over this module's mesh in which the parameters are this rank's blocks (see
+        :func:`k3_tail.latent_moe_tail` for what it returns and the out_spec that fits)."""
+        return latent_moe_tail(routed_partial, shared_partial, *self._weights(), config=self.config,
+                               axis_name=self.axis_name, weight_layout=self.weight_layout, tier=tier,
+                               device_kind=self.mesh.devices.flat[0].device_kind)
+
+    def _weights(self) -> tuple[jax.Array | None, jax.Array]:
+        """(norm weight or None, up-projection kernel): the values of the parameters."""
+        return None if self.norm_scale is None else self.norm_scale[...], self.up_proj_kernel[...]

@@ -2,11 +2,11 @@
 
     python scripts/gemm_floor.py [--tokens 1024] [--devices 8] [--repeats 5] [--json FILE]
 
-times every tier with both weight layouts (k3_tail.benchmark.measure_tiers) on a TP mesh of all
+times every tier with both weight layouts (k3_tail.tools.benchmark.measure_tiers) on a TP mesh of all
 accelerators, or of --devices forced CPU devices without one, then the bare local GEMM each tier's
-rank runs, [T, L] x [L, columns] (k3_tail.benchmark.measure_local_gemm) with columns = H/p for the
+rank runs, [T, L] x [L, columns] (k3_tail.tools.benchmark.measure_local_gemm) with columns = H/p for the
 tiers that project their own column block and H for those that project all columns
-(k3_tail.benchmark.local_gemm_columns), twice:
+(k3_tail.tools.benchmark.local_gemm_columns), twice:
 
   1 device: on one device alone, the floor of one rank's compute when ranks have their own hardware;
   p devices: every device of the mesh running its own such GEMM at once, the floor of the whole TP
@@ -27,10 +27,10 @@ import sys
 import jax
 
 from k3_tail import WEIGHT_LAYOUTS, TailConfig, Tier
-from k3_tail.benchmark import (
+from k3_tail.tools.benchmark import (
     config_dict, local_gemm_columns, machine_info, measure_local_gemm, measure_tiers,
 )
-from k3_tail.cli import CommandError, demo_devices, format_ms, positive_int, progress, use_cpu_without_gpu
+from k3_tail.cli.common import CommandError, demo_devices, format_ms, positive_int, progress, use_cpu_without_gpu
 
 AXIS_NAME = "tp"
 
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
             )
     load_after = machine_info()["load_average_1min"]
 
-    native = {m.weight_layout: m.median_s for m in measurements if m.tier is Tier.NATIVE}
+    native = {m.weight_layout: m.timing.median_s for m in measurements if m.tier is Tier.NATIVE}
     print()
     print(f"{'layout':<11}{'tier':<16}{'median ms':>10}{'q25-q75 ms':>18}{'vs native':>10}{'vs native':>10}"
           f"{'GEMM':>6}{'1-dev':>9}{'tier /':>8}{f'{tp_size}-dev':>9}{'tier /':>8}")
@@ -90,14 +90,14 @@ def main(argv: list[str] | None = None) -> int:
         columns = local_gemm_columns(m.tier, config, tp_size, m.weight_layout)
         one, every = floors[columns, False], floors[columns, True]
         row = {
-            **m.to_dict(), "speedup_vs_native_same_layout": native[m.weight_layout] / m.median_s,
-            "speedup_vs_native_replicated": native["replicated"] / m.median_s, "gemm_columns": columns,
-            "one_device_gemm_median_s": one.median_s, "over_one_device_gemm": m.median_s / one.median_s,
-            "all_devices_gemm_median_s": every.median_s, "over_all_devices_gemm": m.median_s / every.median_s,
+            **m.to_dict(), "speedup_vs_native_same_layout": native[m.weight_layout] / m.timing.median_s,
+            "speedup_vs_native_replicated": native["replicated"] / m.timing.median_s, "gemm_columns": columns,
+            "one_device_gemm_median_s": one.median_s, "over_one_device_gemm": m.timing.median_s / one.median_s,
+            "all_devices_gemm_median_s": every.median_s, "over_all_devices_gemm": m.timing.median_s / every.median_s,
         }
         rows.append(row)
-        spread = f"{format_ms(m.q25_s)}-{format_ms(m.q75_s)}"
-        print(f"{m.weight_layout:<11}{m.tier.value:<16}{format_ms(m.median_s):>10}{spread:>18}"
+        spread = f"{format_ms(m.timing.q25_s)}-{format_ms(m.timing.q75_s)}"
+        print(f"{m.weight_layout:<11}{m.tier.value:<16}{format_ms(m.timing.median_s):>10}{spread:>18}"
               f"{row['speedup_vs_native_same_layout']:>9.2f}x{row['speedup_vs_native_replicated']:>9.2f}x"
               f"{columns:>6}{format_ms(one.median_s):>9}{row['over_one_device_gemm']:>7.2f}x"
               f"{format_ms(every.median_s):>9}{row['over_all_devices_gemm']:>7.2f}x")

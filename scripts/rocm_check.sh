@@ -12,9 +12,10 @@
 # executable (k3_tail.compiler_options: for the overlap tier xla_gpu_all_reduce_combine_threshold_bytes=0
 # and xla_gpu_disable_async_collectives=""), and these override XLA_FLAGS. To see XLA's ROCm passes,
 # add XLA_FLAGS=--xla_dump_to=DIR; the dump also holds this GPU's exact target config
-# (*.gpu_target_config.pbtxt), which can replace k3_tail/targets/mi300x.txtpb or mi355x.txtpb.
+# (*.gpu_target_config.pbtxt), which can replace k3_tail/xla/targets/mi300x.txtpb or mi355x.txtpb.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export JAX_PLATFORMS=rocm
 python -c 'import jax; d = jax.devices(); print(f"jax {jax.__version__}: {len(d)} x {d[0].device_kind} ({d[0].client.platform_version})")'
-python -m pytest tests/test_tiers.py tests/test_forward.py tests/test_module.py tests/test_schedule.py -m "rocm or not rocm" "$@"
+python -m pytest tests/test_tiers.py tests/test_sequence_parallel.py tests/test_per_rank.py tests/test_forward.py \
+    tests/test_module.py tests/test_schedule.py -m "rocm or not rocm" "$@"

@@ -36,7 +36,7 @@ import jax
 import numpy as np
 
 import k3_tail
-from k3_tail.multiprocess import initialize
+from k3_tail.tools.multiprocess import initialize
 
 LOCAL_HOST = "127.0.0.1"
 DEFAULT_LOCAL_CPU_DEVICES = 4

@@ -29,7 +29,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import k3_tail
-from k3_tail.multiprocess import initialize
+from k3_tail.tools.multiprocess import initialize
 from reference import make_inputs, reference_tail, relative_error  # tests/ is on sys.path: the script's directory
 
 AXIS_NAME = "tp"

@@ -1,4 +1,4 @@
-"""The benchmark: k3_tail.benchmark on small meshes, and `python -m k3_tail bench` in a fresh process.
+"""The benchmark: k3_tail.tools.benchmark on small meshes, and `python -m k3_tail bench` in a fresh process.
 
 Nothing here asserts that one tier is faster than another (times depend on the machine and its
 load); the tests check that every measurement is there and its statistics are consistent.
@@ -14,14 +14,15 @@ import subprocess
 import sys
 
 import pytest
-from conftest import make_tp_mesh, once_per_session
+from helpers import make_tp_mesh, once_per_session
 
 from k3_tail import TailConfig, Tier
-from k3_tail.benchmark import (
+from k3_tail.cli import main
+from k3_tail.cli.common import ProgressBar
+from k3_tail.tools.benchmark import (
     Measurement, Timing, check_tiers, default_token_counts, local_gemm_columns, measure_local_gemm, measure_tiers,
     token_ladder,
 )
-from k3_tail.cli import ProgressBar, main
 
 SMALL_CONFIG = TailConfig(hidden_size=48, latent_size=16)
 SMALL_FLAGS = ["--hidden-size", "64", "--latent-size", "32"]
@@ -36,12 +37,12 @@ def run_cli(*argv, timeout=CLI_RUN_LIMIT_S):
                           env=environment, timeout=timeout, check=False)
 
 
-def assert_consistent(measurement, repeats):
-    assert 0 < measurement.min_s <= measurement.q25_s <= measurement.median_s <= measurement.q75_s <= measurement.max_s
-    assert measurement.repeats == repeats
+def assert_consistent(timing, repeats):
+    assert 0 < timing.min_s <= timing.q25_s <= timing.median_s <= timing.q75_s <= timing.max_s
+    assert timing.repeats == repeats
 
 
-# ---- k3_tail.benchmark, in this process ----
+# ---- k3_tail.tools.benchmark, in this process ----
 
 
 @pytest.mark.parametrize("layout", ["column", "replicated"])
@@ -50,7 +51,7 @@ def test_measure_tiers_defaults_to_every_tier_the_layout_runs(layout):
     assert [m.tier for m in measurements] == [tier for tier in Tier if tier.supports(layout)]
     for m in measurements:
         assert (m.num_tokens, m.tp_size, m.weight_layout) == (3, 2, layout)
-        assert_consistent(m, repeats=2)
+        assert_consistent(m.timing, repeats=2)
 
 
 def test_measure_tiers_keeps_the_given_tiers_in_order_token_count_major():
@@ -77,7 +78,7 @@ def test_measure_tiers_places_inputs_for_any_config(changes):
 
 
 @pytest.mark.parametrize("tiers, layout, config, message", [
-    (["one_shot"], "column", SMALL_CONFIG, "tiers: one_shot does not run with weight_layout='column'"),
+    (["one_shot"], "column", SMALL_CONFIG, r"tiers: one_shot needs the whole \[L, H\] kernel on every rank"),
     (["one_shot"], "replicated", TailConfig(48, 16, fused_output_is_reduced=True), "tiers: one_shot reduces"),
     (["native", "native"], "column", SMALL_CONFIG, "tiers: native is given twice"),
     (["fastest"], "column", SMALL_CONFIG, "tiers: expected a k3_tail.Tier"),
@@ -126,7 +127,7 @@ def test_timing_interpolates_quartiles_between_runs():
 
 
 def test_measurement_round_trips_through_its_dict_and_csv_strings():
-    measurement = Measurement(Tier.ONE_SHOT, 16, 8, "replicated", 2e-3, 1e-3, 4e-3, 1.5e-3, 3e-3, 5)
+    measurement = Measurement(Tier.ONE_SHOT, 16, 8, "replicated", Timing(2e-3, 1e-3, 4e-3, 1.5e-3, 3e-3, 5))
     assert measurement.to_dict()["tier"] == "one_shot"
     assert Measurement.from_dict(measurement.to_dict()) == measurement
     assert Measurement.from_dict({k: str(v) for k, v in measurement.to_dict().items()}) == measurement
@@ -170,7 +171,7 @@ def bench_error(argv, capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--tiers", "one_shot"], "--tiers: one_shot does not run with weight_layout='column'"),
+    (["--tiers", "one_shot"], "--tiers: one_shot needs the whole [L, H] kernel on every rank"),
     (["--tiers", "native,native"], "--tiers: native is given twice"),
     (["--json", "-", "--csv", "-"], "--json - and --csv -: only one of them can go to stdout"),
     (["--csv", "/no/such/dir/bench.csv"], "--csv /no/such/dir/bench.csv: no such directory"),
@@ -233,7 +234,7 @@ def test_bench_json_has_every_measurement_with_consistent_statistics(bench_run):
     measurements = [Measurement.from_dict(row) for row in document["measurements"]]
     assert {(m.tp_size, m.num_tokens, m.tier.value) for m in measurements} == EXPECTED_ROWS
     for m in measurements:
-        assert_consistent(m, repeats=2)
+        assert_consistent(m.timing, repeats=2)
 
 
 def test_bench_csv_holds_the_json_measurements(bench_run):

@@ -8,10 +8,10 @@ import sys
 
 import pytest
 
-from conftest import make_tp_mesh
+from helpers import make_tp_mesh
 from k3_tail import TailConfig, Tier, select_tier, tail_forward
-from k3_tail.benchmark import Measurement
-from k3_tail.calibration import FORMAT, SelectionTable, TokenRange, table_from_measurements
+from k3_tail.selection.table import FORMAT, SelectionTable, TokenRange, table_from_measurements
+from k3_tail.tools.benchmark import Measurement, Timing
 from reference import TOLERANCE, make_inputs, reference_tail, relative_error
 
 CONFIG = TailConfig(hidden_size=96, latent_size=64)
@@ -20,7 +20,7 @@ CONFIG = TailConfig(hidden_size=96, latent_size=64)
 def measured(num_tokens, medians, tp_size=8, weight_layout="column"):
     """Measurements at one T, ``medians`` mapping tier -> median seconds."""
     return [
-        Measurement(tier, num_tokens, tp_size, weight_layout, median, median, median, median, median, 3)
+        Measurement(tier, num_tokens, tp_size, weight_layout, Timing(median, median, median, median, median, 3))
         for tier, median in medians.items()
     ]
 

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from k3_tail.cli import main
+from k3_tail.tiers.registry import Tier, tier_table
 
 AOT_MISSING = importlib.util.find_spec("jax_plugins.xla_cuda13") is None
 
@@ -66,3 +67,34 @@ def test_hlo_unknown_topology_is_a_one_line_error():
     result = run_cli("hlo", "--topology", "a100x8")
     assert result.returncode == 2
     assert result.stderr.startswith("k3-tail hlo: error: --topology") and "Traceback" not in result.stderr
+
+
+def test_tiers_prints_the_registry_tier_table(capsys):
+    assert main(["tiers"]) == 0
+    assert capsys.readouterr().out == tier_table() + "\n"
+
+
+def test_tiers_json_lists_every_tier_record_as_plain_data(capsys):
+    assert main(["tiers", "--json"]) == 0
+    records = json.loads(capsys.readouterr().out)
+    assert [record["name"] for record in records] == [tier.value for tier in Tier]
+    for record in records:
+        tier = Tier.parse(record["name"])
+        assert record["summary"] == tier.record.summary and record["schedule"] == tier.record.schedule
+        assert record["needs_whole_kernel"] == tier.record.needs_whole_kernel
+        assert record["compiler_options"] == {family: dict(options)
+                                              for family, options in tier.record.compiler_options.items()}
+    assert set(records[0]) == {
+        "name", "summary", "schedule", "collectives_text", "needs_whole_kernel", "needs_unreduced_routed",
+        "projects_all_columns", "token_sharded_form", "compiler_options",
+    }
+
+
+@pytest.mark.parametrize("command", ["hlo", "bench", "calibrate"])
+def test_tier_flags_help_names_every_registered_tier(command, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--help"])
+    assert exit_info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for tier in Tier:
+        assert tier.value in text

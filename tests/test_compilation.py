@@ -3,10 +3,10 @@
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from conftest import make_tp_mesh
+from helpers import make_tp_mesh
 from k3_tail import GPU_TARGETS, Tier, TailConfig, compile_tail, compiler_options, select_tier, tail_arguments
-from k3_tail.hlo_text import parse_module
-from k3_tail.topologies import TopologyUnavailable, parse_topology, topology_mesh
+from k3_tail.xla.hlo_text import parse_module
+from k3_tail.xla.topologies import TopologyUnavailable, parse_topology, topology_mesh
 
 CONFIG = TailConfig(hidden_size=99, latent_size=64)
 

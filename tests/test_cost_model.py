@@ -13,14 +13,14 @@ import math
 
 import pytest
 
-from conftest import make_tp_mesh, tier_layouts
+from helpers import make_tp_mesh, tier_layouts
 from k3_tail import TailConfig, Tier, compile_tail, tail_arguments, topology_mesh
-from k3_tail.cost_model import (
+from k3_tail.selection.cost_model import (
     ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, HARDWARE, REDUCE_SCATTER, CollectiveCost, Crossover, Hardware,
     TierCost, best_tier, crossovers, predict_time, tier_cost,
 )
-from k3_tail.hlo_text import parse_module
-from k3_tail.xla_report import report
+from k3_tail.xla.hlo_text import parse_module
+from k3_tail.xla.report import report
 
 K3 = TailConfig.kimi_k3()
 L, H, P = K3.latent_size, K3.hidden_size, 8

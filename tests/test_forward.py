@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import k3_tail
-import k3_tail.forward
-from conftest import make_tp_mesh
+import k3_tail.per_rank
+from helpers import make_tp_mesh
 from reference import make_inputs
 
 CONFIG = k3_tail.TailConfig(hidden_size=96, latent_size=64)
@@ -112,7 +112,7 @@ def test_selection_runs_at_trace_time_and_a_second_call_does_not_retrace(inputs,
         decisions.append(k3_tail.select_tier(*args, **kwargs))
         return decisions[-1]
 
-    monkeypatch.setattr(k3_tail.forward, "select_tier", recording_select_tier)
+    monkeypatch.setattr(k3_tail.per_rank, "select_tier", recording_select_tier)
     first = call(inputs, mesh, config=config)
     second = call(inputs, mesh, config=config)
     assert [d.tier for d in decisions] == [k3_tail.Tier.OVERLAP]

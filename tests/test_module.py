@@ -9,7 +9,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import k3_tail
-from conftest import make_tp_mesh, tier_layouts
+from helpers import make_tp_mesh, tier_layouts
 from reference import TOLERANCE, TailInputs, make_inputs, reference_tail, relative_error
 
 CONFIG = k3_tail.TailConfig(hidden_size=96, latent_size=64)

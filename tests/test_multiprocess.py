@@ -20,8 +20,8 @@ from pathlib import Path
 import jax.numpy as jnp
 import pytest
 
-from conftest import once_per_session
-from k3_tail.multiprocess import initialize
+from helpers import once_per_session
+from k3_tail.tools.multiprocess import initialize
 from multiprocess_worker import CASES, TIERS_AND_LAYOUTS
 from reference import TOLERANCE
 
@@ -191,7 +191,7 @@ def test_a_process_whose_peer_dies_after_joining_ends_by_itself(tmp_path):
     """Process 1 joins, then dies: process 0's heartbeat timeout ends it, with no harness to stop it."""
     port = free_loopback_port()
     join_then_die = (
-        "import os; from k3_tail.multiprocess import initialize; "
+        "import os; from k3_tail.tools.multiprocess import initialize; "
         f"initialize('127.0.0.1:{port}', {NUM_PROCESSES}, 1, local_cpu_devices={LOCAL_DEVICES}); os._exit(3)"
     )
     commands = [

@@ -8,7 +8,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import k3_tail
-from conftest import make_tp_mesh
+from helpers import make_tp_mesh
 from reference import TOLERANCE, make_inputs, reference_latent, relative_error
 
 

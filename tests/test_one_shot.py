@@ -5,8 +5,8 @@ import dataclasses
 import pytest
 
 import k3_tail
-from conftest import make_tp_mesh
-from k3_tail.xla_report import report
+from helpers import make_tp_mesh
+from k3_tail.xla.report import report
 from reference import make_inputs
 
 CONFIG = k3_tail.TailConfig(hidden_size=96, latent_size=64)
@@ -14,7 +14,7 @@ CONFIG = k3_tail.TailConfig(hidden_size=96, latent_size=64)
 
 def test_column_layout_is_a_value_error_naming_the_weight_layout():
     inputs = make_inputs(CONFIG, 4, 5)
-    with pytest.raises(ValueError, match="weight_layout: the one_shot tier needs the whole"):
+    with pytest.raises(ValueError, match=r"^tier: one_shot needs the whole \[L, H\] kernel on every rank"):
         k3_tail.tail_forward(inputs.routed, inputs.shared, inputs.norm_weight, inputs.kernel, config=CONFIG,
                              mesh=make_tp_mesh(4), tier="one_shot", weight_layout="column")
 

@@ -14,8 +14,8 @@ import jax
 import pytest
 
 from k3_tail import Tier, TailConfig, compile_tail, compiler_options, tail_arguments, tail_forward, topology_mesh
-from k3_tail.hlo_text import parse_module
-from k3_tail.xla_report import report
+from k3_tail.xla.hlo_text import parse_module
+from k3_tail.xla.report import report
 
 CONFIG = TailConfig.kimi_k3()
 L, H, P = CONFIG.latent_size, CONFIG.hidden_size, 8
@@ -123,7 +123,7 @@ def test_library_options_override_user_xla_flags_that_make_all_reduce_synchronou
     script = (
         "import jax, json; jax.config.update('jax_platforms', 'cpu');"
         "from k3_tail import TailConfig, compile_tail, tail_arguments, tail_forward, topology_mesh;"
-        "from k3_tail.xla_report import report;"
+        "from k3_tail.xla.report import report;"
         "mesh = topology_mesh('h100x8'); config = TailConfig.kimi_k3();"
         "plain = jax.jit(lambda *a: tail_forward(*a, config=config, mesh=mesh, tier='overlap'))"
         ".lower(*tail_arguments(config, mesh, 16)).compile();"

@@ -1,7 +1,12 @@
-"""Every tier computes the tail's function: parity with the float64 reference, and the column contract."""
+"""Every tier computes the tail's function: parity with the float64 reference, and the column contract.
+
+The parity cases are a pairwise covering design (tests/covering.py): every pair of values of any two
+of tier, p, T, dtype, weight layout, H % p, scale, norm and sequence-parallel output is run at least
+once. The cases with sequence-parallel output are checked in tests/test_sequence_parallel.py, the full
+Cartesian products in tests/test_exhaustive.py (``pytest -m slow``).
+"""
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -10,13 +15,13 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import k3_tail
-from conftest import layout_for, make_tp_mesh, tier_layouts
-from reference import TOLERANCE, make_inputs, reference_latent, reference_tail, relative_error
+from covering import COLUMN_CASES, DIVISIBLE_HIDDEN_SIZE, INDIVISIBLE_HIDDEN_SIZE, LATENT_SIZE, TAIL_CASES
+from helpers import assert_column_tier_writes_only_its_own_block, layout_for, make_tp_mesh, run_case, tier_layouts
+from reference import TOLERANCE, make_inputs, reference_tail, relative_error
 
-SMALL = k3_tail.TailConfig(hidden_size=96, latent_size=64)  # 96 divides by 1, 2, 4, 8
-SMALL_ODD = dataclasses.replace(SMALL, hidden_size=99)  # 99 divides by none of 2, 4, 8
-DTYPES = [jnp.bfloat16, jnp.float32]
-LAYOUTS = list(k3_tail.WEIGHT_LAYOUTS)
+SMALL = k3_tail.TailConfig(hidden_size=DIVISIBLE_HIDDEN_SIZE, latent_size=LATENT_SIZE)
+SMALL_ODD = dataclasses.replace(SMALL, hidden_size=INDIVISIBLE_HIDDEN_SIZE)
+REPLICATED_OUTPUT_CASES = [case for case in TAIL_CASES if not case.sequence_parallel]
 
 
 def run_tail(config, inputs, mesh, tier, weight_layout, **overrides):
@@ -34,57 +39,61 @@ def assert_matches_reference(config, inputs, y, expected=None):
     expected = reference_tail(config, inputs) if expected is None else expected
     assert y.shape == expected.shape
     assert y.dtype == config.dtype
-    if expected.size:
-        assert relative_error(y, expected) <= TOLERANCE[config.dtype]
+    assert relative_error(y, expected) <= TOLERANCE[config.dtype]
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
-@pytest.mark.parametrize("base", [SMALL, SMALL_ODD], ids=["H96", "H99"])
-@pytest.mark.parametrize("num_tokens", [0, 1, 5, 16, 257, 1024])
-@pytest.mark.parametrize("tp_size", [1, 2, 4, 8])
-@pytest.mark.parametrize(("tier", "weight_layout"), tier_layouts())
-def test_tier_matches_float64_reference(tier, tp_size, num_tokens, base, dtype, weight_layout):
-    config = dataclasses.replace(base, dtype=dtype)
-    inputs = make_inputs(config, tp_size, num_tokens)
-    y = run_tail(config, inputs, make_tp_mesh(tp_size), tier, weight_layout)
-    assert_matches_reference(config, inputs, y)
+# --- Parity: the covering design -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
-@pytest.mark.parametrize("use_latent_norm", [True, False], ids=["norm", "no_norm"])
-@pytest.mark.parametrize("scale", [1.0, 2.0], ids=["scale1", "scale2"])
-@pytest.mark.parametrize("base", [SMALL, SMALL_ODD], ids=["H96", "H99"])
-@pytest.mark.parametrize("tp_size", [2, 8])
-@pytest.mark.parametrize(("tier", "weight_layout"), tier_layouts())
-def test_tier_honours_scale_and_norm(tier, tp_size, base, scale, use_latent_norm, dtype, weight_layout):
-    config = dataclasses.replace(
-        base, routed_scaling_factor=scale, use_latent_norm=use_latent_norm, dtype=dtype
-    )
-    inputs = make_inputs(config, tp_size, 16)
-    y = run_tail(config, inputs, make_tp_mesh(tp_size), tier, weight_layout)
-    assert_matches_reference(config, inputs, y)
+@pytest.mark.parametrize("case", REPLICATED_OUTPUT_CASES, ids=lambda case: case.id)
+def test_tier_matches_the_float64_reference_and_replicates_y(case):
+    """y = RMSNorm_g(c * sum_i r_i) @ W + sum_i s_i within the dtype's tolerance, whole on every rank.
+
+    An empty batch (T = 0) only has to come back as an empty [0, H] of the config's dtype.
+    """
+    config, inputs, y = run_case(case)
+    assert y.shape == (case.num_tokens, case.hidden_size) and y.dtype == config.dtype
+    if case.num_tokens:
+        assert y.sharding.is_fully_replicated
+        assert relative_error(y, reference_tail(config, inputs)) <= TOLERANCE[config.dtype]
 
 
-@pytest.mark.parametrize("use_latent_norm", [True, False], ids=["norm", "no_norm"])
-def test_the_tolerance_detects_a_wrong_tail(use_latent_norm):
-    """The inputs make every term matter: dropping one or ignoring the scale misses by far more than 1e-2."""
+# The tail inputs with one term dropped or misread; each must miss the reference by far more than 1e-2.
+WRONG_TAILS = {
+    "without_shared": lambda config, inputs: (config, dataclasses.replace(inputs, shared=None)),
+    "without_routed": lambda config, inputs: (
+        config, dataclasses.replace(inputs, routed=np.zeros_like(inputs.routed))
+    ),
+    "one_rank_routed": lambda config, inputs: (config, dataclasses.replace(inputs, routed=inputs.routed[:1])),
+    "unscaled": lambda config, inputs: (dataclasses.replace(config, routed_scaling_factor=1.0), inputs),
+}
+
+
+@pytest.mark.parametrize(
+    ("use_latent_norm", "wrong_tail"),
+    [
+        pytest.param(use_latent_norm, wrong_tail, id=f"{'norm' if use_latent_norm else 'nonorm'}-{wrong_tail}")
+        for use_latent_norm in (True, False)
+        for wrong_tail in WRONG_TAILS
+        # Under the norm the scale cancels (RMSNorm(c x) = RMSNorm(x) up to eps): nothing to detect.
+        if not (use_latent_norm and wrong_tail == "unscaled")
+    ],
+)
+def test_the_tolerance_detects_a_wrong_tail(use_latent_norm, wrong_tail):
+    """The inputs make every term matter: a tail that drops one, or ignores the scale, fails the tolerance."""
     config = dataclasses.replace(SMALL, use_latent_norm=use_latent_norm, routed_scaling_factor=2.0)
     inputs = make_inputs(config, 8, 16)
     expected = reference_tail(config, inputs)
-    tolerance = TOLERANCE[config.dtype]
-    without_shared = dataclasses.replace(inputs, shared=None)
-    assert relative_error(reference_tail(config, without_shared), expected) > 10 * tolerance
-    without_routed = dataclasses.replace(inputs, routed=np.zeros_like(inputs.routed))
-    assert relative_error(reference_tail(config, without_routed), expected) > 10 * tolerance
-    one_rank_routed = dataclasses.replace(inputs, routed=inputs.routed[:1])
-    assert relative_error(reference_tail(config, one_rank_routed), expected) > 10 * tolerance
-    if not use_latent_norm:
-        unscaled = dataclasses.replace(config, routed_scaling_factor=1.0)
-        assert relative_error(reference_tail(unscaled, inputs), expected) > 10 * tolerance
+    wrong = reference_tail(*WRONG_TAILS[wrong_tail](config, inputs))
+    assert relative_error(wrong, expected) > 10 * TOLERANCE[config.dtype]
+
+
+# --- Optional inputs and placements --------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(("tier", "weight_layout"), tier_layouts())
-def test_tier_without_shared_experts(tier, weight_layout):
+def test_tier_without_shared_experts_projects_the_latent_only(tier, weight_layout):
+    """has_shared_experts=False: no shared partial is passed and y is the projected latent alone."""
     config = dataclasses.replace(SMALL_ODD, has_shared_experts=False)
     inputs = dataclasses.replace(make_inputs(config, 4, 5), shared=None)
     y = run_tail(config, inputs, make_tp_mesh(4), tier, weight_layout)
@@ -92,7 +101,7 @@ def test_tier_without_shared_experts(tier, weight_layout):
 
 
 @pytest.mark.parametrize("tier", [t for t in k3_tail.Tier if t != k3_tail.Tier.ONE_SHOT], ids=lambda t: t.value)
-def test_tier_with_an_already_reduced_routed_output(tier):
+def test_tier_with_an_already_reduced_routed_output_does_not_sum_it_again(tier):
     """fused_output_is_reduced: the [T, L] latent arrives reduced and must not be summed again."""
     config = dataclasses.replace(SMALL, fused_output_is_reduced=True)
     inputs = make_inputs(config, 4, 5)
@@ -103,7 +112,7 @@ def test_tier_with_an_already_reduced_routed_output(tier):
 
 
 @pytest.mark.parametrize("tier", list(k3_tail.Tier), ids=lambda t: t.value)
-def test_tier_on_a_mesh_with_a_data_parallel_axis(tier):
+def test_tier_on_a_mesh_with_a_data_parallel_axis_replicates_over_it(tier):
     """Axes other than the TP axis replicate the computation; the result stays replicated."""
     if len(jax.devices()) < 8:
         pytest.skip("needs 8 devices")
@@ -116,6 +125,7 @@ def test_tier_on_a_mesh_with_a_data_parallel_axis(tier):
 
 @pytest.mark.parametrize("axis_type", [jax.sharding.AxisType.Explicit, jax.sharding.AxisType.Auto], ids=str)
 def test_inputs_in_any_sharding_are_placed(axis_type):
+    """Inputs already on the mesh, sharded other than the tier wants, are re-placed, not rejected."""
     mesh = make_tp_mesh(8, axis_type)
     inputs = make_inputs(SMALL, 8, 16)
     on_mesh = dict(
@@ -129,6 +139,7 @@ def test_inputs_in_any_sharding_are_placed(axis_type):
 
 @pytest.mark.parametrize("tier", list(k3_tail.Tier), ids=lambda t: t.value)
 def test_tier_works_under_jit(tier):
+    """tail_forward traced inside a caller's jax.jit computes the same y."""
     mesh = make_tp_mesh(8)
     inputs = make_inputs(SMALL, 8, 16)
 
@@ -141,6 +152,7 @@ def test_tier_works_under_jit(tier):
 
 
 def test_caller_arrays_are_not_modified():
+    """No tier writes into or donates the caller's numpy or device arrays."""
     mesh = make_tp_mesh(8)
     inputs = make_inputs(SMALL, 8, 16)
     numpy_copies = {name: value.copy() for name, value in dataclasses.asdict(inputs).items()}
@@ -153,55 +165,15 @@ def test_caller_arrays_are_not_modified():
     np.testing.assert_array_equal(np.asarray(shared_on_device), numpy_copies["shared"])
 
 
-def column_buffers(config, inputs, mesh, weight_layout):
-    """The per-rank buffers the column tier hands to its final all-reduce: [p, T, H]."""
-    tp_size = mesh.shape["tp"]
-    kernel = inputs.kernel
-    kernel_spec = P()
-    if weight_layout == "column":
-        width = k3_tail.padded_hidden_size(config.hidden_size, tp_size)
-        kernel = np.pad(kernel, [(0, 0), (0, width - config.hidden_size)])
-        kernel_spec = P(None, "tp")
-    tier = functools.partial(
-        k3_tail.column_parallel_tail, config=config, axis_name="tp", weight_layout=weight_layout, defer_all_reduce=True
-    )
-    buffers = jax.jit(jax.shard_map(
-        lambda r, s, g, w: tier(r[0], s[0], g, w)[None],
-        mesh=mesh,
-        in_specs=(P("tp"), P("tp"), P(), kernel_spec),
-        out_specs=P("tp"),
-    ))
-    place = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))  # noqa: E731
-    return np.asarray(
-        buffers(
-            place(inputs.routed, P("tp")), place(inputs.shared, P("tp")), place(inputs.norm_weight, P()),
-            place(kernel, kernel_spec),
-        )
-    )
+# --- The column tier's contract: its own covering design ------------------------------------------------------
 
 
-@pytest.mark.parametrize("weight_layout", LAYOUTS)
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
-@pytest.mark.parametrize("base", [SMALL, SMALL_ODD], ids=["H96", "H99"])
-@pytest.mark.parametrize("num_tokens", [1, 16, 257])
-@pytest.mark.parametrize("tp_size", [2, 4, 8])
-def test_column_tier_writes_only_its_own_block(tp_size, num_tokens, base, dtype, weight_layout):
+@pytest.mark.parametrize("case", COLUMN_CASES, ids=lambda case: case.id)
+def test_column_tier_writes_only_its_own_block(case):
     """Rank k's buffer is s_k + latent @ W[:, block k] on block k, and bit-identical s_k elsewhere.
 
     Two ranks that swapped both weight block and write offset would still sum right; this would not.
+    The cases pair every p (2, 3, 4, 8) with every T, dtype, H % p and weight layout.
     """
-    config = dataclasses.replace(base, dtype=dtype)
-    inputs = make_inputs(config, tp_size, num_tokens)
-    buffers = column_buffers(config, inputs, make_tp_mesh(tp_size), weight_layout)
-    assert buffers.shape == inputs.shared.shape and buffers.dtype == inputs.shared.dtype
-
-    latent = reference_latent(config, inputs.routed, inputs.norm_weight)
-    block_width = k3_tail.padded_hidden_size(config.hidden_size, tp_size) // tp_size
-    for rank in range(tp_size):
-        own = slice(rank * block_width, min((rank + 1) * block_width, config.hidden_size))
-        others = np.ones(config.hidden_size, bool)
-        others[own] = False
-        np.testing.assert_array_equal(buffers[rank][:, others], inputs.shared[rank][:, others])
-        projection = latent @ inputs.kernel[:, own].astype(np.float64)
-        expected_own = inputs.shared[rank][:, own].astype(np.float64) + projection
-        assert relative_error(buffers[rank][:, own], expected_own) <= TOLERANCE[config.dtype]
+    config = dataclasses.replace(SMALL, hidden_size=case.hidden_size, dtype=jnp.dtype(case.dtype))
+    assert_column_tier_writes_only_its_own_block(config, case.tp_size, case.num_tokens, case.weight_layout)

@@ -4,10 +4,10 @@ import json
 
 import pytest
 
-from conftest import make_tp_mesh
+from helpers import make_tp_mesh
 from k3_tail import Tier, TailConfig, compile_tail
-from k3_tail.hlo_text import dot_flops, parse_module, replica_group_size
-from k3_tail.xla_report import report
+from k3_tail.xla.hlo_text import dot_flops, parse_module, replica_group_size
+from k3_tail.xla.report import report
 
 CONFIG = TailConfig.kimi_k3()
 L, H = CONFIG.latent_size, CONFIG.hidden_size

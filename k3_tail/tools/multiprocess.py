@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import jax
 
-from k3_tail.config import check_int
+from k3_tail._checks import check_int
 
 
 def initialize(

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from k3_tail.columns import own_kernel_block, pad_columns
+from k3_tail._checks import AxisName
 from k3_tail.config import TailConfig
-from k3_tail.norm import allreduce_norm_latent_out
+from k3_tail.tiers.columns import own_kernel_block, pad_columns
+from k3_tail.tiers.norm import allreduce_norm_latent_out
+from k3_tail.tiers.record import ALL_GATHER, ALL_TO_ALL, REDUCE_SCATTER, CallShape, CollectiveTerm, TierRecord
 
 
 def scatter_gather_tail(
@@ -18,7 +22,7 @@ def scatter_gather_tail(
     up_proj_kernel: jax.Array,
     *,
     config: TailConfig,
-    axis_name: str,
+    axis_name: AxisName,
     weight_layout: str,
 ) -> jax.Array:
     """AR(r) + norm; RS(s) over columns; shard GEMM + add on the own block; AG of the blocks.
@@ -49,3 +53,27 @@ def scatter_gather_tail(
         return rows[:, : config.hidden_size]
     gathered = lax.all_gather(own, axis_name, axis=1, tiled=True, to="invarying")
     return gathered[:, : config.hidden_size]
+
+
+def _collectives(shape: CallShape) -> tuple[CollectiveTerm, ...]:
+    blocks = shape.rows * shape.tp_size * shape.block_width
+    scatter = (CollectiveTerm(REDUCE_SCATTER, blocks, beside_gemm=True),) if shape.has_shared else ()
+    if shape.token_sharded:
+        finish = CollectiveTerm(ALL_TO_ALL, shape.rows * shape.block_width)
+    else:
+        finish = CollectiveTerm(ALL_GATHER, blocks)
+    return shape.latent_reduction() + scatter + (finish,)
+
+
+RECORD = TierRecord(
+    name="scatter_gather",
+    function=scatter_gather_tail,
+    summary="vLLM's fused tier-0 op in standard collectives: reduce-scatter s, shard GEMM + add, all-gather",
+    schedule="AR(r) + norm; RS(s) over columns; shard GEMM + add; AG",
+    collectives_text="AR(TL), RS(TH) beside the GEMM, AG(TH)",
+    projects_all_columns=False,
+    token_sharded_form="the final all-gather over columns becomes an all-to-all from columns to tokens",
+    collectives=_collectives,
+    # Async collectives pinned on, for the reduce-scatter that runs beside the GEMM.
+    compiler_options=MappingProxyType({"gpu": MappingProxyType({"xla_gpu_disable_async_collectives": ""})}),
+)

@@ -27,9 +27,9 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from k3_tail.columns import WEIGHT_LAYOUTS
 from k3_tail.config import TailConfig
-from k3_tail.selection import Tier
+from k3_tail.tiers.columns import WEIGHT_LAYOUTS
+from k3_tail.tiers.registry import Tier
 
 FORMAT = "k3_tail.selection_table/1"
 
@@ -168,7 +168,7 @@ def table_from_measurements(
     token_counts = sorted({m.num_tokens for m in measurements})
     if token_counts[0] < 1:
         raise ValueError("measurements: token counts must be >= 1 (T = 0 is always served by native)")
-    winners = [min((m for m in measurements if m.num_tokens == t), key=lambda m: m.median_s).tier
+    winners = [min((m for m in measurements if m.num_tokens == t), key=lambda m: m.timing.median_s).tier
                for t in token_counts]
     ranges: list[TokenRange] = []
     for index, (num_tokens, tier) in enumerate(zip(token_counts, winners, strict=True)):

@@ -16,27 +16,21 @@ The model has two layers.
      a call it equals the per-rank bytes of the program's activation arguments and result;
      intermediates that XLA's fusion decides (the float32 projection of the replicated layout, the
      normalised latent, the column tier's [T, H] buffer) are not counted.
-   - ``collectives``: every collective the tier issues, with its buffer as :mod:`k3_tail.xla_report`
+   - ``collectives``: every collective the tier issues, with its buffer as :mod:`k3_tail.xla.report`
      counts it (the reduced buffer of an all-reduce, the input of a reduce-scatter, the gathered
      result of an all-gather, the per-rank send buffer of an all-to-all) and its per-rank ring wire
      bytes: all-reduce 2(p-1)/p * B, reduce-scatter, all-gather and all-to-all (p-1)/p * B.
 
-   Collectives per tier, in issue order (AR all-reduce, RS reduce-scatter, AG all-gather, A2A
-   all-to-all; element counts; "hidden": runs beside the GEMM). With sequence-parallel output
-   (T % p == 0) every AR(T*H) and AR(T*(2H+L)) below becomes an RS of the same buffer, and
-   scatter_gather's final AG becomes A2A(T*Hb):
-
-     native           AR(T*L), [column layout: AG(T*p*Hb)], AR(T*H)
-     overlap          AR(T*L), AR(T*H) hidden, [column layout: AG(T*p*Hb)]
-     column_parallel  AR(T*L), AR(T*H)
-     scatter_gather   AR(T*L), RS(T*p*Hb) hidden, AG(T*p*Hb)
-     one_shot         AR(T*(2H+L))
+   The collectives of each tier, in issue order and with which of them run beside the GEMM, are
+   its record's cost terms (``Tier.X.record.collectives``; the README's tier table lists them). With
+   sequence-parallel output (T % p == 0) the final all-reduce of a tier becomes a reduce-scatter of the
+   same buffer, and scatter_gather's final AG an all-to-all of T*Hb elements.
 
    Without shared experts the shared reduction disappears (native, overlap, scatter_gather; one_shot
    packs T*(H+L)); column_parallel still reduces its [T, H] buffer. Without the latent norm one_shot
    packs no x (T*2H). With ``fused_output_is_reduced`` there is no AR(T*L). With sequence-parallel
    output and p not dividing T, the tier runs on T' = T rounded up to a multiple of p (every figure
-   above with T' for T) and an AG of the [T', H] result follows (what :func:`k3_tail.tail_forward`
+   above with T' for T) and an AG of the [T', H] result follows (what :func:`k3_tail.latent_moe_tail`
    does). T = 0 without sequence-parallel output costs nothing: XLA drops the empty collectives.
 
 2. **Time** (:func:`predict_time`) from a roofline for the local work and an alpha-beta model for the
@@ -72,104 +66,23 @@ Assumptions a reader must know:
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Iterable
-from types import MappingProxyType
 
 import numpy as np
 
-from k3_tail.columns import check_weight_layout, padded_hidden_size
-from k3_tail.config import TailConfig, check_int
-from k3_tail.selection import Tier, TierDecision
-from k3_tail.sequence_parallel import padded_token_count
+from k3_tail._checks import check_int
+from k3_tail.config import TailConfig, check_config
+from k3_tail.selection.decision import TierDecision
+from k3_tail.selection.hardware import HARDWARE, Hardware, hardware_preset
+from k3_tail.tiers.columns import check_weight_layout
+from k3_tail.tiers.record import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER, RING_WIRE_FACTORS, CallShape
+from k3_tail.tiers.registry import Tier
+from k3_tail.tiers.tokens import padded_token_count
 
-ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER, ALL_TO_ALL = "all-reduce", "reduce-scatter", "all-gather", "all-to-all"
-# Per-rank ring wire bytes as a multiple of the buffer bytes, given the group size g (as k3_tail.xla_report).
-_WIRE_FACTORS = {
-    ALL_REDUCE: lambda g: 2 * (g - 1) / g,
-    REDUCE_SCATTER: lambda g: (g - 1) / g,
-    ALL_GATHER: lambda g: (g - 1) / g,
-    ALL_TO_ALL: lambda g: (g - 1) / g,
-}
-
-
-@dataclasses.dataclass(frozen=True)
-class Hardware:
-    """One GPU of a TP group, for :func:`predict_time`.
-
-    peak_flops: dense BF16 FLOP/s of one GPU. hbm_bytes_per_s: its HBM bandwidth (bytes/s).
-    link_bytes_per_s: its collective bandwidth, one direction, all links to its TP peers together
-    (bytes/s). collective_latency_s: the fixed time of one collective (seconds).
-    """
-
-    name: str
-    peak_flops: float
-    hbm_bytes_per_s: float
-    link_bytes_per_s: float
-    collective_latency_s: float
-
-    def __post_init__(self):
-        if not isinstance(self.name, str) or not self.name:
-            raise ValueError(f"name: expected a non-empty string, got {self.name!r}")
-        for field in ("peak_flops", "hbm_bytes_per_s", "link_bytes_per_s", "collective_latency_s"):
-            value = getattr(self, field)
-            zero_allowed = field == "collective_latency_s"
-            is_number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-            if not is_number or value < 0 or (value == 0 and not zero_allowed):
-                raise ValueError(f"{field}: expected a finite number {'>=' if zero_allowed else '>'} 0, got {value!r}")
-
-
-# Assumed, for every preset: no vendor publishes a per-collective latency. 10 us is the order of the
-# small-message all-reduce times that nccl-tests / rccl-tests report inside one 8-GPU node.
-_ASSUMED_COLLECTIVE_LATENCY_S = 10e-6
-
-HARDWARE = MappingProxyType({
-    "mi300x": Hardware(
-        "mi300x",
-        # AMD Instinct MI300X data sheet (2023): peak BF16 1307.4 TFLOPs dense (2614.9 with sparsity).
-        peak_flops=1307.4e12,
-        # Same data sheet: 192 GB HBM3, 5.3 TB/s peak memory bandwidth.
-        hbm_bytes_per_s=5.3e12,
-        # Same data sheet: 7 AMD Infinity Fabric (xGMI) links of 128 GB/s peak bidirectional each, one to
-        # each peer of an 8-GPU node: 7 x 64 GB/s = 448 GB/s per GPU per direction.
-        link_bytes_per_s=448e9,
-        collective_latency_s=_ASSUMED_COLLECTIVE_LATENCY_S,
-    ),
-    "mi325x": Hardware(
-        "mi325x",
-        # AMD Instinct MI325X data sheet (2024): peak BF16 1307.4 TFLOPs dense (the MI300X's compute).
-        peak_flops=1307.4e12,
-        # Same data sheet: 256 GB HBM3E, 6.0 TB/s peak memory bandwidth.
-        hbm_bytes_per_s=6.0e12,
-        # Same data sheet: 7 Infinity Fabric links of 128 GB/s peak bidirectional: 7 x 64 = 448 GB/s per direction.
-        link_bytes_per_s=448e9,
-        collective_latency_s=_ASSUMED_COLLECTIVE_LATENCY_S,
-    ),
-    "mi355x": Hardware(
-        "mi355x",
-        # AMD Instinct MI355X data sheet (2025): peak BF16 2.5 PFLOPs dense (5.0 with sparsity); 2516.6 TFLOP/s
-        # = 256 CUs x 4096 dense BF16 FLOP/clock x 2.4 GHz peak engine clock.
-        peak_flops=2516.6e12,
-        # Same data sheet: 288 GB HBM3E, 8 TB/s peak memory bandwidth.
-        hbm_bytes_per_s=8.0e12,
-        # Same data sheet: 7 Infinity Fabric links of 153.6 GB/s peak bidirectional: 7 x 76.8 = 537.6 GB/s
-        # per GPU per direction.
-        link_bytes_per_s=537.6e9,
-        collective_latency_s=_ASSUMED_COLLECTIVE_LATENCY_S,
-    ),
-    "h200": Hardware(
-        "h200",
-        # NVIDIA H200 Tensor Core GPU data sheet (2024), SXM: BF16 Tensor Core 1,979 TFLOPS with sparsity,
-        # i.e. 989.4 TFLOP/s dense (the dense figure of NVIDIA's H100 SXM white paper; same GH100 and clocks).
-        peak_flops=989.4e12,
-        # Same data sheet: 141 GB HBM3e, 4.8 TB/s.
-        hbm_bytes_per_s=4.8e12,
-        # Same data sheet: NVLink 900 GB/s per GPU (bidirectional, fourth-generation NVLink through
-        # NVSwitch): 450 GB/s per direction.
-        link_bytes_per_s=450e9,
-        collective_latency_s=_ASSUMED_COLLECTIVE_LATENCY_S,
-    ),
-})
+__all__ = [
+    "ALL_GATHER", "ALL_REDUCE", "ALL_TO_ALL", "HARDWARE", "REDUCE_SCATTER", "CollectiveCost", "Crossover", "Hardware",
+    "Prediction", "TierCost", "best_tier", "crossovers", "predict_time", "tier_cost",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,7 +108,7 @@ class CollectiveCost:
     @property
     def wire_bytes(self) -> float:
         """Bytes this rank sends on a ring: 2(g-1)/g * B for an all-reduce, (g-1)/g * B otherwise."""
-        return _WIRE_FACTORS[self.kind](self.group_size) * self.buffer_bytes
+        return RING_WIRE_FACTORS[self.kind](self.group_size) * self.buffer_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,53 +143,36 @@ def tier_cost(
     :func:`k3_tail.tail_forward`). Bad arguments, a one_shot tier with the column layout or with
     ``config.fused_output_is_reduced`` (which that tier cannot serve) raise ValueError naming the argument.
     """
-    if not isinstance(config, TailConfig):
-        raise ValueError(f"config: expected a k3_tail.TailConfig, got {type(config).__name__}")
+    check_config(config)
     num_tokens = check_int("num_tokens", num_tokens, minimum=0)
     tp_size = check_int("tp_size", tp_size, minimum=1)
     tier = Tier.parse(tier)
     weight_layout = check_weight_layout(weight_layout)
-    _check_tier_runs(tier, config, weight_layout, argument="tier")
+    tier.record.check_runs(weight_layout, config)
 
     element = config.dtype.itemsize
     latent, hidden = config.latent_size, config.hidden_size
-    block = padded_hidden_size(hidden, tp_size) // tp_size
     sequence_parallel = config.sequence_parallel
     # The rows the tier works on: sequence-parallel output pads T to a multiple of p (at least p).
     rows = padded_token_count(num_tokens, tp_size) if sequence_parallel else num_tokens
     if rows == 0:
         return TierCost(tier, num_tokens, tp_size, weight_layout, 0, 0, 0, ())
-    shared = config.has_shared_experts
+    shape = CallShape(
+        rows=rows, latent_size=latent, hidden_size=hidden, tp_size=tp_size, weight_layout=weight_layout,
+        has_shared=config.has_shared_experts, use_norm=config.use_latent_norm,
+        routed_reduced=config.fused_output_is_reduced, token_sharded=sequence_parallel,
+    )
     output_rows = rows // tp_size if sequence_parallel else rows
-    activation_bytes = element * (rows * latent + (rows * hidden if shared else 0) + output_rows * hidden)
-    full_projection = tier in (Tier.NATIVE, Tier.OVERLAP, Tier.ONE_SHOT) and weight_layout == "replicated"
-    columns = hidden if full_projection else block
+    activation_bytes = element * (rows * latent + (rows * hidden if shape.has_shared else 0) + output_rows * hidden)
+    columns = tier.record.gemm_columns(hidden, tp_size, weight_layout)
     norm_bytes = element * latent if config.use_latent_norm else 0
-
-    def collective(kind: str, elements: int, *, beside_gemm: bool = False) -> CollectiveCost:
-        return CollectiveCost(kind, element * elements, tp_size, hidden=beside_gemm)
-
-    reduce_kind = REDUCE_SCATTER if sequence_parallel else ALL_REDUCE
-    latent_reduction = [] if config.fused_output_is_reduced else [collective(ALL_REDUCE, rows * latent)]
-    if tier in (Tier.NATIVE, Tier.OVERLAP):
-        gather = [collective(ALL_GATHER, rows * tp_size * block)] if weight_layout == "column" else []
-        reduction = [collective(reduce_kind, rows * hidden, beside_gemm=tier is Tier.OVERLAP)] if shared else []
-        collectives = latent_reduction + (gather + reduction if tier is Tier.NATIVE else reduction + gather)
-    elif tier is Tier.COLUMN_PARALLEL:
-        collectives = latent_reduction + [collective(reduce_kind, rows * hidden)]
-    elif tier is Tier.SCATTER_GATHER:
-        scatter = [collective(REDUCE_SCATTER, rows * tp_size * block, beside_gemm=True)] if shared else []
-        if sequence_parallel:
-            finish = collective(ALL_TO_ALL, rows * block)
-        else:
-            finish = collective(ALL_GATHER, rows * tp_size * block)
-        collectives = latent_reduction + scatter + [finish]
-    else:  # ONE_SHOT: the packed [s | (c r g) @ W | c r] buffer
-        packed = hidden + (hidden if shared else 0) + (latent if config.use_latent_norm else 0)
-        collectives = [collective(reduce_kind, rows * packed)]
+    collectives = [
+        CollectiveCost(term.kind, element * term.elements, tp_size, hidden=term.beside_gemm)
+        for term in tier.record.collectives(shape)
+    ]
     if sequence_parallel and rows != num_tokens:
-        # tail_forward gathers the padded token-sharded result: JAX arrays shard evenly only.
-        collectives.append(collective(ALL_GATHER, rows * hidden))
+        # latent_moe_tail gathers the padded token-sharded result: JAX arrays shard evenly only.
+        collectives.append(CollectiveCost(ALL_GATHER, element * rows * hidden, tp_size))
 
     return TierCost(
         tier=tier,
@@ -318,7 +214,7 @@ def predict_time(cost: TierCost, hardware: Hardware | str) -> Prediction:
     """
     if not isinstance(cost, TierCost):
         raise ValueError(f"cost: expected a k3_tail.cost_model.TierCost, got {type(cost).__name__}")
-    compute, memory, serial, hidden = _time_terms(cost, _hardware(hardware))
+    compute, memory, serial, hidden = _time_terms(cost, hardware_preset(hardware))
     return Prediction(
         compute_s=compute, memory_s=memory, collective_s=serial + hidden, total_s=serial + max(compute, memory, hidden)
     )
@@ -357,7 +253,7 @@ def best_tier(
     ``tiers`` (default: every tier that runs with ``config`` and ``weight_layout``) are the candidates;
     on equal times the one first in ``Tier``'s order wins.
     """
-    hardware = _hardware(hardware)
+    hardware = hardware_preset(hardware)
     candidates = _candidates(config, weight_layout, tiers)
     times = [
         predict_time(tier_cost(config, num_tokens, tp_size, tier=tier, weight_layout=weight_layout), hardware).total_s
@@ -395,7 +291,7 @@ def crossovers(
     so no change is missed however close two crossovers are. An empty tuple: one tier is fastest
     over the whole range.
     """
-    hardware = _hardware(hardware)
+    hardware = hardware_preset(hardware)
     candidates = _candidates(config, weight_layout, tiers)
     tp_size = check_int("tp_size", tp_size, minimum=1)
     if (not isinstance(token_range, tuple) or len(token_range) != 2
@@ -433,30 +329,13 @@ def _totals(config, tp_size, hardware, weight_layout, tier, rows: np.ndarray) ->
 
 
 def _check_kind(kind: str) -> None:
-    if kind not in _WIRE_FACTORS:
-        raise ValueError(f"kind: expected one of {tuple(_WIRE_FACTORS)}, got {kind!r}")
-
-
-def _hardware(hardware: Hardware | str) -> Hardware:
-    if isinstance(hardware, Hardware):
-        return hardware
-    if isinstance(hardware, str) and hardware.strip().lower() in HARDWARE:
-        return HARDWARE[hardware.strip().lower()]
-    raise ValueError(
-        f"hardware: expected a k3_tail.cost_model.Hardware or one of {sorted(HARDWARE)}, got {hardware!r}"
-    )
-
-
-def _check_tier_runs(tier: Tier, config: TailConfig, weight_layout: str, *, argument: str) -> None:
-    reason = tier.why_not(weight_layout, config)
-    if reason is not None:
-        raise ValueError(f"{argument}: {reason}")
+    if kind not in RING_WIRE_FACTORS:
+        raise ValueError(f"kind: expected one of {tuple(RING_WIRE_FACTORS)}, got {kind!r}")
 
 
 def _candidates(config, weight_layout, tiers) -> list[Tier]:
     """The tiers to compare, in Tier's order: ``tiers`` validated, or every tier that runs."""
-    if not isinstance(config, TailConfig):
-        raise ValueError(f"config: expected a k3_tail.TailConfig, got {type(config).__name__}")
+    check_config(config)
     weight_layout = check_weight_layout(weight_layout)
     if tiers is None:
         return [tier for tier in Tier if tier.supports(weight_layout, config)]
@@ -466,5 +345,5 @@ def _candidates(config, weight_layout, tiers) -> list[Tier]:
     if not chosen:
         raise ValueError("tiers: expected at least one tier, got none")
     for tier in chosen:
-        _check_tier_runs(tier, config, weight_layout, argument="tiers")
+        tier.record.check_runs(weight_layout, config, argument="tiers")
     return [tier for tier in Tier if tier in chosen]

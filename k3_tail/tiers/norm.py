@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from k3_tail._checks import AxisName
 from k3_tail.config import TailConfig
 
 
@@ -13,7 +14,7 @@ def rms_norm(x: jax.Array, weight: jax.Array | None, *, eps: float, scale: float
     """``RMSNorm_weight(scale * x)`` over the last axis, in float32; returns float32.
 
     x: [..., L] any float dtype; weight: [L] or None (no norm: only the scale is applied).
-    ``scale`` multiplies x before the norm (routed_scaling_factor, spec section 2), so with a norm it
+    ``scale`` multiplies x before the norm (routed_scaling_factor), so with a norm it
     only matters through eps.
     """
     x = x.astype(jnp.float32) * scale
@@ -28,7 +29,7 @@ def inverse_rms(x: jax.Array, *, eps: float) -> jax.Array:
 
 
 def allreduce_norm_latent_out(
-    routed_partial: jax.Array, norm_weight: jax.Array | None, *, config: TailConfig, axis_name: str
+    routed_partial: jax.Array, norm_weight: jax.Array | None, *, config: TailConfig, axis_name: AxisName
 ) -> jax.Array:
     """``RMSNorm_g(c * psum(r))`` for this rank: the fully reduced, normalised latent.
 

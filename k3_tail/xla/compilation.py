@@ -1,54 +1,40 @@
 """Compile one tail call ahead of time, with the per-executable XLA options the library chooses.
 
-The options (:func:`compiler_options`, per tier and platform) protect what a tier's schedule rests
-on from XLA's defaults and from the user's ``XLA_FLAGS`` (per-executable options override flags):
+A tier's options are its record's ``compiler_options`` (per platform family; the tier modules say
+why each is needed: on GPU the overlap tier turns the all-reduce combiner off and pins async
+collectives on, scatter-gather pins async collectives on, the others need none, and CPU needs none).
+Per-executable options override the user's ``XLA_FLAGS``, so a flag that makes all-reduces
+synchronous cannot undo a schedule the library rests on.
 
-- overlap, on GPU: ``xla_gpu_all_reduce_combine_threshold_bytes=0``, because in a program with more
-  than one tail the all-reduce combiner merges the shared all-reduce with others and nothing
-  overlaps (see :mod:`k3_tail.overlap`), and ``xla_gpu_disable_async_collectives=""``, because a
-  synchronous all-reduce (``XLA_FLAGS=--xla_gpu_disable_async_collectives=ALLREDUCE``) hides
-  behind nothing.
-- scatter-gather, on GPU: async collectives pinned on, for the reduce-scatter that runs beside
-  the GEMM.
-- native and column-parallel: none; their collectives are serial by data dependence. One-shot:
-  none; it has one collective. CPU: none; its collectives are synchronous.
-
-A model that calls the tail inside its own ``jit`` passes the same options to its own
-``.compile(compiler_options=...)`` to keep the overlap there.
+A model that calls the tail inside its own ``jit`` passes the same options
+(:func:`compiler_options`) to its own ``.compile(compiler_options=...)`` to keep the overlap there.
 """
 
 from __future__ import annotations
 
-from types import MappingProxyType
 from typing import Any
 
 import jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from k3_tail.columns import check_weight_layout, padded_hidden_size
-from k3_tail.config import TailConfig, check_int
-from k3_tail.forward import check_mesh, tail_forward
-from k3_tail.selection import Tier, select_tier
-
-_ASYNC_COLLECTIVES = {"xla_gpu_disable_async_collectives": ""}
-_GPU_OPTIONS = MappingProxyType({
-    Tier.NATIVE: MappingProxyType({}),
-    Tier.OVERLAP: MappingProxyType({**_ASYNC_COLLECTIVES, "xla_gpu_all_reduce_combine_threshold_bytes": 0}),
-    Tier.COLUMN_PARALLEL: MappingProxyType({}),
-    Tier.SCATTER_GATHER: MappingProxyType(_ASYNC_COLLECTIVES),
-    Tier.ONE_SHOT: MappingProxyType({}),
-})
+from k3_tail._checks import AxisName, check_int, check_mesh
+from k3_tail.config import TailConfig, check_config
+from k3_tail.forward import tail_forward
+from k3_tail.selection.rules import select_tier
+from k3_tail.tiers.columns import check_weight_layout, padded_hidden_size
+from k3_tail.tiers.registry import Tier
 
 
 def compiler_options(tier: Tier | str, platform: str) -> dict[str, Any]:
     """The per-executable XLA options the library applies to ``tier`` on ``platform`` (a device's
-    ``.platform``: "gpu" for CUDA and ROCm devices alike, "cpu", ...). See the module docstring."""
-    tier = Tier.parse(tier)
-    return dict(_GPU_OPTIONS[tier]) if platform in ("gpu", "cuda", "rocm") else {}
+    ``.platform``: "gpu" for CUDA and ROCm devices alike, "cpu", ...): the tier record's
+    ``compiler_options`` for that platform's family. See the module docstring."""
+    return Tier.parse(tier).record.options_for(platform)
 
 
 def tail_arguments(
-    config: TailConfig, mesh: Mesh, num_tokens: int, *, axis_name: str = "tp", weight_layout: str = "replicated"
+    config: TailConfig, mesh: Mesh, num_tokens: int, *, axis_name: AxisName = "tp", weight_layout: str = "replicated"
 ) -> tuple[jax.ShapeDtypeStruct | None, ...]:
     """Abstract (routed, shared, norm_weight, kernel) arguments of one :func:`tail_forward` call.
 
@@ -84,23 +70,22 @@ def compile_tail(
     num_tokens: int,
     *,
     tier: Tier | str | None = None,
-    axis_name: str = "tp",
+    axis_name: AxisName = "tp",
     weight_layout: str = "replicated",
 ) -> jax.stages.Compiled:
     """The compiled executable of one :func:`tail_forward` call for T = ``num_tokens`` on ``mesh``.
 
     ``mesh`` may hold real devices or those of a deviceless topology
-    (:func:`k3_tail.topologies.topology_mesh`); ``tier`` None compiles what :func:`select_tier`
+    (:func:`k3_tail.topology_mesh`); ``tier`` None compiles what :func:`select_tier`
     picks. The program's arguments are :func:`tail_arguments` in that order (flat, Nones dropped),
     so the shared partial is argument 1. :func:`compiler_options` of the tier and the mesh's
     platform are applied. Inspect it with :func:`k3_tail.xla_report.report`.
     """
-    if not isinstance(config, TailConfig):
-        raise ValueError(f"config: expected a k3_tail.TailConfig, got {type(config).__name__}")
+    check_config(config)
     arguments = tail_arguments(config, mesh, num_tokens, axis_name=axis_name, weight_layout=weight_layout)
     if tier is None:
         tier = select_tier(
-            config, num_tokens, mesh.shape[axis_name], weight_layout=weight_layout,
+            config, num_tokens, check_mesh(mesh, axis_name), weight_layout=weight_layout,
             device_kind=mesh.devices.flat[0].device_kind,
         ).tier
     resolved = Tier.parse(tier)

@@ -2,7 +2,7 @@
 
 How the overlap is made to happen on GPU backends (CUDA and ROCm share XLA's GPU scheduler):
 left alone, XLA's all-reduce combiner merges the latent and the shared all-reduce, which are
-independent, into ONE synchronous all-reduce before the GEMM, and nothing overlaps (spec, section 7).
+independent, into ONE synchronous all-reduce before the GEMM, and nothing overlaps.
 Two devices act against that:
 
 1. In the program: the shared partial passes through ``lax.optimization_barrier`` together with the
@@ -23,14 +23,18 @@ deviceless 8-GPU topology at T in {1, 16, 256}, for both kernel layouts.
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from k3_tail.columns import gather_columns, project_own_columns
+from k3_tail._checks import AxisName
 from k3_tail.config import TailConfig
-from k3_tail.norm import allreduce_norm_latent_out
-from k3_tail.sequence_parallel import own_tokens, reduce_output
+from k3_tail.tiers.columns import gather_columns, project_own_columns
+from k3_tail.tiers.norm import allreduce_norm_latent_out
+from k3_tail.tiers.record import CallShape, CollectiveTerm, TierRecord
+from k3_tail.tiers.tokens import own_tokens, reduce_output
 
 
 def overlap_tail(
@@ -40,7 +44,7 @@ def overlap_tail(
     up_proj_kernel: jax.Array,
     *,
     config: TailConfig,
-    axis_name: str,
+    axis_name: AxisName,
     weight_layout: str,
 ) -> jax.Array:
     """AR(r) + norm; AR(s) issued; GEMM while AR(s) is in flight; add. Inside ``jax.shard_map``.
@@ -71,3 +75,27 @@ def overlap_tail(
     if shared is None:
         return projected.astype(config.dtype)
     return (projected.astype(jnp.float32) + shared.astype(jnp.float32)).astype(config.dtype)
+
+
+def _collectives(shape: CallShape) -> tuple[CollectiveTerm, ...]:
+    shared = ()
+    if shape.has_shared:
+        shared = (CollectiveTerm(shape.output_reduction, shape.rows * shape.hidden_size, beside_gemm=True),)
+    return shape.latent_reduction() + shared + shape.column_gather()
+
+
+RECORD = TierRecord(
+    name="overlap",
+    function=overlap_tail,
+    summary="vLLM tier 1: the shared all-reduce in flight while the up projection runs",
+    schedule="AR(r) + norm; AR(s) started; GEMM; AR(s) done; add",
+    collectives_text="AR(TL), AR(TH) beside the GEMM (column layout: + AG(TH) of the output blocks)",
+    projects_all_columns=True,
+    token_sharded_form="AR(s) becomes a reduce-scatter over tokens and each rank keeps its rows of the projection",
+    collectives=_collectives,
+    # In a program with more than one tail the all-reduce combiner would merge the shared all-reduce
+    # with others (nothing would overlap), and a synchronous all-reduce hides behind nothing.
+    compiler_options=MappingProxyType({"gpu": MappingProxyType({
+        "xla_gpu_all_reduce_combine_threshold_bytes": 0, "xla_gpu_disable_async_collectives": "",
+    })}),
+)

@@ -6,10 +6,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from k3_tail.columns import own_kernel_block, pad_columns
+from k3_tail._checks import AxisName
 from k3_tail.config import TailConfig
-from k3_tail.norm import allreduce_norm_latent_out
-from k3_tail.sequence_parallel import reduce_output
+from k3_tail.tiers.columns import own_kernel_block, pad_columns
+from k3_tail.tiers.norm import allreduce_norm_latent_out
+from k3_tail.tiers.record import CallShape, CollectiveTerm, TierRecord
+from k3_tail.tiers.tokens import reduce_output
 
 
 def column_parallel_tail(
@@ -19,7 +21,7 @@ def column_parallel_tail(
     up_proj_kernel: jax.Array,
     *,
     config: TailConfig,
-    axis_name: str,
+    axis_name: AxisName,
     weight_layout: str,
     defer_all_reduce: bool = False,
 ) -> jax.Array:
@@ -29,7 +31,7 @@ def column_parallel_tail(
     norm_weight [L] or None, up_proj_kernel [L, H] ("replicated") or this rank's [L, Hb] block
     ("column"), Hb = ceil(H / p).
 
-    Contract (spec, section 3): the buffer handed to the final all-reduce equals the shared partial
+    Contract: the buffer handed to the final all-reduce equals the shared partial
     everywhere except this rank's columns [k*Hb, min((k+1)*Hb, H)), which hold shared + latent @ block
     (added in float32, rounded once). Summed over ranks, every column gets its projection exactly once.
     With ``defer_all_reduce=True`` that per-rank [T, H] buffer is returned instead of y, for a caller
@@ -57,3 +59,21 @@ def column_parallel_tail(
     if defer_all_reduce:
         return buffer
     return reduce_output(buffer, axis_name=axis_name, sequence_parallel=config.sequence_parallel)
+
+
+def _collectives(shape: CallShape) -> tuple[CollectiveTerm, ...]:
+    # The [T, H] buffer is reduced with or without shared experts: it carries the column blocks.
+    return shape.latent_reduction() + (CollectiveTerm(shape.output_reduction, shape.rows * shape.hidden_size),)
+
+
+RECORD = TierRecord(
+    name="column_parallel",
+    function=column_parallel_tail,
+    summary="vLLM tier 2: each rank adds its column block of the projection into its own shared partial; "
+            "one all-reduce stitches and sums",
+    schedule="AR(r) + norm; own column block of the GEMM added into own columns of s; AR",
+    collectives_text="AR(TL), AR(TH)",
+    projects_all_columns=False,
+    token_sharded_form="the final AR becomes a reduce-scatter over tokens",
+    collectives=_collectives,
+)

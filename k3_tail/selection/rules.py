@@ -1,4 +1,4 @@
-"""Which tier serves a call, and why: vLLM's rule order (spec, section 4) without its silent fallbacks.
+"""Which tier serves a call, and why: vLLM's rule order without its silent fallbacks.
 
 Selection runs at trace time (the token count is static under jit), so it costs nothing per call,
 and every outcome carries a reason that names the rule or the failed precondition.
@@ -6,71 +6,14 @@ and every outcome carries a reason that names the rule or the failed preconditio
 
 from __future__ import annotations
 
-import dataclasses
-import enum
-
-from k3_tail.columns import padded_hidden_size
-from k3_tail.config import TailConfig, check_int
-from k3_tail.sequence_parallel import padded_token_count
-
-
-class Tier(str, enum.Enum):
-    """The schedules of the tail. All compute the same function (spec, section 2).
-
-    NATIVE: AR(r); norm; full GEMM; AR(s); add. The base path and reference semantics.
-    OVERLAP: AR(r) + norm; full GEMM while AR(s) is in flight; add (vLLM tier 1).
-    COLUMN_PARALLEL: AR(r) + norm; each rank adds its column block of the projection into its own
-        columns of its shared partial; one AR of [T, H] stitches and sums (vLLM tier 2).
-    SCATTER_GATHER: AR(r) + norm; RS(s) over columns; shard GEMM + add; AG of [T, H/p] blocks
-        (the standard-collective form of vLLM's fused tier 0).
-    ONE_SHOT: each rank projects its own (c r_i g); one AR of the packed [s | (c r g) @ W | c r];
-        the row RMS factor applied after (spec, section 3; not in vLLM). Needs the whole kernel on
-        every rank: only the "replicated" weight layout.
-    """
-
-    NATIVE = "native"
-    OVERLAP = "overlap"
-    COLUMN_PARALLEL = "column_parallel"
-    SCATTER_GATHER = "scatter_gather"
-    ONE_SHOT = "one_shot"
-
-    def supports(self, weight_layout: str, config: TailConfig | None = None) -> bool:
-        """Whether the tier runs with ``weight_layout`` ("column" or "replicated") and ``config``."""
-        return self.why_not(weight_layout, config) is None
-
-    def why_not(self, weight_layout: str, config: TailConfig | None = None) -> str | None:
-        """Why the tier cannot run with ``weight_layout`` and ``config`` (None: not considered), or
-        None when it can: one_shot needs the whole kernel and the routed partials unreduced."""
-        if self is not Tier.ONE_SHOT:
-            return None
-        if weight_layout != "replicated":
-            return f"one_shot does not run with weight_layout={weight_layout!r} (it needs 'replicated')"
-        if config is not None and config.fused_output_is_reduced:
-            return "one_shot reduces the routed partials itself, so it cannot serve fused_output_is_reduced=True"
-        return None
-
-    @classmethod
-    def parse(cls, value: Tier | str, *, argument: str = "tier") -> Tier:
-        """``value`` as a Tier; a string may be the value ("overlap") or the name ("OVERLAP")."""
-        if isinstance(value, cls):
-            return value
-        if isinstance(value, str):
-            for tier in cls:
-                if value in (tier.value, tier.name):
-                    return tier
-        choices = ", ".join(repr(t.value) for t in cls)
-        raise ValueError(f"{argument}: expected a k3_tail.Tier or one of {choices}, got {value!r}")
-
-
-@dataclasses.dataclass(frozen=True)
-class TierDecision:
-    """The tier chosen for one (config, token count, TP size), with the human-readable reason."""
-
-    tier: Tier
-    reason: str
-
-    def __str__(self) -> str:
-        return f"{self.tier.value}: {self.reason}"
+from k3_tail._checks import check_int
+from k3_tail.config import TailConfig, check_config
+from k3_tail.selection import cost_model
+from k3_tail.selection.decision import TierDecision
+from k3_tail.selection.table import SelectionTable
+from k3_tail.tiers.columns import padded_hidden_size
+from k3_tail.tiers.registry import Tier
+from k3_tail.tiers.tokens import is_token_sharded_output, padded_token_count
 
 
 def select_tier(
@@ -102,36 +45,25 @@ def select_tier(
       4. COLUMN_PARALLEL otherwise; when H % p != 0 the projection's columns are padded to the next
          multiple of p and sliced back, so no columns are dropped and no fallback is needed.
     With ``config.sequence_parallel`` the same rules pick the tier and the reason says how that tier
-    returns token-sharded output (:mod:`k3_tail.sequence_parallel`). ONE_SHOT is never selected
+    returns token-sharded output (its record's ``token_sharded_form``). ONE_SHOT is never selected
     here: it trades a full GEMM per rank for one collective fewer, and only a cost model or a
     measured table for the hardware can say where that wins; force it with ``tier=``.
     """
-    if not isinstance(config, TailConfig):
-        raise ValueError(f"config: expected a k3_tail.TailConfig, got {type(config).__name__}")
+    check_config(config)
     num_tokens = check_int("num_tokens", num_tokens, minimum=0)
     tp_size = check_int("tp_size", tp_size, minimum=1)
 
     decision = _select_replicated(config, num_tokens, tp_size, weight_layout, device_kind)
     if not config.sequence_parallel:
         return decision
-    reason = f"{decision.reason}; sequence-parallel output: {_SP_FORM[decision.tier]}"
-    if num_tokens % tp_size:
+    reason = f"{decision.reason}; sequence-parallel output: {decision.tier.record.token_sharded_form}"
+    if not is_token_sharded_output(config, num_tokens, tp_size):
+        why = "is empty" if num_tokens == 0 else f"is not divisible by tp_size={tp_size}"
         reason += (
-            f"; T={num_tokens} is not divisible by tp_size={tp_size} and JAX arrays shard evenly only, so the "
-            f"tokens are padded to {padded_token_count(num_tokens, tp_size)} and the [T, H] result is gathered "
-            "(replicated)"
+            f"; T={num_tokens} {why} and JAX arrays shard evenly only, so the tokens are padded to "
+            f"{padded_token_count(num_tokens, tp_size)} and the [T, H] result is gathered (replicated)"
         )
     return TierDecision(decision.tier, reason)
-
-
-# How each tier makes token-sharded [T/p, H] output (sequence_parallel=True).
-_SP_FORM = {
-    Tier.NATIVE: "AR(s) becomes a reduce-scatter over tokens and each rank keeps its rows of the projection",
-    Tier.OVERLAP: "AR(s) becomes a reduce-scatter over tokens and each rank keeps its rows of the projection",
-    Tier.COLUMN_PARALLEL: "the final AR becomes a reduce-scatter over tokens",
-    Tier.SCATTER_GATHER: "the final all-gather over columns becomes an all-to-all from columns to tokens",
-    Tier.ONE_SHOT: "the packed all-reduce becomes a reduce-scatter over tokens",
-}
 
 
 def _select_replicated(
@@ -182,6 +114,8 @@ def _select_measured(
     config: TailConfig, num_tokens: int, tp_size: int, weight_layout: str | None, device_kind: str | None
 ) -> TierDecision:
     table = config.selection_table
+    if not isinstance(table, SelectionTable):
+        raise ValueError(f"selection_table: expected a k3_tail.SelectionTable, got {type(table).__name__}")
     table.check_matches(config, tp_size, weight_layout=weight_layout, device_kind=device_kind)
     token_range = table.range_for(num_tokens)
     source = f", {table.source}" if table.source else ""
@@ -193,8 +127,6 @@ def _select_measured(
 
 
 def _select_by_model(config: TailConfig, num_tokens: int, tp_size: int, weight_layout: str | None) -> TierDecision:
-    from k3_tail import cost_model  # imported here: the cost model builds on this module
-
     if weight_layout is None:
         raise ValueError('weight_layout: the "model" selection policy prices the call, so it needs its weight layout')
     decision = cost_model.best_tier(config, num_tokens, tp_size, hardware=config.hardware, weight_layout=weight_layout)

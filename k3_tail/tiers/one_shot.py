@@ -2,8 +2,8 @@
 
     y = sum_i s_i + rsqrt(mean(x^2) + eps) * sum_i ((c * r_i * g) @ W),   x = c * sum_i r_i
 
-(spec, section 3, last paragraph). Each rank projects its own routed partial, and ONE all-reduce of
-the packed [s_i | (c r_i g) @ W | c r_i] buffer replaces the two serial collectives of the other
+Each rank projects its own routed partial, and ONE all-reduce of
+the packed [(c r_i g) @ W | s_i | c r_i] buffer replaces the two serial collectives of the other
 tiers; the per-row RMS factor is computed from the reduced x and applied afterwards. Not in vLLM.
 """
 
@@ -12,9 +12,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from k3_tail._checks import AxisName
 from k3_tail.config import TailConfig
-from k3_tail.norm import inverse_rms
-from k3_tail.sequence_parallel import reduce_output
+from k3_tail.tiers.norm import inverse_rms
+from k3_tail.tiers.record import CallShape, CollectiveTerm, TierRecord
+from k3_tail.tiers.tokens import reduce_output
 
 
 def one_shot_tail(
@@ -24,10 +26,10 @@ def one_shot_tail(
     up_proj_kernel: jax.Array,
     *,
     config: TailConfig,
-    axis_name: str,
+    axis_name: AxisName,
     weight_layout: str,
 ) -> jax.Array:
-    """Project the own partial; one AR of [s | z | x]; scale z by the row RMS factor; add. In shard_map.
+    """Project the own partial; one AR of [z | s | x]; scale z by the row RMS factor; add. In shard_map.
 
     Per rank: routed_partial [T, L], shared_partial [T, H] or None, norm_weight [L] or None,
     up_proj_kernel [L, H]: the whole kernel, so ``weight_layout`` must be "replicated" (each rank
@@ -42,15 +44,7 @@ def one_shot_tail(
     partial is rounded once before the sum: the error stays at the other tiers' level (a few
     bf16 ulps of y).
     """
-    if weight_layout != "replicated":
-        raise ValueError(
-            f"weight_layout: the one_shot tier needs the whole [L, H] kernel on every rank ('replicated'), "
-            f"got {weight_layout!r}"
-        )
-    if config.fused_output_is_reduced:
-        raise ValueError(
-            "tier: one_shot reduces the routed partials itself, so it cannot serve fused_output_is_reduced=True"
-        )
+    RECORD.check_runs(weight_layout, config)
     scaled = config.routed_scaling_factor * routed_partial.astype(jnp.float32)
     weighted = scaled * norm_weight.astype(jnp.float32) if config.use_latent_norm else scaled
     projected = jnp.dot(weighted.astype(config.dtype), up_proj_kernel, preferred_element_type=jnp.float32)
@@ -69,3 +63,23 @@ def one_shot_tail(
     if shared_partial is not None:
         y = y + packed[:, hidden:2 * hidden]
     return y.astype(config.dtype)
+
+
+def _collectives(shape: CallShape) -> tuple[CollectiveTerm, ...]:
+    packed = shape.hidden_size + (shape.hidden_size if shape.has_shared else 0)
+    packed += shape.latent_size if shape.use_norm else 0
+    return (CollectiveTerm(shape.output_reduction, shape.rows * packed),)
+
+
+RECORD = TierRecord(
+    name="one_shot",
+    function=one_shot_tail,
+    summary="not in vLLM: the norm applied after the GEMM as a row scale, so one all-reduce replaces two",
+    schedule="own (c r g) projected; ONE AR of the packed [(c r g) @ W | s | c r]; row RMS factor applied after",
+    collectives_text="AR(T(2H+L)): one collective instead of two serial ones",
+    projects_all_columns=True,
+    token_sharded_form="the packed all-reduce becomes a reduce-scatter over tokens",
+    collectives=_collectives,
+    needs_whole_kernel=True,
+    needs_unreduced_routed=True,
+)

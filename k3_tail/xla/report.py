@@ -29,8 +29,16 @@ from typing import Any
 
 import jax
 
-from k3_tail.hlo_text import (
-    ArrayShape, Instruction, Module, computation_flops, dot_flops, exact_gemm_names, parse_module, replica_group_size,
+from k3_tail.tiers.record import RING_WIRE_FACTORS
+from k3_tail.xla.hlo_text import (
+    ArrayShape,
+    Instruction,
+    Module,
+    computation_flops,
+    dot_flops,
+    exact_gemm_names,
+    parse_module,
+    replica_group_size,
 )
 
 _COLLECTIVE_KINDS = (
@@ -209,8 +217,7 @@ def _collective(module, symbols, position, num_devices, gemm_names, derives_from
         arrays = tuple(array for operand in instruction.operands for array in symbols[operand].arrays)
     size = sum(array.bytes for array in arrays)
     group = replica_group_size(instruction, num_devices)
-    factor = {"all-reduce": 2 * (group - 1) / group, "all-gather": (group - 1) / group,
-              "reduce-scatter": (group - 1) / group, "all-to-all": (group - 1) / group}.get(kind, 1.0)
+    factor = RING_WIRE_FACTORS[kind](group) if kind in RING_WIRE_FACTORS else 1.0
     between = tuple(
         op.name for op in schedule[position + 1:done]
         if op.opcode not in _NO_DATA and _collective_kind(module, op) is None

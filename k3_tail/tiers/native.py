@@ -5,10 +5,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from k3_tail.columns import project_all_columns
+from k3_tail._checks import AxisName
 from k3_tail.config import TailConfig
-from k3_tail.norm import allreduce_norm_latent_out
-from k3_tail.sequence_parallel import own_tokens, reduce_output
+from k3_tail.tiers.columns import project_all_columns
+from k3_tail.tiers.norm import allreduce_norm_latent_out
+from k3_tail.tiers.record import CallShape, CollectiveTerm, TierRecord
+from k3_tail.tiers.tokens import own_tokens, reduce_output
 
 
 def native_tail(
@@ -18,7 +20,7 @@ def native_tail(
     up_proj_kernel: jax.Array,
     *,
     config: TailConfig,
-    axis_name: str,
+    axis_name: AxisName,
     weight_layout: str,
 ) -> jax.Array:
     """AR(r); scale; norm; GEMM; AR(s); add, in that order. Runs inside ``jax.shard_map``.
@@ -42,3 +44,20 @@ def native_tail(
         return projected.astype(config.dtype)
     shared = reduce_output(shared_partial, axis_name=axis_name, sequence_parallel=config.sequence_parallel)
     return (projected.astype(jnp.float32) + shared.astype(jnp.float32)).astype(config.dtype)
+
+
+def _collectives(shape: CallShape) -> tuple[CollectiveTerm, ...]:
+    shared = (CollectiveTerm(shape.output_reduction, shape.rows * shape.hidden_size),) if shape.has_shared else ()
+    return shape.latent_reduction() + shape.column_gather() + shared
+
+
+RECORD = TierRecord(
+    name="native",
+    function=native_tail,
+    summary="vLLM's base path and the reference semantics: every step after the one before it",
+    schedule="AR(r); norm; GEMM; AR(s); add",
+    collectives_text="AR(TL), AR(TH) (column layout: + AG(TH) of the output blocks)",
+    projects_all_columns=True,
+    token_sharded_form="AR(s) becomes a reduce-scatter over tokens and each rank keeps its rows of the projection",
+    collectives=_collectives,
+)

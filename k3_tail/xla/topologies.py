@@ -44,7 +44,7 @@ class GpuTarget:
 
     def config_text(self) -> str:
         """The ``TargetConfig`` record in text-proto form."""
-        return importlib.resources.files("k3_tail").joinpath("targets", self.filename).read_text()
+        return importlib.resources.files("k3_tail.xla").joinpath("targets", self.filename).read_text()
 
 
 GPU_TARGETS = {

@@ -4,14 +4,19 @@ With ``TailConfig(sequence_parallel=True)`` a tier returns rank k's rows [k*T/p,
 instead of all of y: the final all-reduce of [T, H] becomes a reduce-scatter over tokens (half the
 wire bytes: (p-1)/p * 2TH instead of 2(p-1)/p * 2TH), an all-gather over columns becomes an
 all-to-all, and a replicated intermediate is cut to the own rows. The tier functions need T % p == 0
-per rank; :func:`k3_tail.tail_forward` pads the token dimension with zero rows (whose outputs are
-zero, since RMSNorm of a zero row is zero; at least p rows, also for T = 0) and slices them off again.
+per rank; :func:`k3_tail.latent_moe_tail` pads the token dimension with zero rows (whose outputs
+are zero, since RMSNorm of a zero row is zero; at least p rows, also for T = 0). JAX arrays shard
+evenly only, so when p does not divide T (or T = 0) it gathers the padded rows and returns the T
+rows replicated instead (:func:`is_token_sharded_output` says which a call gets).
 """
 
 from __future__ import annotations
 
 import jax
 from jax import lax
+
+from k3_tail._checks import AxisName
+from k3_tail.config import TailConfig
 
 
 def padded_token_count(num_tokens: int, tp_size: int) -> int:
@@ -20,7 +25,14 @@ def padded_token_count(num_tokens: int, tp_size: int) -> int:
     return max(-(-num_tokens // tp_size), 1) * tp_size
 
 
-def reduce_output(x: jax.Array, *, axis_name: str, sequence_parallel: bool) -> jax.Array:
+def is_token_sharded_output(config: TailConfig, num_tokens: int, tp_size: int) -> bool:
+    """Whether a call with T = ``num_tokens`` on ``tp_size`` ranks returns y token-sharded (rank k
+    holding rows [k*T/p, (k+1)*T/p)): with ``config.sequence_parallel``, T > 0 and p dividing T.
+    Otherwise every rank returns all T rows (replicated)."""
+    return config.sequence_parallel and num_tokens > 0 and num_tokens % tp_size == 0
+
+
+def reduce_output(x: jax.Array, *, axis_name: AxisName, sequence_parallel: bool) -> jax.Array:
     """Sum of ``x`` [T, W] over the ranks: all of it ([T, W], AR) or, for sequence-parallel output,
     this rank's [T/p, W] rows of it (reduce-scatter over tokens)."""
     if sequence_parallel:
@@ -28,7 +40,13 @@ def reduce_output(x: jax.Array, *, axis_name: str, sequence_parallel: bool) -> j
     return lax.psum(x, axis_name)
 
 
-def own_tokens(x: jax.Array, *, axis_name: str) -> jax.Array:
+def own_tokens(x: jax.Array, *, axis_name: AxisName) -> jax.Array:
     """This rank's [T/p, W] rows of a [T, W] array that every rank holds whole (no communication)."""
     rows = x.shape[0] // lax.axis_size(axis_name)
     return lax.dynamic_slice_in_dim(x, lax.axis_index(axis_name) * rows, rows, axis=0)
+
+
+def gather_tokens(rows: jax.Array, num_tokens: int, *, axis_name: AxisName) -> jax.Array:
+    """The first ``num_tokens`` rows of the token-sharded [T'/p, W] ``rows`` on every rank: an
+    all-gather over tokens of (p-1)/p * T'W elements, then the padding rows sliced off."""
+    return lax.all_gather(rows, axis_name, axis=0, tiled=True, to="invarying")[:num_tokens]

@@ -35,17 +35,17 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from k3_tail.columns import check_weight_layout, padded_hidden_size
-from k3_tail.config import TailConfig, check_int
-from k3_tail.forward import check_mesh, tail_forward
-from k3_tail.selection import Tier
+from k3_tail._checks import AxisName, check_int, check_mesh
+from k3_tail.config import TailConfig
+from k3_tail.forward import tail_forward
+from k3_tail.tiers.columns import check_weight_layout, padded_hidden_size
+from k3_tail.tiers.registry import Tier
 
 DEFAULT_MAX_TOKENS = 8192
 CPU_MAX_TOKENS = 1024
-# Tiers whose ranks each project only their own column block, whatever the weight layout.
-_COLUMN_BLOCK_TIERS = (Tier.COLUMN_PARALLEL, Tier.SCATTER_GATHER)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,29 +73,32 @@ class Timing:
 
 @dataclasses.dataclass(frozen=True)
 class Measurement:
-    """One tier at one token count T on a TP mesh of size p: :class:`Timing`'s statistics, in seconds."""
+    """One tier at one token count T on a TP mesh of size p, and the :class:`Timing` of its runs."""
 
     tier: Tier
     num_tokens: int
     tp_size: int
     weight_layout: str
-    median_s: float
-    min_s: float
-    max_s: float
-    q25_s: float
-    q75_s: float
-    repeats: int
+    timing: Timing
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain data (the tier as its value, e.g. "overlap"): a JSON object or a CSV row."""
-        return {**dataclasses.asdict(self), "tier": self.tier.value}
+        """Plain data, one flat record (the tier as its value, e.g. "overlap", then the timing's
+        fields): a JSON object or a CSV row."""
+        return {"tier": self.tier.value, "num_tokens": self.num_tokens, "tp_size": self.tp_size,
+                "weight_layout": self.weight_layout, **dataclasses.asdict(self.timing)}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Measurement:
         """The inverse of :meth:`to_dict` (also takes a CSV row's strings)."""
-        fields = {field.name: field.type for field in dataclasses.fields(cls)}
-        converters = {"int": int, "float": float, "str": str, "Tier": Tier.parse}
-        return cls(**{name: converters[kind](data[name]) for name, kind in fields.items()})
+        timing = {field.name: (int if field.name == "repeats" else float)(data[field.name])
+                  for field in dataclasses.fields(Timing)}
+        return cls(Tier.parse(data["tier"]), int(data["num_tokens"]), int(data["tp_size"]), str(data["weight_layout"]),
+                   Timing(**timing))
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        """The keys of :meth:`to_dict`, in order: the CSV header."""
+        return ["tier", "num_tokens", "tp_size", "weight_layout", *(field.name for field in dataclasses.fields(Timing))]
 
 
 def token_ladder(max_tokens: int = DEFAULT_MAX_TOKENS) -> tuple[int, ...]:
@@ -141,15 +144,10 @@ def check_tiers(
 
 
 def local_gemm_columns(tier: Tier | str, config: TailConfig, tp_size: int, weight_layout: str) -> int:
-    """The width of one rank's projection [T, L] x [L, columns] in ``tier``: its column block
-    ``padded_hidden_size(H, p) / p`` when it projects only its own columns (column_parallel and
-    scatter_gather always; every tier under the "column" layout), else all H (native, overlap and
-    one_shot with the replicated kernel)."""
-    tier = Tier.parse(tier)
-    check_weight_layout(weight_layout)
-    if weight_layout == "column" or tier in _COLUMN_BLOCK_TIERS:
-        return padded_hidden_size(config.hidden_size, tp_size) // tp_size
-    return config.hidden_size
+    """The width of one rank's projection [T, L] x [L, columns] in ``tier``: all H when it projects
+    every column with the replicated kernel, else its column block ``padded_hidden_size(H, p) / p``
+    (the tier record's ``gemm_columns``)."""
+    return Tier.parse(tier).record.gemm_columns(config.hidden_size, tp_size, check_weight_layout(weight_layout))
 
 
 def measure_tiers(
@@ -161,7 +159,7 @@ def measure_tiers(
     weight_layout: str = "column",
     repeats: int = 5,
     warmup: int = 1,
-    axis_name: str = "tp",
+    axis_name: AxisName = "tp",
     seed: int = 0,
     on_progress: Callable[[str], None] | None = None,
 ) -> list[Measurement]:
@@ -174,7 +172,7 @@ def measure_tiers(
       token_counts: T values, each >= 1, measured in this order.
       tiers: the tiers to time, in this order; None: every tier that runs with ``weight_layout`` and
         ``config`` (:func:`tiers_for`).
-      weight_layout: "column" or "replicated" kernel (see :mod:`k3_tail.columns`).
+      weight_layout: "column" or "replicated" kernel (see :mod:`k3_tail.tiers.columns`).
       repeats: timed runs per (T, tier), >= 1. warmup: untimed runs before them, >= 1 (the first
         compiles).
       seed: of the random inputs. on_progress: called with a label ("p=8 T=64 overlap") as each
@@ -201,7 +199,7 @@ def measure_tiers(
             if on_progress is not None:
                 on_progress(f"p={tp_size} T={num_tokens} {tier.value}")
             _, _, timing = time_runs(functools.partial(forward, tier=tier), repeats=repeats, warmup=warmup)
-            measurements.append(Measurement(tier, num_tokens, tp_size, weight_layout, **dataclasses.asdict(timing)))
+            measurements.append(Measurement(tier, num_tokens, tp_size, weight_layout, timing))
     return measurements
 
 
@@ -214,7 +212,7 @@ def measure_local_gemm(
     repeats: int = 5,
     warmup: int = 1,
     concurrent: bool = False,
-    axis_name: str = "tp",
+    axis_name: AxisName = "tp",
     seed: int = 0,
 ) -> Timing:
     """Time the bare local GEMM [T, L] x [L, columns] (``config.dtype`` in, float32 out and accumulated).
@@ -269,7 +267,7 @@ def time_runs(run: Callable[[], jax.Array], *, repeats: int, warmup: int = 1) ->
 
 
 def place_weights(
-    config: TailConfig, mesh: Mesh, weight_layout: str, rng: np.random.Generator, *, axis_name: str = "tp"
+    config: TailConfig, mesh: Mesh, weight_layout: str, rng: np.random.Generator, *, axis_name: AxisName = "tp"
 ) -> tuple[jax.Array | None, jax.Array]:
     """Random norm weight [L] (1 + 0.1 randn, replicated; None without the norm) and up-projection
     kernel (randn / sqrt(L)).
@@ -282,7 +280,7 @@ def place_weights(
     norm_weight = 1 + 0.1 * rng.standard_normal(latent, dtype=np.float32)
     kernel = rng.standard_normal((latent, hidden), dtype=np.float32) / np.sqrt(latent)
     if check_weight_layout(weight_layout) == "column":
-        padding = padded_hidden_size(hidden, mesh.shape[axis_name]) - hidden
+        padding = padded_hidden_size(hidden, check_mesh(mesh, axis_name)) - hidden
         kernel, kernel_spec = np.pad(kernel, [(0, 0), (0, padding)]), P(None, axis_name)
     else:
         kernel_spec = P()
@@ -291,14 +289,14 @@ def place_weights(
 
 
 def place_partials(
-    config: TailConfig, mesh: Mesh, num_tokens: int, rng: np.random.Generator, *, axis_name: str = "tp"
+    config: TailConfig, mesh: Mesh, num_tokens: int, rng: np.random.Generator, *, axis_name: AxisName = "tp"
 ) -> tuple[jax.Array, jax.Array | None]:
     """Random routed [p, T, L] and shared [p, T, H] partials (randn / sqrt(p)), rank i holding entry i.
 
     With ``config.fused_output_is_reduced`` the routed output is one replicated [T, L] (the sum);
     without shared experts the shared partial is None.
     """
-    tp_size = mesh.shape[axis_name]
+    tp_size = check_mesh(mesh, axis_name)
     scale = 1 / np.sqrt(tp_size)
     routed = scale * rng.standard_normal((tp_size, num_tokens, config.latent_size), dtype=np.float32)
     if config.fused_output_is_reduced:
@@ -356,51 +354,3 @@ def _ram_gib() -> float | None:
     if sys.platform.startswith("linux"):
         return round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
     return None
-
-
-def plot_measurements(measurements: Sequence[Measurement], path: str, *, title: str = "") -> None:
-    """Write a log-log PNG of median time per call (ms) against T to ``path``: one subplot per TP
-    size, one line per tier (and weight layout, when there are several) with its q25-q75 band shaded.
-
-    Draws on a bare matplotlib Figure (rendered by the Agg backend), leaving pyplot's global state
-    and backend alone. Needs matplotlib (the ``plot`` extra): ImportError without it.
-    """
-    from matplotlib.figure import Figure
-    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
-
-    plain = FuncFormatter(lambda value, _: f"{value:g}")  # 0.4 and 512, not 4x10^-1 and 2^9
-
-    tp_sizes = sorted({m.tp_size for m in measurements})
-    layouts = sorted({m.weight_layout for m in measurements})
-    lines = [(tier, layout) for layout in layouts for tier in Tier]
-    figure = Figure(figsize=(4.5 * len(tp_sizes) + 1, 4.5), layout="constrained")
-    axes = figure.subplots(1, len(tp_sizes), sharey=True, squeeze=False)[0]
-    for axis, tp_size in zip(axes, tp_sizes, strict=True):
-        for index, (tier, layout) in enumerate(lines):
-            rows = sorted(
-                (m for m in measurements if (m.tp_size, m.tier, m.weight_layout) == (tp_size, tier, layout)),
-                key=lambda m: m.num_tokens,
-            )
-            if not rows:
-                continue
-            tokens = [m.num_tokens for m in rows]
-            label = tier.value if len(layouts) == 1 else f"{tier.value} ({layout})"
-            # A fixed colour per line, so that a tier looks the same in every subplot.
-            axis.plot(tokens, [1e3 * m.median_s for m in rows], marker="o", color=f"C{index}", label=label)
-            axis.fill_between(tokens, [1e3 * m.q25_s for m in rows], [1e3 * m.q75_s for m in rows],
-                              color=f"C{index}", alpha=0.2, linewidth=0)
-        axis.set_xscale("log", base=2)
-        axis.set_yscale("log")
-        axis.xaxis.set_major_formatter(plain)
-        # Ticks at 1, 2, 5 x 10^k: a labelled tick even when the times span less than a decade.
-        axis.yaxis.set_major_locator(LogLocator(subs=(1, 2, 5)))
-        axis.yaxis.set_major_formatter(plain)
-        axis.yaxis.set_minor_formatter(NullFormatter())
-        axis.set_xlabel("tokens T")
-        axis.set_title(f"p = {tp_size}")
-        axis.grid(True, which="both", alpha=0.3)
-    axes[0].set_ylabel("median time per call (ms)")
-    axes[-1].legend(fontsize="small")
-    if title:
-        figure.suptitle(title)
-    figure.savefig(path, dpi=120, format="png")

@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from k3_tail._checks import AxisName
+
 WEIGHT_LAYOUTS = ("column", "replicated")
 
 
@@ -42,7 +44,9 @@ def pad_columns(x: jax.Array, width: int) -> jax.Array:
     return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, extra)])
 
 
-def own_kernel_block(up_proj_kernel: jax.Array, *, hidden_size: int, weight_layout: str, axis_name: str) -> jax.Array:
+def own_kernel_block(
+    up_proj_kernel: jax.Array, *, hidden_size: int, weight_layout: str, axis_name: AxisName
+) -> jax.Array:
     """This rank's column block [L, Hb] of the up projection (inside ``jax.shard_map``).
 
     "column": the local kernel already is the block. "replicated": the block is sliced out of the
@@ -58,7 +62,7 @@ def own_kernel_block(up_proj_kernel: jax.Array, *, hidden_size: int, weight_layo
 
 
 def project_all_columns(
-    latent: jax.Array, up_proj_kernel: jax.Array, *, hidden_size: int, weight_layout: str, axis_name: str
+    latent: jax.Array, up_proj_kernel: jax.Array, *, hidden_size: int, weight_layout: str, axis_name: AxisName
 ) -> jax.Array:
     """``latent @ W`` for all H columns on every rank: [T, L] x [L, H] -> [T, H] (inside shard_map).
 
@@ -75,7 +79,7 @@ def project_own_columns(latent: jax.Array, up_proj_kernel: jax.Array, *, weight_
     return projected if weight_layout == "replicated" else projected.astype(latent.dtype)
 
 
-def gather_columns(projected: jax.Array, *, hidden_size: int, weight_layout: str, axis_name: str) -> jax.Array:
+def gather_columns(projected: jax.Array, *, hidden_size: int, weight_layout: str, axis_name: AxisName) -> jax.Array:
     """All H columns on every rank from :func:`project_own_columns`' result (inside shard_map).
 
     "replicated": nothing to do. "column": an all-gather of the [T, Hb] blocks in the latent's dtype

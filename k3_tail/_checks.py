@@ -1,0 +1,82 @@
+"""Argument checks shared by the entry points: each raises ValueError naming the argument."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+# A TP axis: one mesh axis name, or a tuple of them (a TP group spread over several mesh axes).
+AxisName = str | tuple[str, ...]
+
+
+def check_int(name: str, value: Any, *, minimum: int) -> int:
+    """``value`` as an int, or ValueError naming ``name`` when it is not an integer >= ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise ValueError(f"{name}: expected an integer >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def check_axis_name(axis_name: Any) -> str | tuple[str, ...]:
+    """``axis_name`` unchanged: one mesh axis name, or a non-empty tuple of distinct names (a TP group
+    spread over several mesh axes, ranks ordered major to minor as listed)."""
+    if isinstance(axis_name, str) and axis_name:
+        return axis_name
+    if (isinstance(axis_name, tuple) and axis_name and len(set(axis_name)) == len(axis_name)
+            and all(isinstance(name, str) and name for name in axis_name)):
+        return axis_name
+    raise ValueError(f"axis_name: expected a mesh axis name or a tuple of distinct axis names, got {axis_name!r}")
+
+
+def axis_names(axis_name: str | tuple[str, ...]) -> tuple[str, ...]:
+    """``axis_name`` as a tuple of mesh axis names."""
+    return axis_name if isinstance(axis_name, tuple) else (axis_name,)
+
+
+def check_mesh(mesh: Any, axis_name: AxisName) -> int:
+    """The TP size p: the size of ``mesh`` along ``axis_name`` (the product over a tuple of axes), or
+    ValueError when ``mesh`` is no Mesh with those axes."""
+    if not isinstance(mesh, Mesh):
+        raise ValueError(f"mesh: expected a jax.sharding.Mesh, got {type(mesh).__name__}")
+    size = 1
+    for name in axis_names(check_axis_name(axis_name)):
+        if name not in mesh.axis_names:
+            raise ValueError(f"mesh: expected a mesh axis named {name!r} (axis_name), got axes {mesh.axis_names}")
+        size *= mesh.shape[name]
+    return size
+
+
+def expect_rank(x: Any, name: str, layout: str, ndim: int) -> None:
+    """ValueError naming ``name`` unless ``x`` is an array with ``ndim`` dimensions (``layout`` says which)."""
+    if x is None or not hasattr(x, "shape") or len(x.shape) != ndim:
+        got = "None" if x is None else f"shape {tuple(np.shape(x))}"
+        raise ValueError(f"{name}: expected a {ndim}-d array {layout}, got {got}")
+
+
+def expect_array(x: Any, name: str, shapes: Sequence[tuple[int, ...]], dtype: np.dtype, sizes: str) -> None:
+    """ValueError naming ``name`` unless ``x`` is an array of one of ``shapes`` and of ``dtype``.
+
+    ``sizes`` names the sizes the shapes come from ("p=8, L=3584"), for the message.
+    """
+    if x is None or not hasattr(x, "shape"):
+        raise ValueError(f"{name}: expected an array of shape {shapes[0]}, got {type(x).__name__}")
+    if tuple(x.shape) not in shapes:
+        wanted = " or ".join(str(s) for s in shapes)
+        raise ValueError(f"{name}: expected shape {wanted} ({sizes}), got {tuple(x.shape)}")
+    if jnp.dtype(x.dtype) != dtype:
+        raise ValueError(f"{name}: expected dtype {dtype.name} (config.dtype), got {jnp.dtype(x.dtype).name}")
+
+
+def expect_optional(
+    x: Any, name: str, *, present: bool, absent_because: str, shapes: Sequence[tuple[int, ...]], dtype: np.dtype,
+    sizes: str,
+) -> None:
+    """:func:`expect_array` when ``present``, else ValueError naming ``name`` unless ``x`` is None
+    (``absent_because`` says why it must be)."""
+    if present:
+        expect_array(x, name, shapes, dtype, sizes)
+    elif x is not None:
+        raise ValueError(f"{name}: expected None because {absent_because}")

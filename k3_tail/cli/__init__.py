@@ -1,0 +1,47 @@
+"""The command line: ``k3-tail COMMAND`` (or ``python -m k3_tail COMMAND``), one module per command.
+
+Commands:
+  demo       every tier on Kimi-K3 shapes, checked against native and timed (:mod:`k3_tail.cli.demo`)
+  hlo        compile one tail call and report its cost, collectives and overlap (:mod:`k3_tail.cli.hlo`)
+  bench      time the tiers over token counts x TP sizes; table, JSON, CSV, plot (:mod:`k3_tail.cli.bench`)
+  calibrate  measure the tiers and write a selection table for ``selection_policy="measured"``
+             (:mod:`k3_tail.cli.calibrate`)
+  tiers      the tier table, or the tier records as JSON (:mod:`k3_tail.cli.tiers`)
+
+Each command module has ``add_parser(commands)``, which registers its subparser, and ``run(args)``,
+which takes the parsed arguments and returns the exit status; a
+:class:`~k3_tail.cli.common.CommandError` is reported in one line with exit status 2. What the
+commands share (argument types, devices, progress output, the measurement flags) is in
+:mod:`k3_tail.cli.common`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from k3_tail.cli import bench, calibrate, demo, hlo, tiers
+from k3_tail.cli.common import PROG, CommandError, use_cpu_without_gpu
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse ``argv`` (default: ``sys.argv[1:]``), run the chosen command, return its exit status."""
+    args = build_parser().parse_args(argv)
+    use_cpu_without_gpu()  # before anything starts JAX's backend
+    try:
+        return args.run(args)
+    except CommandError as error:
+        print(f"{PROG} {args.command}: error: {error}", file=sys.stderr)
+        return 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser: one subparser per command module."""
+    parser = argparse.ArgumentParser(
+        prog=PROG, description="The Kimi-K3 latent MoE tail under tensor parallelism, in JAX."
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for command in (demo, hlo, bench, calibrate, tiers):
+        command.add_parser(commands)
+    return parser

@@ -1,0 +1,141 @@
+"""``k3-tail bench``: time every tier over token counts x TP sizes.
+
+Times :func:`k3_tail.tail_forward` for every token count x tier x TP size with
+:func:`k3_tail.tools.benchmark.measure_tiers` (Kimi-K3 shapes or any TailConfig by flags) and
+prints the median, the quartiles and the speedup over native of each; ``--json``, ``--csv`` and
+``--plot`` (log-log time vs T, :mod:`k3_tail.tools.plotting`) write them out. TP size p runs on the
+first p devices of the command's device set (all GPUs, or ``--devices`` CPU devices). Default token
+counts: 1, 2, 4, ... 8192, on the CPU backend up to 1024 (:data:`k3_tail.tools.benchmark.CPU_MAX_TOKENS`
+says why). Each (p, T, tier) runs ``--warmup`` times (the first compiles), then ``--repeats`` timed
+runs. Every argument is checked before anything is measured; a bad one is a one-line error (exit
+status 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import json
+import os
+import sys
+from collections.abc import Iterator
+from typing import IO
+
+import jax
+
+from k3_tail.cli.common import (
+    CommandError, add_measurement_arguments, demo_devices, describe_config, format_bench_table, measure,
+    measurement_config, measurement_tiers, positive_int_list, tp_mesh,
+)
+from k3_tail.tiers.registry import Tier
+from k3_tail.tools.benchmark import Measurement, config_dict, default_token_counts, machine_info
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    """Register ``bench``: time every tier over token counts x TP sizes (k3_tail.tools.benchmark)."""
+    bench = commands.add_parser(
+        "bench",
+        help="time the tiers over token counts x TP sizes; table, JSON, CSV, plot",
+        description="Time tail_forward for every token count x tier x TP size on this machine's mesh (forced CPU "
+        "devices without a GPU): warm-up runs, then repeated timed runs; print the median and quartiles of each and "
+        "its speedup over the native tier. Kimi-K3 shapes unless the config flags say otherwise.",
+    )
+    bench.add_argument(
+        "--tp-sizes", type=positive_int_list, metavar="P,P,...",
+        help="TP sizes, comma-separated; size p runs on the first p devices (default: all devices)",
+    )
+    add_measurement_arguments(bench)
+    outputs = bench.add_argument_group("output (the table goes to stdout, or to stderr when stdout carries - below)")
+    outputs.add_argument("--json", metavar="FILE", help="write the machine, config, settings and measurements as "
+                         "JSON to FILE ('-': stdout)")
+    outputs.add_argument("--csv", metavar="FILE", help="write one row per measurement to FILE ('-': stdout)")
+    outputs.add_argument("--plot", metavar="FILE.png", help="draw median time vs T, log-log, one line per tier and "
+                         "one subplot per TP size, into a PNG (needs matplotlib: the [plot] extra)")
+    bench.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """The ``bench`` command: check every argument, measure, then print the table and write the outputs."""
+    config = measurement_config(args)
+    tiers = measurement_tiers(args.tiers, args.weight_layout, config)
+    check_outputs(args)
+    devices = demo_devices(args.devices)
+    tp_sizes = tuple(dict.fromkeys(args.tp_sizes or (len(devices),)))
+    too_large = [p for p in tp_sizes if p > len(devices)]
+    if too_large:
+        flag = "--devices" if devices[0].platform == "cpu" else "the accelerators"
+        raise CommandError(f"--tp-sizes: {too_large[0]} is more than the {len(devices)} devices ({flag})")
+    platform = devices[0].platform
+    tokens = args.tokens or default_token_counts(platform)
+    table_stream = sys.stderr if "-" in (args.json, args.csv) else sys.stdout
+
+    def say(line: str = "") -> None:
+        print(line, file=table_stream, flush=True)
+
+    say(f"jax {jax.__version__}, backend {jax.default_backend()}, {len(devices)} {platform} devices")
+    say(f"config: {describe_config(config)}; kernel layout {args.weight_layout}")
+    trimmed = f" (the {platform} default; --tokens for more)" if args.tokens is None and platform == "cpu" else ""
+    say(f"T in {','.join(map(str, tokens))}{trimmed}; p in {','.join(map(str, tp_sizes))}; "
+        f"tiers {', '.join(tier.value for tier in tiers)}")
+    say(f"runs: {args.warmup} warm-up + {args.repeats} timed per (p, T, tier); seed {args.seed}")
+    for tier in Tier if args.tiers is None else ():
+        reason = tier.why_not(args.weight_layout, config)
+        if reason is not None:
+            say(f"not run: {reason}")
+    say()
+
+    measurements = measure(args, config, tiers, tokens, [tp_mesh(devices[:tp_size]) for tp_size in tp_sizes])
+
+    say(format_bench_table(measurements, config, device_kind=devices[0].device_kind))
+    if args.json:
+        document = {
+            "machine": machine_info(), "config": config_dict(config),
+            "settings": {
+                "tokens": list(tokens), "tiers": [tier.value for tier in tiers], "tp_sizes": list(tp_sizes),
+                "weight_layout": args.weight_layout, "repeats": args.repeats, "warmup": args.warmup, "seed": args.seed,
+            },
+            "measurements": [m.to_dict() for m in measurements],
+        }
+        with output_stream(args.json) as stream:
+            json.dump(document, stream, indent=2)
+            stream.write("\n")
+    if args.csv:
+        with output_stream(args.csv) as stream:
+            writer = csv.DictWriter(stream, fieldnames=Measurement.field_names())
+            writer.writeheader()
+            writer.writerows(m.to_dict() for m in measurements)
+    if args.plot:
+        from k3_tail.tools.plotting import plot_measurements  # imports matplotlib: only when asked to plot
+
+        title = f"{describe_config(config)}; kernel {args.weight_layout}; {platform}"
+        plot_measurements(measurements, args.plot, title=title)
+        say(f"plot: {args.plot}")
+    return 0
+
+
+def check_outputs(args: argparse.Namespace) -> None:
+    """Fail before measuring, not after: at most one output on stdout, every output file's directory
+    present, matplotlib importable for --plot."""
+    if args.json == "-" and args.csv == "-":
+        raise CommandError("--json - and --csv -: only one of them can go to stdout")
+    for flag, path in (("--json", args.json), ("--csv", args.csv), ("--plot", args.plot)):
+        if path and path != "-" and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            raise CommandError(f"{flag} {path}: no such directory")
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401  (only to know that plot_measurements can draw)
+        except ImportError:
+            raise CommandError("--plot needs matplotlib: pip install 'k3_tail[plot]'") from None
+
+
+@contextlib.contextmanager
+def output_stream(path: str) -> Iterator[IO[str]]:
+    """A text stream to write an output to: the file ``path``, closed afterwards, or stdout for "-"
+    (flushed afterwards, left open)."""
+    if path == "-":
+        yield sys.stdout
+        sys.stdout.flush()
+        return
+    with open(path, "w", encoding="utf-8", newline="") as stream:
+        yield stream

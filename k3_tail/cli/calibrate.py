@@ -1,0 +1,73 @@
+"""``k3-tail calibrate``: measure the tiers on this mesh and write a selection table.
+
+Measures the tiers as ``bench`` does (the same measurement flags), on one TP size (``--tp-size``:
+the first P devices, default all), keeps the fastest tier per token count and writes the token
+ranges -> tier table as JSON (:class:`k3_tail.selection.table.SelectionTable`) to ``--out``, for
+``TailConfig(selection_policy="measured", selection_table=SelectionTable.load(FILE))``. The table is
+valid for this device kind, TP size, kernel layout, shapes and dtype only. Every argument is checked
+before anything is measured; a bad one is a one-line error (exit status 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import jax
+
+from k3_tail.cli.common import (
+    CommandError, add_measurement_arguments, demo_devices, describe_config, format_bench_table, measure,
+    measurement_config, measurement_tiers, positive_int, tp_mesh,
+)
+from k3_tail.selection.table import table_from_measurements
+from k3_tail.tools.benchmark import default_token_counts
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    """Register ``calibrate``: measure the tiers and write a selection table (k3_tail.selection.table)."""
+    calibrate = commands.add_parser(
+        "calibrate",
+        help="measure the tiers on this mesh and write a selection table (JSON) for selection_policy='measured'",
+        description="Time every tier at each token count on this machine's mesh (forced CPU devices without a GPU), "
+        "keep the fastest per T and write the token ranges -> tier table as JSON. Load it with "
+        "TailConfig(selection_policy='measured', selection_table=SelectionTable.load(FILE)); it is valid for this "
+        "device kind, TP size, kernel layout, shapes and dtype only.",
+    )
+    calibrate.add_argument("--out", required=True, metavar="FILE.json", help="where to write the table")
+    calibrate.add_argument(
+        "--tp-size", type=positive_int, metavar="P", help="TP size: the first P devices (default: all devices)"
+    )
+    add_measurement_arguments(calibrate)
+    calibrate.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """The ``calibrate`` command: measure, build the table, write it, print it."""
+    config = measurement_config(args)
+    tiers = measurement_tiers(args.tiers, args.weight_layout, config)
+    directory = os.path.dirname(os.path.abspath(args.out))
+    if not os.path.isdir(directory):
+        raise CommandError(f"--out: directory {directory!r} does not exist")
+    devices = demo_devices(args.devices)
+    tp_size = args.tp_size or len(devices)
+    if tp_size > len(devices):
+        raise CommandError(f"--tp-size: {tp_size} is more than the {len(devices)} devices")
+    tokens = args.tokens or default_token_counts(devices[0].platform)
+    device_kind = devices[0].device_kind
+    print(f"calibrating on p={tp_size} {device_kind} devices; config: {describe_config(config)}; "
+          f"kernel layout {args.weight_layout}")
+    print(f"T in {','.join(map(str, tokens))}; tiers {', '.join(t.value for t in tiers)}; "
+          f"{args.warmup} warm-up + {args.repeats} timed runs each", flush=True)
+    measurements = measure(args, config, tiers, tokens, [tp_mesh(devices[:tp_size])])
+    source = (f"k3-tail calibrate, {time.strftime('%Y-%m-%d')}, jax {jax.__version__}, "
+              f"T={','.join(map(str, tokens))}, {args.repeats} repeats")
+    table = table_from_measurements(measurements, config=config, device_kind=device_kind, source=source)
+    table.save(args.out)
+    print(format_bench_table(measurements, config, device_kind=device_kind))
+    print(f"\nselection table ({args.out}):")
+    for token_range in table.ranges:
+        print(f"  T in {token_range}")
+    print("use it with TailConfig(..., selection_policy='measured', "
+          f"selection_table=k3_tail.SelectionTable.load({args.out!r}))")
+    return 0

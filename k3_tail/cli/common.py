@@ -1,0 +1,322 @@
+"""What the commands share: errors, argument types, the devices, progress output and the measurement flags.
+
+Devices: the commands that run the tail build their own 1-d TP mesh (axis ``AXIS_NAME``). With an
+accelerator backend (GPU) they use all of that backend's devices; otherwise they ask JAX for
+``--devices`` CPU devices (8 by default), which must happen before JAX initialises its backend, so
+:func:`demo_devices` does it before anything else touches JAX.
+
+On a machine without a GPU, with a GPU plugin installed (the ``[aot]`` extra), JAX would print the
+plugin's failed start-up (a cuDNN traceback) before falling back to the CPU. :func:`use_cpu_without_gpu`
+(which ``main`` calls before running a command) therefore selects the CPU platform itself when
+neither ``JAX_PLATFORMS`` is set nor a GPU device node (``/dev/nvidiactl`` for CUDA, ``/dev/kfd``
+for ROCm) exists.
+
+``bench`` and ``calibrate`` share their measurement flags (:func:`add_measurement_arguments`: what
+to time, how often, and the tail config), their checks (:func:`measurement_config`,
+:func:`measurement_tiers`) and their table (:func:`format_bench_table`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Sequence
+from typing import IO
+
+import jax
+from jax.sharding import Mesh
+
+from k3_tail.config import TailConfig
+from k3_tail.selection.rules import select_tier
+from k3_tail.tiers.columns import WEIGHT_LAYOUTS
+from k3_tail.tiers.registry import Tier
+from k3_tail.tools.benchmark import CPU_MAX_TOKENS, DEFAULT_MAX_TOKENS, Measurement, check_tiers, measure_tiers
+
+PROG = "k3-tail"
+AXIS_NAME = "tp"
+
+DEFAULT_REPEATS = 5
+DEFAULT_CPU_DEVICES = 8
+DEFAULT_SEED = 0
+CONFIG_DTYPES = ("bfloat16", "float16", "float32")
+# Device nodes whose presence means a GPU backend can start (CUDA, ROCm).
+GPU_DEVICE_NODES = ("/dev/nvidiactl", "/dev/kfd")
+
+
+class CommandError(Exception):
+    """A failure to report to the user in one line (no traceback); ``main`` returns 2."""
+
+
+def use_cpu_without_gpu() -> None:
+    """Select JAX's CPU platform when the user chose none and no GPU device node exists.
+
+    Keeps a GPU plugin that cannot start from printing its traceback (module docstring). Does
+    nothing once JAX's backends are up, or when ``JAX_PLATFORMS`` / ``jax_platforms`` is set.
+    """
+    if os.environ.get("JAX_PLATFORMS") or jax.config.jax_platforms:
+        return
+    if any(os.path.exists(node) for node in GPU_DEVICE_NODES):
+        return
+    try:
+        jax.config.update("jax_platforms", "cpu")
+    except RuntimeError:
+        pass  # the backend is already initialised: nothing left to protect
+
+
+def demo_devices(cpu_device_count: int, *, accelerators: bool = True) -> list[jax.Device]:
+    """The devices to build the TP mesh on: all accelerators (when ``accelerators`` and the default
+    backend is one), else ``cpu_device_count`` CPU devices.
+
+    Sets JAX's CPU device count before anything initialises the backend. When the backend is
+    already up (``main`` called inside a program that has used JAX) the count can no longer change;
+    its CPU devices are used if there are enough, otherwise CommandError.
+    """
+    try:
+        jax.config.update("jax_num_cpu_devices", cpu_device_count)
+    except RuntimeError:
+        pass  # the backend is already initialised: checked against the count below
+    if accelerators and jax.default_backend() != "cpu":
+        return jax.devices()
+    cpu_devices = jax.devices("cpu")
+    if len(cpu_devices) < cpu_device_count:
+        raise CommandError(
+            f"--devices {cpu_device_count}: JAX's CPU backend was already initialised with {len(cpu_devices)} "
+            "device(s); run the command in a fresh process"
+        )
+    return cpu_devices[:cpu_device_count]
+
+
+def tp_mesh(devices: Sequence[jax.Device]) -> Mesh:
+    """The 1-d TP mesh (axis ``AXIS_NAME``) over ``devices``."""
+    return jax.make_mesh((len(devices),), (AXIS_NAME,), devices=devices)
+
+
+# ---- argument types and flags ----
+
+
+def positive_int(text: str) -> int:
+    """``text`` as an integer >= 1 (argparse type)."""
+    return bounded_int(text, 1)
+
+
+def non_negative_int(text: str) -> int:
+    """``text`` as an integer >= 0 (argparse type)."""
+    return bounded_int(text, 0)
+
+
+def bounded_int(text: str, minimum: int) -> int:
+    """``text`` as an integer >= ``minimum``, else argparse.ArgumentTypeError."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}") from None
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}")
+    return value
+
+
+def positive_int_list(text: str) -> tuple[int, ...]:
+    """A comma-separated list of integers, each >= 1 (argparse type): token counts, TP sizes."""
+    return tuple(positive_int(item.strip()) for item in text.split(","))
+
+
+def tier_values() -> str:
+    """The registry's tier values, comma-separated: "native, overlap, ..." (for help and errors)."""
+    return ", ".join(tier.value for tier in Tier)
+
+
+def tier_list(text: str) -> tuple[Tier, ...]:
+    """A comma-separated list of tier values (argparse type)."""
+    tiers = []
+    for item in text.split(","):
+        try:
+            tiers.append(Tier.parse(item.strip()))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected tiers among {tier_values()}, got {item.strip()!r}") from None
+    return tuple(tiers)
+
+
+def add_weight_layout_argument(parser: argparse.ArgumentParser) -> None:
+    """``--weight-layout``: where the up-projection kernel lives (default: column)."""
+    parser.add_argument(
+        "--weight-layout", choices=WEIGHT_LAYOUTS, default="column",
+        help="where the up-projection kernel lives: column-sharded or replicated (default: column)",
+    )
+
+
+def add_seed_argument(parser: argparse.ArgumentParser) -> None:
+    """``--seed``: of the random inputs."""
+    parser.add_argument("--seed", type=int, default=DEFAULT_SEED, help=f"random seed (default: {DEFAULT_SEED})")
+
+
+def add_measurement_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags ``bench`` and ``calibrate`` share: what to measure, how often, and the tail config."""
+    kimi = TailConfig.kimi_k3()
+    parser.add_argument(
+        "--tokens", type=positive_int_list, metavar="T,T,...",
+        help=f"token counts, comma-separated (default: 1, 2, 4, ... {DEFAULT_MAX_TOKENS}; on the CPU backend "
+        f"up to {CPU_MAX_TOKENS})",
+    )
+    parser.add_argument(
+        "--tiers", type=tier_list, metavar="TIER,...",
+        help=f"tiers to time, comma-separated, of {tier_values()} (default: every tier that runs with --weight-layout)",
+    )
+    parser.add_argument(
+        "--devices", type=positive_int, default=DEFAULT_CPU_DEVICES, metavar="N",
+        help=f"CPU devices to make without an accelerator (default: {DEFAULT_CPU_DEVICES}); with a GPU all GPUs "
+        "are used",
+    )
+    parser.add_argument(
+        "--repeats", type=positive_int, default=DEFAULT_REPEATS, metavar="N",
+        help=f"timed runs per (T, tier) and TP size (default: {DEFAULT_REPEATS})",
+    )
+    parser.add_argument(
+        "--warmup", type=positive_int, default=1, metavar="N",
+        help="untimed runs before them, the first of which compiles (default: 1)",
+    )
+    add_weight_layout_argument(parser)
+    add_seed_argument(parser)
+    shapes = parser.add_argument_group("tail config (default: Kimi-K3)")
+    shapes.add_argument("--hidden-size", type=positive_int, default=kimi.hidden_size, metavar="H",
+                        help=f"hidden size H (default: {kimi.hidden_size})")
+    shapes.add_argument("--latent-size", type=positive_int, default=kimi.latent_size, metavar="L",
+                        help=f"latent size L (default: {kimi.latent_size})")
+    shapes.add_argument("--dtype", choices=CONFIG_DTYPES, default=kimi.dtype.name,
+                        help=f"activation and weight dtype (default: {kimi.dtype.name})")
+    shapes.add_argument("--eps", type=float, default=kimi.rms_norm_eps,
+                        help=f"RMSNorm epsilon (default: {kimi.rms_norm_eps:g})")
+    shapes.add_argument("--scale", type=float, default=kimi.routed_scaling_factor,
+                        help=f"routed_scaling_factor (default: {kimi.routed_scaling_factor:g})")
+    shapes.add_argument("--no-norm", action="store_true", help="no latent RMSNorm (use_latent_norm=False)")
+    shapes.add_argument("--no-shared", action="store_true", help="no shared experts (has_shared_experts=False)")
+    shapes.add_argument("--reduced-routed", action="store_true",
+                        help="the routed output arrives reduced, [T, L] (fused_output_is_reduced=True)")
+    shapes.add_argument("--sequence-parallel", action="store_true",
+                        help="token-sharded output (sequence_parallel=True)")
+
+
+def measurement_config(args: argparse.Namespace) -> TailConfig:
+    """The TailConfig the config flags describe (CommandError when TailConfig rejects them)."""
+    try:
+        return TailConfig(
+            hidden_size=args.hidden_size, latent_size=args.latent_size, dtype=args.dtype, rms_norm_eps=args.eps,
+            routed_scaling_factor=args.scale, use_latent_norm=not args.no_norm, has_shared_experts=not args.no_shared,
+            fused_output_is_reduced=args.reduced_routed, sequence_parallel=args.sequence_parallel,
+        )
+    except ValueError as error:
+        raise CommandError(f"config: {error}") from None
+
+
+def measurement_tiers(tiers: Sequence[Tier] | None, weight_layout: str, config: TailConfig) -> tuple[Tier, ...]:
+    """The tiers to time (CommandError when one is repeated or cannot run with the layout or config)."""
+    try:
+        return check_tiers(tiers, weight_layout, config)
+    except ValueError as error:  # its message starts with "tiers: "
+        raise CommandError(f"--{error}") from None
+
+
+def measure(
+    args: argparse.Namespace, config: TailConfig, tiers: Sequence[Tier], tokens: Sequence[int],
+    meshes: Sequence[Mesh],
+) -> list[Measurement]:
+    """Time ``tiers`` at ``tokens`` on each of ``meshes`` in turn, with the measurement flags' layout,
+    repeats, warm-up and seed, and a :class:`ProgressBar` on stderr over all of it."""
+    bar = ProgressBar(len(meshes) * len(tokens) * len(tiers))
+    measurements = []
+    for mesh in meshes:
+        measurements += measure_tiers(
+            config, mesh, tokens, tiers=tiers, weight_layout=args.weight_layout, repeats=args.repeats,
+            warmup=args.warmup, axis_name=AXIS_NAME, seed=args.seed, on_progress=bar.step,
+        )
+    bar.finish()
+    return measurements
+
+
+# ---- output ----
+
+
+class ProgressBar:
+    """A text progress bar on ``stream`` (default: stderr) over ``total`` steps, with the elapsed time.
+
+    On a terminal it redraws one line in place; elsewhere (a pipe, a CI log) it writes one line per
+    step instead, because carriage returns would pile up there as one garbled line.
+    """
+
+    WIDTH = 24
+
+    def __init__(self, total: int, stream: IO[str] | None = None):
+        self.total = total
+        self.stream = sys.stderr if stream is None else stream
+        self.interactive = self.stream.isatty()
+        self.done = 0
+        self.start = time.perf_counter()
+
+    def step(self, label: str) -> None:
+        """A step named ``label`` starts (the previous one, if any, is done)."""
+        self._draw(label)
+        self.done += 1
+
+    def finish(self) -> None:
+        """Every step is done."""
+        self.done = self.total
+        self._draw("done")
+        if self.interactive:
+            self.stream.write("\n")
+            self.stream.flush()
+
+    def _draw(self, label: str) -> None:
+        filled = self.WIDTH * self.done // max(self.total, 1)
+        text = (f"[{'#' * filled}{'-' * (self.WIDTH - filled)}] {self.done}/{self.total} "
+                f"{time.perf_counter() - self.start:.0f} s  {label}")
+        # "\x1b[K" erases what a longer previous label left on the line.
+        self.stream.write(f"\r{text}\x1b[K" if self.interactive else f"{text}\n")
+        self.stream.flush()
+
+
+def progress(message: str, end: str = "\n") -> None:
+    """``message`` to stderr at once, so a long run shows what it is doing."""
+    print(message, end=end, file=sys.stderr, flush=True)
+
+
+def format_ms(seconds: float) -> str:
+    """``seconds`` in milliseconds with about 3 significant digits (0.0123, 1.23, 123)."""
+    milliseconds = 1e3 * seconds
+    digits = next((d for d, bound in ((4, 0.1), (3, 1), (2, 10), (1, 100)) if milliseconds < bound), 0)
+    return f"{milliseconds:.{digits}f}"
+
+
+def describe_config(config: TailConfig) -> str:
+    """One line: the config's shapes and numerics, e.g. "H=7168, L=3584, bfloat16, eps 1e-06, scale 1"."""
+    text = (f"H={config.hidden_size}, L={config.latent_size}, {config.dtype.name}, eps {config.rms_norm_eps:g}, "
+            f"scale {config.routed_scaling_factor:g}")
+    flags = [name for name, on in (
+        ("no norm", not config.use_latent_norm), ("no shared experts", not config.has_shared_experts),
+        ("reduced routed output", config.fused_output_is_reduced), ("sequence-parallel", config.sequence_parallel),
+    ) if on]
+    return ", ".join([text, *flags])
+
+
+def format_bench_table(measurements: Sequence[Measurement], config: TailConfig, *, device_kind: str) -> str:
+    """The table of ``bench`` and ``calibrate``: one row per (p, T, tier) with the median, the q25-q75
+    spread (ms) and the speedup over native at the same (p, T) (median over median; "-" when native
+    was not timed). A "*" marks the tier select_tier picks for that call (``config``, T, p, layout,
+    ``device_kind``)."""
+    native = {(m.tp_size, m.num_tokens): m.timing.median_s for m in measurements if m.tier == Tier.NATIVE}
+    lines = [f"{'p':>4}{'T':>7}  {'tier':<16}{'median ms':>11}{'q25-q75 ms':>19}{'vs native':>11}"]
+    previous = None
+    for m in measurements:
+        if previous is not None and (m.tp_size, m.num_tokens) != previous:
+            lines.append("")
+        previous = m.tp_size, m.num_tokens
+        speedup = native.get(previous)
+        speedup = "-" if speedup is None else f"{speedup / m.timing.median_s:.2f}x"
+        spread = f"{format_ms(m.timing.q25_s)}-{format_ms(m.timing.q75_s)}"
+        selection = select_tier(config, m.num_tokens, m.tp_size, weight_layout=m.weight_layout,
+                                device_kind=device_kind)
+        selected = " *" if selection.tier == m.tier else ""
+        lines.append(f"{m.tp_size:>4}{m.num_tokens:>7}  {m.tier.value:<16}{format_ms(m.timing.median_s):>11}"
+                     f"{spread:>19}{speedup:>11}{selected}")
+    lines += ["", "* the tier select_tier picks for that call (config, T, p, layout, device kind)"]
+    return "\n".join(lines)

@@ -1,0 +1,175 @@
+"""``k3-tail demo``: the Kimi-K3 tail on every tier, checked against native and timed.
+
+Runs the Kimi-K3 tail (H=7168, L=3584, bf16) on a TP mesh (all GPUs, or ``--devices`` CPU devices:
+:func:`k3_tail.cli.common.demo_devices`) for a few token counts, on every tier that runs with the
+kernel layout, and prints a table: for each token count T the tier :func:`k3_tail.select_tier`
+picks and why, and for each tier its error against the native tier and its median run time.
+
+Inputs are random with a fixed seed and are placed on the mesh once, the weights before the first
+token count and each T's partials before its runs, so the times measure the tail, not host
+transfers. Each (T, tier) runs once to compile (the warm-up), then ``--repeats`` timed runs. The
+exit status is 1 when some tier is further than ``RELATIVE_ERROR_TOLERANCE`` from native (relative
+Frobenius error), 0 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+
+import jax
+import numpy as np
+
+from k3_tail.cli.common import (
+    AXIS_NAME, DEFAULT_CPU_DEVICES, DEFAULT_REPEATS, add_seed_argument, add_weight_layout_argument, demo_devices,
+    positive_int, positive_int_list, progress, tp_mesh,
+)
+from k3_tail.config import TailConfig
+from k3_tail.forward import tail_forward
+from k3_tail.selection.decision import TierDecision
+from k3_tail.selection.rules import select_tier
+from k3_tail.tiers.registry import Tier
+from k3_tail.tools.benchmark import place_partials, place_weights, tiers_for, time_runs
+
+DEFAULT_TOKEN_COUNTS = (1, 16, 64, 320)
+# bf16 keeps 8 significand bits: tiers that sum and round in another order differ by a few 1e-3.
+RELATIVE_ERROR_TOLERANCE = 1e-2
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    """Register ``demo``: every tier on Kimi-K3 shapes, checked against native and timed."""
+    demo = commands.add_parser(
+        "demo",
+        help="run every tier on Kimi-K3 shapes, check it against native, time it",
+        description="Run the Kimi-K3 tail (H=7168, L=3584, bf16) on every tier for a few token counts; "
+        "print the tier select_tier picks and why, each tier's error against native and its median time.",
+    )
+    demo.add_argument(
+        "--tokens", type=positive_int_list, default=DEFAULT_TOKEN_COUNTS, metavar="T,T,...",
+        help=f"token counts to run, comma-separated (default: {','.join(map(str, DEFAULT_TOKEN_COUNTS))})",
+    )
+    demo.add_argument(
+        "--repeats", type=positive_int, default=DEFAULT_REPEATS, metavar="N",
+        help=f"timed runs per (T, tier) after the warm-up run (default: {DEFAULT_REPEATS})",
+    )
+    demo.add_argument(
+        "--devices", type=positive_int, default=DEFAULT_CPU_DEVICES, metavar="N",
+        help=f"CPU devices to make, the TP size without an accelerator (default: {DEFAULT_CPU_DEVICES}); "
+        "with a GPU all GPUs are used",
+    )
+    add_weight_layout_argument(demo)
+    add_seed_argument(demo)
+    demo.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """The ``demo`` command: see the module docstring. Returns 1 when a tier disagrees with native."""
+    devices = demo_devices(args.devices)
+    mesh = tp_mesh(devices)
+    tp_size = mesh.shape[AXIS_NAME]
+    config = TailConfig.kimi_k3()
+    rng = np.random.default_rng(args.seed)
+
+    print(f"jax {jax.__version__}, backend {jax.default_backend()}, {jax.device_count()} devices")
+    print(f"mesh: {AXIS_NAME}={tp_size} over {len(devices)} {devices[0].platform} devices")
+    print(
+        f"config: Kimi-K3 tail, H={config.hidden_size}, L={config.latent_size}, {config.dtype.name}, "
+        f"overlap_token_threshold={config.overlap_token_threshold}; kernel layout {args.weight_layout}"
+    )
+    print(
+        f"runs: 1 warm-up + {args.repeats} timed per (T, tier), T in {', '.join(map(str, args.tokens))}; "
+        f"seed {args.seed}"
+    )
+    print(flush=True)
+
+    tiers = tiers_for(args.weight_layout)
+    skipped = [tier.value for tier in Tier if tier not in tiers]
+    if skipped:
+        print(f"not run with kernel layout {args.weight_layout}: {', '.join(skipped)} "
+              "(needs --weight-layout replicated)")
+    progress("placing the weights on the mesh")
+    norm_weight, up_proj_kernel = place_weights(config, mesh, args.weight_layout, rng, axis_name=AXIS_NAME)
+    rows = []
+    for index, num_tokens in enumerate(args.tokens, start=1):
+        routed_partials, shared_partials = place_partials(config, mesh, num_tokens, rng, axis_name=AXIS_NAME)
+        forward = functools.partial(
+            tail_forward, routed_partials, shared_partials, norm_weight, up_proj_kernel,
+            config=config, mesh=mesh, axis_name=AXIS_NAME, weight_layout=args.weight_layout,
+        )
+        selection = select_tier(config, num_tokens, tp_size)
+        label = f"T={num_tokens} ({index}/{len(args.tokens)})"
+        rows += run_every_tier(forward, tiers, num_tokens, selection, args.repeats, label)
+
+    print_table(rows)
+    # `not <=` so that a NaN error fails too.
+    failures = [row for row in rows if not row.relative_error <= RELATIVE_ERROR_TOLERANCE]
+    print()
+    if not failures:
+        print(f"every tier agrees with native: relative error <= {RELATIVE_ERROR_TOLERANCE:g} for every T")
+        return 0
+    for row in failures:
+        print(
+            f"FAIL: T={row.num_tokens} {row.tier.value}: relative error {row.relative_error:.3e} "
+            f"vs native exceeds {RELATIVE_ERROR_TOLERANCE:g}"
+        )
+    return 1
+
+
+@dataclasses.dataclass(frozen=True)
+class TierRow:
+    """One row of the demo's table: one tier at one token count, compared with the native tier."""
+
+    num_tokens: int
+    tier: Tier
+    selection: TierDecision
+    max_abs_error: float
+    relative_error: float
+    median_seconds: float
+
+
+def run_every_tier(
+    forward: Callable[..., jax.Array], tiers: Sequence[Tier], num_tokens: int, selection: TierDecision, repeats: int,
+    label: str,
+) -> list[TierRow]:
+    """Time ``forward(tier=...)`` on each of ``tiers`` (native first) at one token count and compare
+    each with native.
+
+    ``selection`` is what :func:`select_tier` picks for this token count; ``label`` starts the
+    progress lines.
+    """
+    timings = {}
+    for tier in tiers:
+        progress(f"{label} {tier.value}: ", end="")
+        output, warmup_seconds, timing = time_runs(functools.partial(forward, tier=tier), repeats=repeats)
+        timings[tier] = np.asarray(output, dtype=np.float32), timing.median_s
+        progress(f"warm-up {warmup_seconds:.2f} s, median {1e3 * timing.median_s:.1f} ms")
+    native_output, _ = timings[Tier.NATIVE]
+    native_norm = np.linalg.norm(native_output)
+    rows = []
+    for tier, (output, median_seconds) in timings.items():
+        difference = output - native_output
+        rows.append(TierRow(
+            num_tokens, tier, selection,
+            max_abs_error=float(np.max(np.abs(difference))),
+            relative_error=float(np.linalg.norm(difference) / native_norm),
+            median_seconds=median_seconds,
+        ))
+    return rows
+
+
+def print_table(rows: Sequence[TierRow]) -> None:
+    """The demo's table, one block of rows per token count; the selected tier's row gives the reason."""
+    print(f"{'T':>5}  {'tier':<16}{'max abs err':>12}{'rel err':>11}{'median ms':>11}  selected because")
+    previous_tokens = None
+    for row in rows:
+        if previous_tokens is not None and row.num_tokens != previous_tokens:
+            print()
+        previous_tokens = row.num_tokens
+        if row.tier == Tier.NATIVE:
+            errors = f"{'reference':>12}{'':>11}"
+        else:
+            errors = f"{row.max_abs_error:>12.3e}{row.relative_error:>11.3e}"
+        reason = f"  <- {row.selection.reason}" if row.selection.tier == row.tier else ""
+        print(f"{row.num_tokens:>5}  {row.tier.value:<16}{errors}{1e3 * row.median_seconds:>11.1f}{reason}")

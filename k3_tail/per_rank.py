@@ -1,0 +1,130 @@
+"""The per-rank entry point: the tail as one TP rank computes it, inside the caller's ``jax.shard_map``.
+
+A model that writes its MoE layer as one ``jax.shard_map`` over its mesh (each rank holding its
+routed latent partial and its shared-expert partial at the end of the experts) calls
+:func:`latent_moe_tail` there, per rank. It checks the per-rank arrays, selects the tier exactly as
+:func:`k3_tail.select_tier` does for this call (T is static, p is the size of the TP axis), pads
+what the tier needs padded and slices it back, and returns this rank's result. ``tail_forward``
+and :class:`k3_tail.LatentMoETail` are shells over it.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from k3_tail._checks import AxisName, check_axis_name, expect_array, expect_optional, expect_rank
+from k3_tail.config import TailConfig, check_config
+from k3_tail.selection.rules import select_tier
+from k3_tail.tiers.columns import check_weight_layout, padded_hidden_size
+from k3_tail.tiers.registry import Tier
+from k3_tail.tiers.tokens import gather_tokens, is_token_sharded_output, padded_token_count
+
+
+def latent_moe_tail(
+    routed_partial: jax.Array,
+    shared_partial: jax.Array | None,
+    norm_weight: jax.Array | None,
+    up_proj_kernel: jax.Array,
+    *,
+    config: TailConfig,
+    axis_name: AxisName = "tp",
+    weight_layout: str = "replicated",
+    tier: Tier | str | None = None,
+    device_kind: str | None = None,
+) -> jax.Array:
+    """``y = RMSNorm_g(c * sum_i r_i) @ W + sum_i s_i`` for this TP rank, inside ``jax.shard_map``.
+
+    Call it inside a ``jax.shard_map`` (under ``jax.jit`` or not) whose mesh has the TP axis
+    ``axis_name``: one axis name, or a tuple of them when the TP group spans several mesh axes
+    (ranks ordered major to minor as listed). p is the size of that axis (the product over a tuple).
+
+    Args (this rank's blocks, all of dtype ``config.dtype``):
+      routed_partial: [T, L], this rank's routed latent partial; the reduced latent (the same on every
+        rank) when ``config.fused_output_is_reduced``.
+      shared_partial: [T, H], this rank's shared-expert partial; None exactly when
+        ``config.has_shared_experts`` is False.
+      norm_weight: [L] RMSNorm scale g (replicated); None exactly when ``config.use_latent_norm`` is False.
+      up_proj_kernel: "replicated": the whole [L, H] kernel. "column": this rank's column block
+        [L, Hb] of the kernel stored padded to [L, p*Hb] with zero columns, Hb = ceil(H / p)
+        (``padded_hidden_size(H, p) // p``; in a shard_map that is in_spec ``P(None, axis_name)``).
+      tier: a :class:`Tier` (or its value) to force, or None to select.
+      device_kind: the kind of device the call runs on (``device.device_kind``), which the "measured"
+        selection policy checks its table against; None: ``jax.devices()[0].device_kind``, the
+        default backend's, which is right unless the shard_map's mesh is made of other devices.
+
+    Selection: ``tier=None`` runs ``select_tier(config, T, p, weight_layout=weight_layout,
+    device_kind=device_kind)`` at trace time (ask it for the tier and the reason); a forced tier
+    that cannot run here (one_shot with the column layout or a reduced routed output) is a ValueError.
+
+    Returns, in ``config.dtype``: y [T, H], the same on every rank (out_spec ``P()``); with
+    token-sharded output (:func:`k3_tail.is_token_sharded_output`: ``config.sequence_parallel``,
+    T > 0 and p dividing T) this rank's rows [k*T/p, (k+1)*T/p) of y, [T/p, H] (out_spec
+    ``P(axis_name)``). With ``config.sequence_parallel`` and p not dividing T the tokens are padded
+    with zero rows to a multiple of p for the tier, and the T rows are gathered: JAX arrays shard
+    evenly only, so those come back replicated. Padding columns (H % p != 0) never reach the result.
+
+    Bad shapes, dtypes, a tier that cannot run or a missing TP axis raise ValueError naming the
+    argument. Never modifies its inputs. Costs are the selected tier's (README tier table), plus an
+    all-gather of the padded [T', H] rows when sequence-parallel output is gathered.
+    """
+    check_config(config)
+    axis_name = check_axis_name(axis_name)
+    weight_layout = check_weight_layout(weight_layout)
+    try:
+        tp_size = lax.axis_size(axis_name)
+    except NameError as error:
+        raise ValueError(
+            f"axis_name: {axis_name!r} is not a mesh axis here; call latent_moe_tail inside jax.shard_map over a "
+            f"mesh with that axis ({error})"
+        ) from None
+    num_tokens = _check_per_rank_inputs(
+        routed_partial, shared_partial, norm_weight, up_proj_kernel,
+        config=config, tp_size=tp_size, weight_layout=weight_layout,
+    )
+    if tier is None:
+        device_kind = jax.devices()[0].device_kind if device_kind is None else device_kind
+        tier = select_tier(config, num_tokens, tp_size, weight_layout=weight_layout, device_kind=device_kind).tier
+    else:
+        tier = Tier.parse(tier)
+        tier.record.check_runs(weight_layout, config)
+
+    if config.sequence_parallel:
+        # Zero token rows up to a multiple of p, so that each rank owns T'/p rows.
+        padding = padded_token_count(num_tokens, tp_size) - num_tokens
+        routed_partial = _pad_rows(routed_partial, padding)
+        shared_partial = None if shared_partial is None else _pad_rows(shared_partial, padding)
+    y = tier.record.function(
+        routed_partial, shared_partial, norm_weight, up_proj_kernel,
+        config=config, axis_name=axis_name, weight_layout=weight_layout,
+    )
+    if config.sequence_parallel and not is_token_sharded_output(config, num_tokens, tp_size):
+        return gather_tokens(y, num_tokens, axis_name=axis_name)
+    return y
+
+
+def _pad_rows(x: jax.Array, padding: int) -> jax.Array:
+    return jnp.pad(x, [(0, padding), (0, 0)]) if padding else x
+
+
+def _check_per_rank_inputs(routed_partial, shared_partial, norm_weight, up_proj_kernel, *, config, tp_size,
+                           weight_layout) -> int:
+    """Validate this rank's shapes and dtypes against the config and p; return T."""
+    hidden, latent = config.hidden_size, config.latent_size
+    expect_rank(routed_partial, "routed_partial", "[T, L] (this rank's block)", 2)
+    num_tokens = routed_partial.shape[0]
+    expect_array(routed_partial, "routed_partial", [(num_tokens, latent)], config.dtype, f"L={latent}")
+    expect_optional(shared_partial, "shared_partial", present=config.has_shared_experts,
+                    absent_because="config.has_shared_experts is False", shapes=[(num_tokens, hidden)],
+                    dtype=config.dtype, sizes=f"T={num_tokens}, H={hidden}")
+    expect_optional(norm_weight, "norm_weight", present=config.use_latent_norm,
+                    absent_because="config.use_latent_norm is False", shapes=[(latent,)], dtype=config.dtype,
+                    sizes=f"L={latent}")
+    if weight_layout == "column":
+        block = padded_hidden_size(hidden, tp_size) // tp_size
+        expect_array(up_proj_kernel, "up_proj_kernel", [(latent, block)], config.dtype,
+                     f"this rank's column block: L={latent}, ceil(H/p) = ceil({hidden}/{tp_size})")
+    else:
+        expect_array(up_proj_kernel, "up_proj_kernel", [(latent, hidden)], config.dtype, f"L={latent}, H={hidden}")
+    return num_tokens

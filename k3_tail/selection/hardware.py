@@ -1,0 +1,101 @@
+"""Hardware presets for the cost model: one GPU's peak figures, each cited from its vendor's data sheet.
+
+Data only (no dependency on the rest of the library), so that :class:`k3_tail.TailConfig` can check a
+``hardware`` preset name and :mod:`k3_tail.selection.cost_model` can price a call with it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from types import MappingProxyType
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    """One GPU of a TP group, for :func:`k3_tail.cost_model.predict_time`.
+
+    peak_flops: dense BF16 FLOP/s of one GPU. hbm_bytes_per_s: its HBM bandwidth (bytes/s).
+    link_bytes_per_s: its collective bandwidth, one direction, all links to its TP peers together
+    (bytes/s). collective_latency_s: the fixed time of one collective (seconds).
+    """
+
+    name: str
+    peak_flops: float
+    hbm_bytes_per_s: float
+    link_bytes_per_s: float
+    collective_latency_s: float
+
+    def __post_init__(self):
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"name: expected a non-empty string, got {self.name!r}")
+        for field in ("peak_flops", "hbm_bytes_per_s", "link_bytes_per_s", "collective_latency_s"):
+            value = getattr(self, field)
+            zero_allowed = field == "collective_latency_s"
+            is_number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            if not is_number or value < 0 or (value == 0 and not zero_allowed):
+                raise ValueError(f"{field}: expected a finite number {'>=' if zero_allowed else '>'} 0, got {value!r}")
+
+
+# Assumed, for every preset: no vendor publishes a per-collective latency. 10 us is the order of the
+# small-message all-reduce times that nccl-tests / rccl-tests report inside one 8-GPU node.
+_ASSUMED_COLLECTIVE_LATENCY_S = 10e-6
+
+HARDWARE = MappingProxyType({
+    "mi300x": Hardware(
+        "mi300x",
+        # AMD Instinct MI300X data sheet (2023): peak BF16 1307.4 TFLOPs dense (2614.9 with sparsity).
+        peak_flops=1307.4e12,
+        # Same data sheet: 192 GB HBM3, 5.3 TB/s peak memory bandwidth.
+        hbm_bytes_per_s=5.3e12,
+        # Same data sheet: 7 AMD Infinity Fabric (xGMI) links of 128 GB/s peak bidirectional each, one to
+        # each peer of an 8-GPU node: 7 x 64 GB/s = 448 GB/s per GPU per direction.
+        link_bytes_per_s=448e9,
+        collective_latency_s=_ASSUMED_COLLECTIVE_LATENCY_S,
+    ),
+    "mi325x": Hardware(
+        "mi325x",
+        # AMD Instinct MI325X data sheet (2024): peak BF16 1307.4 TFLOPs dense (the MI300X's compute).
+        peak_flops=1307.4e12,
+        # Same data sheet: 256 GB HBM3E, 6.0 TB/s peak memory bandwidth.
+        hbm_bytes_per_s=6.0e12,
+        # Same data sheet: 7 Infinity Fabric links of 128 GB/s peak bidirectional: 7 x 64 = 448 GB/s per direction.
+        link_bytes_per_s=448e9,
+        collective_latency_s=_ASSUMED_COLLECTIVE_LATENCY_S,
+    ),
+    "mi355x": Hardware(
+        "mi355x",
+        # AMD Instinct MI355X data sheet (2025): peak BF16 2.5 PFLOPs dense (5.0 with sparsity); 2516.6 TFLOP/s
+        # = 256 CUs x 4096 dense BF16 FLOP/clock x 2.4 GHz peak engine clock.
+        peak_flops=2516.6e12,
+        # Same data sheet: 288 GB HBM3E, 8 TB/s peak memory bandwidth.
+        hbm_bytes_per_s=8.0e12,
+        # Same data sheet: 7 Infinity Fabric links of 153.6 GB/s peak bidirectional: 7 x 76.8 = 537.6 GB/s
+        # per GPU per direction.
+        link_bytes_per_s=537.6e9,
+        collective_latency_s=_ASSUMED_COLLECTIVE_LATENCY_S,
+    ),
+    "h200": Hardware(
+        "h200",
+        # NVIDIA H200 Tensor Core GPU data sheet (2024), SXM: BF16 Tensor Core 1,979 TFLOPS with sparsity,
+        # i.e. 989.4 TFLOP/s dense (the dense figure of NVIDIA's H100 SXM white paper; same GH100 and clocks).
+        peak_flops=989.4e12,
+        # Same data sheet: 141 GB HBM3e, 4.8 TB/s.
+        hbm_bytes_per_s=4.8e12,
+        # Same data sheet: NVLink 900 GB/s per GPU (bidirectional, fourth-generation NVLink through
+        # NVSwitch): 450 GB/s per direction.
+        link_bytes_per_s=450e9,
+        collective_latency_s=_ASSUMED_COLLECTIVE_LATENCY_S,
+    ),
+})
+
+
+def hardware_preset(hardware: Hardware | str) -> Hardware:
+    """``hardware`` itself, or the preset of that name (case and surrounding blanks ignored)."""
+    if isinstance(hardware, Hardware):
+        return hardware
+    if isinstance(hardware, str) and hardware.strip().lower() in HARDWARE:
+        return HARDWARE[hardware.strip().lower()]
+    raise ValueError(
+        f"hardware: expected a k3_tail.cost_model.Hardware or one of {sorted(HARDWARE)}, got {hardware!r}"
+    )

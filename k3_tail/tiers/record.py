@@ -1,0 +1,149 @@
+"""One record per tier: everything the library knows about a tier, kept beside the tier's function.
+
+Each tier module defines its per-rank function and a :class:`TierRecord` named ``RECORD``; the
+ordered registry (:mod:`k3_tail.tiers.registry`) lists the records and is the only list of tiers.
+Selection, the cost model, compilation, benchmarking, the command line and the README's tier table
+read a tier's facts from its record:
+
+- ``function``: the per-rank function, run inside ``jax.shard_map`` over the TP axis;
+- what it needs (``needs_whole_kernel``, ``needs_unreduced_routed``) and so the reason it gives
+  when it cannot run (:meth:`TierRecord.why_not`);
+- ``token_sharded_form``: how it makes token-sharded output (``TailConfig.sequence_parallel``);
+- ``compiler_options``: the per-executable XLA options it needs, per platform family;
+- its cost terms: ``projects_all_columns`` (the GEMM's width) and ``collectives`` (the collectives
+  it issues, in order, and which of them run beside the GEMM);
+- ``summary``, ``schedule`` and ``collectives_text``: its description in words.
+
+Collective buffers are counted as :mod:`k3_tail.xla.report` counts them: the reduced buffer of an
+all-reduce, the input of a reduce-scatter, the gathered result of an all-gather, the per-rank send
+buffer of an all-to-all. A ring moves 2(g-1)/g of the buffer per rank for an all-reduce and (g-1)/g
+for the others (g ranks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+from typing import Any
+
+from k3_tail.tiers.columns import padded_hidden_size
+
+ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER, ALL_TO_ALL = "all-reduce", "reduce-scatter", "all-gather", "all-to-all"
+# Per-rank ring wire bytes as a multiple of the buffer's bytes, given the group size g.
+RING_WIRE_FACTORS = MappingProxyType({
+    ALL_REDUCE: lambda g: 2 * (g - 1) / g,
+    REDUCE_SCATTER: lambda g: (g - 1) / g,
+    ALL_GATHER: lambda g: (g - 1) / g,
+    ALL_TO_ALL: lambda g: (g - 1) / g,
+})
+# Device platforms (a device's ``.platform``) by the family whose compiler options apply to them.
+_PLATFORM_FAMILIES = MappingProxyType({"gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "cpu": "cpu", "tpu": "tpu"})
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectiveTerm:
+    """One collective a tier issues on each rank: its kind, its buffer in elements, and whether it
+    runs beside the tier's GEMM (hidden behind it) rather than before or after it."""
+
+    kind: str
+    elements: int
+    beside_gemm: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class CallShape:
+    """The per-rank sizes of one call that a tier's cost terms depend on.
+
+    rows: the token rows the tier works on (T; for token-sharded output T rounded up to a multiple
+    of p). The other fields are the config's and the call's: L, H, p, the kernel's layout, whether a
+    shared partial exists, whether the norm runs, whether the routed output arrives reduced, and
+    whether the output is token-sharded.
+    """
+
+    rows: int
+    latent_size: int
+    hidden_size: int
+    tp_size: int
+    weight_layout: str
+    has_shared: bool
+    use_norm: bool
+    routed_reduced: bool
+    token_sharded: bool
+
+    @property
+    def block_width(self) -> int:
+        """Hb = padded_hidden_size(H, p) / p: the width of one rank's column block."""
+        return padded_hidden_size(self.hidden_size, self.tp_size) // self.tp_size
+
+    @property
+    def output_reduction(self) -> str:
+        """How a [T, W] sum reaches this rank: an all-reduce, or a reduce-scatter over tokens."""
+        return REDUCE_SCATTER if self.token_sharded else ALL_REDUCE
+
+    def latent_reduction(self) -> tuple[CollectiveTerm, ...]:
+        """AR(T*L) of the routed partials, which every tier but one_shot starts with (none when reduced)."""
+        return () if self.routed_reduced else (CollectiveTerm(ALL_REDUCE, self.rows * self.latent_size),)
+
+    def column_gather(self) -> tuple[CollectiveTerm, ...]:
+        """AG(T*p*Hb) of the [T, Hb] output blocks, when a full-width tier runs on the column layout."""
+        if self.weight_layout != "column":
+            return ()
+        return (CollectiveTerm(ALL_GATHER, self.rows * self.tp_size * self.block_width),)
+
+
+@dataclasses.dataclass(frozen=True)
+class TierRecord:
+    """Everything the library knows about one tier (module docstring).
+
+    name: the tier's value ("overlap"). function: the per-rank function
+    ``f(routed_partial, shared_partial, norm_weight, up_proj_kernel, *, config, axis_name, weight_layout)``.
+    summary: one line. schedule: its steps in the notation AR/RS/AG (all-reduce, reduce-scatter,
+    all-gather), r the routed and s the shared partial. collectives_text: the collectives per rank in
+    that notation. needs_whole_kernel: runs only with the replicated kernel.
+    needs_unreduced_routed: cannot serve ``fused_output_is_reduced``. projects_all_columns: with
+    the replicated kernel each rank projects all H columns (else its own block of Hb).
+    token_sharded_form: how it returns token-sharded output. compiler_options: per platform family
+    ("gpu", "cpu", "tpu"), the per-executable XLA options. collectives: its collectives for a
+    :class:`CallShape`, in issue order.
+    """
+
+    name: str
+    function: Callable[..., Any]
+    summary: str
+    schedule: str
+    collectives_text: str
+    projects_all_columns: bool
+    token_sharded_form: str
+    collectives: Callable[[CallShape], tuple[CollectiveTerm, ...]]
+    needs_whole_kernel: bool = False
+    needs_unreduced_routed: bool = False
+    compiler_options: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
+
+    def why_not(self, weight_layout: str, config: Any = None) -> str | None:
+        """Why the tier cannot run with ``weight_layout`` and ``config`` (None: not considered), or None."""
+        if self.needs_whole_kernel and weight_layout != "replicated":
+            return (f"{self.name} needs the whole [L, H] kernel on every rank (weight_layout='replicated'), "
+                    f"got weight_layout={weight_layout!r}")
+        if self.needs_unreduced_routed and config is not None and config.fused_output_is_reduced:
+            return (f"{self.name} reduces the routed partials itself, so it cannot serve "
+                    "fused_output_is_reduced=True")
+        return None
+
+    def check_runs(self, weight_layout: str, config: Any = None, *, argument: str = "tier") -> None:
+        """ValueError naming ``argument`` with :meth:`why_not`'s reason when the tier cannot run."""
+        reason = self.why_not(weight_layout, config)
+        if reason is not None:
+            raise ValueError(f"{argument}: {reason}")
+
+    def gemm_columns(self, hidden_size: int, tp_size: int, weight_layout: str) -> int:
+        """The width of one rank's projection [T, L] x [L, columns]: H when the tier projects all
+        columns with the replicated kernel, else its column block padded_hidden_size(H, p) / p."""
+        if self.projects_all_columns and weight_layout == "replicated":
+            return hidden_size
+        return padded_hidden_size(hidden_size, tp_size) // tp_size
+
+    def options_for(self, platform: str) -> dict[str, Any]:
+        """The per-executable XLA options for a device ``platform`` ("gpu", "cuda", "rocm", "cpu", ...)."""
+        family = _PLATFORM_FAMILIES.get(platform, platform)
+        return dict(self.compiler_options.get(family, {}))

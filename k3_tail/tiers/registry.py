@@ -1,0 +1,83 @@
+"""The ordered registry of tiers: the only list of them, and the :class:`Tier` enum made from it.
+
+Adding a tier is one new module under ``k3_tail/tiers/`` (its per-rank function and its
+:class:`~k3_tail.tiers.record.TierRecord`), one entry below, and its tests: selection, the cost
+model, compilation, the benchmark, the command line and the README's tier table read the record.
+The order is the enum's, and breaks ties between equally fast tiers in the cost model.
+"""
+
+from __future__ import annotations
+
+import enum
+from types import MappingProxyType
+
+from k3_tail.tiers import column_parallel, native, one_shot, overlap, scatter_gather
+from k3_tail.tiers.record import TierRecord
+
+TIER_RECORDS: tuple[TierRecord, ...] = (
+    native.RECORD,
+    overlap.RECORD,
+    column_parallel.RECORD,
+    scatter_gather.RECORD,
+    one_shot.RECORD,
+)
+_BY_NAME = MappingProxyType({record.name: record for record in TIER_RECORDS})
+
+
+class _TierMethods(str, enum.Enum):
+    """What every :class:`Tier` member can do; the members themselves come from the registry."""
+
+    @property
+    def record(self) -> TierRecord:
+        """Everything the library knows about this tier."""
+        return _BY_NAME[self.value]
+
+    def supports(self, weight_layout: str, config=None) -> bool:
+        """Whether the tier runs with ``weight_layout`` ("column" or "replicated") and ``config``."""
+        return self.record.why_not(weight_layout, config) is None
+
+    def why_not(self, weight_layout: str, config=None) -> str | None:
+        """Why the tier cannot run with ``weight_layout`` and ``config`` (None: not considered), or None."""
+        return self.record.why_not(weight_layout, config)
+
+    @classmethod
+    def parse(cls, value, *, argument: str = "tier"):
+        """``value`` as a Tier; a string may be the value ("overlap") or the name ("OVERLAP")."""
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            for tier in cls:
+                if value in (tier.value, tier.name):
+                    return tier
+        choices = ", ".join(repr(t.value) for t in cls)
+        raise ValueError(f"{argument}: expected a k3_tail.Tier or one of {choices}, got {value!r}")
+
+
+Tier = _TierMethods("Tier", [(record.name.upper(), record.name) for record in TIER_RECORDS], module=__name__)
+Tier.__doc__ = """The schedules of the tail, in the registry's order; all compute the same function.
+
+A member's value is its record's name (``Tier.OVERLAP == "overlap"``); ``Tier.X.record`` holds its
+facts and ``Tier.X.record.summary`` says what it does.
+"""
+
+
+def tier_table() -> str:
+    """The tiers as a Markdown table: schedule, per-rank GEMM FLOPs and kernel bytes, collectives
+    (T tokens, p ranks, L -> H, bf16), and what each needs. The README's tier table is this text."""
+    lines = [
+        "| tier | what it is | schedule | GEMM FLOPs | kernel bytes | collectives | needs |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for record in TIER_RECORDS:
+        if not record.projects_all_columns:
+            gemm, kernel = "2TLH/p", "2LH/p"
+        elif record.needs_whole_kernel:
+            gemm, kernel = "2TLH", "2LH"
+        else:
+            gemm, kernel = "2TLH (column layout: 2TLH/p)", "2LH (column layout: 2LH/p)"
+        needs = [text for flag, text in ((record.needs_whole_kernel, "replicated kernel"),
+                                         (record.needs_unreduced_routed, "unreduced routed partials")) if flag]
+        cells = (record.name, record.summary, record.schedule, gemm, kernel, record.collectives_text,
+                 ", ".join(needs) or "-")
+        lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
+    return "\n".join(lines)

@@ -1,0 +1,157 @@
+"""Helpers shared by the test modules: meshes, the (tier, weight layout) pairs, once-per-session results,
+running one case of the covering design (tests/covering.py), and the column tier's contract check.
+
+Import them with ``from helpers import ...`` (``conftest.py`` only sets up the platform and the hooks).
+"""
+
+import functools
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import covering
+import k3_tail
+from reference import TOLERANCE, make_inputs, reference_latent, relative_error
+
+
+def make_tp_mesh(tp_size, axis_type=jax.sharding.AxisType.Explicit):
+    """A 1-d mesh named "tp" over the first ``tp_size`` devices (skips when there are fewer)."""
+    if len(jax.devices()) < tp_size:
+        pytest.skip(f"needs {tp_size} devices, have {len(jax.devices())}")
+    return jax.make_mesh((tp_size,), ("tp",), axis_types=(axis_type,), devices=jax.devices()[:tp_size])
+
+
+def tier_layouts():
+    """Every (tier, weight layout) pair that runs: the one_shot tier needs the replicated kernel."""
+    return [
+        pytest.param(tier, layout, id=f"{tier.value}-{layout}")
+        for tier in k3_tail.Tier
+        for layout in k3_tail.WEIGHT_LAYOUTS
+        if tier.supports(layout)
+    ]
+
+
+def layout_for(tier, preferred="column"):
+    """``preferred`` when ``tier`` runs with it, else "replicated"."""
+    return preferred if tier.supports(preferred) else "replicated"
+
+
+def once_per_session(tmp_path_factory, name, produce, *, timeout_s):
+    """``produce(directory)``'s JSON-serialisable result, computed once per test session.
+
+    Under pytest-xdist every worker asks for it; the worker that creates the shared directory first
+    runs ``produce`` there and the others wait for its result (at most ``timeout_s``). Returns
+    (directory, result). A ``produce`` that raises fails every test that asked for the result.
+    """
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent  # the session's directory, above each worker's own
+    directory = shared / name
+    result_path = directory / "result.json"
+    try:
+        directory.mkdir()  # atomic: exactly one worker gets here first
+    except FileExistsError:
+        deadline = time.monotonic() + timeout_s
+        while not result_path.exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if not result_path.exists():
+            pytest.fail(f"{name}: the worker producing it did not finish within {timeout_s} s", pytrace=False)
+    else:
+        outcome = {"error": "interrupted"}
+        try:
+            outcome = {"result": produce(directory)}
+        except Exception as error:  # reported below, to this worker's tests and the others' alike
+            outcome = {"error": f"{type(error).__name__}: {error}"}
+        finally:
+            # Written whole, then renamed: a waiting worker never reads half of it.
+            partial = directory / "result.partial"
+            partial.write_text(json.dumps(outcome))
+            partial.rename(result_path)
+    outcome = json.loads(result_path.read_text())
+    if "error" in outcome:
+        pytest.fail(f"{name}: {outcome['error']}", pytrace=False)
+    return directory, outcome["result"]
+
+
+def case_config(case):
+    """The TailConfig of a covering case (tests/covering.py): its shapes, dtype, scale, norm and SP output."""
+    return k3_tail.TailConfig(
+        hidden_size=case.hidden_size,
+        latent_size=covering.LATENT_SIZE,
+        dtype=jnp.dtype(case.dtype),
+        routed_scaling_factor=case.routed_scaling_factor,
+        use_latent_norm=case.use_latent_norm,
+        sequence_parallel=case.sequence_parallel,
+    )
+
+
+def run_case(case):
+    """(config, inputs, y): ``k3_tail.tail_forward`` of a covering case on a mesh of its p devices.
+
+    The case's tier is forced, or left to the library when it is "selected"; the norm weight is
+    passed only when the latent norm is on (``tail_forward`` wants None otherwise).
+    """
+    config = case_config(case)
+    inputs = make_inputs(config, case.tp_size, case.num_tokens)
+    y = k3_tail.tail_forward(
+        inputs.routed,
+        inputs.shared,
+        inputs.norm_weight if config.use_latent_norm else None,
+        inputs.kernel,
+        config=config,
+        mesh=make_tp_mesh(case.tp_size),
+        tier=None if case.tier == "selected" else k3_tail.Tier(case.tier),
+        weight_layout=case.weight_layout,
+    )
+    return config, inputs, y
+
+
+def column_buffers(config, inputs, mesh, weight_layout):
+    """The per-rank buffers the column tier hands to its final all-reduce: [p, T, H]."""
+    tp_size = mesh.shape["tp"]
+    kernel = inputs.kernel
+    kernel_spec = P()
+    if weight_layout == "column":
+        width = k3_tail.padded_hidden_size(config.hidden_size, tp_size)
+        kernel = np.pad(kernel, [(0, 0), (0, width - config.hidden_size)])
+        kernel_spec = P(None, "tp")
+    tier = functools.partial(
+        k3_tail.column_parallel_tail, config=config, axis_name="tp", weight_layout=weight_layout, defer_all_reduce=True
+    )
+    buffers = jax.jit(jax.shard_map(
+        lambda r, s, g, w: tier(r[0], s[0], g, w)[None],
+        mesh=mesh,
+        in_specs=(P("tp"), P("tp"), P(), kernel_spec),
+        out_specs=P("tp"),
+    ))
+    place = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))  # noqa: E731
+    return np.asarray(
+        buffers(
+            place(inputs.routed, P("tp")), place(inputs.shared, P("tp")), place(inputs.norm_weight, P()),
+            place(kernel, kernel_spec),
+        )
+    )
+
+
+def assert_column_tier_writes_only_its_own_block(config, tp_size, num_tokens, weight_layout):
+    """Rank k's buffer is s_k + latent @ W[:, block k] on block k, and bit-identical s_k elsewhere."""
+    inputs = make_inputs(config, tp_size, num_tokens)
+    buffers = column_buffers(config, inputs, make_tp_mesh(tp_size), weight_layout)
+    assert buffers.shape == inputs.shared.shape and buffers.dtype == inputs.shared.dtype
+
+    latent = reference_latent(config, inputs.routed, inputs.norm_weight)
+    block_width = k3_tail.padded_hidden_size(config.hidden_size, tp_size) // tp_size
+    for rank in range(tp_size):
+        own = slice(rank * block_width, min((rank + 1) * block_width, config.hidden_size))
+        others = np.ones(config.hidden_size, bool)
+        others[own] = False
+        np.testing.assert_array_equal(buffers[rank][:, others], inputs.shared[rank][:, others])
+        projection = latent @ inputs.kernel[:, own].astype(np.float64)
+        expected_own = inputs.shared[rank][:, own].astype(np.float64) + projection
+        assert relative_error(buffers[rank][:, own], expected_own) <= TOLERANCE[config.dtype]

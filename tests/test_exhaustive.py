@@ -1,0 +1,100 @@
+"""The full Cartesian products behind the covering designs of test_tiers.py and test_sequence_parallel.py.
+
+About 1470 cases (minutes on 2 cores): skipped by default, run with ``pytest -m slow``. The default
+run covers every pair of these factors (tests/covering.py); these products try every combination.
+"""
+
+import dataclasses
+
+import jax.numpy as jnp
+import pytest
+
+import k3_tail
+from helpers import assert_column_tier_writes_only_its_own_block, make_tp_mesh, tier_layouts
+from reference import TOLERANCE, make_inputs, reference_tail, relative_error
+
+pytestmark = pytest.mark.slow
+
+SMALL = k3_tail.TailConfig(hidden_size=96, latent_size=64)  # 96 divides by 1, 2, 4, 8
+SMALL_ODD = dataclasses.replace(SMALL, hidden_size=99)  # 99 divides by none of 2, 4, 8
+SIZES = [pytest.param(SMALL, id="H96"), pytest.param(SMALL_ODD, id="H99")]
+DTYPES = [pytest.param(jnp.bfloat16, id="bf16"), pytest.param(jnp.float32, id="f32")]
+
+
+def run_tail(config, inputs, tp_size, tier, weight_layout):
+    return k3_tail.tail_forward(
+        inputs.routed,
+        inputs.shared,
+        inputs.norm_weight if config.use_latent_norm else None,
+        inputs.kernel,
+        config=config,
+        mesh=make_tp_mesh(tp_size),
+        tier=tier,
+        weight_layout=weight_layout,
+    )
+
+
+def assert_matches_reference(config, inputs, y):
+    expected = reference_tail(config, inputs)
+    assert y.shape == expected.shape and y.dtype == config.dtype
+    if expected.size:
+        assert relative_error(y, expected) <= TOLERANCE[config.dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("base", SIZES)
+@pytest.mark.parametrize("num_tokens", [0, 1, 5, 16, 257, 1024])
+@pytest.mark.parametrize("tp_size", [1, 2, 4, 8])
+@pytest.mark.parametrize(("tier", "weight_layout"), tier_layouts())
+def test_every_tier_layout_p_t_h_and_dtype_matches_the_reference(tier, weight_layout, tp_size, num_tokens, base, dtype):
+    config = dataclasses.replace(base, dtype=dtype)
+    inputs = make_inputs(config, tp_size, num_tokens)
+    assert_matches_reference(config, inputs, run_tail(config, inputs, tp_size, tier, weight_layout))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("use_latent_norm", [True, False], ids=["norm", "nonorm"])
+@pytest.mark.parametrize("scale", [1.0, 2.0], ids=["scale1", "scale2"])
+@pytest.mark.parametrize("base", SIZES)
+@pytest.mark.parametrize("tp_size", [2, 8])
+@pytest.mark.parametrize(("tier", "weight_layout"), tier_layouts())
+def test_every_tier_honours_every_scale_and_norm(tier, weight_layout, tp_size, base, scale, use_latent_norm, dtype):
+    config = dataclasses.replace(base, routed_scaling_factor=scale, use_latent_norm=use_latent_norm, dtype=dtype)
+    inputs = make_inputs(config, tp_size, 16)
+    assert_matches_reference(config, inputs, run_tail(config, inputs, tp_size, tier, weight_layout))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("base", SIZES)
+@pytest.mark.parametrize("num_tokens", [8, 16, 264])
+@pytest.mark.parametrize("tp_size", [2, 8])
+@pytest.mark.parametrize(("tier", "weight_layout"), tier_layouts())
+def test_every_tier_returns_token_sharded_output(tier, weight_layout, tp_size, num_tokens, base, dtype):
+    config = dataclasses.replace(base, dtype=dtype, sequence_parallel=True)
+    inputs = make_inputs(config, tp_size, num_tokens)
+    y = run_tail(config, inputs, tp_size, tier, weight_layout)
+    assert y.shape == (num_tokens, config.hidden_size) and y.dtype == config.dtype
+    assert y.sharding.spec[0] == "tp"
+    assert {shard.data.shape for shard in y.addressable_shards} == {(num_tokens // tp_size, config.hidden_size)}
+    assert relative_error(y, reference_tail(config, inputs)) <= TOLERANCE[config.dtype]
+
+
+@pytest.mark.parametrize("num_tokens", [1, 5, 13])
+@pytest.mark.parametrize(("tier", "weight_layout"), tier_layouts())
+def test_every_tier_pads_and_gathers_tokens_that_p_does_not_divide(tier, weight_layout, num_tokens):
+    config = dataclasses.replace(SMALL_ODD, sequence_parallel=True)
+    inputs = make_inputs(config, 8, num_tokens)
+    y = run_tail(config, inputs, 8, tier, weight_layout)
+    assert y.shape == (num_tokens, config.hidden_size) and y.sharding.is_fully_replicated
+    assert relative_error(y, reference_tail(config, inputs)) <= TOLERANCE[config.dtype]
+
+
+@pytest.mark.parametrize("weight_layout", list(k3_tail.WEIGHT_LAYOUTS))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("base", SIZES)
+@pytest.mark.parametrize("num_tokens", [1, 16, 257])
+@pytest.mark.parametrize("tp_size", [2, 4, 8])
+def test_column_tier_writes_only_its_own_block_everywhere(tp_size, num_tokens, base, dtype, weight_layout):
+    config = dataclasses.replace(base, dtype=dtype)
+    assert_column_tier_writes_only_its_own_block(config, tp_size, num_tokens, weight_layout)
+

@@ -1,0 +1,81 @@
+"""The package's shape: what `import k3_tail` loads, no import cycles, the public names, no outside citations."""
+
+import ast
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import k3_tail
+
+ROOT = Path(__file__).parent.parent
+PACKAGE = ROOT / "k3_tail"
+
+
+def module_name(path):
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_modules(path, modules):
+    """The k3_tail modules that ``path`` imports anywhere in it (top level or inside functions)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names if alias.name in modules)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("k3_tail"):
+            for alias in node.names:  # `from k3_tail.x import y` imports module x.y when there is one
+                found.add(f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in modules else node.module)
+    return found
+
+
+def test_import_graph_has_no_cycle():
+    paths = {module_name(path): path for path in PACKAGE.rglob("*.py")}
+    graph = {name: imported_modules(path, paths) - {name} for name, path in paths.items()}
+    state = {}
+
+    def visit(name, trail):
+        if state.get(name) == "done":
+            return
+        assert state.get(name) != "open", f"import cycle: {' -> '.join(trail + [name])}"
+        state[name] = "open"
+        for target in sorted(graph[name]):
+            visit(target, trail + [name])
+        state[name] = "done"
+
+    for name in sorted(graph):
+        visit(name, [])
+
+
+def test_import_loads_only_the_core():
+    script = "import json, sys, k3_tail; print(json.dumps(sorted(sys.modules)))"
+    environment = dict(os.environ, JAX_PLATFORMS="cpu")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=environment,
+                            timeout=120, check=True)
+    loaded = json.loads(result.stdout)
+    assert not [name for name in loaded if name.split(".")[0] == "matplotlib"]
+    assert not [name for name in loaded if name.startswith(("k3_tail.tools", "k3_tail.cli"))]
+
+
+@pytest.mark.parametrize("name", k3_tail.__all__)
+def test_every_public_name_resolves(name):
+    assert getattr(k3_tail, name) is not None
+
+
+@pytest.mark.parametrize(("name", "attribute"), [("benchmark", "measure_tiers"), ("calibration", "SelectionTable"),
+                                                 ("cost_model", "tier_cost"), ("multiprocess", "initialize"),
+                                                 ("xla_report", "report")])
+def test_the_earlier_module_names_still_work(name, attribute):
+    assert callable(getattr(getattr(k3_tail, name), attribute))
+
+
+def test_nothing_cites_a_file_outside_the_repository():
+    """The project's docs and code say everything themselves: no path above the checkout, no spec sections."""
+    texts = [path for pattern in ("k3_tail/**/*.py", "tests/*.py", "scripts/*", "docs/*.md", "notebooks/*.ipynb",
+                                  "README.md", "pyproject.toml") for path in ROOT.glob(pattern)]
+    offenders = [str(path.relative_to(ROOT)) for path in texts if path.is_file() and path != Path(__file__)
+                 and any(marker in path.read_text() for marker in ("../shared", "spec, section", "spec section"))]
+    assert not offenders

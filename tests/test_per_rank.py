@@ -1,0 +1,231 @@
+"""latent_moe_tail: the per-rank entry point, called inside a model's own shard_map.
+
+The model here is what tpu-inference and maxtext write: one ``jax.shard_map`` over a 2-d mesh whose
+TP group spans both axes (``axis_name=("x", "y")``, p = 8), in which each rank finishes its routed
+experts with a row-parallel down projection (its [T, L] latent partial) and its shared experts with
+a row-parallel output projection (its [T, H] partial), then runs the tail.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import k3_tail
+from helpers import make_tp_mesh, tier_layouts
+from reference import TOLERANCE, make_inputs, reference_tail, relative_error
+
+TP = ("x", "y")
+P_SIZE = 8
+EXPERT_WIDTH, SHARED_WIDTH = 32, 48  # intermediate widths, split over the 8 ranks
+CONFIG = k3_tail.TailConfig(hidden_size=97, latent_size=64, dtype=jnp.float32)  # 97: padded column blocks
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    if len(jax.devices()) < P_SIZE:
+        pytest.skip(f"needs {P_SIZE} devices")
+    return jax.make_mesh((2, 4), TP, devices=jax.devices()[:P_SIZE])
+
+
+@dataclasses.dataclass(frozen=True)
+class Layer:
+    """A layer's activations and weights as global arrays (float64 on the host)."""
+
+    expert_act: np.ndarray  # [T, E]: routed experts' activations, column-parallel
+    down: np.ndarray  # [E, L]: their down projection, row-parallel
+    shared_act: np.ndarray  # [T, F]
+    shared_out: np.ndarray  # [F, H]
+    norm_weight: np.ndarray  # [L]
+    kernel: np.ndarray  # [L, H]
+
+    @classmethod
+    def random(cls, config, num_tokens, seed=0):
+        rng = np.random.default_rng(seed)
+        latent, hidden = config.latent_size, config.hidden_size
+
+        def draw(*shape, scale=1.0):
+            return np.asarray(jnp.asarray(scale * rng.standard_normal(shape), config.dtype), np.float64)
+
+        return cls(
+            draw(num_tokens, EXPERT_WIDTH), draw(EXPERT_WIDTH, latent, scale=EXPERT_WIDTH ** -0.5),
+            draw(num_tokens, SHARED_WIDTH), draw(SHARED_WIDTH, hidden, scale=SHARED_WIDTH ** -0.5),
+            1 + draw(latent, scale=0.1), draw(latent, hidden, scale=latent ** -0.5),
+        )
+
+    def reference(self, config):
+        """y in float64, from the summed partials (the per-rank partials add up to these products)."""
+        routed = (self.expert_act @ self.down)[None]
+        shared = (self.shared_act @ self.shared_out)[None]
+        inputs = dataclasses.replace(make_inputs(config, 1, 0), routed=routed, shared=shared,
+                                     norm_weight=self.norm_weight, kernel=self.kernel)
+        return reference_tail(config, inputs)
+
+
+def run_layer(mesh, config, layer, *, tier=None, weight_layout="replicated", lower_only=False):
+    """The model: one shard_map over ``mesh``; each rank computes its partials, then the tail."""
+    num_tokens = layer.expert_act.shape[0]
+    kernel = layer.kernel
+    kernel_spec = P()
+    if weight_layout == "column":
+        width = k3_tail.padded_hidden_size(config.hidden_size, P_SIZE)
+        kernel = np.pad(kernel, [(0, 0), (0, width - config.hidden_size)])
+        kernel_spec = P(None, TP)
+    token_sharded = k3_tail.is_token_sharded_output(config, num_tokens, P_SIZE)
+
+    def per_rank(expert_act, down, shared_act, shared_out, norm_weight, up_proj_kernel):
+        routed = jnp.dot(expert_act, down, preferred_element_type=jnp.float32).astype(config.dtype)
+        shared = jnp.dot(shared_act, shared_out, preferred_element_type=jnp.float32).astype(config.dtype)
+        return k3_tail.latent_moe_tail(routed, shared, norm_weight, up_proj_kernel, config=config, axis_name=TP,
+                                       weight_layout=weight_layout, tier=tier)
+
+    specs = (P(None, TP), P(TP), P(None, TP), P(TP), P(), kernel_spec)
+    layer_fn = jax.jit(jax.shard_map(per_rank, mesh=mesh, in_specs=specs,
+                                     out_specs=P(TP) if token_sharded else P()))
+    arrays = (layer.expert_act, layer.down, layer.shared_act, layer.shared_out, layer.norm_weight, kernel)
+    placed = [jax.device_put(jnp.asarray(x, config.dtype), NamedSharding(mesh, spec))
+              for x, spec in zip(arrays, specs, strict=True)]
+    return layer_fn.lower(*placed) if lower_only else layer_fn(*placed)
+
+
+def assert_close(config, y, expected):
+    assert y.shape == expected.shape and y.dtype == config.dtype
+    assert relative_error(y, expected) <= TOLERANCE[config.dtype]
+
+
+@pytest.mark.parametrize(("tier", "weight_layout"), [pytest.param(None, "replicated", id="selected-replicated"),
+                                                     pytest.param(None, "column", id="selected-column"),
+                                                     *tier_layouts()])
+def test_every_tier_in_a_models_shard_map_over_a_tuple_axis(mesh, tier, weight_layout):
+    layer = Layer.random(CONFIG, 5)
+    y = run_layer(mesh, CONFIG, layer, tier=tier, weight_layout=weight_layout)
+    assert_close(CONFIG, y, layer.reference(CONFIG))
+    assert y.sharding.is_fully_replicated
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bfloat16", "float32"])
+@pytest.mark.parametrize("num_tokens", [16, 5, 0])
+def test_sequence_parallel_output_is_this_ranks_rows_when_p_divides_t(mesh, num_tokens, dtype):
+    """T = 16: rank k returns rows [2k, 2k + 2); T = 5 or 0: the rows are gathered (replicated)."""
+    config = dataclasses.replace(CONFIG, sequence_parallel=True, dtype=dtype)
+    layer = Layer.random(config, num_tokens)
+    y = run_layer(mesh, config, layer, weight_layout="column")
+    assert y.shape == (num_tokens, config.hidden_size)
+    if num_tokens == 16:
+        assert {shard.data.shape for shard in y.addressable_shards} == {(2, config.hidden_size)}
+        assert_close(config, y, layer.reference(config))
+    else:
+        assert y.sharding.is_fully_replicated
+        if num_tokens:
+            assert_close(config, y, layer.reference(config))
+
+
+@pytest.mark.parametrize(
+    ("changes", "num_tokens", "weight_layout"),
+    [
+        ({}, 1, "column"),
+        ({}, 300, "column"),
+        ({"use_scatter_gather": True}, 4, "column"),
+        ({"selection_policy": "model", "hardware": "mi355x"}, 1, "replicated"),
+        ({"sequence_parallel": True}, 16, "replicated"),
+    ],
+    ids=["overlap", "column_parallel", "scatter_gather", "model_policy", "sequence_parallel"],
+)
+def test_the_tier_chosen_inside_is_select_tiers(mesh, changes, num_tokens, weight_layout):
+    """The program built with tier=None is the program of the tier select_tier names for the call."""
+    config = dataclasses.replace(CONFIG, **changes)
+    layer = Layer.random(config, num_tokens)
+    decision = k3_tail.select_tier(config, num_tokens, P_SIZE, weight_layout=weight_layout)
+    selected = run_layer(mesh, config, layer, weight_layout=weight_layout, lower_only=True).as_text()
+    forced = run_layer(mesh, config, layer, tier=decision.tier, weight_layout=weight_layout, lower_only=True)
+    assert selected == forced.as_text()
+    others = [tier for tier in k3_tail.Tier if tier != decision.tier and tier.supports(weight_layout, config)]
+    assert all(run_layer(mesh, config, layer, tier=tier, weight_layout=weight_layout, lower_only=True).as_text()
+               != selected for tier in others)
+
+
+def test_outside_a_shard_map_is_a_value_error_naming_the_axis():
+    inputs = make_inputs(CONFIG, 1, 3)
+    with pytest.raises(ValueError, match=r"^axis_name: 'tp' is not a mesh axis here"):
+        k3_tail.latent_moe_tail(inputs.routed[0], inputs.shared[0], inputs.norm_weight, inputs.kernel, config=CONFIG)
+
+
+def per_rank_call(**overrides):
+    """latent_moe_tail on 4 ranks of a 1-d mesh, each rank given the [T, X] arrays in ``overrides``."""
+    mesh = make_tp_mesh(4)
+    inputs = make_inputs(CONFIG, 4, 3)
+    arrays = dict(routed_partial=inputs.routed[0], shared_partial=inputs.shared[0], norm_weight=inputs.norm_weight,
+                  up_proj_kernel=inputs.kernel)
+    options = dict(config=CONFIG, weight_layout="replicated")
+    for name, value in overrides.items():
+        (arrays if name in arrays else options)[name] = value
+    names = [name for name, value in arrays.items() if value is not None]
+
+    def per_rank(*values):
+        return k3_tail.latent_moe_tail(**{**dict.fromkeys(arrays), **dict(zip(names, values, strict=True))},
+                                       **options)
+
+    return jax.shard_map(per_rank, mesh=mesh, in_specs=tuple(P() for _ in names), out_specs=P())(
+        *(jnp.asarray(arrays[name]) for name in names))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"routed_partial": np.zeros((3, 32), np.float32)}, r"^routed_partial: expected shape \(3, 64\)"),
+        ({"routed_partial": np.zeros((4, 3, 64), np.float32)}, r"^routed_partial: expected a 2-d array \[T, L\]"),
+        ({"shared_partial": np.zeros((4, 97), np.float32)}, r"^shared_partial: expected shape \(3, 97\)"),
+        ({"shared_partial": None}, r"^shared_partial: expected an array"),
+        ({"norm_weight": np.ones(64, jnp.bfloat16)}, r"^norm_weight: expected dtype float32"),
+        ({"up_proj_kernel": np.zeros((64, 97), np.float32), "weight_layout": "column"},
+         r"^up_proj_kernel: expected shape \(64, 25\) \(this rank's column block"),
+        ({"tier": "one_shot", "weight_layout": "column", "up_proj_kernel": np.zeros((64, 25), np.float32)},
+         r"^tier: one_shot needs the whole \[L, H\] kernel"),
+        ({"axis_name": ("tp", "tp")}, r"^axis_name: expected a mesh axis name or a tuple of distinct"),
+        ({"config": "kimi"}, r"^config: expected a k3_tail.TailConfig"),
+    ],
+    ids=["routed-width", "routed-global", "shared-rows", "shared-missing", "norm-dtype", "column-block",
+         "one_shot-column", "axis-repeated", "config"],
+)
+def test_bad_per_rank_input_is_a_value_error_naming_the_argument(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        per_rank_call(**overrides)
+
+
+def test_module_per_rank_call_in_an_nnx_shard_map(mesh):
+    """The module's parameters enter the model's shard_map as each rank's blocks (their partition specs)."""
+    module = k3_tail.LatentMoETail(CONFIG, mesh, rngs=nnx.Rngs(0), axis_name=TP, weight_layout="column")
+    inputs = make_inputs(CONFIG, P_SIZE, 5)
+    state_specs = nnx.StateSharding(nnx.get_partition_spec(nnx.state(module)))
+
+    @nnx.shard_map(mesh=mesh, in_specs=(state_specs, P(TP), P(TP)), out_specs=P())
+    def layer(module, routed, shared):
+        return module.per_rank(routed[0], shared[0])
+
+    y = layer(module, *(jax.device_put(x, NamedSharding(mesh, P(TP))) for x in (inputs.routed, inputs.shared)))
+    kernel = np.asarray(module.up_proj_kernel[...])[:, : CONFIG.hidden_size]
+    expected = reference_tail(CONFIG, dataclasses.replace(inputs, kernel=kernel,
+                                                          norm_weight=np.asarray(module.norm_scale[...])))
+    assert_close(CONFIG, y, expected)
+
+
+@pytest.mark.parametrize("weight_layout", k3_tail.WEIGHT_LAYOUTS)
+def test_global_api_and_module_take_a_tuple_axis(mesh, weight_layout):
+    inputs = make_inputs(CONFIG, P_SIZE, 5)
+    y = k3_tail.tail_forward(inputs.routed, inputs.shared, inputs.norm_weight, inputs.kernel, config=CONFIG,
+                             mesh=mesh, axis_name=TP, weight_layout=weight_layout)
+    assert_close(CONFIG, y, reference_tail(CONFIG, inputs))
+    module = k3_tail.LatentMoETail(CONFIG, mesh, rngs=nnx.Rngs(0), axis_name=TP, weight_layout=weight_layout)
+    assert module.tp_size == P_SIZE and module.plan(5) == k3_tail.select_tier(
+        CONFIG, 5, P_SIZE, weight_layout=weight_layout, device_kind=jax.devices()[0].device_kind)
+
+
+@pytest.mark.parametrize(("sequence_parallel", "num_tokens", "expected"),
+                         [(False, 16, False), (True, 16, True), (True, 12, False), (True, 0, False)])
+def test_is_token_sharded_output(sequence_parallel, num_tokens, expected):
+    config = dataclasses.replace(CONFIG, sequence_parallel=sequence_parallel)
+    assert k3_tail.is_token_sharded_output(config, num_tokens, 8) is expected
