@@ -6,8 +6,8 @@ The model has two layers.
    hidden size H, latent size L, p ranks, d bytes per element of ``config.dtype`` and the column block
    width Hb = padded_hidden_size(H, p) / p (= H/p when p divides H):
 
-   - ``gemm_flops``: 2*T*L*H for a full projection (native, overlap and one_shot with the replicated
-     kernel), else 2*T*L*Hb (own column block).
+   - ``gemm_flops``: 2*T*L*columns, with the tier record's ``gemm_columns``: H when the tier projects
+     all columns with the replicated kernel, else its own column block Hb.
    - ``weight_bytes``: kernel bytes the GEMM reads (d*L*H or d*L*Hb; a column tier on the replicated
      layout reads only its own block) plus the norm weight (d*L) when ``use_latent_norm``.
    - ``activation_bytes``: the activation rows the tier reads and writes on this rank: its routed and
@@ -22,13 +22,9 @@ The model has two layers.
      bytes: all-reduce 2(p-1)/p * B, reduce-scatter, all-gather and all-to-all (p-1)/p * B.
 
    The collectives of each tier, in issue order and with which of them run beside the GEMM, are
-   its record's cost terms (``Tier.X.record.collectives``; the README's tier table lists them). With
-   sequence-parallel output (T % p == 0) the final all-reduce of a tier becomes a reduce-scatter of the
-   same buffer, and scatter_gather's final AG an all-to-all of T*Hb elements.
-
-   Without shared experts the shared reduction disappears (native, overlap, scatter_gather; one_shot
-   packs T*(H+L)); column_parallel still reduces its [T, H] buffer. Without the latent norm one_shot
-   packs no x (T*2H). With ``fused_output_is_reduced`` there is no AR(T*L). With sequence-parallel
+   its record's cost terms (``Tier.X.record.collectives`` of a :class:`~k3_tail.tiers.record.CallShape`;
+   the README's tier table lists them): the record says how they change without shared experts,
+   without the norm, with a reduced routed output or with token-sharded output. With sequence-parallel
    output and p not dividing T, the tier runs on T' = T rounded up to a multiple of p (every figure
    above with T' for T) and an AG of the [T', H] result follows (what :func:`k3_tail.latent_moe_tail`
    does). T = 0 without sequence-parallel output costs nothing: XLA drops the empty collectives.
@@ -40,9 +36,7 @@ The model has two layers.
        collective = collective_latency_s + wire_bytes / link_bytes_per_s   (0 for a group of 1 rank)
        total      = sum(serial collectives) + max(local, sum(hidden collectives))
 
-   so per tier, with r the latent and s the shared reduction: native and column_parallel =
-   AR(r) + local + AR(s) (+ AG); one_shot = local + AR; overlap = AR(r) + max(local, AR(s)) (+ AG);
-   scatter_gather = AR(r) + max(local, RS(s)) + AG.
+   where a collective is hidden when its record term runs beside the GEMM (``beside_gemm``).
 
 Assumptions a reader must know:
 - Vendor peaks: the presets hold data-sheet peak dense BF16 FLOP/s, HBM and link bandwidth, which
@@ -55,7 +49,7 @@ Assumptions a reader must know:
   every rank send to its peers at that rate).
 - Collectives run one at a time; a hidden one shares neither HBM bandwidth nor compute units with
   the GEMM it runs beside. The latent all-reduce always precedes the GEMM.
-- Collectives are counted as the tier issues them: on GPU, XLA combines the native tier's two
+- Collectives are counted as the tier issues them: on GPU, XLA may combine two independent
   all-reduces into one (one latency fewer than modelled).
 - A column tier on the replicated layout reads only its own kernel block; XLA on GPU materialises
   that slice as a copy first (another 2*d*L*Hb bytes per call, not counted; the column layout has
@@ -140,8 +134,8 @@ def tier_cost(
     """The per-rank :class:`TierCost` of ``tier`` for ``num_tokens`` (T) tokens on ``tp_size`` (p) ranks.
 
     ``weight_layout`` is where the [L, H] kernel lives ("replicated" or "column", as for
-    :func:`k3_tail.tail_forward`). Bad arguments, a one_shot tier with the column layout or with
-    ``config.fused_output_is_reduced`` (which that tier cannot serve) raise ValueError naming the argument.
+    :func:`k3_tail.tail_forward`). Bad arguments, or a tier whose record says it cannot run with the
+    layout or config, raise ValueError naming the argument.
     """
     check_config(config)
     num_tokens = check_int("num_tokens", num_tokens, minimum=0)
