@@ -32,6 +32,7 @@ from k3_tail.tiers.overlap import overlap_tail
 from k3_tail.tiers.record import TierRecord
 from k3_tail.tiers.registry import Tier
 from k3_tail.tiers.scatter_gather import scatter_gather_tail
+from k3_tail.tiers.token_parallel import token_parallel_tail
 from k3_tail.tiers.tokens import is_token_sharded_output
 from k3_tail.xla import report as xla_report
 from k3_tail.xla.compilation import compile_tail, compiler_options, tail_arguments
@@ -72,6 +73,7 @@ __all__ = [
     "select_tier",
     "tail_arguments",
     "tail_forward",
+    "token_parallel_tail",
     "topology_mesh",
     "xla_report",
 ]

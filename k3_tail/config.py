@@ -13,12 +13,14 @@ import numpy as np
 
 from k3_tail._checks import check_int
 from k3_tail.selection.hardware import HARDWARE
+from k3_tail.tiers.collectives import ALL_REDUCE_FORMS
 
 _FLOAT_DTYPES = tuple(np.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32))
 
 # vLLM's environment variables, honoured by TailConfig.from_env.
 ENV_OVERLAP_TOKEN_THRESHOLD = "VLLM_SHARED_EXPERTS_STREAM_TOKEN_THRESHOLD"
 ENV_DISABLE_OVERLAP = "VLLM_DISABLE_SHARED_EXPERTS_STREAM"
+ENV_PREFILL_TOKEN_PARALLEL_MIN_TOKENS = "VLLM_KIMI_K3_AMD_PREFILL_SP_MIN_TOKENS"
 
 SELECTION_POLICIES = ("vllm", "measured", "model")
 
@@ -49,6 +51,11 @@ class TailConfig:
         replicated [T, L] latent instead of per-rank partials.
       sequence_parallel: the surrounding model shards tokens over the TP axis: every tier returns
         y token-sharded ([T/p, H] per rank; see :mod:`k3_tail.tiers.tokens`).
+      prefill_token_parallel_min_tokens: with sequence-parallel output, pick the token_parallel
+        tier from this many tokens on (vLLM's VLLM_KIMI_K3_AMD_PREFILL_SP_MIN_TOKENS); 0: never.
+      all_reduce_form: how a sum over the ranks travels: "auto" (one all-reduce, or a reduce-scatter
+        + all-gather where that was measured faster: :mod:`k3_tail.tiers.collectives`),
+        "all-reduce" or "reduce-scatter+all-gather".
       selection_policy: how the tier is chosen for a token count. "vllm" (default): the rules above
         (vLLM's fixed threshold). "measured": the ``selection_table`` measured on this hardware
         (:mod:`k3_tail.selection.table`). "model": the tier :mod:`k3_tail.cost_model` predicts fastest
@@ -72,13 +79,16 @@ class TailConfig:
     has_shared_experts: bool = True
     fused_output_is_reduced: bool = False
     sequence_parallel: bool = False
+    prefill_token_parallel_min_tokens: int = 0
+    all_reduce_form: str = "auto"
     selection_policy: str = "vllm"
     selection_table: Any = None
     hardware: str | None = None
 
     def __post_init__(self):
         for name, minimum in (("hidden_size", 1), ("latent_size", 1),
-                              ("overlap_token_threshold", 0), ("scatter_gather_max_tokens", 0)):
+                              ("overlap_token_threshold", 0), ("scatter_gather_max_tokens", 0),
+                              ("prefill_token_parallel_min_tokens", 0)):
             object.__setattr__(self, name, check_int(name, getattr(self, name), minimum=minimum))
         eps = self.rms_norm_eps
         if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps <= 0:
@@ -90,6 +100,8 @@ class TailConfig:
                      "fused_output_is_reduced", "sequence_parallel"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
+        if self.all_reduce_form not in ALL_REDUCE_FORMS:
+            raise ValueError(f"all_reduce_form: expected one of {ALL_REDUCE_FORMS}, got {self.all_reduce_form!r}")
         dtype = _float_dtype(self.dtype)
         if dtype is None:
             names = ", ".join(d.name for d in _FLOAT_DTYPES)
@@ -128,20 +140,21 @@ class TailConfig:
         """``base`` (default: Kimi-K3) with vLLM's selection variables applied.
 
         VLLM_SHARED_EXPERTS_STREAM_TOKEN_THRESHOLD sets ``overlap_token_threshold`` (an integer >= 0);
+        VLLM_KIMI_K3_AMD_PREFILL_SP_MIN_TOKENS sets ``prefill_token_parallel_min_tokens`` (>= 0, 0: off);
         VLLM_DISABLE_SHARED_EXPERTS_STREAM sets ``disable_overlap`` (1/0, true/false, yes/no, on/off).
         Unset variables leave ``base`` as it is; unparsable values raise ValueError naming the variable.
         """
         base = cls.kimi_k3() if base is None else base
         environ = os.environ if environ is None else environ
         changes: dict[str, Any] = {}
-        raw = environ.get(ENV_OVERLAP_TOKEN_THRESHOLD)
-        if raw is not None:
-            try:
-                changes["overlap_token_threshold"] = int(raw.strip())
-            except ValueError:
-                raise ValueError(
-                    f"overlap_token_threshold: {ENV_OVERLAP_TOKEN_THRESHOLD}={raw!r} is not an integer"
-                ) from None
+        for variable, field in ((ENV_OVERLAP_TOKEN_THRESHOLD, "overlap_token_threshold"),
+                                (ENV_PREFILL_TOKEN_PARALLEL_MIN_TOKENS, "prefill_token_parallel_min_tokens")):
+            raw = environ.get(variable)
+            if raw is not None:
+                try:
+                    changes[field] = int(raw.strip())
+                except ValueError:
+                    raise ValueError(f"{field}: {variable}={raw!r} is not an integer") from None
         raw = environ.get(ENV_DISABLE_OVERLAP)
         if raw is not None:
             word = raw.strip().lower()

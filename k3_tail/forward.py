@@ -92,7 +92,7 @@ def _tail_forward_jit(routed_partials, shared_partials, norm_weight, up_proj_ker
     )
     per_rank_tail = functools.partial(
         latent_moe_tail, config=config, axis_name=axis_name, weight_layout=weight_layout, tier=tier,
-        device_kind=mesh.devices.flat[0].device_kind,
+        device=mesh.devices.flat[0],
     )
 
     def per_rank(routed, shared, norm, kernel):

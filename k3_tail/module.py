@@ -87,10 +87,9 @@ class LatentMoETail(nnx.Module):
 
     def plan(self, num_tokens: int) -> TierDecision:
         """The tier a call with ``num_tokens`` tokens takes on this module's mesh, and why."""
-        return select_tier(
-            self.config, num_tokens, self.tp_size, weight_layout=self.weight_layout,
-            device_kind=self.mesh.devices.flat[0].device_kind,
-        )
+        device = self.mesh.devices.flat[0]
+        return select_tier(self.config, num_tokens, self.tp_size, weight_layout=self.weight_layout,
+                           device_kind=device.device_kind, platform=device.platform)
 
     def __call__(self, routed_partials, shared_partials, *, tier: Tier | str | None = None) -> jax.Array:
         """y [T, H] from routed_partials [p, T, L] and shared_partials [p, T, H] (see tail_forward)."""
@@ -103,7 +102,7 @@ class LatentMoETail(nnx.Module):
         :func:`k3_tail.latent_moe_tail` for what it returns and the out_spec that fits)."""
         return latent_moe_tail(routed_partial, shared_partial, *self._weights(), config=self.config,
                                axis_name=self.axis_name, weight_layout=self.weight_layout, tier=tier,
-                               device_kind=self.mesh.devices.flat[0].device_kind)
+                               device=self.mesh.devices.flat[0])
 
     def _weights(self) -> tuple[jax.Array | None, jax.Array]:
         """(norm weight or None, up-projection kernel): the values of the parameters."""

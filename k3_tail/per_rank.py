@@ -32,7 +32,7 @@ def latent_moe_tail(
     axis_name: AxisName = "tp",
     weight_layout: str = "replicated",
     tier: Tier | str | None = None,
-    device_kind: str | None = None,
+    device: jax.Device | None = None,
 ) -> jax.Array:
     """``y = RMSNorm_g(c * sum_i r_i) @ W + sum_i s_i`` for this TP rank, inside ``jax.shard_map``.
 
@@ -50,12 +50,14 @@ def latent_moe_tail(
         [L, Hb] of the kernel stored padded to [L, p*Hb] with zero columns, Hb = ceil(H / p)
         (``padded_hidden_size(H, p) // p``; in a shard_map that is in_spec ``P(None, axis_name)``).
       tier: a :class:`Tier` (or its value) to force, or None to select.
-      device_kind: the kind of device the call runs on (``device.device_kind``), which the "measured"
-        selection policy checks its table against; None: ``jax.devices()[0].device_kind``, the
-        default backend's, which is right unless the shard_map's mesh is made of other devices.
+      device: a device of the mesh the call runs on: its ``device_kind`` is what the "measured"
+        selection policy checks its table against, its ``platform`` decides the form of the
+        all-reduces (``config.all_reduce_form``). None: ``jax.devices()[0]``, the default backend's,
+        which is right unless the shard_map's mesh is made of other devices (a deviceless topology).
 
     Selection: ``tier=None`` runs ``select_tier(config, T, p, weight_layout=weight_layout,
-    device_kind=device_kind)`` at trace time (ask it for the tier and the reason); a forced tier
+    device_kind=device.device_kind, platform=device.platform)`` at trace time (ask it for the tier
+    and the reason); a forced tier
     that cannot run here (one_shot with the column layout or a reduced routed output) is a ValueError.
 
     Returns, in ``config.dtype``: y [T, H], the same on every rank (out_spec ``P()``); with
@@ -83,9 +85,10 @@ def latent_moe_tail(
         routed_partial, shared_partial, norm_weight, up_proj_kernel,
         config=config, tp_size=tp_size, weight_layout=weight_layout,
     )
+    device = jax.devices()[0] if device is None else device
     if tier is None:
-        device_kind = jax.devices()[0].device_kind if device_kind is None else device_kind
-        tier = select_tier(config, num_tokens, tp_size, weight_layout=weight_layout, device_kind=device_kind).tier
+        tier = select_tier(config, num_tokens, tp_size, weight_layout=weight_layout, device_kind=device.device_kind,
+                           platform=device.platform).tier
     else:
         tier = Tier.parse(tier)
         tier.record.check_runs(weight_layout, config)
@@ -97,7 +100,7 @@ def latent_moe_tail(
         shared_partial = None if shared_partial is None else _pad_rows(shared_partial, padding)
     y = tier.record.function(
         routed_partial, shared_partial, norm_weight, up_proj_kernel,
-        config=config, axis_name=axis_name, weight_layout=weight_layout,
+        config=config, axis_name=axis_name, weight_layout=weight_layout, platform=device.platform,
     )
     if config.sequence_parallel and not is_token_sharded_output(config, num_tokens, tp_size):
         return gather_tokens(y, num_tokens, axis_name=axis_name)

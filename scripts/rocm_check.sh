@@ -2,11 +2,13 @@
 # Run k3_tail's parity tests and GPU schedule checks on this host's ROCm GPUs (8 for the full set).
 #
 # Usage: scripts/rocm_check.sh [extra pytest arguments]
-# Needs: jax with a working ROCm plugin (e.g. pip install 'jax[rocm7-local]' on a ROCm 7 host) and
+# Needs: jax with a working ROCm plugin (pip install -e '.[rocm]': jax[rocm7-local], on a ROCm 7 host) and
 # the project installed with its test tools (pip install -e '.[dev]'). Nothing here forces CPU devices:
 # JAX_PLATFORMS=rocm makes the tests use the GPUs, and tests/conftest.py then runs the `rocm` tests
 # (the schedule of every tier compiled for the real mesh: k3_tail.xla_report's overlap verdict,
-# collective kinds and shapes, GEMM FLOPs) that are skipped everywhere else.
+# collective kinds and shapes, GEMM FLOPs) that are skipped everywhere else, and the watch-list of
+# tests/test_rocm_watch.py: the column-parallel and token-parallel tiers at the row counts where
+# hipBLASLt's C-accumulating bf16 GEMM has faulted for vLLM (XLA may fuse "dot + add" into one).
 #
 # XLA options: none are needed from the environment. k3_tail.compile_tail applies its own per
 # executable (k3_tail.compiler_options: for the overlap tier xla_gpu_all_reduce_combine_threshold_bytes=0
@@ -18,4 +20,5 @@ cd "$(dirname "$0")/.."
 export JAX_PLATFORMS=rocm
 python -c 'import jax; d = jax.devices(); print(f"jax {jax.__version__}: {len(d)} x {d[0].device_kind} ({d[0].client.platform_version})")'
 python -m pytest tests/test_tiers.py tests/test_sequence_parallel.py tests/test_per_rank.py tests/test_forward.py \
+    tests/test_collectives.py tests/test_rocm_watch.py \
     tests/test_module.py tests/test_schedule.py -m "rocm or not rocm" "$@"

@@ -5,8 +5,8 @@ extra installs a CUDA plugin that would otherwise try to start (and print a trac
 without a GPU. ``JAX_PLATFORMS=rocm`` (scripts/rocm_check.sh) or ``=cuda`` runs them on that GPU mesh.
 
 Markers: ``rocm`` tests are skipped unless the default backend is a ROCm GPU; ``slow`` tests (the
-full Cartesian products of tests/test_exhaustive.py) are skipped unless the ``-m`` expression names
-them: ``pytest -m slow`` (scripts/rocm_check.sh's ``-m "rocm or not rocm"`` still skips them).
+full Cartesian products of tests/test_exhaustive.py) are left out (deselected) unless the ``-m``
+expression names them: ``pytest -m slow`` (scripts/rocm_check.sh's ``-m "rocm or not rocm"`` leaves them out).
 The helpers the test modules share live in ``helpers.py``.
 """
 
@@ -22,15 +22,16 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 
 def pytest_collection_modifyitems(config, items):
-    """Skip the ``rocm`` tests unless the default backend is a ROCm GPU, and the ``slow`` ones unless -m names them."""
-    skips = {}
+    """Leave out the ``slow`` tests unless -m names them; skip the ``rocm`` ones unless on a ROCm GPU."""
     if "slow" not in (config.option.markexpr or ""):
-        skips["slow"] = pytest.mark.skip(reason="slow: run with pytest -m slow")
+        slow = [item for item in items if item.get_closest_marker("slow") is not None]
+        if slow:
+            config.hook.pytest_deselected(items=slow)
+            items[:] = [item for item in items if item.get_closest_marker("slow") is None]
     if not _on_rocm():
-        skips["rocm"] = pytest.mark.skip(reason="needs a ROCm GPU mesh: run scripts/rocm_check.sh on a ROCm host")
-    for item in items:
-        for marker, skip in skips.items():
-            if item.get_closest_marker(marker) is not None:
+        skip = pytest.mark.skip(reason="needs a ROCm GPU mesh: run scripts/rocm_check.sh on a ROCm host")
+        for item in items:
+            if item.get_closest_marker("rocm") is not None:
                 item.add_marker(skip)
 
 

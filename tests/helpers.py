@@ -28,7 +28,7 @@ def make_tp_mesh(tp_size, axis_type=jax.sharding.AxisType.Explicit):
 
 
 def tier_layouts():
-    """Every (tier, weight layout) pair that runs: the one_shot tier needs the replicated kernel."""
+    """Every (tier, weight layout) pair that runs (a tier that needs the whole kernel: replicated only)."""
     return [
         pytest.param(tier, layout, id=f"{tier.value}-{layout}")
         for tier in k3_tail.Tier

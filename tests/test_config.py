@@ -89,3 +89,21 @@ def test_from_env_without_variables_keeps_the_base():
 def test_from_env_rejects_unparsable_values(variable, value, field):
     with pytest.raises(ValueError, match=f"^{field}:"):
         TailConfig.from_env(environ={variable: value})
+
+
+def test_from_env_reads_the_prefill_token_parallel_threshold():
+    config = TailConfig.from_env(environ={"VLLM_KIMI_K3_AMD_PREFILL_SP_MIN_TOKENS": "2048"})
+    assert config.prefill_token_parallel_min_tokens == 2048
+    assert TailConfig.from_env(environ={}).prefill_token_parallel_min_tokens == 0
+
+
+@pytest.mark.parametrize(("field", "value"), [("prefill_token_parallel_min_tokens", -1),
+                                              ("all_reduce_form", "ring")])
+def test_new_fields_reject_bad_values(field, value):
+    with pytest.raises(ValueError, match=f"^{field}: expected"):
+        dataclasses.replace(TailConfig.kimi_k3(), **{field: value})
+
+
+def test_from_env_rejects_an_unparsable_prefill_threshold():
+    with pytest.raises(ValueError, match="^prefill_token_parallel_min_tokens: VLLM_KIMI_K3_AMD_PREFILL_SP_MIN_TOKENS"):
+        TailConfig.from_env(environ={"VLLM_KIMI_K3_AMD_PREFILL_SP_MIN_TOKENS": "many"})

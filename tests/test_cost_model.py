@@ -153,6 +153,8 @@ EXPECTED_COLLECTIVES = {
     (Tier.SCATTER_GATHER, "column"): [(ALL_REDUCE, T16 * L, False), (REDUCE_SCATTER, T16 * H, True),
                                       (ALL_GATHER, T16 * H, False)],
     (Tier.ONE_SHOT, "replicated"): [(ALL_REDUCE, T16 * (2 * H + L), False)],
+    (Tier.TOKEN_PARALLEL, "replicated"): [(REDUCE_SCATTER, T16 * L, False), (REDUCE_SCATTER, T16 * H, False),
+                                          (ALL_GATHER, T16 * H, False)],
 }
 
 
@@ -165,10 +167,12 @@ def test_collectives_follow_the_table(tier, weight_layout):
 
 
 @pytest.mark.parametrize("tier, weight_layout", tier_layouts())
-def test_full_projection_only_for_the_replicated_native_overlap_and_one_shot(tier, weight_layout):
+def test_gemm_is_all_columns_only_with_the_replicated_kernel_and_own_rows_only_for_token_parallel(tier, weight_layout):
     cost = tier_cost(K3, T16, P, tier=tier, weight_layout=weight_layout)
-    columns = H if weight_layout == "replicated" and tier in (Tier.NATIVE, Tier.OVERLAP, Tier.ONE_SHOT) else HB
-    assert cost.gemm_flops == 2 * T16 * L * columns
+    full_width = (Tier.NATIVE, Tier.OVERLAP, Tier.ONE_SHOT, Tier.TOKEN_PARALLEL)
+    columns = H if weight_layout == "replicated" and tier in full_width else HB
+    rows = T16 // P if tier is Tier.TOKEN_PARALLEL else T16
+    assert cost.gemm_flops == 2 * rows * L * columns
     assert cost.weight_bytes == 2 * (L * columns + L)
     assert cost.activation_bytes == 2 * T16 * (L + 2 * H)
 
@@ -191,7 +195,9 @@ def test_sequence_parallel_with_p_not_dividing_t_runs_padded_rows_then_gathers()
     padded = tier_cost(config, 5, P, tier=Tier.OVERLAP)
     exact = tier_cost(config, 8, P, tier=Tier.OVERLAP)
     assert padded.collectives == exact.collectives + (CollectiveCost(ALL_GATHER, 2 * 8 * H, P),)
-    assert (padded.gemm_flops, padded.activation_bytes) == (exact.gemm_flops, exact.activation_bytes)
+    assert padded.gemm_flops == exact.gemm_flops
+    # The caller's 5 rows in and out (replicated: all 5 rows of y), not the tier's padded 8.
+    assert padded.activation_bytes == 2 * 5 * (L + H + H)
 
 
 @pytest.mark.parametrize("tier", list(Tier))
@@ -246,9 +252,16 @@ def test_one_shot_wins_only_through_the_latency_it_saves(hardware):
 @pytest.mark.parametrize("hardware", ["mi300x", "mi325x", "mi355x"])
 def test_replicated_layout_on_amd_one_shot_then_overlap(hardware):
     """What the model implies for Kimi-K3 at TP8: one collective wins small batches, the hidden AR the rest."""
-    changes = crossovers(K3, P, hardware=hardware, weight_layout="replicated")
+    changes = crossovers(K3, P, hardware=hardware, weight_layout="replicated", token_range=(1, 2048))
     assert [(c.before, c.after) for c in changes] == [(Tier.ONE_SHOT, Tier.OVERLAP)]
     assert 1 < changes[0].num_tokens <= 256
+
+
+@pytest.mark.parametrize("hardware", sorted(HARDWARE))
+def test_token_parallel_wins_prefill_with_token_sharded_output(hardware):
+    """Two reduce-scatters and no all-reduce: the fewest bytes once T is large (replicated kernel)."""
+    config = TailConfig.kimi_k3(sequence_parallel=True)
+    assert best_tier(config, 8192, P, hardware=hardware, weight_layout="replicated").tier is Tier.TOKEN_PARALLEL
 
 
 @pytest.mark.parametrize("hardware", sorted(HARDWARE))

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 import covering
+import k3_tail
 from covering import COLUMN_CASES, COLUMN_FACTORS, TAIL_CASES, TAIL_FACTORS, TAIL_SEEDS, pairwise_cases, tail_constraint
 
 TOY_FACTORS = {"colour": ("red", "green", "blue"), "size": (1, 2), "shape": ("round", "square"), "lid": (False, True)}
@@ -124,7 +125,7 @@ def test_tail_design_covers_every_feasible_pair():
 
 def test_tail_design_breaks_no_constraint():
     for case in TAIL_CASES:
-        assert case.tier != "one_shot" or case.weight_layout == "replicated", case.id
+        assert case.tier == "selected" or k3_tail.Tier(case.tier).supports(case.weight_layout), case.id
         assert case.tp_size != 1 or case.hidden_divisible, case.id
         assert (case.hidden_size % case.tp_size == 0) == case.hidden_divisible, case.id
 
@@ -132,8 +133,9 @@ def test_tail_design_breaks_no_constraint():
 def test_tail_design_infeasible_pairs_are_exactly_the_constraints():
     feasible = set(covering.feasible_pairs(TAIL_FACTORS, tail_constraint))
     everything = set(covering.feasible_pairs(TAIL_FACTORS))
+    whole_kernel_tiers = [tier.value for tier in k3_tail.Tier if tier.record.needs_whole_kernel]
     assert everything - feasible == {
-        (("tier", "one_shot"), ("weight_layout", "column")),
+        *((("tier", tier), ("weight_layout", "column")) for tier in whole_kernel_tiers),
         (("tp_size", 1), ("hidden_divisible", False)),
     }
 

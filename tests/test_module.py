@@ -74,7 +74,9 @@ def test_every_tier_works_with_both_layouts(tier, config, weight_layout):
 
 def test_plan_reports_the_selected_tier_and_reason():
     module = k3_tail.LatentMoETail(CONFIG, make_tp_mesh(8), rngs=nnx.Rngs(0))
-    assert module.plan(256) == k3_tail.select_tier(CONFIG, 256, 8)
+    device = module.mesh.devices.flat[0]
+    assert module.plan(256) == k3_tail.select_tier(CONFIG, 256, 8, weight_layout="column",
+                                                   device_kind=device.device_kind, platform=device.platform)
     assert module.plan(257).tier == k3_tail.Tier.COLUMN_PARALLEL
     assert "overlap_token_threshold" in module.plan(257).reason
 

@@ -139,7 +139,7 @@ def test_the_tier_chosen_inside_is_select_tiers(mesh, changes, num_tokens, weigh
     """The program built with tier=None is the program of the tier select_tier names for the call."""
     config = dataclasses.replace(CONFIG, **changes)
     layer = Layer.random(config, num_tokens)
-    decision = k3_tail.select_tier(config, num_tokens, P_SIZE, weight_layout=weight_layout)
+    decision = k3_tail.select_tier(config, num_tokens, P_SIZE, weight_layout=weight_layout, platform="cpu")
     selected = run_layer(mesh, config, layer, weight_layout=weight_layout, lower_only=True).as_text()
     forced = run_layer(mesh, config, layer, tier=decision.tier, weight_layout=weight_layout, lower_only=True)
     assert selected == forced.as_text()
@@ -220,8 +220,9 @@ def test_global_api_and_module_take_a_tuple_axis(mesh, weight_layout):
                              mesh=mesh, axis_name=TP, weight_layout=weight_layout)
     assert_close(CONFIG, y, reference_tail(CONFIG, inputs))
     module = k3_tail.LatentMoETail(CONFIG, mesh, rngs=nnx.Rngs(0), axis_name=TP, weight_layout=weight_layout)
+    device = jax.devices()[0]
     assert module.tp_size == P_SIZE and module.plan(5) == k3_tail.select_tier(
-        CONFIG, 5, P_SIZE, weight_layout=weight_layout, device_kind=jax.devices()[0].device_kind)
+        CONFIG, 5, P_SIZE, weight_layout=weight_layout, device_kind=device.device_kind, platform=device.platform)
 
 
 @pytest.mark.parametrize(("sequence_parallel", "num_tokens", "expected"),

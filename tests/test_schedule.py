@@ -136,3 +136,47 @@ def test_library_options_override_user_xla_flags_that_make_all_reduce_synchronou
     assert result.returncode == 0, result.stderr
     without_options, with_options = json.loads(result.stdout.splitlines()[-1])
     assert (without_options, with_options) == (False, True)
+
+
+PREFILL_TOKENS = 2048
+
+
+def prefill_compile(mesh, tier, weight_layout, sequence_parallel):
+    config = TailConfig.kimi_k3(sequence_parallel=sequence_parallel)
+    return compile_tail(config, mesh, PREFILL_TOKENS, tier=tier, weight_layout=weight_layout)
+
+
+def prefill_report(mesh, tier, weight_layout, sequence_parallel):
+    return report(prefill_compile(mesh, tier, weight_layout, sequence_parallel))
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["replicated_output", "token_sharded_output"])
+def test_token_parallel_tier_reduce_scatters_over_tokens_and_never_all_reduces(gpu_mesh, sequence_parallel):
+    result = prefill_report(gpu_mesh, Tier.TOKEN_PARALLEL, "replicated", sequence_parallel)
+    assert not result.of_kind("all-reduce")
+    scattered = sorted(array.dims for c in result.of_kind("reduce-scatter") for array in c.arrays)
+    assert scattered == [(PREFILL_TOKENS, L), (PREFILL_TOKENS, H)]  # XLA may combine the two into one
+    gathered = [array.dims for c in result.of_kind("all-gather") for array in c.arrays]
+    assert gathered == ([] if sequence_parallel else [(PREFILL_TOKENS, H)])
+
+
+def test_token_parallel_tier_projects_its_own_rows_with_the_whole_kernel(gpu_mesh):
+    """One GEMM producing this rank's [T/p, H] rows: the column tier's FLOPs, on the whole kernel."""
+    compiled = prefill_compile(gpu_mesh, Tier.TOKEN_PARALLEL, "replicated", True)
+    result = report(compiled)
+    symbols = parse_module(compiled.as_text()).entry.by_name()
+    assert [symbols[gemm.name].arrays[0].dims for gemm in result.gemms] == [(PREFILL_TOKENS // P, H)]
+    assert result.gemm_flops == 2 * (PREFILL_TOKENS // P) * L * H
+
+
+@pytest.mark.parametrize(("sequence_parallel", "ratio"), [(False, (L + 2 * H) / (2 * L + 2 * H)),
+                                                          (True, (L + H) / (2 * L + H))],
+                         ids=["replicated_output", "token_sharded_output"])
+def test_token_parallel_moves_a_sixth_or_a_quarter_fewer_wire_bytes_than_the_column_tier(gpu_mesh, sequence_parallel,
+                                                                                          ratio):
+    """Replicated output: RS + RS + AG against AR + AR (5/6); token-sharded: RS + RS against AR + RS (3/4)."""
+    token_parallel = prefill_report(gpu_mesh, Tier.TOKEN_PARALLEL, "replicated", sequence_parallel)
+    column = prefill_report(gpu_mesh, Tier.COLUMN_PARALLEL, "column", sequence_parallel)
+    wire = [sum(c.wire_bytes for c in result.collectives) for result in (token_parallel, column)]
+    assert wire[0] / wire[1] == pytest.approx(ratio, rel=1e-6)
+    assert wire[0] / wire[1] <= (0.834 if not sequence_parallel else 0.75)

@@ -119,3 +119,49 @@ def test_sequence_parallel_reason_says_when_tokens_do_not_divide():
 @pytest.mark.parametrize("num_tokens", [1, 256, 257, 8192])
 def test_one_shot_is_never_selected_without_a_cost_model(num_tokens):
     assert select_tier(K3, num_tokens, 8).tier != Tier.ONE_SHOT
+
+
+PREFILL = dataclasses.replace(K3, sequence_parallel=True, prefill_token_parallel_min_tokens=1024)
+
+
+@pytest.mark.parametrize(("num_tokens", "tier"), [(1023, Tier.COLUMN_PARALLEL), (1024, Tier.TOKEN_PARALLEL),
+                                                  (8192, Tier.TOKEN_PARALLEL)])
+def test_token_parallel_from_the_prefill_threshold_with_the_replicated_kernel(num_tokens, tier):
+    decision = select_tier(PREFILL, num_tokens, 8, weight_layout="replicated")
+    assert decision.tier == tier
+    rule = f"sequence-parallel output and T={num_tokens} >= prefill_token_parallel_min_tokens=1024"
+    assert decision.reason.startswith(rule) == (tier is Tier.TOKEN_PARALLEL)
+
+
+@pytest.mark.parametrize(
+    ("changes", "weight_layout", "why"),
+    [
+        ({"prefill_token_parallel_min_tokens": 0}, "replicated", None),
+        ({"sequence_parallel": False}, "replicated", None),
+        ({}, "column", "it needs weight_layout='replicated', got 'column'"),
+        ({}, None, "it needs weight_layout='replicated', got None"),
+    ],
+    ids=["off", "replicated_output", "column_kernel", "layout_unknown"],
+)
+def test_token_parallel_rule_does_not_fire_and_says_why_when_only_the_layout_stops_it(changes, weight_layout, why):
+    decision = select_tier(dataclasses.replace(PREFILL, **changes), 2048, 8, weight_layout=weight_layout)
+    assert decision.tier == Tier.COLUMN_PARALLEL
+    assert (why is not None) == ("not token_parallel" in decision.reason)
+    if why:
+        assert why in decision.reason
+
+
+def test_preconditions_come_before_the_token_parallel_rule():
+    assert select_tier(PREFILL, 2048, 1, weight_layout="replicated").tier == Tier.NATIVE
+
+
+@pytest.mark.parametrize(("platform", "dtype", "note"), [("cpu", "bfloat16", True), ("cpu", "float32", False),
+                                                         ("gpu", "bfloat16", False), (None, "bfloat16", False)])
+def test_the_reason_says_where_all_reduces_run_as_reduce_scatter_and_all_gather(platform, dtype, note):
+    decision = select_tier(dataclasses.replace(K3, dtype=dtype), 1024, 8, platform=platform)
+    assert ("runs as reduce-scatter + all-gather" in decision.reason) == note
+
+
+def test_a_fixed_all_reduce_form_is_named_in_the_reason():
+    decision = select_tier(dataclasses.replace(K3, all_reduce_form="all-reduce"), 1024, 8, platform="cpu")
+    assert decision.reason.endswith("; all_reduce_form='all-reduce'")

@@ -30,6 +30,7 @@ from jax.sharding import Mesh
 
 from k3_tail.config import TailConfig
 from k3_tail.selection.rules import select_tier
+from k3_tail.tiers.collectives import ALL_REDUCE_FORMS
 from k3_tail.tiers.columns import WEIGHT_LAYOUTS
 from k3_tail.tiers.registry import Tier
 from k3_tail.tools.benchmark import CPU_MAX_TOKENS, DEFAULT_MAX_TOKENS, Measurement, check_tiers, measure_tiers
@@ -178,13 +179,7 @@ def add_measurement_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_weight_layout_argument(parser)
     add_seed_argument(parser)
-    shapes = parser.add_argument_group("tail config (default: Kimi-K3)")
-    shapes.add_argument("--hidden-size", type=positive_int, default=kimi.hidden_size, metavar="H",
-                        help=f"hidden size H (default: {kimi.hidden_size})")
-    shapes.add_argument("--latent-size", type=positive_int, default=kimi.latent_size, metavar="L",
-                        help=f"latent size L (default: {kimi.latent_size})")
-    shapes.add_argument("--dtype", choices=CONFIG_DTYPES, default=kimi.dtype.name,
-                        help=f"activation and weight dtype (default: {kimi.dtype.name})")
+    shapes = add_shape_arguments(parser.add_argument_group("tail config (default: Kimi-K3)"))
     shapes.add_argument("--eps", type=float, default=kimi.rms_norm_eps,
                         help=f"RMSNorm epsilon (default: {kimi.rms_norm_eps:g})")
     shapes.add_argument("--scale", type=float, default=kimi.routed_scaling_factor,
@@ -195,6 +190,21 @@ def add_measurement_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the routed output arrives reduced, [T, L] (fused_output_is_reduced=True)")
     shapes.add_argument("--sequence-parallel", action="store_true",
                         help="token-sharded output (sequence_parallel=True)")
+    shapes.add_argument("--all-reduce-form", choices=ALL_REDUCE_FORMS, default=kimi.all_reduce_form,
+                        help="one all-reduce, reduce-scatter + all-gather, or auto: the form measured faster on the "
+                        f"platform for the buffer's size and dtype (default: {kimi.all_reduce_form})")
+
+
+def add_shape_arguments(group: argparse._ArgumentGroup) -> argparse._ArgumentGroup:
+    """``--hidden-size``, ``--latent-size`` and ``--dtype`` (Kimi-K3's by default) on ``group``; returns it."""
+    kimi = TailConfig.kimi_k3()
+    group.add_argument("--hidden-size", type=positive_int, default=kimi.hidden_size, metavar="H",
+                       help=f"hidden size H (default: {kimi.hidden_size})")
+    group.add_argument("--latent-size", type=positive_int, default=kimi.latent_size, metavar="L",
+                       help=f"latent size L (default: {kimi.latent_size})")
+    group.add_argument("--dtype", choices=CONFIG_DTYPES, default=kimi.dtype.name,
+                       help=f"activation and weight dtype (default: {kimi.dtype.name})")
+    return group
 
 
 def measurement_config(args: argparse.Namespace) -> TailConfig:
@@ -204,6 +214,7 @@ def measurement_config(args: argparse.Namespace) -> TailConfig:
             hidden_size=args.hidden_size, latent_size=args.latent_size, dtype=args.dtype, rms_norm_eps=args.eps,
             routed_scaling_factor=args.scale, use_latent_norm=not args.no_norm, has_shared_experts=not args.no_shared,
             fused_output_is_reduced=args.reduced_routed, sequence_parallel=args.sequence_parallel,
+            all_reduce_form=args.all_reduce_form,
         )
     except ValueError as error:
         raise CommandError(f"config: {error}") from None
@@ -294,6 +305,7 @@ def describe_config(config: TailConfig) -> str:
     flags = [name for name, on in (
         ("no norm", not config.use_latent_norm), ("no shared experts", not config.has_shared_experts),
         ("reduced routed output", config.fused_output_is_reduced), ("sequence-parallel", config.sequence_parallel),
+        (f"all_reduce_form {config.all_reduce_form}", config.all_reduce_form != "auto"),
     ) if on]
     return ", ".join([text, *flags])
 

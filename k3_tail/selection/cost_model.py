@@ -6,13 +6,15 @@ The model has two layers.
    hidden size H, latent size L, p ranks, d bytes per element of ``config.dtype`` and the column block
    width Hb = padded_hidden_size(H, p) / p (= H/p when p divides H):
 
-   - ``gemm_flops``: 2*T*L*columns, with the tier record's ``gemm_columns``: H when the tier projects
-     all columns with the replicated kernel, else its own column block Hb.
+   - ``gemm_flops``: 2*rows*L*columns, with the tier record's ``gemm_rows`` (T, or T'/p for a tier that
+     shards tokens) and ``gemm_columns`` (H when the tier projects all columns with the replicated
+     kernel, else its own column block Hb).
    - ``weight_bytes``: kernel bytes the GEMM reads (d*L*H or d*L*Hb; a column tier on the replicated
      layout reads only its own block) plus the norm weight (d*L) when ``use_latent_norm``.
-   - ``activation_bytes``: the activation rows the tier reads and writes on this rank: its routed and
+   - ``activation_bytes``: the activation rows the call reads and writes on this rank: its routed and
      shared inputs and its own rows of y, d*(T*L + T*H + T*H) (no shared partial: no second term;
-     sequence-parallel output: the last term is T/p*H). This is the traffic no schedule avoids, and for
+     token-sharded output: the last term is T/p*H), for the caller's T. This is the traffic no
+     schedule avoids, and for
      a call it equals the per-rank bytes of the program's activation arguments and result;
      intermediates that XLA's fusion decides (the float32 projection of the replicated layout, the
      normalised latent, the column tier's [T, H] buffer) are not counted.
@@ -26,7 +28,8 @@ The model has two layers.
    the README's tier table lists them): the record says how they change without shared experts,
    without the norm, with a reduced routed output or with token-sharded output. With sequence-parallel
    output and p not dividing T, the tier runs on T' = T rounded up to a multiple of p (every figure
-   above with T' for T) and an AG of the [T', H] result follows (what :func:`k3_tail.latent_moe_tail`
+   but the activation bytes with T' for T; a tier that shards tokens always does) and an AG of the
+   [T', H] result follows (what :func:`k3_tail.latent_moe_tail`
    does). T = 0 without sequence-parallel output costs nothing: XLA drops the empty collectives.
 
 2. **Time** (:func:`predict_time`) from a roofline for the local work and an alpha-beta model for the
@@ -71,7 +74,7 @@ from k3_tail.selection.hardware import HARDWARE, Hardware, hardware_preset
 from k3_tail.tiers.columns import check_weight_layout
 from k3_tail.tiers.record import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER, RING_WIRE_FACTORS, CallShape
 from k3_tail.tiers.registry import Tier
-from k3_tail.tiers.tokens import padded_token_count
+from k3_tail.tiers.tokens import is_token_sharded_output, padded_token_count
 
 __all__ = [
     "ALL_GATHER", "ALL_REDUCE", "ALL_TO_ALL", "HARDWARE", "REDUCE_SCATTER", "CollectiveCost", "Crossover", "Hardware",
@@ -147,24 +150,29 @@ def tier_cost(
     element = config.dtype.itemsize
     latent, hidden = config.latent_size, config.hidden_size
     sequence_parallel = config.sequence_parallel
-    # The rows the tier works on: sequence-parallel output pads T to a multiple of p (at least p).
-    rows = padded_token_count(num_tokens, tp_size) if sequence_parallel else num_tokens
-    if rows == 0:
+    record = tier.record
+    # The rows the tier works on: sequence-parallel output, and a tier that shards tokens itself, pad T
+    # to a multiple of p (at least p).
+    padded = sequence_parallel or record.shards_tokens
+    rows = padded_token_count(num_tokens, tp_size) if padded else num_tokens
+    if num_tokens == 0 and not sequence_parallel:
         return TierCost(tier, num_tokens, tp_size, weight_layout, 0, 0, 0, ())
     shape = CallShape(
         rows=rows, latent_size=latent, hidden_size=hidden, tp_size=tp_size, weight_layout=weight_layout,
         has_shared=config.has_shared_experts, use_norm=config.use_latent_norm,
         routed_reduced=config.fused_output_is_reduced, token_sharded=sequence_parallel,
     )
-    output_rows = rows // tp_size if sequence_parallel else rows
-    activation_bytes = element * (rows * latent + (rows * hidden if shape.has_shared else 0) + output_rows * hidden)
-    columns = tier.record.gemm_columns(hidden, tp_size, weight_layout)
+    token_sharded = is_token_sharded_output(config, num_tokens, tp_size)
+    output_rows = num_tokens // tp_size if token_sharded else num_tokens
+    shared_rows = num_tokens if shape.has_shared else 0
+    activation_bytes = element * (num_tokens * latent + shared_rows * hidden + output_rows * hidden)
+    columns = record.gemm_columns(hidden, tp_size, weight_layout)
     norm_bytes = element * latent if config.use_latent_norm else 0
     collectives = [
         CollectiveCost(term.kind, element * term.elements, tp_size, hidden=term.beside_gemm)
         for term in tier.record.collectives(shape)
     ]
-    if sequence_parallel and rows != num_tokens:
+    if sequence_parallel and not token_sharded:
         # latent_moe_tail gathers the padded token-sharded result: JAX arrays shard evenly only.
         collectives.append(CollectiveCost(ALL_GATHER, element * rows * hidden, tp_size))
 
@@ -173,7 +181,7 @@ def tier_cost(
         num_tokens=num_tokens,
         tp_size=tp_size,
         weight_layout=weight_layout,
-        gemm_flops=2 * rows * latent * columns,
+        gemm_flops=2 * record.gemm_rows(rows, tp_size) * latent * columns,
         weight_bytes=element * latent * columns + norm_bytes,
         activation_bytes=activation_bytes,
         collectives=tuple(collectives),
@@ -253,10 +261,10 @@ def best_tier(
         predict_time(tier_cost(config, num_tokens, tp_size, tier=tier, weight_layout=weight_layout), hardware).total_s
         for tier in candidates
     ]
-    ranked = sorted(zip(times, candidates, strict=True), key=lambda pair: pair[0])  # stable: Tier's order on ties
+    ranked = sorted(zip(times, candidates, strict=True), key=lambda pair: pair[0])
     quoted = ", ".join(f"{tier.value} {seconds * 1e6:.2f} us" for seconds, tier in ranked)
     return TierDecision(
-        ranked[0][1],
+        candidates[_first_fastest(np.array(times)[:, None])[0]],
         f"predicted fastest on {hardware.name} at T={num_tokens}, p={tp_size}, {weight_layout} weights: {quoted}",
     )
 
@@ -295,31 +303,47 @@ def crossovers(
             f"token_range: expected a tuple (first, last) of integers with 1 <= first <= last, got {token_range!r}"
         )
     tokens = np.arange(token_range[0], token_range[1] + 1)
-    # Sequence-parallel output runs a tier on T rounded up to a multiple of p; the gather that follows
-    # when p does not divide T is the same for every tier, so it cannot change which one is fastest.
-    rows = -(-tokens // tp_size) * tp_size if config.sequence_parallel else tokens
-    totals = np.stack([_totals(config, tp_size, hardware, weight_layout, tier, rows) for tier in candidates])
-    fastest = np.argmin(totals, axis=0)  # the first of equal minima: Tier's order, as best_tier
+    # With sequence-parallel output the gather that follows when p does not divide T is the same for
+    # every tier, so it cannot change which one is fastest.
+    totals = np.stack([_totals(config, tp_size, hardware, weight_layout, tier, tokens) for tier in candidates])
+    fastest = _first_fastest(totals)
     return tuple(
         Crossover(int(tokens[index]), candidates[fastest[index - 1]], candidates[fastest[index]])
         for index in np.flatnonzero(fastest[1:] != fastest[:-1]) + 1
     )
 
 
-def _totals(config, tp_size, hardware, weight_layout, tier, rows: np.ndarray) -> np.ndarray:
-    """Predicted total seconds of ``tier`` for each row count in ``rows`` (>= 1), padding gather excluded.
+def _totals(config, tp_size, hardware, weight_layout, tier, tokens: np.ndarray) -> np.ndarray:
+    """Predicted total seconds of ``tier`` for each token count in ``tokens`` (>= 1), padding gather excluded.
 
-    Every count of :func:`tier_cost` is a fixed part plus a part proportional to the rows (module
-    docstring), and so is each of :func:`_time_terms`: two calls, at p and 2p rows (no padding), give
-    each term's line.
+    Every count of :func:`tier_cost` is a fixed part plus a part proportional to the rows the tier
+    works on (T, or T rounded up to a multiple of p for sequence-parallel output and for a tier that
+    shards tokens), except the activation bytes, which follow the caller's T and, with
+    sequence-parallel output, whether the result comes back token-sharded (p divides T) or gathered.
+    So is each of :func:`_time_terms`: two calls p tokens apart give each term's line.
     """
-    first, second = (
-        np.array(_time_terms(tier_cost(config, n, tp_size, tier=tier, weight_layout=weight_layout), hardware))
-        for n in (tp_size, 2 * tp_size)
-    )
-    slope = (second - first) / tp_size
-    compute, memory, serial, hidden = first[:, None] + slope[:, None] * (rows - tp_size)
+    def lines(start: int) -> tuple[np.ndarray, np.ndarray]:
+        first, second = (
+            np.array(_time_terms(tier_cost(config, n, tp_size, tier=tier, weight_layout=weight_layout), hardware))
+            for n in (start, start + tp_size)
+        )
+        return first - (second - first) / tp_size * start, (second - first) / tp_size  # intercept, slope
+
+    intercept, slope = lines(tp_size)
+    padded = config.sequence_parallel or Tier.parse(tier).record.shards_tokens
+    rows = -(-tokens // tp_size) * tp_size if padded else tokens
+    compute, _, serial, hidden = intercept[:, None] + slope[:, None] * rows
+    memory = intercept[1] + slope[1] * tokens
+    if config.sequence_parallel and tp_size > 1:  # T not divisible by p: all T rows of y come back
+        gathered_intercept, gathered_slope = lines(tp_size + 1)
+        memory = np.where(tokens % tp_size != 0, gathered_intercept[1] + gathered_slope[1] * tokens, memory)
     return serial + np.maximum(np.maximum(compute, memory), hidden)
+
+
+def _first_fastest(totals: np.ndarray) -> np.ndarray:
+    """Per column of ``totals`` [tiers, cases], the first tier (Tier's order) within a relative 1e-9 of
+    the fastest: ties go to the earlier tier whichever way rounding tips them."""
+    return np.argmax(totals <= totals.min(axis=0) * (1 + 1e-9), axis=0)
 
 
 def _check_kind(kind: str) -> None:

@@ -11,6 +11,7 @@ from k3_tail.config import TailConfig, check_config
 from k3_tail.selection import cost_model
 from k3_tail.selection.decision import TierDecision
 from k3_tail.selection.table import SelectionTable
+from k3_tail.tiers.collectives import describe_auto
 from k3_tail.tiers.columns import padded_hidden_size
 from k3_tail.tiers.registry import Tier
 from k3_tail.tiers.tokens import is_token_sharded_output, padded_token_count
@@ -23,11 +24,15 @@ def select_tier(
     *,
     weight_layout: str | None = None,
     device_kind: str | None = None,
+    platform: str | None = None,
 ) -> TierDecision:
     """Pick the tier for a call with ``num_tokens`` tokens (T) on ``tp_size`` (p) TP ranks.
 
-    ``weight_layout`` and ``device_kind`` (a device's ``.device_kind``) describe the call where the
-    caller knows them: the "measured" and "model" policies need them to check or price the call.
+    ``weight_layout``, ``device_kind`` and ``platform`` (a device's ``.device_kind`` and
+    ``.platform``) describe the call where the caller knows them: the "measured" and "model"
+    policies need the first two to check or price the call, the token_parallel rule needs the
+    layout, and with the platform the reason also says how the all-reduces travel there
+    (``config.all_reduce_form``, :mod:`k3_tail.tiers.collectives`).
 
     Rule 1 below holds for every ``config.selection_policy``; rules 2-4 are the "vllm" policy. The
     "measured" policy replaces them by the range of ``config.selection_table`` that holds T (the
@@ -40,9 +45,12 @@ def select_tier(
          non-empty batch; otherwise NATIVE, the reason naming the failed condition.
          (routed_scaling_factor is honoured by every tier, so unlike vLLM's ROCm runner it is no
          precondition; nor is sequence parallelism, which every tier serves: see below.)
-      2. SCATTER_GATHER if ``config.use_scatter_gather`` and T <= ``scatter_gather_max_tokens``.
-      3. OVERLAP if T <= ``overlap_token_threshold`` and overlap is not disabled.
-      4. COLUMN_PARALLEL otherwise; when H % p != 0 the projection's columns are padded to the next
+      2. TOKEN_PARALLEL for prefill with token-sharded output: ``config.sequence_parallel``,
+         ``prefill_token_parallel_min_tokens`` > 0, T >= it and the replicated kernel layout (vLLM's
+         VLLM_KIMI_K3_AMD_PREFILL_SP_MIN_TOKENS; the reason says when only the layout kept it out).
+      3. SCATTER_GATHER if ``config.use_scatter_gather`` and T <= ``scatter_gather_max_tokens``.
+      4. OVERLAP if T <= ``overlap_token_threshold`` and overlap is not disabled.
+      5. COLUMN_PARALLEL otherwise; when H % p != 0 the projection's columns are padded to the next
          multiple of p and sliced back, so no columns are dropped and no fallback is needed.
     With ``config.sequence_parallel`` the same rules pick the tier and the reason says how that tier
     returns token-sharded output (its record's ``token_sharded_form``). ONE_SHOT is never selected
@@ -54,9 +62,15 @@ def select_tier(
     tp_size = check_int("tp_size", tp_size, minimum=1)
 
     decision = _select_replicated(config, num_tokens, tp_size, weight_layout, device_kind)
+    reason = decision.reason
+    forms = describe_auto(platform, config.dtype) if config.all_reduce_form == "auto" else None
+    if forms is not None:
+        reason += f"; {forms}"
+    elif config.all_reduce_form != "auto":
+        reason += f"; all_reduce_form={config.all_reduce_form!r}"
     if not config.sequence_parallel:
-        return decision
-    reason = f"{decision.reason}; sequence-parallel output: {decision.tier.record.token_sharded_form}"
+        return TierDecision(decision.tier, reason)
+    reason = f"{reason}; sequence-parallel output: {decision.tier.record.token_sharded_form}"
     if not is_token_sharded_output(config, num_tokens, tp_size):
         why = "is empty" if num_tokens == 0 else f"is not divisible by tp_size={tp_size}"
         reason += (
@@ -88,6 +102,19 @@ def _select_replicated(
         return _select_measured(config, num_tokens, tp_size, weight_layout, device_kind)
     if config.selection_policy == "model":
         return _select_by_model(config, num_tokens, tp_size, weight_layout)
+    minimum = config.prefill_token_parallel_min_tokens
+    if config.sequence_parallel and minimum and num_tokens >= minimum:
+        why = f"sequence-parallel output and T={num_tokens} >= prefill_token_parallel_min_tokens={minimum}"
+        if weight_layout == "replicated":
+            return TierDecision(Tier.TOKEN_PARALLEL, f"{why} with the replicated kernel")
+        later = _select_vllm_rest(config, num_tokens, tp_size)
+        return TierDecision(later.tier, f"{later.reason} (not token_parallel although {why}: it needs "
+                                        f"weight_layout='replicated', got {weight_layout!r})")
+    return _select_vllm_rest(config, num_tokens, tp_size)
+
+
+def _select_vllm_rest(config: TailConfig, num_tokens: int, tp_size: int) -> TierDecision:
+    """The "vllm" policy's rules after the token-parallel one: scatter-gather, overlap, column-parallel."""
     if config.use_scatter_gather and num_tokens <= config.scatter_gather_max_tokens:
         return TierDecision(
             Tier.SCATTER_GATHER,

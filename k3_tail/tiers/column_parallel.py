@@ -23,6 +23,7 @@ def column_parallel_tail(
     config: TailConfig,
     axis_name: AxisName,
     weight_layout: str,
+    platform: str | None = None,
     defer_all_reduce: bool = False,
 ) -> jax.Array:
     """AR(r) + norm; rank k adds latent @ W[:, block k] into block k of its shared partial; AR.
@@ -42,7 +43,8 @@ def column_parallel_tail(
     Cost per rank, either layout: 2TLH/p GEMM FLOPs, 2LH/p weight bytes, AR(T*L) then AR(T*H),
     serial. The replicated layout slices its block out of the whole kernel (which it keeps in memory).
     """
-    latent = allreduce_norm_latent_out(routed_partial, norm_weight, config=config, axis_name=axis_name)
+    latent = allreduce_norm_latent_out(routed_partial, norm_weight, config=config, axis_name=axis_name,
+                                       platform=platform)
     block = own_kernel_block(
         up_proj_kernel, hidden_size=config.hidden_size, weight_layout=weight_layout, axis_name=axis_name
     )
@@ -58,7 +60,7 @@ def column_parallel_tail(
     buffer = buffer[:, : config.hidden_size]
     if defer_all_reduce:
         return buffer
-    return reduce_output(buffer, axis_name=axis_name, sequence_parallel=config.sequence_parallel)
+    return reduce_output(buffer, axis_name=axis_name, config=config, platform=platform)
 
 
 def _collectives(shape: CallShape) -> tuple[CollectiveTerm, ...]:

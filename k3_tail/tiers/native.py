@@ -22,6 +22,7 @@ def native_tail(
     config: TailConfig,
     axis_name: AxisName,
     weight_layout: str,
+    platform: str | None = None,
 ) -> jax.Array:
     """AR(r); scale; norm; GEMM; AR(s); add, in that order. Runs inside ``jax.shard_map``.
 
@@ -34,7 +35,8 @@ def native_tail(
     Column layout: 2TLH/p FLOPs and 2LH/p weight bytes, plus an all-gather of the [T, H/p] output
     blocks. The collectives are issued serially; XLA's scheduler may still reorder or combine them.
     """
-    latent = allreduce_norm_latent_out(routed_partial, norm_weight, config=config, axis_name=axis_name)
+    latent = allreduce_norm_latent_out(routed_partial, norm_weight, config=config, axis_name=axis_name,
+                                       platform=platform)
     projected = project_all_columns(
         latent, up_proj_kernel, hidden_size=config.hidden_size, weight_layout=weight_layout, axis_name=axis_name
     )
@@ -42,7 +44,7 @@ def native_tail(
         projected = own_tokens(projected, axis_name=axis_name)
     if shared_partial is None:
         return projected.astype(config.dtype)
-    shared = reduce_output(shared_partial, axis_name=axis_name, sequence_parallel=config.sequence_parallel)
+    shared = reduce_output(shared_partial, axis_name=axis_name, config=config, platform=platform)
     return (projected.astype(jnp.float32) + shared.astype(jnp.float32)).astype(config.dtype)
 
 

@@ -8,6 +8,7 @@ from jax import lax
 
 from k3_tail._checks import AxisName
 from k3_tail.config import TailConfig
+from k3_tail.tiers.collectives import all_reduce
 
 
 def rms_norm(x: jax.Array, weight: jax.Array | None, *, eps: float, scale: float = 1.0) -> jax.Array:
@@ -29,7 +30,12 @@ def inverse_rms(x: jax.Array, *, eps: float) -> jax.Array:
 
 
 def allreduce_norm_latent_out(
-    routed_partial: jax.Array, norm_weight: jax.Array | None, *, config: TailConfig, axis_name: AxisName
+    routed_partial: jax.Array,
+    norm_weight: jax.Array | None,
+    *,
+    config: TailConfig,
+    axis_name: AxisName,
+    platform: str | None = None,
 ) -> jax.Array:
     """``RMSNorm_g(c * psum(r))`` for this rank: the fully reduced, normalised latent.
 
@@ -37,6 +43,8 @@ def allreduce_norm_latent_out(
     or the already reduced latent when ``config.fused_output_is_reduced`` (then no collective).
     norm_weight: [L], ignored when ``config.use_latent_norm`` is False.
     Returns [T, L] in ``config.dtype``, identical on every rank.
+    ``platform`` (a device's ``.platform``; None: not known) and ``config.all_reduce_form`` decide
+    the all-reduce's form (:mod:`k3_tail.tiers.collectives`).
     Cost per rank: one all-reduce of T*L elements in ``config.dtype`` (2(p-1)/p * 2TL bytes on a
     ring for bf16) and O(TL) elementwise work. The norm must see the fully reduced latent: it is
     nonlinear per row, so it cannot be applied to partials.
@@ -44,7 +52,11 @@ def allreduce_norm_latent_out(
     vLLM fuses the all-reduce and the norm into one AITER kernel on ROCm; XLA fuses the norm's
     elementwise work into the consumer of the all-reduce on its own, so this is the plain form.
     """
-    latent = routed_partial if config.fused_output_is_reduced else lax.psum(routed_partial, axis_name)
+    if config.fused_output_is_reduced:
+        latent = routed_partial
+    else:
+        latent = all_reduce(routed_partial, axis_name=axis_name, all_reduce_form=config.all_reduce_form,
+                            platform=platform)
     weight = norm_weight if config.use_latent_norm else None
     normed = rms_norm(latent, weight, eps=config.rms_norm_eps, scale=config.routed_scaling_factor)
     return normed.astype(config.dtype)

@@ -28,6 +28,7 @@ def one_shot_tail(
     config: TailConfig,
     axis_name: AxisName,
     weight_layout: str,
+    platform: str | None = None,
 ) -> jax.Array:
     """Project the own partial; one AR of [z | s | x]; scale z by the row RMS factor; add. In shard_map.
 
@@ -54,8 +55,8 @@ def one_shot_tail(
         parts.append(shared_partial)
     if config.use_latent_norm:
         parts.append(scaled.astype(config.dtype))
-    packed = reduce_output(jnp.concatenate(parts, axis=1), axis_name=axis_name,
-                           sequence_parallel=config.sequence_parallel).astype(jnp.float32)
+    packed = reduce_output(jnp.concatenate(parts, axis=1), axis_name=axis_name, config=config,
+                           platform=platform).astype(jnp.float32)
     y = packed[:, :hidden]
     if config.use_latent_norm:
         latent = packed[:, -config.latent_size:]

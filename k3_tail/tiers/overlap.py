@@ -46,6 +46,7 @@ def overlap_tail(
     config: TailConfig,
     axis_name: AxisName,
     weight_layout: str,
+    platform: str | None = None,
 ) -> jax.Array:
     """AR(r) + norm; AR(s) issued; GEMM while AR(s) is in flight; add. Inside ``jax.shard_map``.
 
@@ -58,13 +59,14 @@ def overlap_tail(
     column: 2TLH/p FLOPs, 2LH/p weight bytes and an all-gather of the [T, H/p] output blocks), but
     AR(T*H) runs during the GEMM instead of after it (see the module docstring for how).
     """
-    latent = allreduce_norm_latent_out(routed_partial, norm_weight, config=config, axis_name=axis_name)
+    latent = allreduce_norm_latent_out(routed_partial, norm_weight, config=config, axis_name=axis_name,
+                                       platform=platform)
     projected = project_own_columns(latent, up_proj_kernel, weight_layout=weight_layout)
     shared = None
     if shared_partial is not None:
         # The shared partial waits for the normalised latent, so the two all-reduces cannot be combined.
         _, shared_partial = lax.optimization_barrier((latent, shared_partial))
-        shared = reduce_output(shared_partial, axis_name=axis_name, sequence_parallel=config.sequence_parallel)
+        shared = reduce_output(shared_partial, axis_name=axis_name, config=config, platform=platform)
         # The column layout's all-gather waits for the shared all-reduce, which leaves the GEMM as the
         # only work to schedule inside it (else XLA may run the GEMM first and hide the all-gather).
         _, projected = lax.optimization_barrier((shared, projected))

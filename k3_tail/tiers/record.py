@@ -96,13 +96,16 @@ class CallShape:
 class TierRecord:
     """Everything the library knows about one tier (module docstring).
 
-    name: the tier's value ("overlap"). function: the per-rank function
-    ``f(routed_partial, shared_partial, norm_weight, up_proj_kernel, *, config, axis_name, weight_layout)``.
+    name: the tier's value ("overlap"). function: the per-rank function ``f(routed_partial,
+    shared_partial, norm_weight, up_proj_kernel, *, config, axis_name, weight_layout, platform=None)``
+    (``platform``: the devices' ``.platform``, which decides the form of its all-reduces).
     summary: one line. schedule: its steps in the notation AR/RS/AG (all-reduce, reduce-scatter,
     all-gather), r the routed and s the shared partial. collectives_text: the collectives per rank in
     that notation. needs_whole_kernel: runs only with the replicated kernel.
     needs_unreduced_routed: cannot serve ``fused_output_is_reduced``. projects_all_columns: with
     the replicated kernel each rank projects all H columns (else its own block of Hb).
+    shards_tokens: the tier splits the tokens over the ranks itself: it works on T rounded up to a
+    multiple of p (at least p) whatever the output, and its GEMM on this rank's T/p rows.
     token_sharded_form: how it returns token-sharded output. compiler_options: per platform family
     ("gpu", "cpu", "tpu"), the per-executable XLA options. collectives: its collectives for a
     :class:`CallShape`, in issue order.
@@ -118,6 +121,7 @@ class TierRecord:
     collectives: Callable[[CallShape], tuple[CollectiveTerm, ...]]
     needs_whole_kernel: bool = False
     needs_unreduced_routed: bool = False
+    shards_tokens: bool = False
     compiler_options: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
 
     def why_not(self, weight_layout: str, config: Any = None) -> str | None:
@@ -142,6 +146,11 @@ class TierRecord:
         if self.projects_all_columns and weight_layout == "replicated":
             return hidden_size
         return padded_hidden_size(hidden_size, tp_size) // tp_size
+
+    def gemm_rows(self, rows: int, tp_size: int) -> int:
+        """The rows of one rank's projection when the tier works on ``rows`` token rows: its own
+        rows / p when it shards tokens, else all of them."""
+        return rows // tp_size if self.shards_tokens else rows
 
     def options_for(self, platform: str) -> dict[str, Any]:
         """The per-executable XLA options for a device ``platform`` ("gpu", "cuda", "rocm", "cpu", ...)."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 from types import MappingProxyType
 
-from k3_tail.tiers import column_parallel, native, one_shot, overlap, scatter_gather
+from k3_tail.tiers import column_parallel, native, one_shot, overlap, scatter_gather, token_parallel
 from k3_tail.tiers.record import TierRecord
 
 TIER_RECORDS: tuple[TierRecord, ...] = (
@@ -20,6 +20,7 @@ TIER_RECORDS: tuple[TierRecord, ...] = (
     column_parallel.RECORD,
     scatter_gather.RECORD,
     one_shot.RECORD,
+    token_parallel.RECORD,
 )
 _BY_NAME = MappingProxyType({record.name: record for record in TIER_RECORDS})
 
@@ -69,12 +70,10 @@ def tier_table() -> str:
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for record in TIER_RECORDS:
-        if not record.projects_all_columns:
-            gemm, kernel = "2TLH/p", "2LH/p"
-        elif record.needs_whole_kernel:
-            gemm, kernel = "2TLH", "2LH"
-        else:
-            gemm, kernel = "2TLH (column layout: 2TLH/p)", "2LH (column layout: 2LH/p)"
+        gemm = "2TLH/p" if record.shards_tokens or not record.projects_all_columns else "2TLH"
+        kernel = "2LH" if record.projects_all_columns else "2LH/p"
+        if record.projects_all_columns and not record.needs_whole_kernel:
+            gemm, kernel = f"{gemm} (column layout: 2TLH/p)", f"{kernel} (column layout: 2LH/p)"
         needs = [text for flag, text in ((record.needs_whole_kernel, "replicated kernel"),
                                          (record.needs_unreduced_routed, "unreduced routed partials")) if flag]
         cells = (record.name, record.summary, record.schedule, gemm, kernel, record.collectives_text,

@@ -24,6 +24,7 @@ def scatter_gather_tail(
     config: TailConfig,
     axis_name: AxisName,
     weight_layout: str,
+    platform: str | None = None,
 ) -> jax.Array:
     """AR(r) + norm; RS(s) over columns; shard GEMM + add on the own block; AG of the blocks.
 
@@ -39,7 +40,8 @@ def scatter_gather_tail(
     the same bytes as one AR(T*H), but the add runs on 1/p of the columns and the GEMM can start
     as soon as the latent is ready.
     """
-    latent = allreduce_norm_latent_out(routed_partial, norm_weight, config=config, axis_name=axis_name)
+    latent = allreduce_norm_latent_out(routed_partial, norm_weight, config=config, axis_name=axis_name,
+                                       platform=platform)
     block = own_kernel_block(
         up_proj_kernel, hidden_size=config.hidden_size, weight_layout=weight_layout, axis_name=axis_name
     )

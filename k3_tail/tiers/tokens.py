@@ -17,6 +17,7 @@ from jax import lax
 
 from k3_tail._checks import AxisName
 from k3_tail.config import TailConfig
+from k3_tail.tiers.collectives import all_reduce
 
 
 def padded_token_count(num_tokens: int, tp_size: int) -> int:
@@ -32,12 +33,13 @@ def is_token_sharded_output(config: TailConfig, num_tokens: int, tp_size: int) -
     return config.sequence_parallel and num_tokens > 0 and num_tokens % tp_size == 0
 
 
-def reduce_output(x: jax.Array, *, axis_name: AxisName, sequence_parallel: bool) -> jax.Array:
-    """Sum of ``x`` [T, W] over the ranks: all of it ([T, W], AR) or, for sequence-parallel output,
-    this rank's [T/p, W] rows of it (reduce-scatter over tokens)."""
-    if sequence_parallel:
+def reduce_output(x: jax.Array, *, axis_name: AxisName, config: TailConfig, platform: str | None) -> jax.Array:
+    """Sum of ``x`` [T, W] over the ranks: all of it ([T, W], an all-reduce in the form
+    ``config.all_reduce_form`` picks on ``platform``) or, for sequence-parallel output, this rank's
+    [T/p, W] rows of it (reduce-scatter over tokens)."""
+    if config.sequence_parallel:
         return lax.psum_scatter(x, axis_name, scatter_dimension=0, tiled=True)
-    return lax.psum(x, axis_name)
+    return all_reduce(x, axis_name=axis_name, all_reduce_form=config.all_reduce_form, platform=platform)
 
 
 def own_tokens(x: jax.Array, *, axis_name: AxisName) -> jax.Array:
