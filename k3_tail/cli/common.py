@@ -29,6 +29,7 @@ import jax
 from jax.sharding import Mesh
 
 from k3_tail.config import TailConfig
+from k3_tail.selection.decision import TierDecision
 from k3_tail.selection.rules import select_tier
 from k3_tail.tiers.collectives import ALL_REDUCE_FORMS
 from k3_tail.tiers.columns import WEIGHT_LAYOUTS
@@ -95,6 +96,13 @@ def tp_mesh(devices: Sequence[jax.Device]) -> Mesh:
 
 
 # ---- argument types and flags ----
+
+
+def mesh_decision(config: TailConfig, num_tokens: int, mesh: Mesh, weight_layout: str) -> TierDecision:
+    """What :func:`select_tier` picks for a call on ``mesh`` (its TP size, device kind and platform)."""
+    device = mesh.devices.flat[0]
+    return select_tier(config, num_tokens, mesh.shape[AXIS_NAME], weight_layout=weight_layout,
+                       device_kind=device.device_kind, platform=device.platform)
 
 
 def positive_int(text: str) -> int:

@@ -24,12 +24,11 @@ import numpy as np
 
 from k3_tail.cli.common import (
     AXIS_NAME, DEFAULT_CPU_DEVICES, DEFAULT_REPEATS, add_seed_argument, add_weight_layout_argument, demo_devices,
-    positive_int, positive_int_list, progress, tp_mesh,
+    mesh_decision, positive_int, positive_int_list, progress, tp_mesh,
 )
 from k3_tail.config import TailConfig
 from k3_tail.forward import tail_forward
 from k3_tail.selection.decision import TierDecision
-from k3_tail.selection.rules import select_tier
 from k3_tail.tiers.registry import Tier
 from k3_tail.tools.benchmark import place_partials, place_weights, tiers_for, time_runs
 
@@ -98,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
             tail_forward, routed_partials, shared_partials, norm_weight, up_proj_kernel,
             config=config, mesh=mesh, axis_name=AXIS_NAME, weight_layout=args.weight_layout,
         )
-        selection = select_tier(config, num_tokens, tp_size)
+        selection = mesh_decision(config, num_tokens, mesh, args.weight_layout)
         label = f"T={num_tokens} ({index}/{len(args.tokens)})"
         rows += run_every_tier(forward, tiers, num_tokens, selection, args.repeats, label)
 

@@ -17,10 +17,9 @@ from jax.sharding import Mesh
 
 from k3_tail.cli.common import (
     AXIS_NAME, DEFAULT_CPU_DEVICES, CommandError, add_weight_layout_argument, demo_devices, non_negative_int,
-    positive_int, tp_mesh,
+    mesh_decision, positive_int, tp_mesh,
 )
 from k3_tail.config import TailConfig
-from k3_tail.selection.rules import select_tier
 from k3_tail.tiers.registry import Tier
 from k3_tail.xla import report as xla_report
 from k3_tail.xla.compilation import compile_tail, compiler_options
@@ -66,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     mesh = hlo_mesh(args.topology, args.devices)
     config = TailConfig.kimi_k3()
     tp_size = mesh.shape[AXIS_NAME]
-    selection = select_tier(config, args.tokens, tp_size)
+    selection = mesh_decision(config, args.tokens, mesh, args.weight_layout)
     tier = selection.tier if args.tier == "auto" else Tier.parse(args.tier)
     why = f"selected: {selection.reason}" if args.tier == "auto" else "forced by --tier"
     options = compiler_options(tier, mesh.devices.flat[0].platform)
