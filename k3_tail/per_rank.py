@@ -11,7 +11,6 @@ and :class:`k3_tail.LatentMoETail` are shells over it.
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 from jax import lax
 
 from k3_tail._checks import AxisName, check_axis_name, expect_array, expect_optional, expect_rank
@@ -19,7 +18,7 @@ from k3_tail.config import TailConfig, check_config
 from k3_tail.selection.rules import select_tier
 from k3_tail.tiers.columns import check_weight_layout, padded_hidden_size
 from k3_tail.tiers.registry import Tier
-from k3_tail.tiers.tokens import gather_tokens, is_token_sharded_output, padded_token_count
+from k3_tail.tiers.tokens import gather_tokens, is_token_sharded_output, pad_tokens
 
 
 def latent_moe_tail(
@@ -95,9 +94,8 @@ def latent_moe_tail(
 
     if config.sequence_parallel:
         # Zero token rows up to a multiple of p, so that each rank owns T'/p rows.
-        padding = padded_token_count(num_tokens, tp_size) - num_tokens
-        routed_partial = _pad_rows(routed_partial, padding)
-        shared_partial = None if shared_partial is None else _pad_rows(shared_partial, padding)
+        routed_partial = pad_tokens(routed_partial, tp_size)
+        shared_partial = None if shared_partial is None else pad_tokens(shared_partial, tp_size)
     y = tier.record.function(
         routed_partial, shared_partial, norm_weight, up_proj_kernel,
         config=config, axis_name=axis_name, weight_layout=weight_layout, platform=device.platform,
@@ -105,10 +103,6 @@ def latent_moe_tail(
     if config.sequence_parallel and not is_token_sharded_output(config, num_tokens, tp_size):
         return gather_tokens(y, num_tokens, axis_name=axis_name)
     return y
-
-
-def _pad_rows(x: jax.Array, padding: int) -> jax.Array:
-    return jnp.pad(x, [(0, padding), (0, 0)]) if padding else x
 
 
 def _check_per_rank_inputs(routed_partial, shared_partial, norm_weight, up_proj_kernel, *, config, tp_size,

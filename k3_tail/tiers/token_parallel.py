@@ -19,7 +19,7 @@ from k3_tail._checks import AxisName
 from k3_tail.config import TailConfig
 from k3_tail.tiers.norm import rms_norm
 from k3_tail.tiers.record import ALL_GATHER, REDUCE_SCATTER, CallShape, CollectiveTerm, TierRecord
-from k3_tail.tiers.tokens import gather_tokens, padded_token_count
+from k3_tail.tiers.tokens import gather_tokens, pad_tokens
 
 
 def token_parallel_tail(
@@ -51,11 +51,10 @@ def token_parallel_tail(
     num_tokens = routed_partial.shape[0]
     if num_tokens == 0:  # nothing to split (sequence-parallel output arrives padded to p rows)
         return jnp.zeros((0, config.hidden_size), config.dtype)
-    padding = padded_token_count(num_tokens, lax.axis_size(axis_name)) - num_tokens
+    tp_size = lax.axis_size(axis_name)
 
     def own_rows(x):
-        x = jnp.pad(x, [(0, padding), (0, 0)]) if padding else x
-        return lax.psum_scatter(x, axis_name, scatter_dimension=0, tiled=True)
+        return lax.psum_scatter(pad_tokens(x, tp_size), axis_name, scatter_dimension=0, tiled=True)
 
     weight = norm_weight if config.use_latent_norm else None
     latent = rms_norm(own_rows(routed_partial), weight, eps=config.rms_norm_eps, scale=config.routed_scaling_factor)

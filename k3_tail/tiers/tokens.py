@@ -13,6 +13,7 @@ rows replicated instead (:func:`is_token_sharded_output` says which a call gets)
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 
 from k3_tail._checks import AxisName
@@ -24,6 +25,13 @@ def padded_token_count(num_tokens: int, tp_size: int) -> int:
     """The rows a tier works on for sequence-parallel output: the smallest multiple of ``tp_size``
     that is >= ``num_tokens``, and at least ``tp_size`` (a reduce-scatter cannot split zero rows)."""
     return max(-(-num_tokens // tp_size), 1) * tp_size
+
+
+def pad_tokens(x: jax.Array, tp_size: int) -> jax.Array:
+    """``x`` [T, W] with zero rows appended up to ``padded_token_count(T, tp_size)``, so that a
+    reduce-scatter over tokens gives every rank T'/p rows (no copy when T already is a multiple)."""
+    padding = padded_token_count(x.shape[0], tp_size) - x.shape[0]
+    return jnp.pad(x, [(0, padding), (0, 0)]) if padding else x
 
 
 def is_token_sharded_output(config: TailConfig, num_tokens: int, tp_size: int) -> bool:
