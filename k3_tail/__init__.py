@@ -6,10 +6,11 @@ The tiers (``Tier``; one module and one record each under ``k3_tail.tiers``) all
 different schedules; ``select_tier`` picks one per token count (vLLM's rule, a measured table or the
 cost model) and says why. ``latent_moe_tail`` is the per-rank entry point, for a model's own
 ``jax.shard_map``; ``tail_forward`` runs it on global arrays; ``LatentMoETail`` is the Flax NNX
-module. ``compile_tail`` compiles one call (also for a deviceless GPU topology, ``topology_mesh``)
-and ``k3_tail.xla_report`` reads what XLA made of it; ``k3_tail.cost_model`` predicts each tier's
-cost. The benchmark (``k3_tail.benchmark``) and the multi-process helper (``k3_tail.multiprocess``)
-load on first use: ``import k3_tail`` loads only the core.
+module. ``quantize_up_proj`` stores the up projection in FP8 (``QuantizedKernel``, for
+``TailConfig(up_proj_dtype=...)``). ``compile_tail`` compiles one call (also for a deviceless GPU
+topology, ``topology_mesh``) and ``k3_tail.xla_report`` reads what XLA made of it;
+``k3_tail.cost_model`` predicts each tier's cost. The benchmark (``k3_tail.benchmark``) and the
+multi-process helper (``k3_tail.multiprocess``) load on first use: ``import k3_tail`` loads only the core.
 """
 
 import importlib
@@ -34,6 +35,7 @@ from k3_tail.tiers.registry import Tier
 from k3_tail.tiers.scatter_gather import scatter_gather_tail
 from k3_tail.tiers.token_parallel import token_parallel_tail
 from k3_tail.tiers.tokens import is_token_sharded_output
+from k3_tail.tiers.up_projection import FP8_FORMATS, QuantizedKernel, quantize_up_proj
 from k3_tail.xla import report as xla_report
 from k3_tail.xla.compilation import compile_tail, compiler_options, tail_arguments
 from k3_tail.xla.report import XlaReport
@@ -43,8 +45,10 @@ from k3_tail.xla.topologies import GPU_TARGETS, TopologyUnavailable, topology_me
 _TOOLS = {"benchmark": "k3_tail.tools.benchmark", "multiprocess": "k3_tail.tools.multiprocess"}
 
 __all__ = [
+    "FP8_FORMATS",
     "GPU_TARGETS",
     "LatentMoETail",
+    "QuantizedKernel",
     "SelectionTable",
     "TailConfig",
     "Tier",
@@ -68,6 +72,7 @@ __all__ = [
     "one_shot_tail",
     "overlap_tail",
     "padded_hidden_size",
+    "quantize_up_proj",
     "rms_norm",
     "scatter_gather_tail",
     "select_tier",

@@ -14,6 +14,7 @@ import numpy as np
 from k3_tail._checks import check_int
 from k3_tail.selection.hardware import HARDWARE
 from k3_tail.tiers.collectives import ALL_REDUCE_FORMS
+from k3_tail.tiers.up_projection import FP8_FORMATS, fp8_format
 
 _FLOAT_DTYPES = tuple(np.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32))
 
@@ -38,6 +39,16 @@ class TailConfig:
     Numerics: ``y = RMSNorm_g(routed_scaling_factor * sum_i r_i) @ W + sum_i s_i``, the norm in
     float32 with ``rms_norm_eps``, skipped when ``use_latent_norm`` is False. Activations and
     weights are ``dtype``; GEMMs and the norm accumulate in float32; collectives move ``dtype``.
+
+    Up-projection weights (:mod:`k3_tail.tiers.up_projection`):
+      up_proj_dtype: None (or ``dtype`` itself): the kernel W is an array of ``dtype``.
+        "float8_e4m3fn" or "float8_e4m3fnuz" (names or jnp dtypes): W is a
+        :class:`k3_tail.QuantizedKernel` of that format with per-column float32 scales
+        (:func:`k3_tail.quantize_up_proj`), half the bytes of bf16; the GEMM reads the FP8 values.
+      fp8_activations: with an FP8 ``up_proj_dtype`` only. False (default): weight-only FP8, the
+        GEMM runs in ``dtype``. True: the normalised latent is also quantised per token to the same
+        format and the GEMM multiplies two FP8 operands, accumulating in float32 (for large T on
+        hardware with FP8 matrix units).
 
     Selection switches (see :func:`k3_tail.select_tier`):
       overlap_token_threshold: largest token count served by the overlap tier (vLLM: 256).
@@ -72,6 +83,8 @@ class TailConfig:
     routed_scaling_factor: float = 1.0
     use_latent_norm: bool = True
     dtype: Any = jnp.bfloat16
+    up_proj_dtype: Any = None
+    fp8_activations: bool = False
     overlap_token_threshold: int = 256
     disable_overlap: bool = False
     use_scatter_gather: bool = False
@@ -96,8 +109,8 @@ class TailConfig:
         scale = self.routed_scaling_factor
         if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
             raise ValueError(f"routed_scaling_factor: expected a finite number, got {scale!r}")
-        for name in ("use_latent_norm", "disable_overlap", "use_scatter_gather", "has_shared_experts",
-                     "fused_output_is_reduced", "sequence_parallel"):
+        for name in ("use_latent_norm", "fp8_activations", "disable_overlap", "use_scatter_gather",
+                     "has_shared_experts", "fused_output_is_reduced", "sequence_parallel"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
         if self.all_reduce_form not in ALL_REDUCE_FORMS:
@@ -108,6 +121,19 @@ class TailConfig:
             raise ValueError(f"dtype: expected one of {names}, got {self.dtype!r}")
         # Normalised so that equal configs hash equally whatever spelling of the dtype was given.
         object.__setattr__(self, "dtype", dtype)
+        up_proj_dtype = self.up_proj_dtype
+        if up_proj_dtype is None or _float_dtype(up_proj_dtype) == dtype:
+            up_proj_dtype = None  # the kernel in the activations' dtype is the unquantised kernel
+        elif _fp8_dtype(up_proj_dtype) is None:
+            raise ValueError(
+                f"up_proj_dtype: expected None (the kernel in dtype {dtype.name}) or one of {FP8_FORMATS}, "
+                f"got {up_proj_dtype!r}"
+            )
+        else:
+            up_proj_dtype = _fp8_dtype(up_proj_dtype)
+        object.__setattr__(self, "up_proj_dtype", up_proj_dtype)
+        if self.fp8_activations and up_proj_dtype is None:
+            raise ValueError(f"fp8_activations: needs an FP8 up_proj_dtype (one of {FP8_FORMATS}), got None")
         self._check_selection_policy()
 
     def _check_selection_policy(self) -> None:
@@ -172,6 +198,14 @@ def check_config(config: Any) -> TailConfig:
     if not isinstance(config, TailConfig):
         raise ValueError(f"config: expected a k3_tail.TailConfig, got {type(config).__name__}")
     return config
+
+
+def _fp8_dtype(value: Any) -> np.dtype | None:
+    """``value`` as one of the FP8 formats, or None when it names none of them."""
+    try:
+        return fp8_format(value, "up_proj_dtype")
+    except ValueError:
+        return None
 
 
 def _float_dtype(value: Any) -> np.dtype | None:

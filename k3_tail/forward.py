@@ -15,6 +15,7 @@ from k3_tail.per_rank import latent_moe_tail
 from k3_tail.tiers.columns import check_weight_layout, pad_columns, padded_hidden_size
 from k3_tail.tiers.registry import Tier
 from k3_tail.tiers.tokens import is_token_sharded_output
+from k3_tail.tiers.up_projection import check_up_proj_kernel, column_sharding, column_spec, map_columns
 
 
 def tail_forward(
@@ -39,6 +40,8 @@ def tail_forward(
       norm_weight: [L] RMSNorm scale g; None exactly when ``config.use_latent_norm`` is False.
       up_proj_kernel: [L, H] up projection (Flax layout, y = x @ W). With ``weight_layout="column"``
         it may also be the padded [L, padded_hidden_size(H, p)] storage of :class:`LatentMoETail`.
+        With an FP8 ``config.up_proj_dtype``: a :class:`k3_tail.QuantizedKernel` of that format
+        (:func:`k3_tail.quantize_up_proj`), whose scales are padded and sharded with its columns.
       config: the tail's :class:`TailConfig`; mesh: a Mesh with the TP axis ``axis_name`` (a name, or
         a tuple of names whose sizes multiply to p; other axes replicate the computation).
       tier: a :class:`Tier` (or its value) to force, or None to let :func:`select_tier` decide at
@@ -82,14 +85,18 @@ def _tail_forward_jit(routed_partials, shared_partials, norm_weight, up_proj_ker
         config=config, tp_size=tp_size, weight_layout=weight_layout,
     )
     if weight_layout == "column":
-        up_proj_kernel = pad_columns(up_proj_kernel, padded_hidden_size(config.hidden_size, tp_size))
+        width = padded_hidden_size(config.hidden_size, tp_size)
+        up_proj_kernel = map_columns(lambda x: pad_columns(x, width), up_proj_kernel)
 
     routed_spec = P() if config.fused_output_is_reduced else P(axis_name)
-    specs = (routed_spec, P(axis_name), P(), P(None, axis_name) if weight_layout == "column" else P())
-    args = tuple(
-        None if x is None else jax.device_put(x, NamedSharding(mesh, spec))
-        for x, spec in zip((routed_partials, shared_partials, norm_weight, up_proj_kernel), specs, strict=True)
+    columns = axis_name if weight_layout == "column" else None
+    specs = (routed_spec, P(axis_name), P())
+    args = (
+        *(None if x is None else jax.device_put(x, NamedSharding(mesh, spec))
+          for x, spec in zip((routed_partials, shared_partials, norm_weight), specs, strict=True)),
+        jax.device_put(up_proj_kernel, column_sharding(up_proj_kernel, mesh, columns)),
     )
+    specs = (*specs, column_spec(up_proj_kernel, columns))
     per_rank_tail = functools.partial(
         latent_moe_tail, config=config, axis_name=axis_name, weight_layout=weight_layout, tier=tier,
         device=mesh.devices.flat[0],
@@ -131,5 +138,6 @@ def _check_global_inputs(routed_partials, shared_partials, norm_weight, up_proj_
     padded = padded_hidden_size(hidden, tp_size)
     if weight_layout == "column" and padded != hidden:
         kernel_shapes.append((latent, padded))
-    expect_array(up_proj_kernel, "up_proj_kernel", kernel_shapes, config.dtype, f"L={latent}, H={hidden}, p={tp_size}")
+    check_up_proj_kernel(up_proj_kernel, dtype=config.dtype, up_proj_dtype=config.up_proj_dtype, shapes=kernel_shapes,
+                         sizes=f"L={latent}, H={hidden}, p={tp_size}")
     return num_tokens

@@ -7,6 +7,7 @@ caller's shard_map (:func:`k3_tail.latent_moe_tail`), for models that shard the 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
@@ -18,6 +19,7 @@ from k3_tail.selection.decision import TierDecision
 from k3_tail.selection.rules import select_tier
 from k3_tail.tiers.columns import check_weight_layout, pad_columns, padded_hidden_size
 from k3_tail.tiers.registry import Tier
+from k3_tail.tiers.up_projection import QuantizedKernel, map_columns, quantize_up_proj
 
 _LECUN_NORMAL = nnx.initializers.lecun_normal()
 
@@ -31,6 +33,10 @@ class LatentMoETail(nnx.Module):
         weight_layout="column": Hs = padded_hidden_size(H, p), sharded ``(None, axis_name)``: each rank
           holds [L, Hs/p], 1/p of the memory; the padding columns (only when H % p != 0) are zero.
         weight_layout="replicated": Hs = H, whole on every rank, as vLLM stores it.
+        With an FP8 ``config.up_proj_dtype``: the kernel's FP8 values (half the bytes of bf16),
+        quantised from the initial kernel (and by :meth:`load_up_proj` from a checkpoint's).
+      up_proj_scale: float32 [Hs], the per-column scales of the FP8 values, sharded like the kernel's
+        columns; None without FP8.
 
     The tiers' per-rank costs with each layout are in the README's tier table; the replicated layout
     keeps the whole kernel resident even on the column tiers.
@@ -63,22 +69,41 @@ class LatentMoETail(nnx.Module):
         latent, hidden = config.latent_size, config.hidden_size
 
         if weight_layout == "column":
-            width, kernel_sharding = padded_hidden_size(hidden, tp_size), (None, axis_name)
+            width, columns = padded_hidden_size(hidden, tp_size), axis_name
         else:
-            width, kernel_sharding = hidden, (None, None)
-
-        def init_kernel(key, shape, dtype):
-            # Initialise the real [L, H] columns only, so padding never changes their distribution.
-            return pad_columns(kernel_init(key, (latent, hidden), dtype), shape[1])
-
-        self.up_proj_kernel = nnx.Param(
-            nnx.with_partitioning(init_kernel, kernel_sharding, mesh=mesh)(rngs.params(), (latent, width), config.dtype)
-        )
+            width, columns = hidden, None
+        self._width, self._columns = width, columns
+        # Initialise the real [L, H] columns only, so padding never changes their distribution.
+        self._set_up_proj(kernel_init(rngs.params(), (latent, hidden), config.dtype))
         self.norm_scale = (
             nnx.Param(nnx.with_partitioning(nnx.initializers.ones, (None,), mesh=mesh)(None, (latent,), config.dtype))
             if config.use_latent_norm
             else None
         )
+
+    def load_up_proj(self, kernel) -> None:
+        """Set the up projection from a checkpoint's [L, H] kernel (numpy or jax, ``config.dtype``).
+
+        With an FP8 ``config.up_proj_dtype`` the kernel is quantised here, at load
+        (:func:`k3_tail.quantize_up_proj`: per-column scales). The parameters take the layout and
+        sharding this module was built with (padding columns zero). The caller's array is not
+        modified. A wrong shape or dtype, or a non-finite kernel, is a ValueError naming ``kernel``.
+        """
+        shape = (self.config.latent_size, self.config.hidden_size)
+        if not hasattr(kernel, "shape") or tuple(kernel.shape) != shape or jnp.dtype(kernel.dtype) != self.config.dtype:
+            got = f"{jnp.dtype(kernel.dtype).name} {tuple(kernel.shape)}" if hasattr(kernel, "shape") else kernel
+            raise ValueError(f"kernel: expected a {self.config.dtype.name} array of shape {shape} (L, H), got {got}")
+        self._set_up_proj(jnp.asarray(kernel))
+
+    def _set_up_proj(self, kernel: jax.Array) -> None:
+        """The up-projection parameters from an [L, H] kernel: quantised when the config says so,
+        padded to the layout's width, sharded by columns or replicated."""
+        if self.config.up_proj_dtype is not None:
+            kernel = quantize_up_proj(kernel, self.config.up_proj_dtype)
+        padded = map_columns(lambda x: pad_columns(x, self._width), kernel)
+        values, scale = (padded.values, padded.scale) if isinstance(padded, QuantizedKernel) else (padded, None)
+        self.up_proj_kernel = _sharded_param(values, (None, self._columns), self.mesh)
+        self.up_proj_scale = None if scale is None else _sharded_param(scale, (self._columns,), self.mesh)
 
     @property
     def tp_size(self) -> int:
@@ -104,6 +129,14 @@ class LatentMoETail(nnx.Module):
                                axis_name=self.axis_name, weight_layout=self.weight_layout, tier=tier,
                                device=self.mesh.devices.flat[0])
 
-    def _weights(self) -> tuple[jax.Array | None, jax.Array]:
+    def _weights(self) -> tuple[jax.Array | None, jax.Array | QuantizedKernel]:
         """(norm weight or None, up-projection kernel): the values of the parameters."""
-        return None if self.norm_scale is None else self.norm_scale[...], self.up_proj_kernel[...]
+        kernel = self.up_proj_kernel[...]
+        if self.up_proj_scale is not None:
+            kernel = QuantizedKernel(kernel, self.up_proj_scale[...])
+        return None if self.norm_scale is None else self.norm_scale[...], kernel
+
+
+def _sharded_param(value: jax.Array, sharding: tuple, mesh: Mesh) -> nnx.Param:
+    """An ``nnx.Param`` holding ``value``, placed and annotated with ``sharding`` over ``mesh``."""
+    return nnx.Param(nnx.with_partitioning(lambda: value, sharding, mesh=mesh)())

@@ -19,13 +19,14 @@ from k3_tail.selection.rules import select_tier
 from k3_tail.tiers.columns import check_weight_layout, padded_hidden_size
 from k3_tail.tiers.registry import Tier
 from k3_tail.tiers.tokens import gather_tokens, is_token_sharded_output, pad_tokens
+from k3_tail.tiers.up_projection import QuantizedKernel, check_up_proj_kernel
 
 
 def latent_moe_tail(
     routed_partial: jax.Array,
     shared_partial: jax.Array | None,
     norm_weight: jax.Array | None,
-    up_proj_kernel: jax.Array,
+    up_proj_kernel: jax.Array | QuantizedKernel,
     *,
     config: TailConfig,
     axis_name: AxisName = "tp",
@@ -120,8 +121,9 @@ def _check_per_rank_inputs(routed_partial, shared_partial, norm_weight, up_proj_
                     sizes=f"L={latent}")
     if weight_layout == "column":
         block = padded_hidden_size(hidden, tp_size) // tp_size
-        expect_array(up_proj_kernel, "up_proj_kernel", [(latent, block)], config.dtype,
-                     f"this rank's column block: L={latent}, ceil(H/p) = ceil({hidden}/{tp_size})")
+        shapes, sizes = [(latent, block)], f"this rank's column block: L={latent}, ceil(H/p) = ceil({hidden}/{tp_size})"
     else:
-        expect_array(up_proj_kernel, "up_proj_kernel", [(latent, hidden)], config.dtype, f"L={latent}, H={hidden}")
+        shapes, sizes = [(latent, hidden)], f"L={latent}, H={hidden}"
+    check_up_proj_kernel(up_proj_kernel, dtype=config.dtype, up_proj_dtype=config.up_proj_dtype, shapes=shapes,
+                         sizes=sizes)
     return num_tokens

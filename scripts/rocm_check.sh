@@ -9,6 +9,8 @@
 # collective kinds and shapes, GEMM FLOPs) that are skipped everywhere else, and the watch-list of
 # tests/test_rocm_watch.py: the column-parallel and token-parallel tiers at the row counts where
 # hipBLASLt's C-accumulating bf16 GEMM has faulted for vLLM (XLA may fuse "dot + add" into one).
+# FP8 up-projection weights run in the parity design (both formats) and in the schedule checks, in the
+# format the GPUs multiply (E4M3FNUZ on MI300X/MI325X, E4M3FN otherwise), plus tests/test_up_projection.py.
 #
 # XLA options: none are needed from the environment. k3_tail.compile_tail applies its own per
 # executable (k3_tail.compiler_options: for the overlap tier xla_gpu_all_reduce_combine_threshold_bytes=0
@@ -20,5 +22,5 @@ cd "$(dirname "$0")/.."
 export JAX_PLATFORMS=rocm
 python -c 'import jax; d = jax.devices(); print(f"jax {jax.__version__}: {len(d)} x {d[0].device_kind} ({d[0].client.platform_version})")'
 python -m pytest tests/test_tiers.py tests/test_sequence_parallel.py tests/test_per_rank.py tests/test_forward.py \
-    tests/test_collectives.py tests/test_rocm_watch.py \
+    tests/test_collectives.py tests/test_rocm_watch.py tests/test_up_projection.py \
     tests/test_module.py tests/test_schedule.py -m "rocm or not rocm" "$@"

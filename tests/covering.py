@@ -220,6 +220,8 @@ TP_SIZES = (1, 2, 3, 4, 8)
 TOKEN_COUNTS = (0, 1, 13, 24, OVERLAP_TOKEN_THRESHOLD + 1)
 DTYPES = ("bfloat16", "float32")
 WEIGHT_LAYOUTS = ("column", "replicated")
+# The up projection's weights: in the activations' dtype (None) or quantised to an FP8 format.
+UP_PROJ_DTYPES = (None, *k3_tail.FP8_FORMATS)
 
 TAIL_FACTORS = {
     "tier": TIERS,
@@ -231,15 +233,20 @@ TAIL_FACTORS = {
     "routed_scaling_factor": (1.0, 2.0),
     "use_latent_norm": (True, False),
     "sequence_parallel": (False, True),
+    "up_proj_dtype": UP_PROJ_DTYPES,
+    "fp8_activations": (False, True),
 }
 
 
 def tail_constraint(case: Mapping[str, Any]) -> bool:
-    """A tier runs only where its record says it can (one_shot: the whole kernel); every H divides by p = 1."""
+    """A tier runs only where its record says it can (one_shot: the whole kernel); every H divides by p = 1;
+    FP8 activations need an FP8 kernel."""
     tier, weight_layout = case.get("tier"), case.get("weight_layout")
     if tier not in (None, "selected") and weight_layout is not None and k3_tail.Tier(tier).why_not(weight_layout):
         return False
     if case.get("tp_size") == 1 and case.get("hidden_divisible") is False:
+        return False
+    if case.get("fp8_activations") is True and "up_proj_dtype" in case and case["up_proj_dtype"] is None:
         return False
     return True
 
@@ -267,6 +274,8 @@ class TailCase:
     routed_scaling_factor: float
     use_latent_norm: bool
     sequence_parallel: bool
+    up_proj_dtype: str | None = None
+    fp8_activations: bool = False
 
     @property
     def hidden_size(self) -> int:
@@ -274,7 +283,7 @@ class TailCase:
 
     @property
     def id(self) -> str:
-        """E.g. ``overlap-p3-T13-bf16-column-H97-scale2-nonorm-sp``."""
+        """E.g. ``overlap-p3-T13-bf16-column-H97-scale2-nonorm-sp-e4m3fnuz-fp8act``."""
         return "-".join((
             self.tier,
             f"p{self.tp_size}",
@@ -285,6 +294,8 @@ class TailCase:
             f"scale{self.routed_scaling_factor:g}",
             "norm" if self.use_latent_norm else "nonorm",
             "sp" if self.sequence_parallel else "nosp",
+            "wdtype" if self.up_proj_dtype is None else self.up_proj_dtype.removeprefix("float8_"),
+            *(("fp8act",) if self.fp8_activations else ()),
         ))
 
 

@@ -80,7 +80,8 @@ def once_per_session(tmp_path_factory, name, produce, *, timeout_s):
 
 
 def case_config(case):
-    """The TailConfig of a covering case (tests/covering.py): its shapes, dtype, scale, norm and SP output."""
+    """The TailConfig of a covering case (tests/covering.py): its shapes, dtype, scale, norm, SP output and
+    up-projection weights."""
     return k3_tail.TailConfig(
         hidden_size=case.hidden_size,
         latent_size=covering.LATENT_SIZE,
@@ -88,6 +89,8 @@ def case_config(case):
         routed_scaling_factor=case.routed_scaling_factor,
         use_latent_norm=case.use_latent_norm,
         sequence_parallel=case.sequence_parallel,
+        up_proj_dtype=case.up_proj_dtype,
+        fp8_activations=case.fp8_activations,
     )
 
 

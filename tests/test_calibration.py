@@ -118,6 +118,28 @@ def test_a_table_measured_elsewhere_is_a_value_error(call, message):
         select_tier(config, 16, arguments.pop("tp_size"), **arguments)
 
 
+@pytest.mark.parametrize(
+    ("measured_with", "config_changes", "message"),
+    [({}, {"up_proj_dtype": "float8_e4m3fn"}, "up_proj_dtype=None"),
+     ({"up_proj_dtype": "float8_e4m3fn"}, {"up_proj_dtype": "float8_e4m3fn", "fp8_activations": True},
+      "fp8_activations=False")],
+    ids=["fp8-weights", "fp8-activations"],
+)
+def test_a_table_measured_with_other_up_projection_weights_is_a_value_error(measured_with, config_changes, message):
+    measured = dataclasses.replace(table(TWO_RANGES), **measured_with)
+    config = dataclasses.replace(CONFIG, selection_policy="measured", selection_table=measured, **config_changes)
+    with pytest.raises(ValueError, match=f"selection_table: measured with {message}"):
+        select_tier(config, 16, 8)
+
+
+def test_a_table_written_before_fp8_weights_reads_as_measured_with_the_kernel_in_dtype(tmp_path):
+    data = table(TWO_RANGES).to_dict()
+    del data["up_proj_dtype"], data["fp8_activations"]
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps(data))
+    assert SelectionTable.load(path) == table(TWO_RANGES)
+
+
 def test_a_table_for_other_shapes_is_a_value_error():
     config = TailConfig(hidden_size=99, latent_size=64, selection_policy="measured",
                         selection_table=table(TWO_RANGES))

@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from k3_tail.cli import main
+from k3_tail.cli import build_parser, main
+from k3_tail.cli.common import measurement_config, up_projection_options
 from k3_tail.tiers.registry import Tier, tier_table
 
 AOT_MISSING = importlib.util.find_spec("jax_plugins.xla_cuda13") is None
@@ -47,11 +48,30 @@ def run_cli(*argv):
 
 
 @pytest.mark.skipif(AOT_MISSING, reason="needs the [aot] extra (jax-cuda13-plugin and -pjrt of the installed jax)")
-def test_hlo_shows_the_overlap_tier_overlapped_on_eight_h100s():
-    result = run_cli("hlo", "--tier", "overlap", "--tokens", "16", "--topology", "h100x8")
+def test_hlo_shows_the_overlap_tier_overlapped_on_eight_h100s_reading_its_fp8_kernel():
+    result = run_cli("hlo", "--tier", "overlap", "--tokens", "16", "--topology", "h100x8",
+                     "--up-proj-dtype", "float8_e4m3fn")
     assert result.returncode == 0, result.stderr
     assert "overlapped: True" in result.stdout and "NVIDIA H100" in result.stdout
+    assert "up projection float8_e4m3fn" in result.stdout
+    gemm_lines = [line for line in result.stdout.splitlines() if "GFLOP, reads" in line]
+    assert gemm_lines and all("f8e4m3fn[" in line for line in gemm_lines)
     assert "Traceback" not in result.stderr and "cuDNN" not in result.stderr
+
+
+@pytest.mark.parametrize("command", ["demo", "bench", "hlo", "calibrate"])
+def test_every_command_that_runs_the_tail_takes_the_fp8_flags(command):
+    extra = ["--out", "table.json"] if command == "calibrate" else []
+    args = build_parser().parse_args([command, *extra, "--up-proj-dtype", "float8_e4m3fnuz", "--fp8-activations"])
+    assert up_projection_options(args) == {"up_proj_dtype": "float8_e4m3fnuz", "fp8_activations": True}
+    if command in ("bench", "calibrate"):
+        config = measurement_config(args)
+        assert config.up_proj_dtype.name == "float8_e4m3fnuz" and config.fp8_activations
+
+
+def test_fp8_activations_without_an_fp8_kernel_is_a_one_line_error(capsys):
+    assert main(["hlo", "--topology", "cpu", "--fp8-activations"]) == 2
+    assert capsys.readouterr().err.startswith("k3-tail hlo: error: --fp8-activations: needs --up-proj-dtype")
 
 
 def test_hlo_json_on_a_cpu_mesh_names_the_selected_tier():

@@ -11,6 +11,7 @@ import dataclasses
 import importlib.util
 import math
 
+import jax
 import pytest
 
 from helpers import make_tp_mesh, tier_layouts
@@ -33,6 +34,7 @@ VARIANTS = {
     "no_shared": TailConfig.kimi_k3(has_shared_experts=False),
     "no_norm": TailConfig.kimi_k3(use_latent_norm=False),
     "fused_reduced": TailConfig.kimi_k3(fused_output_is_reduced=True),
+    "fp8": TailConfig.kimi_k3(up_proj_dtype="float8_e4m3fn"),
 }
 
 
@@ -49,10 +51,14 @@ def compiled_figures(config, mesh, num_tokens, tier, weight_layout, *, elements=
     result = report(compiled)
     entry = parse_module(compiled.as_text()).entry
     arguments = tail_arguments(config, mesh, num_tokens, weight_layout=weight_layout)
+    # An FP8 kernel is two arguments (values, scales): both count as the kernel.
     roles = [role for role, argument in zip(("routed", "shared", "norm", "kernel"), arguments, strict=True)
-             if argument is not None]
-    parameters = {roles[int(i.operand_text)]: sum(a.bytes for a in i.arrays)
-                  for i in entry.instructions if i.opcode == "parameter"}
+             for _ in jax.tree.leaves(argument)]
+    parameters = {}
+    for instruction in entry.instructions:
+        if instruction.opcode == "parameter":
+            role = roles[int(instruction.operand_text)]
+            parameters[role] = parameters.get(role, 0) + sum(a.bytes for a in instruction.arrays)
     kernel = parameters["kernel"]
     if tier in (Tier.COLUMN_PARALLEL, Tier.SCATTER_GATHER) and weight_layout == "replicated":
         kernel /= mesh.shape["tp"]  # these tiers read only their own [L, H/p] block of the whole kernel
@@ -100,8 +106,8 @@ def test_sequence_parallel_counts_agree_with_the_gpu_compiled_program(gpu_mesh, 
                  compiled_figures(config, gpu_mesh, 16, tier, weight_layout))
 
 
-# Where a config switch changes what a tier moves (T = 16): padded column blocks (H = 1001, p = 8), no
-# shared reduction, no x in one_shot's packed buffer, no latent all-reduce.
+# Where a config switch changes what a tier moves or reads (T = 16): padded column blocks (H = 1001, p = 8),
+# no shared reduction, no x in one_shot's packed buffer, no latent all-reduce, an FP8 kernel.
 VARIANT_CASES = [
     *(pytest.param("h1001", tier, layout, id=f"h1001-{tier.value}-{layout}")
       for tier in Tier for layout in ("column", "replicated") if tier.supports(layout)
@@ -110,6 +116,10 @@ VARIANT_CASES = [
       for tier in (Tier.OVERLAP, Tier.SCATTER_GATHER, Tier.ONE_SHOT)),
     pytest.param("no_norm", Tier.ONE_SHOT, "replicated", id="no_norm-one_shot"),
     pytest.param("fused_reduced", Tier.COLUMN_PARALLEL, "column", id="fused_reduced-column_parallel"),
+    # FP8 kernel bytes (values and scales) on the whole kernel, a column block and a sliced block.
+    *(pytest.param("fp8", tier, layout, id=f"fp8-{tier.value}-{layout}")
+      for tier, layout in ((Tier.OVERLAP, "replicated"), (Tier.SCATTER_GATHER, "column"),
+                           (Tier.COLUMN_PARALLEL, "replicated"))),
 ]
 
 
@@ -344,8 +354,57 @@ def test_bad_arguments_are_value_errors_naming_the_argument(case):
 @pytest.mark.parametrize(
     "field, value",
     [("name", ""), ("peak_flops", 0), ("hbm_bytes_per_s", -1.0), ("link_bytes_per_s", math.inf),
-     ("collective_latency_s", -1e-6), ("peak_flops", True), ("collective_latency_s", math.nan)],
+     ("collective_latency_s", -1e-6), ("peak_flops", True), ("collective_latency_s", math.nan),
+     ("peak_fp8_flops", 0), ("fp8_formats", ()), ("fp8_formats", "float8_e4m3fn")],
 )
 def test_bad_hardware_fields_are_value_errors_naming_the_field(field, value):
     with pytest.raises(ValueError, match=f"^{field}:"):
         dataclasses.replace(HARDWARE["h200"], **{field: value})
+
+
+# --- FP8 up-projection weights ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tier, weight_layout", tier_layouts())
+def test_fp8_weights_read_one_byte_per_kernel_element_plus_a_float32_scale_per_column(tier, weight_layout):
+    bf16 = tier_cost(K3, 16, P, tier=tier, weight_layout=weight_layout)
+    fp8 = tier_cost(TailConfig.kimi_k3(up_proj_dtype="float8_e4m3fnuz"), 16, P, tier=tier, weight_layout=weight_layout)
+    columns = tier.record.gemm_columns(H, P, weight_layout)
+    assert bf16.weight_bytes - fp8.weight_bytes == L * columns - 4 * columns
+    assert dataclasses.replace(fp8, weight_bytes=bf16.weight_bytes) == bf16
+
+
+@pytest.mark.parametrize("hardware", sorted(HARDWARE))
+def test_fp8_activations_run_the_gemm_at_the_fp8_peak_only_in_a_format_the_gpu_multiplies(hardware):
+    preset = HARDWARE[hardware]
+    for name in ("float8_e4m3fn", "float8_e4m3fnuz"):
+        config = TailConfig.kimi_k3(up_proj_dtype=name, fp8_activations=True)
+        cost = tier_cost(config, 4096, P, tier=Tier.NATIVE)
+        peak = preset.peak_fp8_flops if name in preset.fp8_formats else preset.peak_flops
+        assert predict_time(cost, preset).compute_s == pytest.approx(cost.gemm_flops / peak)
+
+
+def test_weight_only_fp8_saves_bytes_not_flop_time():
+    bf16, fp8 = (tier_cost(TailConfig.kimi_k3(up_proj_dtype=d), 1, P, tier=Tier.OVERLAP)
+                 for d in (None, "float8_e4m3fn"))
+    bf16_time, fp8_time = (predict_time(cost, "mi355x") for cost in (bf16, fp8))
+    assert fp8_time.compute_s == bf16_time.compute_s and fp8_time.memory_s < 0.51 * bf16_time.memory_s
+
+
+def test_presets_double_the_dense_peak_for_fp8_in_their_native_formats():
+    assert {name: preset.fp8_formats for name, preset in HARDWARE.items()} == {
+        "mi300x": ("float8_e4m3fnuz",), "mi325x": ("float8_e4m3fnuz",), "mi355x": ("float8_e4m3fn",),
+        "h200": ("float8_e4m3fn",),
+    }
+    for preset in HARDWARE.values():
+        assert preset.peak_fp8_flops / preset.peak_flops == pytest.approx(2.0, rel=0.001)
+
+
+@pytest.mark.parametrize("weight_layout", ["replicated", "column"])
+def test_fp8_weights_move_the_crossovers_later_on_mi355x(weight_layout):
+    """Halving the kernel bytes cheapens the weight-bound local work, so the tier that saves collective
+    latency (one_shot; column_parallel on the column layout) keeps winning to larger T."""
+    bf16, fp8 = (crossovers(TailConfig.kimi_k3(up_proj_dtype=d), P, hardware="mi355x", weight_layout=weight_layout)
+                 for d in (None, "float8_e4m3fn"))
+    assert (fp8[0].before, fp8[0].after) == (bf16[0].before, bf16[0].after)
+    assert fp8[0].num_tokens > bf16[0].num_tokens

@@ -137,6 +137,7 @@ def test_tail_design_infeasible_pairs_are_exactly_the_constraints():
     assert everything - feasible == {
         *((("tier", tier), ("weight_layout", "column")) for tier in whole_kernel_tiers),
         (("tp_size", 1), ("hidden_divisible", False)),
+        (("up_proj_dtype", None), ("fp8_activations", True)),
     }
 
 
@@ -151,8 +152,8 @@ def test_tail_design_is_small_and_its_ids_are_unique():
 
 
 def test_tail_case_id_names_every_factor():
-    case = covering.TailCase("overlap", 3, 13, "bfloat16", "column", False, 2.0, False, True)
-    assert case.id == "overlap-p3-T13-bf16-column-H97-scale2-nonorm-sp"
+    case = covering.TailCase("overlap", 3, 13, "bfloat16", "column", False, 2.0, False, True, "float8_e4m3fnuz", True)
+    assert case.id == "overlap-p3-T13-bf16-column-H97-scale2-nonorm-sp-e4m3fnuz-fp8act"
     assert case.hidden_size == 97
 
 

@@ -196,10 +196,12 @@ def test_bad_per_rank_input_is_a_value_error_naming_the_argument(overrides, mess
         per_rank_call(**overrides)
 
 
-def test_module_per_rank_call_in_an_nnx_shard_map(mesh):
-    """The module's parameters enter the model's shard_map as each rank's blocks (their partition specs)."""
-    module = k3_tail.LatentMoETail(CONFIG, mesh, rngs=nnx.Rngs(0), axis_name=TP, weight_layout="column")
-    inputs = make_inputs(CONFIG, P_SIZE, 5)
+@pytest.mark.parametrize("up_proj_dtype", [None, "float8_e4m3fnuz"])
+def test_module_per_rank_call_in_an_nnx_shard_map(mesh, up_proj_dtype):
+    """The module's parameters (FP8 values and scales too) enter the model's shard_map as each rank's blocks."""
+    config = dataclasses.replace(CONFIG, up_proj_dtype=up_proj_dtype)
+    module = k3_tail.LatentMoETail(config, mesh, rngs=nnx.Rngs(0), axis_name=TP, weight_layout="column")
+    inputs = make_inputs(config, P_SIZE, 5)
     state_specs = nnx.StateSharding(nnx.get_partition_spec(nnx.state(module)))
 
     @nnx.shard_map(mesh=mesh, in_specs=(state_specs, P(TP), P(TP)), out_specs=P())
@@ -207,10 +209,12 @@ def test_module_per_rank_call_in_an_nnx_shard_map(mesh):
         return module.per_rank(routed[0], shared[0])
 
     y = layer(module, *(jax.device_put(x, NamedSharding(mesh, P(TP))) for x in (inputs.routed, inputs.shared)))
-    kernel = np.asarray(module.up_proj_kernel[...])[:, : CONFIG.hidden_size]
-    expected = reference_tail(CONFIG, dataclasses.replace(inputs, kernel=kernel,
+    kernel = np.asarray(module.up_proj_kernel[...])[:, : config.hidden_size]
+    if up_proj_dtype is not None:
+        kernel = k3_tail.QuantizedKernel(kernel, np.asarray(module.up_proj_scale[...])[: config.hidden_size])
+    expected = reference_tail(config, dataclasses.replace(inputs, kernel=kernel,
                                                           norm_weight=np.asarray(module.norm_scale[...])))
-    assert_close(CONFIG, y, expected)
+    assert_close(config, y, expected)
 
 
 @pytest.mark.parametrize("weight_layout", k3_tail.WEIGHT_LAYOUTS)

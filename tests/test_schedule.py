@@ -180,3 +180,78 @@ def test_token_parallel_moves_a_sixth_or_a_quarter_fewer_wire_bytes_than_the_col
     wire = [sum(c.wire_bytes for c in result.collectives) for result in (token_parallel, column)]
     assert wire[0] / wire[1] == pytest.approx(ratio, rel=1e-6)
     assert wire[0] / wire[1] <= (0.834 if not sequence_parallel else 0.75)
+
+
+# --- FP8 up-projection weights ------------------------------------------------------------------------------
+
+# Every (tier, layout) pair once, weight-only FP8 or FP8 activations, each kind at T = 1 or 16 (decode) and
+# 2048 (prefill; FP8 activations are for large T) and on both layouts.
+FP8_WEIGHT_ONLY_CASES = [
+    (Tier.NATIVE, "replicated", 1), (Tier.OVERLAP, "column", 16), (Tier.COLUMN_PARALLEL, "replicated", 2048),
+    (Tier.SCATTER_GATHER, "column", 1), (Tier.ONE_SHOT, "replicated", 16),
+]
+FP8_ACTIVATIONS_CASES = [
+    (Tier.NATIVE, "column", 2048), (Tier.OVERLAP, "replicated", 16), (Tier.COLUMN_PARALLEL, "column", 16),
+    (Tier.SCATTER_GATHER, "replicated", 2048), (Tier.TOKEN_PARALLEL, "replicated", 2048),
+]
+
+
+def fp8_params(cases):
+    return [pytest.param(tier, layout, tokens, id=f"{tier.value}-{layout}-T{tokens}") for tier, layout, tokens in cases]
+
+
+def fp8_format_for(mesh):
+    """The FP8 format the mesh's GPUs multiply: E4M3FNUZ on MI300X / MI325X (gfx942), else OCP E4M3FN."""
+    kind = mesh.devices.flat[0].device_kind
+    return "float8_e4m3fnuz" if any(name in kind for name in ("MI300", "MI325")) else "float8_e4m3fn"
+
+
+def fp8_program(mesh, tier, weight_layout, num_tokens, fp8_activations):
+    config = TailConfig.kimi_k3(up_proj_dtype=fp8_format_for(mesh), fp8_activations=fp8_activations)
+    compiled = compile_tail(config, mesh, num_tokens, tier=tier, weight_layout=weight_layout)
+    return parse_module(compiled.as_text()), report(compiled)
+
+
+def assert_kernel_reaches_gemms_only_as_fp8(module, result):
+    """Follow the FP8 kernel parameter through the schedule: every instruction that reads it (or a value
+    made from it) is a GEMM, or yields FP8 only (a bitcast, slice or transpose of the kernel): the
+    program never holds the kernel in another dtype, and a GEMM reads it."""
+    gemms = {gemm.name for gemm in result.gemms}
+    kernel = {i.name for i in module.entry.instructions
+              if i.opcode == "parameter" and all(a.dtype.startswith("f8") for a in i.arrays)}
+    assert kernel, "no FP8 parameter in the program"
+    readers = []
+    for instruction in module.entry.instructions:
+        if not kernel.intersection(instruction.operands):
+            continue
+        if instruction.name in gemms:
+            readers.append(instruction.name)
+        elif all(array.dtype.startswith("f8") for array in instruction.arrays):
+            kernel.add(instruction.name)
+        else:
+            pytest.fail(f"the kernel leaves FP8 in a non-GEMM instruction: {instruction.name} {instruction.type_text}")
+    assert readers, "no GEMM reads the FP8 kernel"
+
+
+@pytest.mark.parametrize(("tier", "weight_layout", "num_tokens"), fp8_params(FP8_WEIGHT_ONLY_CASES))
+def test_fp8_weights_are_read_by_the_gemm_without_a_copy_in_another_dtype(gpu_mesh, tier, weight_layout, num_tokens):
+    module, result = fp8_program(gpu_mesh, tier, weight_layout, num_tokens, fp8_activations=False)
+    assert_kernel_reaches_gemms_only_as_fp8(module, result)
+
+
+@pytest.mark.parametrize(("tier", "weight_layout", "num_tokens"), fp8_params(FP8_ACTIVATIONS_CASES))
+def test_fp8_activations_make_both_gemm_operands_fp8(gpu_mesh, tier, weight_layout, num_tokens):
+    """The normalised latent is quantised before the GEMM, which then reads two FP8 operands (and at most
+    float32 scales): no bf16 operand, and the kernel stays FP8."""
+    module, result = fp8_program(gpu_mesh, tier, weight_layout, num_tokens, fp8_activations=True)
+    assert_kernel_reaches_gemms_only_as_fp8(module, result)
+    for gemm in result.gemms:
+        fp8 = [t for t in gemm.operand_types if t.startswith("f8")]
+        assert len(fp8) >= 2 and set(gemm.operand_types) <= {*fp8, "f32"}, (gemm.name, gemm.operand_types)
+
+
+def test_fp8_weights_halve_the_kernel_bytes_each_device_holds(gpu_mesh):
+    """Per device: the column block [L, H/p] in FP8 plus float32 scales, against bf16 (half, plus 4H/p)."""
+    bf16 = report(compile_tail(CONFIG, gpu_mesh, 16, tier=Tier.COLUMN_PARALLEL, weight_layout="column"))
+    _, fp8 = fp8_program(gpu_mesh, Tier.COLUMN_PARALLEL, "column", 16, fp8_activations=False)
+    assert sum(a.bytes for a in fp8.arguments) - sum(a.bytes for a in bf16.arguments) == -L * H // P + 4 * H // P

@@ -15,7 +15,7 @@ from flax import nnx
 import k3_tail
 from covering import DIVISIBLE_HIDDEN_SIZE, LATENT_SIZE, TAIL_CASES
 from helpers import make_tp_mesh, run_case, tier_layouts
-from reference import TOLERANCE, make_inputs, reference_tail, relative_error
+from reference import TOLERANCE, make_inputs, reference_tail, relative_error, tolerance
 
 SP = k3_tail.TailConfig(hidden_size=DIVISIBLE_HIDDEN_SIZE, latent_size=LATENT_SIZE, sequence_parallel=True)
 SEQUENCE_PARALLEL_CASES = [case for case in TAIL_CASES if case.sequence_parallel]
@@ -45,7 +45,7 @@ def test_output_is_token_sharded_when_p_divides_t_and_matches_the_reference(case
     else:
         assert y.sharding.is_fully_replicated
         assert {shard.data.shape for shard in y.addressable_shards} == {(num_tokens, hidden_size)}
-    assert relative_error(y, reference_tail(config, inputs)) <= TOLERANCE[config.dtype]
+    assert relative_error(y, reference_tail(config, inputs)) <= tolerance(config)
 
 
 @pytest.mark.parametrize(("tier", "weight_layout"), tier_layouts())

@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import k3_tail
 from covering import COLUMN_CASES, DIVISIBLE_HIDDEN_SIZE, INDIVISIBLE_HIDDEN_SIZE, LATENT_SIZE, TAIL_CASES
 from helpers import assert_column_tier_writes_only_its_own_block, layout_for, make_tp_mesh, run_case, tier_layouts
-from reference import TOLERANCE, make_inputs, reference_tail, relative_error
+from reference import TOLERANCE, make_inputs, reference_tail, relative_error, tolerance
 
 SMALL = k3_tail.TailConfig(hidden_size=DIVISIBLE_HIDDEN_SIZE, latent_size=LATENT_SIZE)
 SMALL_ODD = dataclasses.replace(SMALL, hidden_size=INDIVISIBLE_HIDDEN_SIZE)
@@ -55,7 +55,7 @@ def test_tier_matches_the_float64_reference_and_replicates_y(case):
     assert y.shape == (case.num_tokens, case.hidden_size) and y.dtype == config.dtype
     if case.num_tokens:
         assert y.sharding.is_fully_replicated
-        assert relative_error(y, reference_tail(config, inputs)) <= TOLERANCE[config.dtype]
+        assert relative_error(y, reference_tail(config, inputs)) <= tolerance(config)
 
 
 # The tail inputs with one term dropped or misread; each must miss the reference by far more than 1e-2.

@@ -34,6 +34,7 @@ from k3_tail.selection.rules import select_tier
 from k3_tail.tiers.collectives import ALL_REDUCE_FORMS
 from k3_tail.tiers.columns import WEIGHT_LAYOUTS
 from k3_tail.tiers.registry import Tier
+from k3_tail.tiers.up_projection import FP8_FORMATS
 from k3_tail.tools.benchmark import CPU_MAX_TOKENS, DEFAULT_MAX_TOKENS, Measurement, check_tiers, measure_tiers
 
 PROG = "k3-tail"
@@ -201,6 +202,24 @@ def add_measurement_arguments(parser: argparse.ArgumentParser) -> None:
     shapes.add_argument("--all-reduce-form", choices=ALL_REDUCE_FORMS, default=kimi.all_reduce_form,
                         help="one all-reduce, reduce-scatter + all-gather, or auto: the form measured faster on the "
                         f"platform for the buffer's size and dtype (default: {kimi.all_reduce_form})")
+    add_up_projection_arguments(shapes)
+
+
+def add_up_projection_arguments(group: argparse._ArgumentGroup | argparse.ArgumentParser) -> None:
+    """``--up-proj-dtype`` and ``--fp8-activations``: the up projection's weights in FP8."""
+    group.add_argument("--up-proj-dtype", choices=FP8_FORMATS, default=None,
+                       help="store the up-projection kernel in this FP8 format, per-column scales (default: the "
+                       "activation dtype)")
+    group.add_argument("--fp8-activations", action="store_true",
+                       help="with --up-proj-dtype: quantise the normalised latent per token too, so the GEMM "
+                       "multiplies two FP8 operands (fp8_activations=True)")
+
+
+def up_projection_options(args: argparse.Namespace) -> dict[str, object]:
+    """The TailConfig fields ``--up-proj-dtype`` and ``--fp8-activations`` set."""
+    if args.fp8_activations and args.up_proj_dtype is None:
+        raise CommandError("--fp8-activations: needs --up-proj-dtype (one of " + ", ".join(FP8_FORMATS) + ")")
+    return {"up_proj_dtype": args.up_proj_dtype, "fp8_activations": args.fp8_activations}
 
 
 def add_shape_arguments(group: argparse._ArgumentGroup) -> argparse._ArgumentGroup:
@@ -222,7 +241,7 @@ def measurement_config(args: argparse.Namespace) -> TailConfig:
             hidden_size=args.hidden_size, latent_size=args.latent_size, dtype=args.dtype, rms_norm_eps=args.eps,
             routed_scaling_factor=args.scale, use_latent_norm=not args.no_norm, has_shared_experts=not args.no_shared,
             fused_output_is_reduced=args.reduced_routed, sequence_parallel=args.sequence_parallel,
-            all_reduce_form=args.all_reduce_form,
+            all_reduce_form=args.all_reduce_form, **up_projection_options(args),
         )
     except ValueError as error:
         raise CommandError(f"config: {error}") from None
@@ -314,6 +333,8 @@ def describe_config(config: TailConfig) -> str:
         ("no norm", not config.use_latent_norm), ("no shared experts", not config.has_shared_experts),
         ("reduced routed output", config.fused_output_is_reduced), ("sequence-parallel", config.sequence_parallel),
         (f"all_reduce_form {config.all_reduce_form}", config.all_reduce_form != "auto"),
+        (f"up projection {getattr(config.up_proj_dtype, 'name', '')}", config.up_proj_dtype is not None),
+        ("FP8 activations", config.fp8_activations),
     ) if on]
     return ", ".join([text, *flags])
 

@@ -9,7 +9,7 @@ Inputs are random with a fixed seed and are placed on the mesh once, the weights
 token count and each T's partials before its runs, so the times measure the tail, not host
 transfers. Each (T, tier) runs once to compile (the warm-up), then ``--repeats`` timed runs. The
 exit status is 1 when some tier is further than ``RELATIVE_ERROR_TOLERANCE`` from native (relative
-Frobenius error), 0 otherwise.
+Frobenius error; ``FP8_ACTIVATIONS_TOLERANCE`` with ``--fp8-activations``), 0 otherwise.
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ import jax
 import numpy as np
 
 from k3_tail.cli.common import (
-    AXIS_NAME, DEFAULT_CPU_DEVICES, DEFAULT_REPEATS, add_seed_argument, add_weight_layout_argument, demo_devices,
-    mesh_decision, positive_int, positive_int_list, progress, tp_mesh,
+    AXIS_NAME, DEFAULT_CPU_DEVICES, DEFAULT_REPEATS, add_seed_argument, add_up_projection_arguments,
+    add_weight_layout_argument, demo_devices, describe_config, mesh_decision, positive_int, positive_int_list, progress,
+    tp_mesh, up_projection_options,
 )
 from k3_tail.config import TailConfig
 from k3_tail.forward import tail_forward
@@ -35,6 +36,9 @@ from k3_tail.tools.benchmark import place_partials, place_weights, tiers_for, ti
 DEFAULT_TOKEN_COUNTS = (1, 16, 64, 320)
 # bf16 keeps 8 significand bits: tiers that sum and round in another order differ by a few 1e-3.
 RELATIVE_ERROR_TOLERANCE = 1e-2
+# With --fp8-activations each tier rounds its GEMM input to FP8 per token (one_shot its own partial,
+# the others the reduced latent): about 2e-2 from the exact result each (scripts/fp8_error.py).
+FP8_ACTIVATIONS_TOLERANCE = 5e-2
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -60,6 +64,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     )
     add_weight_layout_argument(demo)
     add_seed_argument(demo)
+    add_up_projection_arguments(demo)
     demo.set_defaults(run=run)
 
 
@@ -68,13 +73,13 @@ def run(args: argparse.Namespace) -> int:
     devices = demo_devices(args.devices)
     mesh = tp_mesh(devices)
     tp_size = mesh.shape[AXIS_NAME]
-    config = TailConfig.kimi_k3()
+    config = TailConfig.kimi_k3(**up_projection_options(args))
     rng = np.random.default_rng(args.seed)
 
     print(f"jax {jax.__version__}, backend {jax.default_backend()}, {jax.device_count()} devices")
     print(f"mesh: {AXIS_NAME}={tp_size} over {len(devices)} {devices[0].platform} devices")
     print(
-        f"config: Kimi-K3 tail, H={config.hidden_size}, L={config.latent_size}, {config.dtype.name}, "
+        f"config: Kimi-K3 tail, {describe_config(config)}, "
         f"overlap_token_threshold={config.overlap_token_threshold}; kernel layout {args.weight_layout}"
     )
     print(
@@ -103,15 +108,16 @@ def run(args: argparse.Namespace) -> int:
 
     print_table(rows)
     # `not <=` so that a NaN error fails too.
-    failures = [row for row in rows if not row.relative_error <= RELATIVE_ERROR_TOLERANCE]
+    tolerance = FP8_ACTIVATIONS_TOLERANCE if config.fp8_activations else RELATIVE_ERROR_TOLERANCE
+    failures = [row for row in rows if not row.relative_error <= tolerance]
     print()
     if not failures:
-        print(f"every tier agrees with native: relative error <= {RELATIVE_ERROR_TOLERANCE:g} for every T")
+        print(f"every tier agrees with native: relative error <= {tolerance:g} for every T")
         return 0
     for row in failures:
         print(
             f"FAIL: T={row.num_tokens} {row.tier.value}: relative error {row.relative_error:.3e} "
-            f"vs native exceeds {RELATIVE_ERROR_TOLERANCE:g}"
+            f"vs native exceeds {tolerance:g}"
         )
     return 1
 

@@ -9,8 +9,9 @@ The model has two layers.
    - ``gemm_flops``: 2*rows*L*columns, with the tier record's ``gemm_rows`` (T, or T'/p for a tier that
      shards tokens) and ``gemm_columns`` (H when the tier projects all columns with the replicated
      kernel, else its own column block Hb).
-   - ``weight_bytes``: kernel bytes the GEMM reads (d*L*H or d*L*Hb; a column tier on the replicated
-     layout reads only its own block) plus the norm weight (d*L) when ``use_latent_norm``.
+   - ``weight_bytes``: kernel bytes the GEMM reads (w*L*H or w*L*Hb; a column tier on the replicated
+     layout reads only its own block) plus the norm weight (d*L) when ``use_latent_norm``; w = d, or
+     1 for an FP8 ``up_proj_dtype``, whose per-column float32 scales add 4*H (or 4*Hb) bytes.
    - ``activation_bytes``: the activation rows the call reads and writes on this rank: its routed and
      shared inputs and its own rows of y, d*(T*L + T*H + T*H) (no shared partial: no second term;
      token-sharded output: the last term is T/p*H), for the caller's T. This is the traffic no
@@ -35,7 +36,11 @@ The model has two layers.
 2. **Time** (:func:`predict_time`) from a roofline for the local work and an alpha-beta model for the
    collectives, with the :class:`Hardware` figures:
 
-       local      = max(gemm_flops / peak_flops, (weight_bytes + activation_bytes) / hbm_bytes_per_s)
+       local      = max(gemm_flops / peak, (weight_bytes + activation_bytes) / hbm_bytes_per_s)
+
+   where peak is the preset's ``peak_fp8_flops`` for a GEMM of two FP8 operands
+   (``fp8_activations``) in a format the preset lists in ``fp8_formats``, else ``peak_flops``
+   (weight-only FP8 multiplies in ``config.dtype``: it saves bytes, not FLOP time).
        collective = collective_latency_s + wire_bytes / link_bytes_per_s   (0 for a group of 1 rank)
        total      = sum(serial collectives) + max(local, sum(hidden collectives))
 
@@ -114,6 +119,7 @@ class TierCost:
 
     gemm_flops: FLOPs of the up projection. weight_bytes: kernel (and norm weight) bytes read.
     activation_bytes: activation input and output bytes. collectives: in the order the tier issues them.
+    fp8_gemm: the FP8 format of both GEMM operands (``fp8_activations``), else None.
     """
 
     tier: Tier
@@ -124,6 +130,7 @@ class TierCost:
     weight_bytes: int
     activation_bytes: int
     collectives: tuple[CollectiveCost, ...]
+    fp8_gemm: str | None = None
 
     def collective_bytes(self, kind: str) -> int:
         """Sum of ``buffer_bytes`` of the collectives of ``kind`` (0 when there is none)."""
@@ -168,6 +175,10 @@ def tier_cost(
     activation_bytes = element * (num_tokens * latent + shared_rows * hidden + output_rows * hidden)
     columns = record.gemm_columns(hidden, tp_size, weight_layout)
     norm_bytes = element * latent if config.use_latent_norm else 0
+    if config.up_proj_dtype is None:
+        kernel_bytes = element * latent * columns
+    else:  # FP8 values and one float32 scale per column
+        kernel_bytes = config.up_proj_dtype.itemsize * latent * columns + 4 * columns
     collectives = [
         CollectiveCost(term.kind, element * term.elements, tp_size, hidden=term.beside_gemm)
         for term in tier.record.collectives(shape)
@@ -182,9 +193,10 @@ def tier_cost(
         tp_size=tp_size,
         weight_layout=weight_layout,
         gemm_flops=2 * record.gemm_rows(rows, tp_size) * latent * columns,
-        weight_bytes=element * latent * columns + norm_bytes,
+        weight_bytes=kernel_bytes + norm_bytes,
         activation_bytes=activation_bytes,
         collectives=tuple(collectives),
+        fp8_gemm=config.up_proj_dtype.name if config.fp8_activations else None,
     )
 
 
@@ -211,7 +223,8 @@ def predict_time(cost: TierCost, hardware: Hardware | str) -> Prediction:
     """The :class:`Prediction` for ``cost`` on ``hardware`` (a :class:`Hardware` or a key of HARDWARE).
 
     total = sum(serial collective times) + max(local, sum(hidden collective times)), where local =
-    max(gemm_flops / peak_flops, (weight_bytes + activation_bytes) / hbm_bytes_per_s) and a collective
+    max(gemm_flops / peak, (weight_bytes + activation_bytes) / hbm_bytes_per_s) (peak: the preset's
+    FP8 peak for a GEMM of two FP8 operands in a format it multiplies, else its BF16 peak) and a collective
     takes collective_latency_s + wire_bytes / link_bytes_per_s (nothing over a group of one rank).
     """
     if not isinstance(cost, TierCost):
@@ -233,8 +246,9 @@ def _time_terms(cost: TierCost, hardware: Hardware) -> tuple[float, float, float
             hidden += seconds
         else:
             serial += seconds
+    peak = hardware.peak_fp8_flops if cost.fp8_gemm in hardware.fp8_formats else hardware.peak_flops
     return (
-        cost.gemm_flops / hardware.peak_flops,
+        cost.gemm_flops / peak,
         (cost.weight_bytes + cost.activation_bytes) / hardware.hbm_bytes_per_s,
         serial,
         hidden,

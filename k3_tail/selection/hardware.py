@@ -18,6 +18,9 @@ class Hardware:
     peak_flops: dense BF16 FLOP/s of one GPU. hbm_bytes_per_s: its HBM bandwidth (bytes/s).
     link_bytes_per_s: its collective bandwidth, one direction, all links to its TP peers together
     (bytes/s). collective_latency_s: the fixed time of one collective (seconds).
+    fp8_formats: the FP8 formats its matrix units multiply natively (dtype names, e.g.
+    "float8_e4m3fn"); peak_fp8_flops: their dense FP8 FLOP/s. A GEMM of two FP8 operands in one of
+    those formats runs at ``peak_fp8_flops``; every other GEMM at ``peak_flops``.
     """
 
     name: str
@@ -25,6 +28,8 @@ class Hardware:
     hbm_bytes_per_s: float
     link_bytes_per_s: float
     collective_latency_s: float
+    peak_fp8_flops: float | None = None
+    fp8_formats: tuple[str, ...] = ()
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:
@@ -35,6 +40,16 @@ class Hardware:
             is_number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
             if not is_number or value < 0 or (value == 0 and not zero_allowed):
                 raise ValueError(f"{field}: expected a finite number {'>=' if zero_allowed else '>'} 0, got {value!r}")
+        fp8 = self.peak_fp8_flops
+        if fp8 is not None and (isinstance(fp8, bool) or not isinstance(fp8, (int, float)) or not math.isfinite(fp8)
+                                or fp8 <= 0):
+            raise ValueError(f"peak_fp8_flops: expected None or a finite number > 0, got {fp8!r}")
+        if not isinstance(self.fp8_formats, tuple) or not all(isinstance(f, str) for f in self.fp8_formats) \
+                or bool(self.fp8_formats) != (fp8 is not None):
+            raise ValueError(
+                f"fp8_formats: expected a tuple of FP8 dtype names, non-empty exactly when peak_fp8_flops is set, "
+                f"got {self.fp8_formats!r}"
+            )
 
 
 # Assumed, for every preset: no vendor publishes a per-collective latency. 10 us is the order of the
@@ -52,6 +67,9 @@ HARDWARE = MappingProxyType({
         # each peer of an 8-GPU node: 7 x 64 GB/s = 448 GB/s per GPU per direction.
         link_bytes_per_s=448e9,
         collective_latency_s=_ASSUMED_COLLECTIVE_LATENCY_S,
+        # Same data sheet: peak FP8 2614.9 TFLOPs dense. CDNA 3 (gfx942) multiplies the FNUZ FP8 formats.
+        peak_fp8_flops=2614.9e12,
+        fp8_formats=("float8_e4m3fnuz",),
     ),
     "mi325x": Hardware(
         "mi325x",
@@ -62,6 +80,9 @@ HARDWARE = MappingProxyType({
         # Same data sheet: 7 Infinity Fabric links of 128 GB/s peak bidirectional: 7 x 64 = 448 GB/s per direction.
         link_bytes_per_s=448e9,
         collective_latency_s=_ASSUMED_COLLECTIVE_LATENCY_S,
+        # Same data sheet: peak FP8 2614.9 TFLOPs dense; CDNA 3 (gfx942), FNUZ FP8 formats as the MI300X.
+        peak_fp8_flops=2614.9e12,
+        fp8_formats=("float8_e4m3fnuz",),
     ),
     "mi355x": Hardware(
         "mi355x",
@@ -74,6 +95,10 @@ HARDWARE = MappingProxyType({
         # per GPU per direction.
         link_bytes_per_s=537.6e9,
         collective_latency_s=_ASSUMED_COLLECTIVE_LATENCY_S,
+        # Same data sheet: peak FP8 5.0 PFLOPs dense (twice the BF16 rate: 5033.2 TFLOP/s at 2.4 GHz).
+        # CDNA 4 (gfx950) multiplies the OCP FP8 formats.
+        peak_fp8_flops=5033.2e12,
+        fp8_formats=("float8_e4m3fn",),
     ),
     "h200": Hardware(
         "h200",
@@ -86,6 +111,9 @@ HARDWARE = MappingProxyType({
         # NVSwitch): 450 GB/s per direction.
         link_bytes_per_s=450e9,
         collective_latency_s=_ASSUMED_COLLECTIVE_LATENCY_S,
+        # Same data sheet: FP8 Tensor Core 3,958 TFLOPS with sparsity, 1978.9 dense; OCP FP8 (E4M3, E5M2).
+        peak_fp8_flops=1978.9e12,
+        fp8_formats=("float8_e4m3fn",),
     ),
 })
 

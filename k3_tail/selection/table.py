@@ -8,15 +8,18 @@ tier measured fastest at T_a serves [T_a, T_b - 1]; the first range starts at T 
 one is open-ended.
 
 A table is only valid where it was measured: the same device kind, TP size, weight layout, hidden
-and latent sizes and dtype. Using it anywhere else raises ValueError naming what differs, since a
-table measured on other hardware or shapes would pick tiers for the wrong reasons.
+and latent sizes, dtype and up-projection weights (``up_proj_dtype``, ``fp8_activations``; a table
+without those keys was measured with the kernel in dtype). Using it anywhere else raises ValueError
+naming what differs, since a table measured on other hardware or shapes would pick tiers for the
+wrong reasons.
 
 JSON form (``format`` names the version)::
 
     {"format": "k3_tail.selection_table/1", "device_kind": "NVIDIA H200", "tp_size": 8,
      "weight_layout": "column", "hidden_size": 7168, "latent_size": 3584, "dtype": "bfloat16",
-     "source": "...", "ranges": [{"first": 1, "last": 255, "tier": "overlap"},
-                                 {"first": 256, "last": null, "tier": "column_parallel"}]}
+     "up_proj_dtype": null, "fp8_activations": false, "source": "...",
+     "ranges": [{"first": 1, "last": 255, "tier": "overlap"},
+                {"first": 256, "last": null, "tier": "column_parallel"}]}
 """
 
 from __future__ import annotations
@@ -64,6 +67,8 @@ class SelectionTable:
     dtype: str
     ranges: tuple[TokenRange, ...]
     source: str = ""
+    up_proj_dtype: str | None = None
+    fp8_activations: bool = False
 
     def __post_init__(self):
         _check_ranges(self.ranges, self.weight_layout)
@@ -75,18 +80,20 @@ class SelectionTable:
     def check_matches(
         self, config: TailConfig, tp_size: int, *, weight_layout: str | None = None, device_kind: str | None = None
     ) -> None:
-        """ValueError naming the first of p, layout, shapes, dtype or device kind that differs from
-        where the table was measured (``weight_layout`` / ``device_kind`` None: not checked)."""
+        """ValueError naming the first of p, shapes, dtypes, FP8 activations, layout or device kind that
+        differs from where the table was measured (``weight_layout`` / ``device_kind`` None: not checked)."""
         expected = {
             "tp_size": tp_size,
             "hidden_size": config.hidden_size,
             "latent_size": config.latent_size,
             "dtype": config.dtype.name,
+            "up_proj_dtype": _up_proj_dtype_name(config),
+            "fp8_activations": config.fp8_activations,
             "weight_layout": weight_layout,
             "device_kind": device_kind,
         }
         for name, value in expected.items():
-            if value is not None and getattr(self, name) != value:
+            if (value is not None or name == "up_proj_dtype") and getattr(self, name) != value:
                 raise ValueError(
                     f"selection_table: measured with {name}={getattr(self, name)!r}, but this call has "
                     f"{name}={value!r}; calibrate for this setup (python -m k3_tail calibrate)"
@@ -125,6 +132,14 @@ class SelectionTable:
         for name in ("tp_size", "hidden_size", "latent_size"):
             if values[name] < 1:
                 raise ValueError(f"selection_table.{name}: expected an integer >= 1, got {values[name]!r}")
+        # Tables written before FP8 weights existed have neither key: they were measured with the kernel in dtype.
+        values["up_proj_dtype"] = data.get("up_proj_dtype")
+        values["fp8_activations"] = data.get("fp8_activations", False)
+        if not isinstance(values["up_proj_dtype"], (str, type(None))):
+            raise ValueError(f"selection_table.up_proj_dtype: expected a dtype name or null, "
+                             f"got {values['up_proj_dtype']!r}")
+        if not isinstance(values["fp8_activations"], bool):
+            raise ValueError(f"selection_table.fp8_activations: expected a bool, got {values['fp8_activations']!r}")
         raw_ranges = data.get("ranges")
         if not isinstance(raw_ranges, list) or not raw_ranges:
             raise ValueError(f"selection_table.ranges: expected a non-empty list, got {raw_ranges!r}")
@@ -181,7 +196,12 @@ def table_from_measurements(
     return SelectionTable(
         device_kind=device_kind, tp_size=tp_size, weight_layout=weight_layout, hidden_size=config.hidden_size,
         latent_size=config.latent_size, dtype=config.dtype.name, ranges=tuple(ranges), source=source,
+        up_proj_dtype=_up_proj_dtype_name(config), fp8_activations=config.fp8_activations,
     )
+
+
+def _up_proj_dtype_name(config: TailConfig) -> str | None:
+    return None if config.up_proj_dtype is None else config.up_proj_dtype.name
 
 
 def _check_ranges(ranges: tuple[TokenRange, ...], weight_layout: str) -> None:

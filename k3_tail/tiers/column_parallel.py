@@ -10,6 +10,7 @@ from k3_tail._checks import AxisName
 from k3_tail.config import TailConfig
 from k3_tail.tiers.columns import own_kernel_block, pad_columns
 from k3_tail.tiers.norm import allreduce_norm_latent_out
+from k3_tail.tiers.up_projection import project
 from k3_tail.tiers.record import CallShape, CollectiveTerm, TierRecord
 from k3_tail.tiers.tokens import reduce_output
 
@@ -54,7 +55,7 @@ def column_parallel_tail(
         shared_partial = jnp.zeros((latent.shape[0], config.hidden_size), config.dtype)
     buffer = pad_columns(shared_partial, block_width * lax.axis_size(axis_name))
     own = lax.dynamic_slice_in_dim(buffer, start, block_width, axis=1).astype(jnp.float32)
-    own = own + jnp.dot(latent, block, preferred_element_type=jnp.float32)
+    own = own + project(latent, block, fp8_activations=config.fp8_activations)
     buffer = lax.dynamic_update_slice_in_dim(buffer, own.astype(config.dtype), start, axis=1)
     # Padding columns are sliced off before the collective, so it moves T*H, not T*p*Hb.
     buffer = buffer[:, : config.hidden_size]

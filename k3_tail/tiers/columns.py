@@ -8,6 +8,8 @@ last H mod p columns).
 Weight layouts (where the [L, H] kernel lives):
   "replicated": every rank holds the whole kernel (vLLM's layout): 2LH bytes per rank.
   "column": rank k holds only its block [L, Hb] (``P(None, axis)``): 2LH/p bytes per rank.
+A kernel quantised to FP8 (:class:`k3_tail.QuantizedKernel`) holds half those bytes, and its
+per-column scales are padded, sharded and sliced with its columns.
 """
 
 from __future__ import annotations
@@ -17,6 +19,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from k3_tail._checks import AxisName
+from k3_tail.tiers.up_projection import QuantizedKernel, map_columns, project
+
+Kernel = jax.Array | QuantizedKernel
 
 WEIGHT_LAYOUTS = ("column", "replicated")
 
@@ -44,38 +49,45 @@ def pad_columns(x: jax.Array, width: int) -> jax.Array:
     return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, extra)])
 
 
-def own_kernel_block(
-    up_proj_kernel: jax.Array, *, hidden_size: int, weight_layout: str, axis_name: AxisName
-) -> jax.Array:
+def own_kernel_block(up_proj_kernel: Kernel, *, hidden_size: int, weight_layout: str, axis_name: AxisName) -> Kernel:
     """This rank's column block [L, Hb] of the up projection (inside ``jax.shard_map``).
 
     "column": the local kernel already is the block. "replicated": the block is sliced out of the
     whole kernel, reading 2*L*Hb bytes of it; when H % p != 0 the kernel is padded first, which
     XLA may materialise as a per-call copy (the column layout stores the padded kernel once).
+    A QuantizedKernel's block is its values' and scales' block.
     """
     if weight_layout == "column":
         return up_proj_kernel
     tp_size = lax.axis_size(axis_name)
     block_width = padded_hidden_size(hidden_size, tp_size) // tp_size
-    kernel = pad_columns(up_proj_kernel, block_width * tp_size)
-    return lax.dynamic_slice_in_dim(kernel, lax.axis_index(axis_name) * block_width, block_width, axis=1)
+    start = lax.axis_index(axis_name) * block_width
+    return map_columns(
+        lambda x: lax.dynamic_slice_in_dim(pad_columns(x, block_width * tp_size), start, block_width, axis=-1),
+        up_proj_kernel,
+    )
 
 
 def project_all_columns(
-    latent: jax.Array, up_proj_kernel: jax.Array, *, hidden_size: int, weight_layout: str, axis_name: AxisName
+    latent: jax.Array, up_proj_kernel: Kernel, *, hidden_size: int, weight_layout: str, axis_name: AxisName,
+    fp8_activations: bool = False,
 ) -> jax.Array:
     """``latent @ W`` for all H columns on every rank: [T, L] x [L, H] -> [T, H] (inside shard_map).
 
     :func:`project_own_columns` followed by :func:`gather_columns`; see those for the costs.
     """
-    projected = project_own_columns(latent, up_proj_kernel, weight_layout=weight_layout)
+    projected = project_own_columns(latent, up_proj_kernel, weight_layout=weight_layout,
+                                    fp8_activations=fp8_activations)
     return gather_columns(projected, hidden_size=hidden_size, weight_layout=weight_layout, axis_name=axis_name)
 
 
-def project_own_columns(latent: jax.Array, up_proj_kernel: jax.Array, *, weight_layout: str) -> jax.Array:
+def project_own_columns(
+    latent: jax.Array, up_proj_kernel: Kernel, *, weight_layout: str, fp8_activations: bool = False
+) -> jax.Array:
     """This rank's GEMM: [T, L] x [L, H] -> float32 [T, H] ("replicated": 2TLH FLOPs, 2LH weight bytes),
-    or [T, L] x [L, Hb] -> [T, Hb] in the latent's dtype ("column": 2TLH/p FLOPs, 2LH/p weight bytes)."""
-    projected = jnp.dot(latent, up_proj_kernel, preferred_element_type=jnp.float32)
+    or [T, L] x [L, Hb] -> [T, Hb] in the latent's dtype ("column": 2TLH/p FLOPs, 2LH/p weight bytes).
+    The GEMM is :func:`k3_tail.tiers.up_projection.project` (FP8 kernels: half the weight bytes)."""
+    projected = project(latent, up_proj_kernel, fp8_activations=fp8_activations)
     return projected if weight_layout == "replicated" else projected.astype(latent.dtype)
 
 

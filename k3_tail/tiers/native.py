@@ -38,7 +38,8 @@ def native_tail(
     latent = allreduce_norm_latent_out(routed_partial, norm_weight, config=config, axis_name=axis_name,
                                        platform=platform)
     projected = project_all_columns(
-        latent, up_proj_kernel, hidden_size=config.hidden_size, weight_layout=weight_layout, axis_name=axis_name
+        latent, up_proj_kernel, hidden_size=config.hidden_size, weight_layout=weight_layout, axis_name=axis_name,
+        fp8_activations=config.fp8_activations,
     )
     if config.sequence_parallel:
         projected = own_tokens(projected, axis_name=axis_name)

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from k3_tail._checks import AxisName
 from k3_tail.config import TailConfig
 from k3_tail.tiers.norm import inverse_rms
+from k3_tail.tiers.up_projection import project
 from k3_tail.tiers.record import CallShape, CollectiveTerm, TierRecord
 from k3_tail.tiers.tokens import reduce_output
 
@@ -48,7 +49,7 @@ def one_shot_tail(
     RECORD.check_runs(weight_layout, config)
     scaled = config.routed_scaling_factor * routed_partial.astype(jnp.float32)
     weighted = scaled * norm_weight.astype(jnp.float32) if config.use_latent_norm else scaled
-    projected = jnp.dot(weighted.astype(config.dtype), up_proj_kernel, preferred_element_type=jnp.float32)
+    projected = project(weighted.astype(config.dtype), up_proj_kernel, fp8_activations=config.fp8_activations)
     hidden = config.hidden_size
     parts = [projected.astype(config.dtype)]
     if shared_partial is not None:

@@ -61,7 +61,8 @@ def overlap_tail(
     """
     latent = allreduce_norm_latent_out(routed_partial, norm_weight, config=config, axis_name=axis_name,
                                        platform=platform)
-    projected = project_own_columns(latent, up_proj_kernel, weight_layout=weight_layout)
+    projected = project_own_columns(latent, up_proj_kernel, weight_layout=weight_layout,
+                                    fp8_activations=config.fp8_activations)
     shared = None
     if shared_partial is not None:
         # The shared partial waits for the normalised latent, so the two all-reduces cannot be combined.

@@ -64,9 +64,11 @@ facts and ``Tier.X.record.summary`` says what it does.
 
 def tier_table() -> str:
     """The tiers as a Markdown table: schedule, per-rank GEMM FLOPs and kernel bytes, collectives
-    (T tokens, p ranks, L -> H, bf16), and what each needs. The README's tier table is this text."""
+    (T tokens, p ranks, L -> H, bf16; an FP8 kernel reads half the kernel bytes plus a float32
+    scale per column), and what each needs. The README's tier table is this text."""
     lines = [
-        "| tier | what it is | schedule | GEMM FLOPs | kernel bytes | collectives | needs |",
+        "| tier | what it is | schedule | GEMM FLOPs | kernel bytes (FP8 kernel: half, + 4 per column) | collectives "
+        "| needs |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for record in TIER_RECORDS:

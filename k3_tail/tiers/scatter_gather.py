@@ -12,6 +12,7 @@ from k3_tail._checks import AxisName
 from k3_tail.config import TailConfig
 from k3_tail.tiers.columns import own_kernel_block, pad_columns
 from k3_tail.tiers.norm import allreduce_norm_latent_out
+from k3_tail.tiers.up_projection import project
 from k3_tail.tiers.record import ALL_GATHER, ALL_TO_ALL, REDUCE_SCATTER, CallShape, CollectiveTerm, TierRecord
 
 
@@ -45,7 +46,7 @@ def scatter_gather_tail(
     block = own_kernel_block(
         up_proj_kernel, hidden_size=config.hidden_size, weight_layout=weight_layout, axis_name=axis_name
     )
-    own = jnp.dot(latent, block, preferred_element_type=jnp.float32)
+    own = project(latent, block, fp8_activations=config.fp8_activations)
     if shared_partial is not None:
         padded = pad_columns(shared_partial, block.shape[1] * lax.axis_size(axis_name))
         own = own + lax.psum_scatter(padded, axis_name, scatter_dimension=1, tiled=True).astype(jnp.float32)

@@ -18,6 +18,7 @@ from jax import lax
 from k3_tail._checks import AxisName
 from k3_tail.config import TailConfig
 from k3_tail.tiers.norm import rms_norm
+from k3_tail.tiers.up_projection import project
 from k3_tail.tiers.record import ALL_GATHER, REDUCE_SCATTER, CallShape, CollectiveTerm, TierRecord
 from k3_tail.tiers.tokens import gather_tokens, pad_tokens
 
@@ -58,7 +59,7 @@ def token_parallel_tail(
 
     weight = norm_weight if config.use_latent_norm else None
     latent = rms_norm(own_rows(routed_partial), weight, eps=config.rms_norm_eps, scale=config.routed_scaling_factor)
-    y = jnp.dot(latent.astype(config.dtype), up_proj_kernel, preferred_element_type=jnp.float32)
+    y = project(latent.astype(config.dtype), up_proj_kernel, fp8_activations=config.fp8_activations)
     if shared_partial is not None:
         y = y + own_rows(shared_partial).astype(jnp.float32)
     y = y.astype(config.dtype)

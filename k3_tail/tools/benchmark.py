@@ -41,8 +41,9 @@ from jax.sharding import PartitionSpec as P
 from k3_tail._checks import AxisName, check_int, check_mesh
 from k3_tail.config import TailConfig
 from k3_tail.forward import tail_forward
-from k3_tail.tiers.columns import check_weight_layout, padded_hidden_size
+from k3_tail.tiers.columns import check_weight_layout, pad_columns, padded_hidden_size
 from k3_tail.tiers.registry import Tier
+from k3_tail.tiers.up_projection import column_sharding, map_columns, quantize_up_proj
 
 DEFAULT_MAX_TOKENS = 8192
 CPU_MAX_TOKENS = 1024
@@ -270,7 +271,7 @@ def place_weights(
     config: TailConfig, mesh: Mesh, weight_layout: str, rng: np.random.Generator, *, axis_name: AxisName = "tp"
 ) -> tuple[jax.Array | None, jax.Array]:
     """Random norm weight [L] (1 + 0.1 randn, replicated; None without the norm) and up-projection
-    kernel (randn / sqrt(L)).
+    kernel (randn / sqrt(L), in ``config.dtype``; quantised when ``config.up_proj_dtype`` is FP8).
 
     The kernel is [L, H] replicated, or for the "column" layout column-sharded ``P(None, axis_name)``,
     stored with zero columns up to ``padded_hidden_size(H, p)`` when p does not divide H. The norm
@@ -278,14 +279,15 @@ def place_weights(
     """
     latent, hidden = config.latent_size, config.hidden_size
     norm_weight = 1 + 0.1 * rng.standard_normal(latent, dtype=np.float32)
-    kernel = rng.standard_normal((latent, hidden), dtype=np.float32) / np.sqrt(latent)
-    if check_weight_layout(weight_layout) == "column":
-        padding = padded_hidden_size(hidden, check_mesh(mesh, axis_name)) - hidden
-        kernel, kernel_spec = np.pad(kernel, [(0, 0), (0, padding)]), P(None, axis_name)
-    else:
-        kernel_spec = P()
+    kernel = jnp.asarray(rng.standard_normal((latent, hidden), dtype=np.float32) / np.sqrt(latent), config.dtype)
+    if config.up_proj_dtype is not None:
+        kernel = quantize_up_proj(kernel, config.up_proj_dtype)
+    columns = axis_name if check_weight_layout(weight_layout) == "column" else None
+    if columns is not None:
+        width = padded_hidden_size(hidden, check_mesh(mesh, axis_name))
+        kernel = map_columns(lambda x: pad_columns(x, width), kernel)
     norm = place(norm_weight, config, mesh, P()) if config.use_latent_norm else None
-    return norm, place(kernel, config, mesh, kernel_spec)
+    return norm, jax.device_put(kernel, column_sharding(kernel, mesh, columns))
 
 
 def place_partials(
@@ -316,7 +318,8 @@ def place(host_array: np.ndarray, config: TailConfig, mesh: Mesh, spec: P) -> ja
 
 def config_dict(config: TailConfig) -> dict[str, Any]:
     """``config`` as plain data (the dtype by name)."""
-    return {**dataclasses.asdict(config), "dtype": config.dtype.name}
+    up_proj_dtype = None if config.up_proj_dtype is None else config.up_proj_dtype.name
+    return {**dataclasses.asdict(config), "dtype": config.dtype.name, "up_proj_dtype": up_proj_dtype}
 
 
 def machine_info() -> dict[str, Any]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -24,6 +25,7 @@ from k3_tail.forward import tail_forward
 from k3_tail.selection.rules import select_tier
 from k3_tail.tiers.columns import check_weight_layout, padded_hidden_size
 from k3_tail.tiers.registry import Tier
+from k3_tail.tiers.up_projection import QuantizedKernel, column_sharding
 
 
 def compiler_options(tier: Tier | str, platform: str) -> dict[str, Any]:
@@ -42,6 +44,9 @@ def tail_arguments(
     ``config.fused_output_is_reduced``); shared [p, T, H] split on dim 0, or None without shared
     experts; norm weight [L] replicated, or None without the norm; kernel [L, H] replicated, or the
     padded [L, padded_hidden_size(H, p)] column storage split on dim 1 for ``weight_layout="column"``.
+    With an FP8 ``config.up_proj_dtype`` the kernel is a :class:`k3_tail.QuantizedKernel` of FP8
+    values shaped and sharded as above and float32 scales [H] (or [padded_hidden_size(H, p)] split
+    over ``axis_name``).
     """
     tp_size = check_mesh(mesh, axis_name)
     num_tokens = check_int("num_tokens", num_tokens, minimum=0)
@@ -57,10 +62,15 @@ def tail_arguments(
         routed = array((tp_size, num_tokens, latent), P(axis_name))
     shared = array((tp_size, num_tokens, hidden), P(axis_name)) if config.has_shared_experts else None
     norm_weight = array((latent,), P()) if config.use_latent_norm else None
-    if weight_layout == "column":
-        kernel = array((latent, padded_hidden_size(hidden, tp_size)), P(None, axis_name))
+    width = padded_hidden_size(hidden, tp_size) if weight_layout == "column" else hidden
+    columns = axis_name if weight_layout == "column" else None
+    if config.up_proj_dtype is None:
+        kernel = jax.ShapeDtypeStruct((latent, width), config.dtype)
     else:
-        kernel = array((latent, hidden), P())
+        kernel = QuantizedKernel(jax.ShapeDtypeStruct((latent, width), config.up_proj_dtype),
+                                 jax.ShapeDtypeStruct((width,), jnp.float32))
+    kernel = jax.tree.map(lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
+                          kernel, column_sharding(kernel, mesh, columns))
     return routed, shared, norm_weight, kernel
 
 
@@ -77,9 +87,10 @@ def compile_tail(
 
     ``mesh`` may hold real devices or those of a deviceless topology
     (:func:`k3_tail.topology_mesh`); ``tier`` None compiles what :func:`select_tier`
-    picks. The program's arguments are :func:`tail_arguments` in that order (flat, Nones dropped),
-    so the shared partial is argument 1. :func:`compiler_options` of the tier and the mesh's
-    platform are applied. Inspect it with :func:`k3_tail.xla_report.report`.
+    picks. The program's arguments are :func:`tail_arguments` in that order (flat, Nones dropped:
+    an FP8 kernel is two arguments, values then scales), so the shared partial is argument 1.
+    :func:`compiler_options` of the tier and the mesh's platform are applied. Inspect it with
+    :func:`k3_tail.xla_report.report`.
     """
     check_config(config)
     arguments = tail_arguments(config, mesh, num_tokens, axis_name=axis_name, weight_layout=weight_layout)

@@ -7,7 +7,10 @@
   (CPU does); else derived from the HLO shapes (``cost_source`` says which): FLOPs of the GEMMs
   (2*M*N*K of every dot and GEMM custom call, fusion bodies included) and bytes as the operand plus
   result bytes of every top-level instruction that touches data.
-- ``gemms``: each top-level instruction that runs a GEMM, with its FLOPs and schedule position.
+- ``arguments``: the program's arguments as each device holds them (its shard), in order: the
+  weights' bytes per device (an FP8 kernel's half of bf16's) are there.
+- ``gemms``: each top-level instruction that runs a GEMM, with its FLOPs, schedule position and the
+  arrays it reads (``operands``, ``operand_types``: an FP8 kernel read by the GEMM shows as f8e4m3fn).
 - ``collectives``: kind, the full buffer (the gathered result of an all-gather, the input of a
   reduce-scatter, the reduced buffer of an all-reduce; a combined all-reduce lists all of its
   buffers), bytes, group size, per-rank wire bytes on a ring (all-reduce 2(g-1)/g * B, reduce-scatter
@@ -54,11 +57,19 @@ _NO_DATA = {
 
 @dataclasses.dataclass(frozen=True)
 class Gemm:
-    """A top-level instruction that runs a GEMM: its name, per-device FLOPs, schedule position."""
+    """A top-level instruction that runs a GEMM: its name, per-device FLOPs, schedule position, and
+    the arrays it reads (its operands as the program passes them: the dtypes and bytes the GEMM
+    loads from memory, e.g. an FP8 kernel that the fusion converts as it multiplies)."""
 
     name: str
     flops: int
     position: int
+    operands: tuple[ArrayShape, ...]
+
+    @property
+    def operand_types(self) -> tuple[str, ...]:
+        """The element types of ``operands`` ("bf16", "f8e4m3fn", ...)."""
+        return tuple(array.dtype for array in self.operands)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +97,7 @@ class XlaReport:
     platform: str
     device_kind: str
     num_devices: int
+    arguments: tuple[ArrayShape, ...]
     flops: float
     bytes_accessed: float
     cost_source: str
@@ -119,8 +131,10 @@ class XlaReport:
             f"compiled for: {self.platform} ({self.device_kind}), {self.num_devices} devices",
             f"per device: {self.flops / 1e9:.4f} GFLOP, {self.bytes_accessed / 1e6:.3f} MB accessed "
             f"({self.cost_source}); GEMMs {self.gemm_flops / 1e9:.4f} GFLOP",
+            f"arguments per device: {_arrays_text(self.arguments)}",
             "GEMMs:",
-            *(f"  [{gemm.position:3d}] {gemm.name}: {gemm.flops / 1e9:.4f} GFLOP" for gemm in self.gemms),
+            *(f"  [{gemm.position:3d}] {gemm.name}: {gemm.flops / 1e9:.4f} GFLOP, reads {_arrays_text(gemm.operands)}"
+              for gemm in self.gemms),
             "collectives:",
         ]
         for collective in self.collectives:
@@ -160,7 +174,8 @@ def report(compiled: jax.stages.Compiled, *, shared_argument: int | None = 1) ->
             computation_flops(module, name, exact) for name in instruction.called
         )
         if flops and _collective_kind(module, instruction) is None:
-            gemms.append(Gemm(instruction.name, flops, position))
+            operands = tuple(array for operand in instruction.operands for array in symbols[operand].arrays)
+            gemms.append(Gemm(instruction.name, flops, position, operands))
     gemm_names = {gemm.name for gemm in gemms}
 
     derives_from_shared = functools.partial(_derives_from, symbols=symbols, argument=shared_argument, memo={})
@@ -176,6 +191,9 @@ def report(compiled: jax.stages.Compiled, *, shared_argument: int | None = 1) ->
         platform=device.platform if device else "unknown",
         device_kind=getattr(device, "device_kind", "unknown"),
         num_devices=num_devices,
+        arguments=tuple(
+            array for instruction in _parameters(schedule) for array in instruction.arrays
+        ),
         flops=flops,
         bytes_accessed=bytes_accessed,
         cost_source=source,
@@ -270,6 +288,17 @@ def _followed_operands(instruction: Instruction, symbols: dict[str, Instruction]
     if source is not None and source.opcode == "tuple" and 0 <= index < len(source.operands):
         return (source.operands[index],)
     return instruction.operands
+
+
+def _parameters(schedule: tuple[Instruction, ...]) -> list[Instruction]:
+    """The entry computation's parameters, in argument order."""
+    parameters = [instruction for instruction in schedule if instruction.opcode == "parameter"]
+    return sorted(parameters, key=lambda instruction: int(instruction.operand_text.strip()))
+
+
+def _arrays_text(arrays: tuple[ArrayShape, ...]) -> str:
+    """``bf16[16,3584] (0.115 MB), f8e4m3fn[3584,7168] (25.690 MB)``."""
+    return ", ".join(f"{array} ({array.bytes / 1e6:.3f} MB)" for array in arrays) or "none"
 
 
 def _first_device(compiled: jax.stages.Compiled):

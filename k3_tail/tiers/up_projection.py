@@ -1,0 +1,214 @@
+"""The up projection's weights and its GEMM: the kernel in ``config.dtype`` or quantised to FP8.
+
+At decode the tail is bound by reading the [L, H] kernel (51 MB in bf16 at Kimi-K3's shapes, 6.4 MB
+per rank when column-sharded). :func:`quantize_up_proj` stores it in an 8-bit float format with one
+float32 scale per output column, which halves those bytes:
+
+    W ~= values * scale        values: FP8 [L, H], scale: float32 [H] = amax(|W[:, j]|) / max of the format
+
+Per-column scales keep one loud output channel from costing the others their precision. Formats:
+"float8_e4m3fn" (OCP E4M3: MI355X/gfx950, H100/H200) and "float8_e4m3fnuz" (MI300X/MI325X, gfx942;
+no infinity and no negative zero, largest value 240, where E4M3FN reaches 448).
+
+:func:`project` is the GEMM of every tier. With a :class:`QuantizedKernel` it multiplies by the FP8
+values converted to the activation's dtype inside the program (XLA's GPU backend fuses the
+conversion into the GEMM, which then reads the FP8 kernel: no copy of the kernel in another dtype)
+and scales the float32 result per column. With ``fp8_activations`` the activation rows are also
+quantised, per token, to the same format, and the GEMM takes two FP8 operands with float32
+accumulation; each row's scale is applied to the result with the column scales.
+
+A :class:`QuantizedKernel` is a pytree whose leaves both have the kernel's columns as their last
+axis, so every column operation (padding, a rank's block, a column sharding) applies to them alike:
+:func:`map_columns`, :func:`column_spec` and :func:`column_sharding`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+FP8_FORMATS = ("float8_e4m3fn", "float8_e4m3fnuz")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QuantizedKernel:
+    """An up-projection kernel in FP8 with one float32 scale per output column (a JAX pytree).
+
+    values: FP8 [L, N] (N = H, or a rank's column block); scale: float32 [N]. The kernel it stands
+    for is ``values * scale`` (:meth:`dequantize`). Made by :func:`quantize_up_proj`; the tail takes
+    it wherever it takes a kernel, when ``TailConfig.up_proj_dtype`` is its format.
+    """
+
+    values: Any
+    scale: Any
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The kernel's shape [L, N] (that of ``values``)."""
+        return tuple(self.values.shape)
+
+    @property
+    def dtype(self) -> np.dtype:
+        """The FP8 format of ``values``."""
+        return np.dtype(self.values.dtype)
+
+    def dequantize(self) -> jax.Array:
+        """``values * scale`` in float32, [L, N]: the kernel the quantised GEMM computes with."""
+        return jnp.asarray(self.values, jnp.float32) * jnp.asarray(self.scale, jnp.float32)
+
+
+def fp8_format(value: Any, argument: str) -> np.dtype:
+    """``value`` (a name such as "float8_e4m3fn" or a dtype) as one of :data:`FP8_FORMATS`, or
+    ValueError naming ``argument``."""
+    try:
+        dtype = None if value is None else np.dtype(value)
+    except TypeError:
+        dtype = None
+    if dtype is None or dtype.name not in FP8_FORMATS:
+        raise ValueError(f"{argument}: expected one of {FP8_FORMATS} (a name or a jnp dtype), got {value!r}")
+    return dtype
+
+
+def quantize_up_proj(kernel: Any, dtype: Any) -> QuantizedKernel:
+    """The [L, H] up-projection ``kernel`` quantised to FP8 ``dtype`` with per-column scales.
+
+    kernel: a float array [L, H] (numpy or jax, any float dtype; a checkpoint's bf16 kernel).
+    dtype: "float8_e4m3fn" or "float8_e4m3fnuz" (or the jnp dtype).
+    Returns ``QuantizedKernel(values, scale)``: scale[j] = amax(|kernel[:, j]|) / max of the format
+    (1 for an all-zero column, whose values are zeros), values = kernel / scale rounded to the format,
+    clipped to its range first (a cast beyond the range of E4M3FNUZ, which has no infinity, is NaN).
+    Computed in float32; each value is off by at most half a unit in the last place of the format
+    (3 mantissa bits: a relative error <= 2^-4), or the format's subnormal spacing times the scale.
+    A kernel with a non-finite value is a ValueError when it is concrete; under ``jax.jit`` it cannot
+    be inspected, and its column's scale becomes non-finite.
+    """
+    fp8 = fp8_format(dtype, "dtype")
+    if not hasattr(kernel, "shape") or len(kernel.shape) != 2 or not jnp.issubdtype(kernel.dtype, jnp.floating):
+        got = type(kernel).__name__
+        if hasattr(kernel, "shape"):
+            got = f"shape {tuple(kernel.shape)}, dtype {kernel.dtype}"
+        raise ValueError(f"kernel: expected a 2-d float array [L, H], got {got}")
+    if not isinstance(kernel, jax.core.Tracer) and not bool(jnp.all(jnp.isfinite(kernel))):
+        raise ValueError("kernel: expected finite values, got NaN or infinity")
+    return _quantize_columns(kernel, fp8)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _quantize_columns(kernel: jax.Array, fp8: np.dtype) -> QuantizedKernel:
+    kernel = kernel.astype(jnp.float32)
+    scale = _scale(jnp.max(jnp.abs(kernel), axis=0), fp8)
+    return QuantizedKernel(_round_to(kernel / scale, fp8), scale)
+
+
+def _scale(amax: jax.Array, fp8: np.dtype) -> jax.Array:
+    """amax / the format's largest value; 1 where amax is 0 (those values are all zero)."""
+    scale = amax / float(jnp.finfo(fp8).max)
+    return jnp.where(scale > 0, scale, 1.0)
+
+
+def _round_to(x: jax.Array, fp8: np.dtype) -> jax.Array:
+    """float32 ``x`` rounded to ``fp8``, clipped to its range first (never NaN for a finite x)."""
+    largest = float(jnp.finfo(fp8).max)
+    return jnp.clip(x, -largest, largest).astype(fp8)
+
+
+def project(latent: jax.Array, kernel: jax.Array | QuantizedKernel, *, fp8_activations: bool = False) -> jax.Array:
+    """``latent @ kernel``: [T, L] x [L, N] -> float32 [T, N], accumulated in float32.
+
+    A plain kernel: one GEMM of ``latent``'s dtype, 2TLN FLOPs, reading d*L*N kernel bytes.
+    A :class:`QuantizedKernel`: the GEMM reads the FP8 values (L*N bytes; the conversion to
+    ``latent``'s dtype is fused into it on GPU) and the result is scaled per column (4N bytes).
+    ``fp8_activations`` (only with a QuantizedKernel): ``latent`` is first quantised per row to the
+    kernel's format (a scale per token: amax / the format's max), so the GEMM multiplies two FP8
+    operands; the row and column scales are applied to its float32 result.
+    """
+    if not isinstance(kernel, QuantizedKernel):
+        return jnp.dot(latent, kernel, preferred_element_type=jnp.float32)
+    if not fp8_activations:
+        projected = jnp.dot(latent, kernel.values.astype(latent.dtype), preferred_element_type=jnp.float32)
+        return projected * kernel.scale
+    fp8 = kernel.dtype
+    rows = latent.astype(jnp.float32)
+    row_scale = _scale(jnp.max(jnp.abs(rows), axis=1, keepdims=True), fp8)
+    projected = jnp.dot(_round_to(rows / row_scale, fp8), kernel.values, preferred_element_type=jnp.float32)
+    return projected * row_scale * kernel.scale
+
+
+def map_columns(function: Callable[[jax.Array], jax.Array], kernel: jax.Array | QuantizedKernel):
+    """``function`` applied to the kernel, or to a QuantizedKernel's values and scale alike.
+
+    ``function`` must act on the last (column) axis only: pad columns, take a block of them.
+    """
+    return jax.tree.map(function, kernel)
+
+
+def column_spec(kernel: jax.Array | QuantizedKernel | None, axis_name: Any) -> Any:
+    """The shard_map / NamedSharding spec of a kernel sharded by columns over ``axis_name``
+    (``P(None, axis_name)`` for values, ``P(axis_name)`` for scales), or replicated (``P()``) when
+    ``axis_name`` is None: one spec per leaf (a QuantizedKernel of two specs)."""
+    values = P() if axis_name is None else P(None, axis_name)
+    if isinstance(kernel, QuantizedKernel):
+        return QuantizedKernel(values, P() if axis_name is None else P(axis_name))
+    return values
+
+
+def column_sharding(kernel: jax.Array | QuantizedKernel, mesh: Mesh, axis_name: Any) -> Any:
+    """:func:`column_spec` as ``NamedSharding`` over ``mesh`` (a pytree of them for a QuantizedKernel),
+    for ``jax.device_put``."""
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), column_spec(kernel, axis_name),
+                        is_leaf=lambda x: isinstance(x, P))
+
+
+def check_up_proj_kernel(
+    kernel: Any, *, dtype: np.dtype, up_proj_dtype: np.dtype | None, shapes: Sequence[tuple[int, int]], sizes: str
+) -> None:
+    """ValueError naming ``up_proj_kernel`` unless ``kernel`` is what the config expects.
+
+    ``up_proj_dtype`` None: an array of ``dtype`` with one of ``shapes``. An FP8 format: a
+    :class:`QuantizedKernel` of that format whose values have one of ``shapes`` [L, N] and whose
+    scale is float32 [N]. ``sizes`` names the sizes the shapes come from, for the message.
+    """
+    wanted = " or ".join(str(s) for s in shapes)
+    if up_proj_dtype is None:
+        if isinstance(kernel, QuantizedKernel):
+            raise ValueError(
+                f"up_proj_kernel: got a QuantizedKernel ({kernel.dtype.name}) but config.up_proj_dtype is None: "
+                f"expected a {dtype.name} array; set TailConfig(up_proj_dtype={kernel.dtype.name!r}) to use it"
+            )
+        if kernel is None or not hasattr(kernel, "shape"):
+            raise ValueError(f"up_proj_kernel: expected an array of shape {shapes[0]}, got {type(kernel).__name__}")
+        if tuple(kernel.shape) not in shapes:
+            raise ValueError(f"up_proj_kernel: expected shape {wanted} ({sizes}), got {tuple(kernel.shape)}")
+        if jnp.dtype(kernel.dtype) != dtype:
+            raise ValueError(
+                f"up_proj_kernel: expected dtype {dtype.name} (config.dtype), got {jnp.dtype(kernel.dtype).name}"
+            )
+        return
+    if not isinstance(kernel, QuantizedKernel):
+        raise ValueError(
+            f"up_proj_kernel: config.up_proj_dtype is {up_proj_dtype.name}, so expected a k3_tail.QuantizedKernel "
+            f"(k3_tail.quantize_up_proj(kernel, {up_proj_dtype.name!r})), got {type(kernel).__name__}"
+        )
+    if not hasattr(kernel.values, "shape") or tuple(kernel.values.shape) not in shapes:
+        got = tuple(kernel.values.shape) if hasattr(kernel.values, "shape") else type(kernel.values).__name__
+        raise ValueError(f"up_proj_kernel: expected values of shape {wanted} ({sizes}), got {got}")
+    if kernel.dtype != up_proj_dtype:
+        raise ValueError(
+            f"up_proj_kernel: expected values of dtype {up_proj_dtype.name} (config.up_proj_dtype), "
+            f"got {kernel.dtype.name}"
+        )
+    columns = (kernel.values.shape[1],)
+    if not hasattr(kernel.scale, "shape") or tuple(kernel.scale.shape) != columns \
+            or jnp.dtype(kernel.scale.dtype) != jnp.float32:
+        got = (f"{jnp.dtype(kernel.scale.dtype).name} {tuple(kernel.scale.shape)}" if hasattr(kernel.scale, "shape")
+               else type(kernel.scale).__name__)
+        raise ValueError(f"up_proj_kernel: expected a float32 scale of shape {columns} (one per column), got {got}")
