@@ -20,6 +20,19 @@ import k3_tail
 from reference import TOLERANCE, make_inputs, reference_latent, relative_error
 
 
+# LLVM's optimisation and XLA CPU's newer (MLIR) fusion emitters off: XLA compiles the same HLO programs in
+# about a quarter of the CPU time. For processes the tests start to check what they print and compute, not
+# how fast (the suite's time budget needs it); the flags change no HLO and no platform choice.
+FAST_COMPILE_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+
+
+def command_environment():
+    """The environment of a command the tests start as a user would (``python -m k3_tail ...``, a
+    script): no JAX_PLATFORMS and no forced device count (the command chooses), compiled fast."""
+    environment = {key: value for key, value in os.environ.items() if key not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    return {**environment, "XLA_FLAGS": FAST_COMPILE_XLA_FLAGS}
+
+
 def make_tp_mesh(tp_size, axis_type=jax.sharding.AxisType.Explicit):
     """A 1-d mesh named "tp" over the first ``tp_size`` devices (skips when there are fewer)."""
     if len(jax.devices()) < tp_size:

@@ -8,13 +8,12 @@ import csv
 import io
 import itertools
 import json
-import os
 import re
 import subprocess
 import sys
 
 import pytest
-from helpers import make_tp_mesh, once_per_session
+from helpers import command_environment, make_tp_mesh, once_per_session
 
 from k3_tail import TailConfig, Tier
 from k3_tail.cli import main
@@ -32,7 +31,7 @@ CLI_RUN_LIMIT_S = 300
 
 
 def run_cli(*argv, timeout=CLI_RUN_LIMIT_S):
-    environment = {key: value for key, value in os.environ.items() if key not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    environment = command_environment()
     return subprocess.run([sys.executable, "-m", "k3_tail", *map(str, argv)], capture_output=True, text=True,
                           env=environment, timeout=timeout, check=False)
 

@@ -2,13 +2,12 @@
 
 import dataclasses
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 
-from helpers import make_tp_mesh
+from helpers import command_environment, make_tp_mesh
 from k3_tail import TailConfig, Tier, select_tier, tail_forward
 from k3_tail.selection.table import FORMAT, SelectionTable, TokenRange, table_from_measurements
 from k3_tail.tools.benchmark import Measurement, Timing
@@ -176,7 +175,7 @@ def test_tail_forward_checks_the_device_kind_of_its_mesh():
 
 
 def run_cli(*argv):
-    environment = {key: value for key, value in os.environ.items() if key not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    environment = command_environment()
     return subprocess.run([sys.executable, "-m", "k3_tail", *argv], capture_output=True, text=True, env=environment,
                           timeout=600, check=False)
 

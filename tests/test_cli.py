@@ -2,12 +2,12 @@
 
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 
+from helpers import command_environment
 from k3_tail.cli import build_parser, main
 from k3_tail.cli.common import measurement_config, up_projection_options
 from k3_tail.tiers.registry import Tier, tier_table
@@ -16,7 +16,7 @@ AOT_MISSING = importlib.util.find_spec("jax_plugins.xla_cuda13") is None
 
 
 def test_demo_builds_its_own_mesh_and_all_tiers_agree_with_native():
-    environment = {key: value for key, value in os.environ.items() if key != "XLA_FLAGS"}
+    environment = command_environment()
     result = subprocess.run(
         [sys.executable, "-m", "k3_tail", "demo", "--tokens", "2,257", "--repeats", "1"],
         capture_output=True, text=True, env=environment, timeout=600, check=False,
@@ -42,7 +42,7 @@ def test_bad_arguments_exit_with_usage_error(argv, capsys):
 
 
 def run_cli(*argv):
-    environment = {key: value for key, value in os.environ.items() if key not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    environment = command_environment()
     return subprocess.run([sys.executable, "-m", "k3_tail", *argv], capture_output=True, text=True, env=environment,
                           timeout=600, check=False)
 

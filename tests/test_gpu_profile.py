@@ -1,19 +1,20 @@
 """scripts/gpu_profile.py in a fresh process on the CPU, at tiny shapes.
 
-The script is meant for a GPU host; here it runs on the CPU backend (no JAX_PLATFORMS, no
-XLA_FLAGS, as a user would start it), and the tests check what it reports, not how fast anything is.
+The script is meant for a GPU host; here it runs on the CPU backend (no JAX_PLATFORMS and no forced
+device count, as a user would start it; compiled fast: helpers.command_environment), and the tests
+check what it reports, not how fast anything is.
 The GEMM shapes are worked out here by hand, not from the tier records the script reads.
 """
 
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from helpers import command_environment
 from k3_tail import WEIGHT_LAYOUTS, Tier
 from k3_tail.selection.hardware import HARDWARE
 
@@ -24,7 +25,7 @@ RUN_LIMIT_S = 120
 
 
 def run_script(*argv):
-    environment = {key: value for key, value in os.environ.items() if key not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    environment = command_environment()
     return subprocess.run([sys.executable, str(SCRIPT), *map(str, argv)], capture_output=True, text=True,
                           env=environment, timeout=RUN_LIMIT_S, check=False)
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import pytest
 
-from helpers import once_per_session
+from helpers import FAST_COMPILE_XLA_FLAGS, once_per_session
 from k3_tail.tools.multiprocess import initialize
 from multiprocess_worker import CASES, TIERS_AND_LAYOUTS
 from reference import TOLERANCE
@@ -61,8 +61,10 @@ def worker_command(process_id, port, result, *, initialization_timeout=60, heart
 
 
 def child_environment():
-    # XLA_FLAGS could force another CPU device count than the one each process asks for.
-    return {key: value for key, value in os.environ.items() if key != "XLA_FLAGS"}
+    # The parent's XLA_FLAGS could force another CPU device count than the one each process asks for; each
+    # case compiles in both processes, so they compile fast (helpers.FAST_COMPILE_XLA_FLAGS).
+    return {**{key: value for key, value in os.environ.items() if key != "XLA_FLAGS"},
+            "XLA_FLAGS": FAST_COMPILE_XLA_FLAGS}
 
 
 def run_processes(commands, log_dir, *, limit_s, stop_all_on_failure=True) -> list[Ended]:
@@ -180,7 +182,7 @@ def test_a_failing_process_stops_the_others_and_the_report_shows_both(tmp_path):
 
 def test_a_process_whose_peer_never_comes_ends_by_itself(tmp_path):
     """Process 0 of 2 alone: its initialization timeout ends it with JAX's reason, not the harness."""
-    command = worker_command(0, free_loopback_port(), tmp_path / "result0.json", initialization_timeout=5)
+    command = worker_command(0, free_loopback_port(), tmp_path / "result0.json", initialization_timeout=2)
     (alone,) = run_processes([command], tmp_path, limit_s=FAILURE_LIMIT_S)
     assert alone.stopped is None
     assert alone.returncode != 0

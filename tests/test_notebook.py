@@ -4,6 +4,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers import FAST_COMPILE_XLA_FLAGS
+
 nbformat = pytest.importorskip("nbformat", reason="needs the [notebook] extra (nbformat, nbclient, ipykernel)")
 nbclient = pytest.importorskip("nbclient", reason="needs the [notebook] extra (nbformat, nbclient, ipykernel)")
 
@@ -17,8 +19,9 @@ def test_notebook_is_committed_without_outputs():
 
 
 def test_notebook_executes_without_errors(tmp_path, monkeypatch):
-    # The kernel is a fresh process: it must not inherit a forced device count from XLA_FLAGS.
-    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    # The kernel is a fresh process: it must not inherit a forced device count from XLA_FLAGS. It runs
+    # every cell for errors, not timings, so it compiles fast.
+    monkeypatch.setenv("XLA_FLAGS", FAST_COMPILE_XLA_FLAGS)
     notebook = nbformat.read(NOTEBOOK, as_version=4)
     client = nbclient.NotebookClient(
         notebook, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
