@@ -1,0 +1,441 @@
+"""A Kimi-K3 latent MoE layer in tensor parallelism, ending in k3_tail's tail: where the tail's partials come from.
+
+For hidden states x [T, H], replicated over the p TP ranks as vLLM serves the layer:
+
+    scores  = sigmoid(x @ W_router)                           [T, E]  float32
+    chosen  = top_k(scores + correction_bias)                 [T, k]  the bias only chooses
+    weights = scores[chosen] / sum_k scores[chosen]           [T, k]  un-biased, renormalised to sum 1
+    z       = x @ W_down                                      [T, L]  routed down projection H -> L
+    r       = sum_k weights_k * SiTU(z @ G_e, z @ U_e) @ D_e  [T, L]  routed experts, e = chosen_k
+    s       = SiTU(x @ G_s, x @ U_s) @ D_s                    [T, H]  shared experts
+    y       = RMSNorm_g(c * r) @ W_up + s                     [T, H]  the tail
+    SiTU(g, u) = 4 tanh(g / 4) sigmoid(g) * 25 tanh(u / 25)           (per element)
+
+c is the tail config's ``routed_scaling_factor``: the tail applies it, so the router does not.
+
+Tensor parallelism (each parameter's partition spec is in :func:`partition_specs`):
+
+- replicated: W_router [H, E], the correction bias [E] (float32), W_down [H, L] and g [L]: every
+  rank routes every token and projects it down itself.
+- routed experts: each expert's intermediate width m is split over the ranks, rank i holding
+  G, U [E, L, m/p] and D [E, m/p, L]; its weighted sum over the chosen experts is the routed latent
+  partial r_i, and sum_i r_i = r.
+- shared experts: column-parallel in (G_s, U_s [H, F/p]), row-parallel out (D_s [F/p, H]): rank i
+  ends with the shared partial s_i, and sum_i s_i = s.
+- the tail: :func:`k3_tail.latent_moe_tail` on (r_i, s_i) per rank inside the layer's own
+  ``jax.shard_map``, with W_up whole on every rank ("replicated", vLLM's layout) or in column blocks
+  [L, H/p] ("column"). Its collectives are the layer's only ones.
+
+Kimi-K3's two shared experts (SiTU MLPs of width 3072 each) are one MLP of width F = 6144 here:
+their gate and up kernels concatenated along the intermediate width and their down kernels along
+its rows. That is the same function, because SiTU acts on each intermediate channel alone, and it is
+how maxtext's Kimi-K3 block stores them.
+
+The routed experts, per rank, take one of two methods (:func:`routed_expert_method`):
+
+- "gather" while T * k <= E (decode): the chosen experts' weight blocks are gathered per token,
+  [T, k, L, m/p], and applied with einsums. That reads T*k expert blocks, at most the E blocks all
+  experts hold, and needs no sort.
+- "sort" above: the T*k (token, expert) pairs are sorted by expert and each expert's rows are
+  multiplied by its weights with ``jax.lax.ragged_dot`` (a grouped GEMM), then weighted and added
+  back to their tokens. No [T, E, ...] or [T, k, L, m/p] array exists in the program. ragged_dot is
+  the grouped GEMM's API but not always its kernel: with jax 0.10.2 the CPU backend and XLA's CUDA
+  pipeline both compute it as a dense GEMM over all E groups, the other groups' rows masked out, at
+  E times the useful FLOPs (Kimi-K3 at T = 256: 30 TFLOP per rank for 34 GFLOP of experts;
+  scripts/layer_share.py shows it). The method is right there, not fast: it waits for a grouped-GEMM
+  lowering.
+
+Numerics: weights and activations in ``config.tail.dtype`` (Kimi-K3: bf16), every GEMM accumulating
+in float32, the router, SiTU and the weighted sum in float32; activations are rounded to the dtype
+where they enter a GEMM (z, the SiTU outputs) and where the partials enter the tail.
+
+Per-rank cost, d bytes per element: router 2THE FLOPs over dHE weight bytes; down projection 2THL
+over dHL; routed experts 6TkLm/p over 3dLm/p per expert read (gather: T*k of them; sort: every
+expert with a row); shared experts 6THF/p over 3dHF/p; then the tail tier's (README tier table).
+
+``KimiK3MoELayer`` holds the parameters as ``nnx.Param`` (``build_layer``: random stand-ins for a
+checkpoint); :func:`layer_forward` is the jitted pure function it calls, which also compiles from
+abstract parameters (:func:`abstract_parameters`) for a deviceless GPU topology.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import k3_tail
+
+KIMI_K3_NUM_EXPERTS, KIMI_K3_TOP_K = 896, 16
+KIMI_K3_EXPERT_INTERMEDIATE_SIZE, KIMI_K3_SHARED_INTERMEDIATE_SIZE = 3072, 6144
+SITU_GATE_BOUND, SITU_UP_BOUND = 4.0, 25.0
+# The stand-in checkpoint's correction bias and norm scale: spread enough that the bias changes some
+# top-k choices and the scale is not all ones, as in a trained layer.
+ROUTER_BIAS_STDDEV, NORM_SCALE_STDDEV = 0.1, 0.1
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerConfig:
+    """The layer's shapes; ``tail`` holds H, L, the norm's eps, c, the dtype and the tail's switches.
+
+    num_experts E and top_k k of the router; each routed expert maps L -> expert_intermediate_size (m)
+    -> L, the shared experts H -> shared_intermediate_size (F) -> H. p must divide m and F. Frozen
+    and hashable, like ``TailConfig``.
+    """
+
+    tail: k3_tail.TailConfig
+    num_experts: int = 8
+    top_k: int = 2
+    expert_intermediate_size: int = KIMI_K3_EXPERT_INTERMEDIATE_SIZE
+    shared_intermediate_size: int = KIMI_K3_SHARED_INTERMEDIATE_SIZE
+
+    def __post_init__(self):
+        if not isinstance(self.tail, k3_tail.TailConfig):
+            raise ValueError(f"tail: expected a k3_tail.TailConfig, got {type(self.tail).__name__}")
+        tail = self.tail
+        if (not tail.has_shared_experts or not tail.use_latent_norm or tail.fused_output_is_reduced
+                or tail.up_proj_dtype is not None):
+            raise ValueError("tail: the layer has shared experts, the latent norm, unreduced routed partials and its "
+                             "up projection in the activations' dtype; expected has_shared_experts=True, "
+                             "use_latent_norm=True, fused_output_is_reduced=False, up_proj_dtype=None")
+        for name in ("num_experts", "top_k", "expert_intermediate_size", "shared_intermediate_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: expected an integer >= 1, got {value!r}")
+        if self.top_k > self.num_experts:
+            raise ValueError(f"top_k: expected at most num_experts = {self.num_experts}, got {self.top_k}")
+
+    @classmethod
+    def kimi_k3(cls, *, num_experts: int = 8, top_k: int = 2, **tail_overrides: Any) -> LayerConfig:
+        """Kimi-K3's widths (H 7168, L 3584, m 3072, F 6144, bf16) with ``num_experts`` experts, ``top_k``
+        per token (small by default, for a CPU; Kimi-K3 routes to KIMI_K3_TOP_K of KIMI_K3_NUM_EXPERTS)."""
+        return cls(k3_tail.TailConfig.kimi_k3(**tail_overrides), num_experts=num_experts, top_k=top_k)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.tail.hidden_size
+
+    @property
+    def latent_size(self) -> int:
+        return self.tail.latent_size
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.tail.dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class Parameter:
+    """One parameter as a checkpoint holds it: its global shape and dtype, and the normal distribution
+    (``mean``, ``stddev``) its stand-in value is drawn from."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    stddev: float
+    mean: float = 0.0
+
+
+def layer_parameters(config: LayerConfig) -> dict[str, Parameter]:
+    """Every parameter of the layer, by name, in Flax layout (y = x @ W).
+
+    Kernels are drawn with variance 1 / fan-in, so every GEMM output has about unit scale. The
+    correction bias (float32) and the norm scale are spread (``ROUTER_BIAS_STDDEV``,
+    ``NORM_SCALE_STDDEV``) so that the bias changes some top-k choices and the scale is not all ones.
+    """
+    hidden, latent, experts, dtype = config.hidden_size, config.latent_size, config.num_experts, config.dtype
+    expert_width, shared_width = config.expert_intermediate_size, config.shared_intermediate_size
+
+    def kernel(*shape, fan_in):
+        return Parameter(shape, dtype, fan_in ** -0.5)
+
+    return {
+        "router_kernel": kernel(hidden, experts, fan_in=hidden),
+        "router_bias": Parameter((experts,), np.dtype(np.float32), ROUTER_BIAS_STDDEV),
+        "down_proj": kernel(hidden, latent, fan_in=hidden),
+        "expert_gate": kernel(experts, latent, expert_width, fan_in=latent),
+        "expert_up": kernel(experts, latent, expert_width, fan_in=latent),
+        "expert_down": kernel(experts, expert_width, latent, fan_in=expert_width),
+        "shared_gate": kernel(hidden, shared_width, fan_in=hidden),
+        "shared_up": kernel(hidden, shared_width, fan_in=hidden),
+        "shared_down": kernel(shared_width, hidden, fan_in=shared_width),
+        "norm_scale": Parameter((latent,), dtype, NORM_SCALE_STDDEV, mean=1.0),
+        "up_proj_kernel": kernel(latent, hidden, fan_in=latent),
+    }
+
+
+def partition_specs(config: LayerConfig, tp_size: int, *, axis_name: str = "tp",
+                    weight_layout: str = "replicated") -> dict[str, P]:
+    """How the TP ranks hold each parameter (module docstring), by name.
+
+    ValueError unless p divides what it splits: m, F, and H for the column layout (the tail's column
+    tiers would otherwise want the kernel stored padded; Kimi-K3's widths divide by 1, 2, 4, 8, 16).
+    """
+    splits = {"expert_intermediate_size": config.expert_intermediate_size,
+              "shared_intermediate_size": config.shared_intermediate_size}
+    if weight_layout == "column":
+        splits["hidden_size"] = config.hidden_size
+    elif weight_layout != "replicated":
+        raise ValueError(f"weight_layout: expected one of {k3_tail.WEIGHT_LAYOUTS}, got {weight_layout!r}")
+    for name, width in splits.items():
+        if width % tp_size:
+            raise ValueError(f"{name}: expected a multiple of the TP size {tp_size}, got {width}")
+    tp = axis_name
+    return {
+        "router_kernel": P(), "router_bias": P(), "down_proj": P(),
+        "expert_gate": P(None, None, tp), "expert_up": P(None, None, tp), "expert_down": P(None, tp, None),
+        "shared_gate": P(None, tp), "shared_up": P(None, tp), "shared_down": P(tp, None),
+        "norm_scale": P(), "up_proj_kernel": P(None, tp) if weight_layout == "column" else P(),
+    }
+
+
+def random_checkpoint(config: LayerConfig, *, seed: int = 0) -> dict[str, np.ndarray]:
+    """Stand-in weights for a checkpoint, by name, each in its dtype: drawn on the host with numpy, so
+    nothing is compiled (XLA's CPU compiler takes seconds per ``jax.random.normal`` shape)."""
+    rng = np.random.default_rng(seed)
+    return {name: (p.mean + p.stddev * rng.standard_normal(p.shape, dtype=np.float32)).astype(p.dtype)
+            for name, p in layer_parameters(config).items()}
+
+
+def abstract_parameters(config: LayerConfig, mesh: Mesh, *, axis_name: str = "tp",
+                        weight_layout: str = "replicated") -> dict[str, jax.ShapeDtypeStruct]:
+    """Every parameter as a ``jax.ShapeDtypeStruct`` placed on ``mesh``: to lower and compile
+    :func:`layer_forward` without values (also on a deviceless topology, ``k3_tail.topology_mesh``)."""
+    specs = partition_specs(config, mesh.shape[axis_name], axis_name=axis_name, weight_layout=weight_layout)
+    return {name: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=NamedSharding(mesh, specs[name]))
+            for name, p in layer_parameters(config).items()}
+
+
+def situ(gate: jax.Array, up: jax.Array) -> jax.Array:
+    """Kimi-K3's SiTU gated activation, per element: 4 tanh(g/4) sigmoid(g) * 25 tanh(u/25)."""
+    bounded_gate = SITU_GATE_BOUND * jnp.tanh(gate / SITU_GATE_BOUND) * jax.nn.sigmoid(gate)
+    return bounded_gate * (SITU_UP_BOUND * jnp.tanh(up / SITU_UP_BOUND))
+
+
+def route(hidden_states: jax.Array, router_kernel: jax.Array, correction_bias: jax.Array, *,
+          top_k: int) -> tuple[jax.Array, jax.Array]:
+    """(chosen [T, k] expert ids, combine weights [T, k] float32) of hidden_states [T, H].
+
+    The bias is added to the sigmoid scores only to choose the top k; the combine weights are the
+    chosen experts' un-biased scores, renormalised to sum 1 per token.
+    """
+    scores = jax.nn.sigmoid(_dot(hidden_states, router_kernel))
+    _, chosen = jax.lax.top_k(scores + correction_bias, top_k)
+    picked = scores[jnp.arange(scores.shape[0])[:, None], chosen]
+    return chosen, picked / picked.sum(axis=1, keepdims=True)
+
+
+def routed_expert_method(config: LayerConfig, num_tokens: int) -> str:
+    """"gather" while T * k <= E (each token's chosen weight blocks gathered: at most E blocks read),
+    "sort" above (pairs sorted by expert, ``jax.lax.ragged_dot``); the module docstring says why."""
+    return "gather" if num_tokens * config.top_k <= config.num_experts else "sort"
+
+
+def experts_by_gather(latent, chosen, combine, gate, up, down) -> jax.Array:
+    """This rank's routed partial [T, L] (float32): per token, its k experts' blocks gathered and applied.
+
+    latent [T, L], chosen and combine [T, k]; gate and up [E, L, m/p], down [E, m/p, L] (this rank's
+    blocks). Gathers [T, k, L, m/p] per kernel: for decode only.
+    """
+    gate_in = jnp.einsum("tl,tklm->tkm", latent, gate[chosen], preferred_element_type=jnp.float32)
+    up_in = jnp.einsum("tl,tklm->tkm", latent, up[chosen], preferred_element_type=jnp.float32)
+    activation = situ(gate_in, up_in).astype(latent.dtype)
+    out = jnp.einsum("tkm,tkml->tkl", activation, down[chosen], preferred_element_type=jnp.float32)
+    return jnp.einsum("tk,tkl->tl", combine, out)
+
+
+def experts_by_sort(latent, chosen, combine, gate, up, down) -> jax.Array:
+    """This rank's routed partial [T, L] (float32): the T*k (token, expert) pairs sorted by expert, one
+    grouped GEMM per kernel (``jax.lax.ragged_dot``), the pairs' outputs put back in token order and
+    weighted.
+
+    Arguments as :func:`experts_by_gather`. The largest intermediates are [T*k, L] and [T*k, m/p].
+    """
+    num_tokens, top_k = chosen.shape
+    expert_of_pair = chosen.reshape(-1)
+    order = jnp.argsort(expert_of_pair, stable=True)  # the pairs grouped by expert, in expert order
+    group_sizes = jnp.bincount(expert_of_pair, length=gate.shape[0]).astype(jnp.int32)
+    rows = latent[order // top_k]
+    gate_in = jax.lax.ragged_dot(rows, gate, group_sizes, preferred_element_type=jnp.float32)
+    up_in = jax.lax.ragged_dot(rows, up, group_sizes, preferred_element_type=jnp.float32)
+    activation = situ(gate_in, up_in).astype(latent.dtype)
+    out = jax.lax.ragged_dot(activation, down, group_sizes, preferred_element_type=jnp.float32)
+    out = out[jnp.argsort(order)].reshape(num_tokens, top_k, -1)  # back to (token, slot) order
+    return jnp.einsum("tk,tkl->tl", combine, out)
+
+
+_ROUTED_EXPERTS = {"gather": experts_by_gather, "sort": experts_by_sort}
+
+
+def rank_partials(parameters: Mapping[str, jax.Array], hidden_states: jax.Array, *,
+                  config: LayerConfig) -> tuple[jax.Array, jax.Array]:
+    """(routed latent partial r_i [T, L], shared partial s_i [T, H]) of this rank, in the config's dtype.
+
+    Per rank, inside a shard_map: ``parameters`` are this rank's blocks, ``hidden_states`` [T, H] the
+    whole (replicated) input. No collective.
+    """
+    dtype = config.dtype
+    chosen, combine = route(hidden_states, parameters["router_kernel"], parameters["router_bias"],
+                            top_k=config.top_k)
+    latent = _dot(hidden_states, parameters["down_proj"]).astype(dtype)
+    experts = _ROUTED_EXPERTS[routed_expert_method(config, hidden_states.shape[0])]
+    routed = experts(latent, chosen, combine, parameters["expert_gate"], parameters["expert_up"],
+                     parameters["expert_down"])
+    shared_activation = situ(_dot(hidden_states, parameters["shared_gate"]),
+                             _dot(hidden_states, parameters["shared_up"])).astype(dtype)
+    shared = _dot(shared_activation, parameters["shared_down"])
+    return routed.astype(dtype), shared.astype(dtype)
+
+
+def layer_per_rank(parameters: Mapping[str, jax.Array], hidden_states: jax.Array, *, config: LayerConfig,
+                   axis_name: str, weight_layout: str, tier: k3_tail.Tier | str | None,
+                   device: jax.Device) -> jax.Array:
+    """This rank's y: its partials (:func:`rank_partials`), then ``k3_tail.latent_moe_tail`` on them.
+
+    Returns [T, H], or this rank's [T/p, H] rows when the tail's output is token-sharded
+    (``k3_tail.is_token_sharded_output``).
+    """
+    routed, shared = rank_partials(parameters, hidden_states, config=config)
+    return k3_tail.latent_moe_tail(routed, shared, parameters["norm_scale"], parameters["up_proj_kernel"],
+                                   config=config.tail, axis_name=axis_name, weight_layout=weight_layout, tier=tier,
+                                   device=device)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "mesh", "axis_name", "weight_layout", "tier"))
+def layer_forward(parameters: Mapping[str, jax.Array], hidden_states: jax.Array, *, config: LayerConfig,
+                  mesh: Mesh, axis_name: str = "tp", weight_layout: str = "replicated",
+                  tier: k3_tail.Tier | str | None = None) -> jax.Array:
+    """y [T, H] of the layer for hidden_states [T, H], as one ``jax.shard_map`` over ``mesh``.
+
+    ``parameters``: global arrays by the names of :func:`layer_parameters` (placed here as
+    :func:`partition_specs` says; a no-op for arrays already there). ``tier``: force a tail tier, or
+    None to let the tail select one for T (``k3_tail.select_tier``). y is replicated (``P()``), or token-sharded over
+    ``axis_name`` when ``k3_tail.is_token_sharded_output(config.tail, T, p)``. Jitted: compiled once
+    per T, placement and static argument; ``.lower(...)`` takes :func:`abstract_parameters`.
+    """
+    tp_size = mesh.shape[axis_name]
+    num_tokens = _check_hidden_states(config, hidden_states)
+    token_sharded = k3_tail.is_token_sharded_output(config.tail, num_tokens, tp_size)
+    per_rank = functools.partial(layer_per_rank, config=config, axis_name=axis_name, weight_layout=weight_layout,
+                                 tier=tier, device=mesh.devices.flat[0])
+    return _shard_map(per_rank, parameters, hidden_states, config=config, mesh=mesh, axis_name=axis_name,
+                      weight_layout=weight_layout, out_specs=P(axis_name) if token_sharded else P())
+
+
+@functools.partial(jax.jit, static_argnames=("config", "mesh", "axis_name", "weight_layout"))
+def layer_partials(parameters: Mapping[str, jax.Array], hidden_states: jax.Array, *, config: LayerConfig,
+                   mesh: Mesh, axis_name: str = "tp", weight_layout: str = "replicated") -> tuple[jax.Array, jax.Array]:
+    """(routed [p, T, L], shared [p, T, H]): every rank's partials stacked, sharded over ``axis_name``:
+    the tail's inputs as ``k3_tail.tail_forward`` takes them. Arguments as :func:`layer_forward`."""
+    _check_hidden_states(config, hidden_states)
+
+    def per_rank(rank_parameters, rank_hidden_states):
+        routed, shared = rank_partials(rank_parameters, rank_hidden_states, config=config)
+        return routed[None], shared[None]
+
+    return _shard_map(per_rank, parameters, hidden_states, config=config, mesh=mesh, axis_name=axis_name,
+                      weight_layout=weight_layout, out_specs=(P(axis_name), P(axis_name)))
+
+
+def _shard_map(per_rank, parameters, hidden_states, *, config, mesh, axis_name, weight_layout, out_specs):
+    """``per_rank(parameter blocks, hidden_states)`` in a shard_map over ``mesh``, the inputs placed first."""
+    specs = partition_specs(config, mesh.shape[axis_name], axis_name=axis_name, weight_layout=weight_layout)
+    if set(parameters) != set(specs):
+        raise ValueError(f"parameters: expected the names {sorted(specs)}, got {sorted(parameters)}")
+    placed = {name: jax.device_put(parameters[name], NamedSharding(mesh, spec)) for name, spec in specs.items()}
+    hidden_states = jax.device_put(hidden_states, NamedSharding(mesh, P()))
+    return jax.shard_map(per_rank, mesh=mesh, in_specs=(specs, P()), out_specs=out_specs)(placed, hidden_states)
+
+
+def _check_hidden_states(config: LayerConfig, hidden_states) -> int:
+    """T, or ValueError unless hidden_states is a [T, H] array of the config's dtype."""
+    shape, dtype = tuple(np.shape(hidden_states)), np.dtype(getattr(hidden_states, "dtype", None))
+    if len(shape) != 2 or shape[1] != config.hidden_size or dtype != config.dtype:
+        raise ValueError(f"hidden_states: expected a [T, {config.hidden_size}] array of {config.dtype.name}, "
+                         f"got shape {shape} of {dtype.name}")
+    return shape[0]
+
+
+def _dot(a: jax.Array, b: jax.Array) -> jax.Array:
+    """a @ b accumulated and returned in float32."""
+    return jnp.dot(a, b, preferred_element_type=jnp.float32)
+
+
+class KimiK3MoELayer(nnx.Module):
+    """The layer (module docstring) with its parameters as ``nnx.Param``, sharded over ``mesh``.
+
+    ``checkpoint``: every parameter of :func:`layer_parameters` by name, as numpy or jax arrays of its
+    global shape (cast to its dtype); each is placed as :func:`partition_specs` says, so a rank
+    receives only its block, and the Params carry that spec as sharding metadata
+    (``nnx.get_partition_spec``). ``__call__(hidden_states [T, H], *, tier=None)`` is
+    :func:`layer_forward`; ``partials`` is :func:`layer_partials`; ``plan(T)`` is the tail tier a
+    call with T tokens takes, and why.
+    """
+
+    def __init__(self, config: LayerConfig, mesh: Mesh, checkpoint: Mapping[str, Any], *, axis_name: str = "tp",
+                 weight_layout: str = "replicated"):
+        self.config = config
+        self.mesh = mesh
+        self.axis_name = axis_name
+        self.weight_layout = weight_layout
+        parameters = layer_parameters(config)
+        specs = partition_specs(config, self.tp_size, axis_name=axis_name, weight_layout=weight_layout)
+        if set(checkpoint) != set(parameters):
+            raise ValueError(f"checkpoint: expected the names {sorted(parameters)}, got {sorted(checkpoint)}")
+        for name, parameter in parameters.items():
+            value = np.asarray(checkpoint[name], parameter.dtype)
+            if value.shape != parameter.shape:
+                raise ValueError(f"checkpoint: expected {name} of shape {parameter.shape}, got {value.shape}")
+            placed = jax.device_put(value, NamedSharding(mesh, specs[name]))
+            setattr(self, name, nnx.Param(placed, out_sharding=specs[name], mesh=mesh))
+
+    @property
+    def tp_size(self) -> int:
+        return self.mesh.shape[self.axis_name]
+
+    def parameter_values(self) -> dict[str, jax.Array]:
+        """Every parameter's value (a global array), by name."""
+        return nnx.to_pure_dict(nnx.state(self, nnx.Param))
+
+    def __call__(self, hidden_states: jax.Array, *, tier: k3_tail.Tier | str | None = None) -> jax.Array:
+        return layer_forward(self.parameter_values(), hidden_states, config=self.config, mesh=self.mesh,
+                             axis_name=self.axis_name, weight_layout=self.weight_layout, tier=tier)
+
+    def partials(self, hidden_states: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return layer_partials(self.parameter_values(), hidden_states, config=self.config, mesh=self.mesh,
+                              axis_name=self.axis_name, weight_layout=self.weight_layout)
+
+    def plan(self, num_tokens: int) -> k3_tail.TierDecision:
+        device = self.mesh.devices.flat[0]
+        return k3_tail.select_tier(self.config.tail, num_tokens, self.tp_size, weight_layout=self.weight_layout,
+                                   device_kind=device.device_kind, platform=device.platform)
+
+
+def build_layer(config: LayerConfig, mesh: Mesh, *, seed: int = 0, axis_name: str = "tp",
+                weight_layout: str = "replicated") -> KimiK3MoELayer:
+    """A :class:`KimiK3MoELayer` on ``mesh`` holding :func:`random_checkpoint` (``seed``)."""
+    return KimiK3MoELayer(config, mesh, random_checkpoint(config, seed=seed), axis_name=axis_name,
+                          weight_layout=weight_layout)
+
+
+def token_bucket(num_tokens: int) -> int:
+    """The smallest power of two >= T (1 for T = 0): the token count a bucketed call compiles for."""
+    return 1 << max(num_tokens - 1, 0).bit_length()
+
+
+def pad_to_bucket(hidden_states: np.ndarray) -> np.ndarray:
+    """hidden_states [T, H] on the host, padded with zero rows to token_bucket(T) rows.
+
+    Under jit one program serves every T of a bucket; the caller keeps y's first T rows. Pad where the
+    batch is assembled, on the host: any device op on a [T, H] array (a pad, a slice) compiles once per T.
+    A zero row routes somewhere harmless and gives a zero row of y.
+    """
+    num_tokens = hidden_states.shape[0]
+    return np.pad(hidden_states, ((0, token_bucket(num_tokens) - num_tokens), (0, 0)))

@@ -1,0 +1,71 @@
+"""A float64 numpy reference of the Kimi-K3 latent MoE layer, independent of JAX and of the layer's code.
+
+    scores  = sigmoid(x @ W_router)                  chosen = the k largest of scores + correction_bias
+    weights = scores[chosen] / sum scores[chosen]    z = x @ W_down
+    r       = sum over the chosen experts e of weights_e * SiTU(z @ G_e, z @ U_e) @ D_e
+    s       = SiTU(x @ G_s, x @ U_s) @ D_s
+    y       = RMSNorm_g(c * r) @ W_up + s,   RMSNorm_g(v) = v / sqrt(mean(v^2) + eps) * g
+    SiTU(g, u) = 4 tanh(g / 4) sigmoid(g) * 25 tanh(u / 25)
+
+It works on the whole (unsharded) weights, one token and one chosen expert at a time, without any
+rounding between steps: what the tensor-parallel layer must equal up to its dtype's rounding.
+"""
+
+from collections.abc import Mapping
+
+import numpy as np
+
+
+def reference_layer(weights: Mapping[str, np.ndarray], hidden_states: np.ndarray, *, top_k: int,
+                    rms_norm_eps: float, routed_scaling_factor: float) -> np.ndarray:
+    """y [T, H] in float64.
+
+    weights: router_kernel [H, E], router_bias [E], down_proj [H, L], expert_gate and expert_up
+    [E, L, m], expert_down [E, m, L], shared_gate and shared_up [H, F], shared_down [F, H],
+    norm_scale [L], up_proj_kernel [L, H]; hidden_states [T, H].
+    """
+    routed, shared = reference_partials(weights, hidden_states, top_k=top_k)
+    latent = routed_scaling_factor * routed
+    rms = np.sqrt(np.mean(latent * latent, axis=-1, keepdims=True) + rms_norm_eps)
+    normed = latent / rms * np.asarray(weights["norm_scale"], np.float64)
+    return normed @ np.asarray(weights["up_proj_kernel"], np.float64) + shared
+
+
+def reference_partials(weights: Mapping[str, np.ndarray], hidden_states: np.ndarray, *,
+                       top_k: int) -> tuple[np.ndarray, np.ndarray]:
+    """(r [T, L], s [T, H]) in float64: the routed experts' weighted sum in the latent, and the shared
+    experts' output; what the TP ranks' partials add up to. Arguments as :func:`reference_layer`."""
+    w = {name: np.asarray(value, np.float64) for name, value in weights.items()}
+    x = np.asarray(hidden_states, np.float64)
+    scores = _sigmoid(x @ w["router_kernel"])
+    chosen = np.argsort(-(scores + w["router_bias"]), axis=1, kind="stable")[:, :top_k]
+    picked = np.take_along_axis(scores, chosen, axis=1)
+    combine = picked / picked.sum(axis=1, keepdims=True)
+    z = x @ w["down_proj"]
+    routed = np.zeros_like(z)
+    for token in range(x.shape[0]):
+        for expert, weight in zip(chosen[token], combine[token], strict=True):
+            routed[token] += weight * _situ_mlp(z[token], w["expert_gate"][expert], w["expert_up"][expert],
+                                                w["expert_down"][expert])
+    return routed, _situ_mlp(x, w["shared_gate"], w["shared_up"], w["shared_down"])
+
+
+def choice_margin(weights: Mapping[str, np.ndarray], hidden_states: np.ndarray, *, top_k: int) -> float:
+    """The smallest gap, over the tokens, between the k-th and the (k+1)-th largest biased score (inf
+    when k = E): inputs with a margin far above float32's rounding choose the same experts in any
+    precision."""
+    biased = (_sigmoid(np.asarray(hidden_states, np.float64) @ np.asarray(weights["router_kernel"], np.float64))
+              + np.asarray(weights["router_bias"], np.float64))
+    if top_k == biased.shape[1] or biased.shape[0] == 0:
+        return float("inf")
+    ordered = -np.sort(-biased, axis=1)
+    return float(np.min(ordered[:, top_k - 1] - ordered[:, top_k]))
+
+
+def _sigmoid(v: np.ndarray) -> np.ndarray:
+    return 1.0 / (1.0 + np.exp(-v))
+
+
+def _situ_mlp(x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray) -> np.ndarray:
+    g, u = x @ gate, x @ up
+    return (4.0 * np.tanh(g / 4.0) * _sigmoid(g) * 25.0 * np.tanh(u / 25.0)) @ down

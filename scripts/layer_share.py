@@ -1,0 +1,409 @@
+"""What the tail's tiers are worth inside the Kimi-K3 latent MoE layer (examples/kimi_k3_moe_layer.py).
+
+    python scripts/layer_share.py [--parts cpu,h100,model] [--tokens 1,4,16,64,256,1024] [--repeats 3]
+                                  [--width-divisor 4] [--experts 8] [--top-k 2] [--compile-tokens 1,16,256]
+                                  [--model-tokens 1,16,64,256,1024,8192] [--weight-layout replicated] [--json FILE]
+
+Three parts, each a table (progress on stderr):
+
+cpu    The whole layer and the tail alone, per tier, on an 8-device CPU mesh. The layer is
+       :class:`KimiK3MoELayer` with stand-in weights at Kimi-K3's widths divided by --width-divisor
+       (default 4: H 1792, L 896, m 768, F 1536; at full widths one call at T = 1024 takes about 45 s
+       on 2 cores) and --experts / --top-k (8 / 2); bf16. Per T, the same hidden states go through the
+       layer with each tier forced, and the layer's own partials (``layer.partials``) through
+       ``k3_tail.tail_forward`` with that tier: "tail alone, same inputs". Each call is compiled and run
+       --warmup times, then timed in --repeats rounds, each round running every tier's layer and tail
+       once (the order rotating), each run timed with perf_counter around the call and
+       block_until_ready. Reported: median and q25-q75 in ms, the tail's share (tail median / layer
+       median) and the layer's speed against the native tier's layer. The 8 CPU devices share the
+       host's cores and ragged_dot runs densely over the experts there: this ranks tiers on this
+       machine only.
+
+h100   The whole layer at Kimi-K3's shapes (896 experts, top 16, bf16) compiled per tier for a
+       deviceless 8 x H100 (``k3_tail.topology_mesh("h100x8")``, XLA's CUDA pipeline, the tier's
+       ``k3_tail.compiler_options(tier, "gpu")``), at each --compile-tokens. The shared partial is
+       computed inside the program, so ``xla_report.report(..., shared_argument=1)`` cannot trace it to
+       an argument; instead the shared reduction is the first all-reduce or reduce-scatter whose
+       buffers hold at least T*H elements (T padded to a multiple of p for token_parallel). That
+       identifies it in every tier: the layer's only collectives are the tail's, its latent reduction
+       moves T*L < T*H elements, and every form of the shared reduction moves T*H or more (alone,
+       merged with the latent's by XLA as native's is, or packed with it as one_shot's). Reported: its
+       buffers, whether it is an async start/done pair, the GEMMs XLA scheduled between start and done,
+       the share of the tier's up-projection FLOPs (``cost_model.tier_cost``) among those that come
+       after the latent reduction started (only tail work does), and "overlapped": async with all of
+       the up projection inside. Also the GEMM FLOPs per rank XLA compiled against the layer's useful
+       ones (examples/kimi_k3_moe_cost.py): where they differ, ``jax.lax.ragged_dot`` was expanded
+       densely.
+
+model  The cost model's layer-level gain of each tier over native on the MI355X preset, TP 8, at
+       each --model-tokens: the tail from ``k3_tail.cost_model`` and the rest of the layer from the
+       roofline of examples/kimi_k3_moe_cost.py, with the routed experts' weights in bf16 and in MXFP4
+       (Kimi-K3's release), next to vLLM's published end-to-end figures. Ours is the MoE layer alone;
+       theirs is a whole serving run.
+
+--parts picks parts; --json FILE also writes the machine, the settings and every row. Exit status 0,
+or 2 for bad arguments.
+"""
+
+# ruff: noqa: E402  (the platform is chosen, and the repository put on the path, before jax and examples load)
+
+import os
+import sys
+from pathlib import Path
+
+# This script measures on CPU devices and compiles GPU programs deviceless: without a GPU the CUDA
+# plugin would print a cuDNN traceback when jax starts its backends.
+os.environ["JAX_PLATFORMS"] = "cpu"
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root holds examples/
+
+import argparse
+import dataclasses
+import functools
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import k3_tail
+from examples import kimi_k3_moe_cost as layer_cost
+from examples.kimi_k3_moe_layer import (
+    KIMI_K3_NUM_EXPERTS,
+    KIMI_K3_TOP_K,
+    LayerConfig,
+    abstract_parameters,
+    build_layer,
+    layer_forward,
+)
+from k3_tail import benchmark, cost_model, xla_report
+from k3_tail.cli.common import ProgressBar, format_ms, positive_int, positive_int_list, progress
+
+PARTS = ("cpu", "h100", "model")
+CPU_DEVICES = 8
+MODEL_HARDWARE, MODEL_TP_SIZE = "mi355x", 8
+EXPERT_PRECISIONS = {"bf16": None, "MXFP4": layer_cost.MXFP4_BYTES}
+# vLLM's published end-to-end gains of its tail tiers over its base path (Kimi-K3, 8k input / 1k output).
+VLLM_FIGURES = ("8 x MI355X: TTFT -5.1 .. -5.5 %, output throughput +3.05 .. +4.91 %; SM100 (B200): TTFT -4 %")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="The Kimi-K3 latent MoE layer per tail tier: CPU-mesh times and "
+                                     "the tail's share, the deviceless 8 x H100 schedule, the cost model's layer-level "
+                                     "gains on MI355X. See the module docstring.")
+    parser.add_argument("--parts", type=part_list, default=PARTS, metavar="PART,...",
+                        help=f"parts to run, of {', '.join(PARTS)} (default: all)")
+    parser.add_argument("--tokens", type=positive_int_list, default=(1, 4, 16, 64, 256, 1024), metavar="T,...",
+                        help="cpu: token counts (default: 1,4,16,64,256,1024)")
+    parser.add_argument("--repeats", type=positive_int, default=3, metavar="N",
+                        help="cpu: timed rounds per token count (default: 3)")
+    parser.add_argument("--warmup", type=positive_int, default=1, metavar="N",
+                        help="cpu: untimed runs of each call first, the first compiling (default: 1)")
+    parser.add_argument("--width-divisor", type=positive_int, default=4, metavar="D",
+                        help="cpu: Kimi-K3's widths H, L, m, F divided by D (default: 4; 1 for the full widths)")
+    parser.add_argument("--experts", type=positive_int, default=8, metavar="E",
+                        help="cpu: routed experts (default: 8)")
+    parser.add_argument("--top-k", type=positive_int, default=2, metavar="K",
+                        help="cpu: experts per token (default: 2)")
+    parser.add_argument("--compile-tokens", type=positive_int_list, default=(1, 16, 256), metavar="T,...",
+                        help="h100: token counts to compile for (default: 1,16,256)")
+    parser.add_argument("--model-tokens", type=positive_int_list, default=(1, 16, 64, 256, 1024, 8192),
+                        metavar="T,...", help="model: token counts (default: 1,16,64,256,1024,8192)")
+    parser.add_argument("--weight-layout", choices=k3_tail.WEIGHT_LAYOUTS, default="replicated",
+                        help="where the up projection lives (default: replicated, as vLLM serves it)")
+    parser.add_argument("--seed", type=int, default=0, help="cpu: seed of the stand-in weights and inputs")
+    parser.add_argument("--json", metavar="FILE", help="also write the machine, the settings and every row")
+    args = parser.parse_args(argv)
+    kimi = LayerConfig.kimi_k3()
+    widths = (kimi.hidden_size, kimi.latent_size, kimi.expert_intermediate_size, kimi.shared_intermediate_size)
+    if any(width % (args.width_divisor * CPU_DEVICES) for width in widths):
+        parser.error(f"--width-divisor: expected a divisor of Kimi-K3's widths {widths} that leaves each a multiple "
+                     f"of the {CPU_DEVICES} devices (1, 2, 4, ... 64), got {args.width_divisor}")
+    if args.top_k > args.experts:
+        parser.error(f"--top-k: expected at most --experts = {args.experts}, got {args.top_k}")
+    return args
+
+
+def part_list(text: str) -> tuple[str, ...]:
+    parts = tuple(item.strip() for item in text.split(","))
+    for part in parts:
+        if part not in PARTS:
+            raise argparse.ArgumentTypeError(f"expected parts among {', '.join(PARTS)}, got {part!r}")
+    return parts
+
+
+def layer_tiers(weight_layout: str) -> list[k3_tail.Tier]:
+    return [tier for tier in k3_tail.Tier if tier.supports(weight_layout)]
+
+
+# ---- cpu ----
+
+
+def cpu_config(args: argparse.Namespace) -> LayerConfig:
+    kimi = LayerConfig.kimi_k3()
+    divisor = args.width_divisor
+    tail = k3_tail.TailConfig.kimi_k3(hidden_size=kimi.hidden_size // divisor, latent_size=kimi.latent_size // divisor)
+    return LayerConfig(tail, num_experts=args.experts, top_k=args.top_k,
+                       expert_intermediate_size=kimi.expert_intermediate_size // divisor,
+                       shared_intermediate_size=kimi.shared_intermediate_size // divisor)
+
+
+def measure_cpu(args: argparse.Namespace) -> tuple[LayerConfig, list[dict[str, Any]]]:
+    """One row per (T, tier): the layer's and the tail's timings on the CPU mesh (module docstring)."""
+    config = cpu_config(args)
+    mesh = jax.make_mesh((CPU_DEVICES,), ("tp",), devices=jax.devices("cpu")[:CPU_DEVICES])
+    layer = build_layer(config, mesh, seed=args.seed, weight_layout=args.weight_layout)
+    parameters = layer.parameter_values()
+    tiers = layer_tiers(args.weight_layout)
+    rng = np.random.default_rng(args.seed)
+    bar = ProgressBar(len(args.tokens) * (len(tiers) + args.repeats))
+    rows = []
+    for num_tokens in args.tokens:
+        hidden = jax.device_put(jnp.asarray(rng.standard_normal((num_tokens, config.hidden_size)), config.dtype),
+                                NamedSharding(mesh, P()))
+        routed, shared = layer.partials(hidden)
+        calls = {}
+        for tier in tiers:
+            bar.step(f"cpu T={num_tokens} {tier.value}: compile and warm up")
+            calls[tier] = {
+                "layer": functools.partial(layer, hidden, tier=tier),
+                "tail": functools.partial(k3_tail.tail_forward, routed, shared, parameters["norm_scale"],
+                                          parameters["up_proj_kernel"], config=config.tail, mesh=mesh, tier=tier,
+                                          weight_layout=args.weight_layout),
+            }
+            for call in calls[tier].values():
+                for _ in range(args.warmup):
+                    call().block_until_ready()
+        seconds = {(tier, part): [] for tier in tiers for part in ("layer", "tail")}
+        for round_index in range(args.repeats):
+            bar.step(f"cpu T={num_tokens}: round {round_index + 1}/{args.repeats}")
+            start = round_index % len(tiers)
+            for tier in tiers[start:] + tiers[:start]:
+                for part, call in calls[tier].items():
+                    began = time.perf_counter()
+                    call().block_until_ready()
+                    seconds[tier, part].append(time.perf_counter() - began)
+        selected = layer.plan(num_tokens).tier
+        native_median = float(np.median(seconds[k3_tail.Tier.NATIVE, "layer"]))
+        for tier in tiers:
+            layer_timing = benchmark.Timing.of(seconds[tier, "layer"])
+            tail_timing = benchmark.Timing.of(seconds[tier, "tail"])
+            rows.append({
+                "num_tokens": num_tokens, "tier": tier.value, "selected": tier == selected,
+                "layer_s": dataclasses.asdict(layer_timing), "tail_s": dataclasses.asdict(tail_timing),
+                "tail_share": tail_timing.median_s / layer_timing.median_s,
+                "layer_speedup_vs_native": native_median / layer_timing.median_s,
+            })
+    bar.finish()
+    return config, rows
+
+
+def format_cpu(config: LayerConfig, rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
+    lines = [
+        f"cpu: the layer on {CPU_DEVICES} CPU devices: H={config.hidden_size}, L={config.latent_size}, "
+        f"m={config.expert_intermediate_size}, F={config.shared_intermediate_size} (Kimi-K3 / {args.width_divisor}), "
+        f"{config.num_experts} experts, top {config.top_k}, {config.dtype.name}, {args.weight_layout} up projection; "
+        f"{args.warmup} warm-up + {args.repeats} rounds",
+        f"{'T':>6}  {'tier':<17}{'layer ms (q25-q75)':>24}{'tail ms (q25-q75)':>24}{'tail share':>12}"
+        f"{'layer vs native':>17}",
+    ]
+
+    def line(row):
+        name = row["tier"] + (" *" if row["selected"] else "")
+        return (f"{row['num_tokens']:>6}  {name:<17}{spread(row['layer_s']):>24}{spread(row['tail_s']):>24}"
+                f"{row['tail_share']:>12.1%}{row['layer_speedup_vs_native']:>16.2f}x")
+
+    lines += grouped_by_token_count(rows, line)
+    lines.append("* the tier the tail selects for that T (vLLM's rule); tail share: tail median / layer median")
+    return "\n".join(lines)
+
+
+def grouped_by_token_count(rows: list[dict[str, Any]], line: Callable[[dict[str, Any]], str]) -> list[str]:
+    """``line(row)`` for every row, with a blank line where the token count changes."""
+    lines = []
+    for index, row in enumerate(rows):
+        if index and row["num_tokens"] != rows[index - 1]["num_tokens"]:
+            lines.append("")
+        lines.append(line(row))
+    return lines
+
+
+def spread(timing: dict[str, float]) -> str:
+    return f"{format_ms(timing['median_s'])} ({format_ms(timing['q25_s'])}-{format_ms(timing['q75_s'])})"
+
+
+# ---- h100 ----
+
+
+def compile_h100(args: argparse.Namespace) -> tuple[LayerConfig, list[dict[str, Any]]]:
+    """One row per (T, tier): the shared reduction of the compiled 8 x H100 layer (module docstring)."""
+    config = LayerConfig.kimi_k3(num_experts=KIMI_K3_NUM_EXPERTS, top_k=KIMI_K3_TOP_K)
+    mesh = k3_tail.topology_mesh("h100x8")
+    tp_size = mesh.shape["tp"]
+    parameters = abstract_parameters(config, mesh, weight_layout=args.weight_layout)
+    tiers = layer_tiers(args.weight_layout)
+    bar = ProgressBar(len(args.compile_tokens) * len(tiers))
+    rows = []
+    for num_tokens in args.compile_tokens:
+        hidden = jax.ShapeDtypeStruct((num_tokens, config.hidden_size), config.dtype, sharding=NamedSharding(mesh, P()))
+        useful = sum(kernel.flops for kernel in layer_cost.layer_kernels(config, num_tokens, tp_size))
+        for tier in tiers:
+            bar.step(f"h100 T={num_tokens} {tier.value}: compile")
+            lowered = layer_forward.lower(parameters, hidden, config=config, mesh=mesh,
+                                          weight_layout=args.weight_layout, tier=tier)
+            compiled = lowered.compile(compiler_options=k3_tail.compiler_options(tier, "gpu"))
+            report = xla_report.report(compiled, shared_argument=None)
+            up_flops = cost_model.tier_cost(config.tail, num_tokens, tp_size, tier=tier,
+                                            weight_layout=args.weight_layout).gemm_flops
+            reduced_rows = -(-num_tokens // tp_size) * tp_size if tier.record.shards_tokens else num_tokens
+            rows.append({"num_tokens": num_tokens, "tier": tier.value,
+                         **shared_reduction_schedule(report, config, reduced_rows, up_flops),
+                         "compiled_gemm_flops": report.gemm_flops, "useful_gemm_flops": useful + up_flops})
+    bar.finish()
+    return config, rows
+
+
+def shared_reduction_schedule(report: k3_tail.XlaReport, config: LayerConfig, rows: int,
+                              up_flops: int) -> dict[str, Any]:
+    """The shared reduction (the first all-reduce or reduce-scatter of >= rows*H elements), whether it is async,
+    the GEMMs inside it, and how much of the up projection they are (module docstring).
+
+    ``rows``: the token rows the tier reduces (T, or T padded to a multiple of p for a tier that shards
+    tokens), so that the latent reduction moves rows*L < rows*H elements. A GEMM scheduled after the latent
+    reduction started is tail work: the router, the down projection and the routed experts feed that
+    reduction, and the shared experts feed the shared one. XLA may split the up projection (at T = 1 a GEMV
+    becomes a multiply and a reduce fusion), so their FLOPs are summed.
+    """
+    reductions = [c for c in report.collectives if c.kind in ("all-reduce", "reduce-scatter")]
+
+    def elements(collective):
+        return sum(array.elements for array in collective.arrays)
+
+    shared = next((c for c in reductions if elements(c) >= rows * config.hidden_size), None)
+    if shared is None:
+        raise RuntimeError(f"{rows} rows: the compiled layer reduces no buffer of rows*H elements or more")
+    latent = next((c for c in reductions if elements(c) == rows * config.latent_size), None)
+    gemms = {gemm.name: gemm for gemm in report.gemms}
+    inside = [gemms[name] for name in shared.between_gemms]
+    tail_flops_inside = sum(gemm.flops for gemm in inside if latent is None or gemm.position > latent.start)
+    return {
+        "shared_reduction": f"{shared.kind} {' + '.join(map(str, shared.arrays))}",
+        "is_async": shared.is_async,
+        "gemms_inside": [{"name": gemm.name, "flops": gemm.flops, "position": gemm.position} for gemm in inside],
+        "up_projection_inside": tail_flops_inside / up_flops,
+        "overlapped": shared.is_async and tail_flops_inside >= up_flops,
+    }
+
+
+def format_h100(config: LayerConfig, rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
+    lines = [
+        f"h100: the layer compiled for a deviceless 8 x H100 (Kimi-K3: {config.num_experts} experts, top "
+        f"{config.top_k}, bf16, {args.weight_layout} up projection), each tier with compiler_options(tier, 'gpu')",
+        f"{'T':>6}  {'tier':<17}{'shared reduction':<48}{'async':<7}{'GEMMs inside (GFLOP)':>21}"
+        f"{'up projection inside':>22}{'overlapped':>12}{'GEMM GFLOP/rank: compiled / useful':>37}",
+    ]
+
+    def line(row):
+        inside = row["gemms_inside"]
+        inside = f"{len(inside)} ({sum(gemm['flops'] for gemm in inside) / 1e9:.3f})" if inside else "-"
+        flops = f"{row['compiled_gemm_flops'] / 1e9:.1f} / {row['useful_gemm_flops'] / 1e9:.1f}"
+        return (f"{row['num_tokens']:>6}  {row['tier']:<17}{row['shared_reduction']:<48}"
+                f"{'yes' if row['is_async'] else 'no':<7}{inside:>21}{row['up_projection_inside']:>22.0%}"
+                f"{str(row['overlapped']):>12}{flops:>37}")
+
+    lines += grouped_by_token_count(rows, line)
+    lines += ["up projection inside: the share of the tier's up-projection FLOPs scheduled between the shared",
+              "reduction's start and done; overlapped: async, with all of it inside. useful GEMM FLOPs: the layer's",
+              "(examples/kimi_k3_moe_cost.py); above them, XLA expanded jax.lax.ragged_dot densely over the experts"]
+    return "\n".join(lines)
+
+
+# ---- model ----
+
+
+def predict_model(args: argparse.Namespace) -> tuple[LayerConfig, list[dict[str, Any]]]:
+    """One row per (expert weight precision, T): the layer's predicted time with native and each tier's gain."""
+    config = LayerConfig.kimi_k3(num_experts=KIMI_K3_NUM_EXPERTS, top_k=KIMI_K3_TOP_K)
+    tiers = layer_tiers(args.weight_layout)
+    rows = []
+    for precision, expert_bytes in EXPERT_PRECISIONS.items():
+        for num_tokens in args.model_tokens:
+            options = dict(hardware=MODEL_HARDWARE, weight_layout=args.weight_layout, expert_weight_bytes=expert_bytes)
+            native = layer_cost.predict_layer(config, num_tokens, MODEL_TP_SIZE, tier=k3_tail.Tier.NATIVE, **options)
+            selected = k3_tail.select_tier(config.tail, num_tokens, MODEL_TP_SIZE, weight_layout=args.weight_layout,
+                                           platform="gpu").tier
+            rows.append({
+                "expert_weights": precision, "num_tokens": num_tokens, "native_layer_s": native.total_s,
+                "native_tail_share": native.tail_share, "selected": selected.value,
+                "gain": {tier.value: layer_cost.layer_gain(config, num_tokens, MODEL_TP_SIZE, tier=tier, **options)
+                         for tier in tiers},
+            })
+    return config, rows
+
+
+def format_model(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
+    tiers = [tier.value for tier in layer_tiers(args.weight_layout) if tier != k3_tail.Tier.NATIVE]
+    lines = [f"model: cost-model layer-level gain over native, {MODEL_HARDWARE.upper()} TP {MODEL_TP_SIZE}, Kimi-K3 "
+             f"(896 experts, top 16), {args.weight_layout} up projection; the MoE layer alone"]
+    for precision in EXPERT_PRECISIONS:
+        lines += ["", f"routed experts' weights in {precision}:",
+                  f"{'T':>6}{'layer us (native)':>19}{'tail share (native)':>21}" + "".join(f"{t:>17}" for t in tiers)
+                  + f"{'vLLM rule picks':>22}"]
+        for row in (r for r in rows if r["expert_weights"] == precision):
+            gains = "".join(f"{row['gain'][t]:>+16.1%} " for t in tiers)
+            picked = f"{row['selected']} ({row['gain'][row['selected']]:+.1%})"
+            lines.append(f"{row['num_tokens']:>6}{row['native_layer_s'] * 1e6:>19.1f}{row['native_tail_share']:>21.1%}"
+                         f"{gains}{picked:>21}")
+    lines += ["", f"vLLM's published end-to-end gains, for comparison: {VLLM_FIGURES}.",
+              "Those are whole serving runs (every layer, attention, sampling); these are the MoE layer alone."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    jax.config.update("jax_num_cpu_devices", CPU_DEVICES)
+    started = time.perf_counter()
+    machine = benchmark.machine_info()
+    print(f"machine: {machine['cpu_count']} x {machine['cpu_model']}; jax {machine['jax']}; load average "
+          f"{machine['load_average_1min']:.2f} at start")
+    results: dict[str, Any] = {}
+    sections = []
+    if "cpu" in args.parts:
+        config, rows = measure_cpu(args)
+        results["cpu"] = {"config": describe(config), "rows": rows}
+        sections.append(format_cpu(config, rows, args))
+    if "h100" in args.parts:
+        try:
+            config, rows = compile_h100(args)
+        except k3_tail.TopologyUnavailable as error:
+            progress(f"h100: skipped: {error}")
+        else:
+            results["h100"] = {"config": describe(config), "rows": rows}
+            sections.append(format_h100(config, rows, args))
+    if "model" in args.parts:
+        config, rows = predict_model(args)
+        results["model"] = {"config": describe(config), "hardware": MODEL_HARDWARE, "rows": rows}
+        sections.append(format_model(rows, args))
+    elapsed = time.perf_counter() - started
+    print("\n\n".join(["", *sections]))
+    print(f"\nelapsed {elapsed:.0f} s; load average {os.getloadavg()[0]:.2f} at end")
+    if args.json:
+        settings = {name: value for name, value in vars(args).items() if name != "json"}
+        with open(args.json, "w", encoding="utf-8") as file:
+            json.dump({"machine": machine, "settings": settings, "elapsed_s": elapsed, **results}, file, indent=1)
+        print(f"wrote {args.json}")
+    return 0
+
+
+def describe(config: LayerConfig) -> dict[str, Any]:
+    return {"hidden_size": config.hidden_size, "latent_size": config.latent_size, "num_experts": config.num_experts,
+            "top_k": config.top_k, "expert_intermediate_size": config.expert_intermediate_size,
+            "shared_intermediate_size": config.shared_intermediate_size, "dtype": config.dtype.name}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,265 @@
+"""The Kimi-K3 latent MoE layer of examples/kimi_k3_moe_layer.py: the tail inside the layer it ends.
+
+The whole layer (router, routed down projection, routed experts with their intermediate width split
+over the ranks, column/row-parallel shared experts, then ``k3_tail.latent_moe_tail`` per rank) is
+checked against the float64 numpy reference of examples/kimi_k3_moe_reference.py at tiny widths:
+H 64, L 32, routed-expert width 16, shared width 24, 8 experts, top 2.
+
+The parity cases are a pairwise covering design (tests/covering.py) over the tail tier (each one
+forced, and "selected") x p in {1, 2, 8} x T in {1, 16, 300} x the up projection's layout x dtype x
+replicated or sequence-parallel output; ``pytest -m slow`` runs their full product. T = 1 takes the
+routed experts' gather method (T*k <= E), T = 16 and 300 the sort + ragged_dot method; 300 is above
+the overlap tier's threshold.
+
+Tolerance, relative Frobenius error ||y - ref|| / ||ref||: bf16 <= 1e-2 (measured up to 6.3e-3 over
+the full product: z, the SiTU outputs, both partials, the tail's collectives and y are each rounded
+to bf16), float32 <= 1e-5 (measured up to 3.4e-7).
+"""
+
+import dataclasses
+import functools
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import covering
+import k3_tail
+from examples import kimi_k3_moe_cost as layer_cost
+from examples import kimi_k3_moe_layer as layer_module
+from examples.kimi_k3_moe_reference import choice_margin, reference_layer, reference_partials
+from helpers import make_tp_mesh
+from reference import TOLERANCE, relative_error
+
+HIDDEN, LATENT, EXPERT_WIDTH, SHARED_WIDTH, EXPERTS, TOP_K = 64, 32, 16, 24, 8, 2
+DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
+LAYER_FACTORS = {
+    "tier": covering.TIERS,
+    "tp_size": (1, 2, 8),
+    "num_tokens": (1, 16, 300),
+    "weight_layout": covering.WEIGHT_LAYOUTS,
+    "dtype": tuple(DTYPES),
+    "sequence_parallel": (False, True),
+}
+# float32 rounding moves a score by about 1e-7: a margin far above that picks the same experts in
+# float32 and float64.
+MIN_CHOICE_MARGIN = 1e-5
+# The tests compile the layer with LLVM's optimisation and XLA CPU's newer (MLIR) fusion emitters off:
+# the same HLO program, for about a quarter of the compile CPU time (measured: 0.25 s instead of 1.0-1.3 s
+# per program), which the suite's time budget needs. Both are XLA DebugOptions, which every backend accepts.
+FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
+STATIC_ARGUMENTS = ("config", "mesh", "axis_name", "weight_layout", "tier")
+layer_forward = jax.jit(layer_module.layer_forward, static_argnames=STATIC_ARGUMENTS, compiler_options=FAST_COMPILE)
+layer_partials = jax.jit(layer_module.layer_partials, static_argnames=STATIC_ARGUMENTS[:-1],
+                         compiler_options=FAST_COMPILE)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerCase:
+    tier: str
+    tp_size: int
+    num_tokens: int
+    weight_layout: str
+    dtype: str
+    sequence_parallel: bool
+
+    @property
+    def id(self) -> str:
+        output = "sp" if self.sequence_parallel else "nosp"
+        return f"{self.tier}-p{self.tp_size}-T{self.num_tokens}-{self.weight_layout}-{self.dtype}-{output}"
+
+
+def layer_cases(design):
+    return [pytest.param(case, id=case.id) for case in (LayerCase(**values) for values in design)]
+
+
+# One case must return token-sharded rows (p divides T), a three-way interaction pairs alone would not force.
+TOKEN_SHARDED_SEED = {"tp_size": 8, "num_tokens": 16, "sequence_parallel": True}
+PAIRWISE_CASES = layer_cases(covering.pairwise_cases(LAYER_FACTORS, constraint=covering.tail_constraint,
+                                                     seeds=[TOKEN_SHARDED_SEED]))
+PRODUCT = (dict(zip(LAYER_FACTORS, values, strict=True)) for values in itertools.product(*LAYER_FACTORS.values()))
+FULL_PRODUCT = layer_cases(case for case in PRODUCT if covering.tail_constraint(case))
+
+
+def layer_config(dtype, **tail_changes):
+    tail = k3_tail.TailConfig(hidden_size=HIDDEN, latent_size=LATENT, dtype=DTYPES[dtype], **tail_changes)
+    return layer_module.LayerConfig(tail, num_experts=EXPERTS, top_k=TOP_K, expert_intermediate_size=EXPERT_WIDTH,
+                                    shared_intermediate_size=SHARED_WIDTH)
+
+
+@functools.cache
+def checkpoint(dtype):
+    return layer_module.random_checkpoint(layer_config(dtype), seed=0)
+
+
+@functools.cache
+def hidden_states(num_tokens, dtype):
+    rng = np.random.default_rng(num_tokens)
+    return np.asarray(jnp.asarray(rng.standard_normal((num_tokens, HIDDEN)), DTYPES[dtype]))
+
+
+@functools.cache
+def layer_on(tp_size, dtype, weight_layout="replicated", sequence_parallel=False):
+    return layer_module.KimiK3MoELayer(layer_config(dtype, sequence_parallel=sequence_parallel),
+                                       make_tp_mesh(tp_size), checkpoint(dtype), weight_layout=weight_layout)
+
+
+def run_layer(layer, x, tier=None):
+    """``layer(x, tier=tier)``: the same call of layer_forward on the layer's parameters, compiled with FAST_COMPILE."""
+    return layer_forward(layer.parameter_values(), jnp.asarray(x), config=layer.config, mesh=layer.mesh,
+                         weight_layout=layer.weight_layout, tier=tier)
+
+
+def expected(config, x):
+    return reference_layer(checkpoint(config.dtype.name), x, top_k=TOP_K, rms_norm_eps=config.tail.rms_norm_eps,
+                           routed_scaling_factor=config.tail.routed_scaling_factor)
+
+
+def assert_matches_reference(case):
+    """y of the case's layer matches the reference; it is replicated, or with sequence-parallel output and p
+    dividing T each rank holds its T/p rows."""
+    layer = layer_on(case.tp_size, case.dtype, case.weight_layout, case.sequence_parallel)
+    x = hidden_states(case.num_tokens, case.dtype)
+    y = run_layer(layer, x, tier=None if case.tier == "selected" else case.tier)
+    assert y.shape == (case.num_tokens, HIDDEN) and y.dtype == DTYPES[case.dtype]
+    if k3_tail.is_token_sharded_output(layer.config.tail, case.num_tokens, case.tp_size):
+        rows = case.num_tokens // case.tp_size
+        assert {shard.data.shape for shard in y.addressable_shards} == {(rows, HIDDEN)}
+    else:
+        assert y.sharding.is_fully_replicated
+    assert relative_error(y, expected(layer.config, x)) <= TOLERANCE[np.dtype(DTYPES[case.dtype])]
+
+
+@pytest.mark.parametrize("case", PAIRWISE_CASES)
+def test_layer_matches_the_float64_reference(case):
+    assert_matches_reference(case)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", FULL_PRODUCT)
+def test_layer_matches_the_float64_reference_full_product(case):
+    assert_matches_reference(case)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens", LAYER_FACTORS["num_tokens"])
+def test_no_test_input_is_near_a_routing_tie(num_tokens, dtype):
+    """Otherwise float32 rounding could choose other experts than the float64 reference does."""
+    assert choice_margin(checkpoint(dtype), hidden_states(num_tokens, dtype), top_k=TOP_K) > MIN_CHOICE_MARGIN
+
+
+@pytest.mark.parametrize("weight_layout", covering.WEIGHT_LAYOUTS)
+def test_each_rank_holds_its_block_of_every_expert_and_of_the_shared_experts(weight_layout):
+    layer = layer_on(8, "bfloat16", weight_layout)
+    up_block = (LATENT, HIDDEN // 8) if weight_layout == "column" else (LATENT, HIDDEN)
+    shard_shapes = {
+        "router_kernel": (HIDDEN, EXPERTS), "router_bias": (EXPERTS,), "down_proj": (HIDDEN, LATENT),
+        "expert_gate": (EXPERTS, LATENT, EXPERT_WIDTH // 8), "expert_up": (EXPERTS, LATENT, EXPERT_WIDTH // 8),
+        "expert_down": (EXPERTS, EXPERT_WIDTH // 8, LATENT),
+        "shared_gate": (HIDDEN, SHARED_WIDTH // 8), "shared_up": (HIDDEN, SHARED_WIDTH // 8),
+        "shared_down": (SHARED_WIDTH // 8, HIDDEN), "norm_scale": (LATENT,), "up_proj_kernel": up_block,
+    }
+    values = layer.parameter_values()
+    assert {name: {shard.data.shape for shard in values[name].addressable_shards} for name in shard_shapes} == {
+        name: {shape} for name, shape in shard_shapes.items()}
+    specs = nnx.to_pure_dict(nnx.get_partition_spec(nnx.state(layer, nnx.Param)))
+    assert specs == layer_module.partition_specs(layer.config, 8, weight_layout=weight_layout)
+
+
+def test_the_ranks_partials_sum_to_the_routed_latent_and_the_shared_output():
+    layer = layer_on(8, "float32")
+    x = hidden_states(16, "float32")
+    routed, shared = layer_partials(layer.parameter_values(), jnp.asarray(x), config=layer.config, mesh=layer.mesh)
+    assert routed.shape == (8, 16, LATENT) and shared.shape == (8, 16, HIDDEN)
+    expected_routed, expected_shared = reference_partials(checkpoint("float32"), x, top_k=TOP_K)
+    assert relative_error(np.asarray(routed, np.float64).sum(axis=0), expected_routed) <= 1e-5
+    assert relative_error(np.asarray(shared, np.float64).sum(axis=0), expected_shared) <= 1e-5
+
+
+@pytest.mark.parametrize(("num_tokens", "method"), [(1, "gather"), (4, "gather"), (5, "sort"), (300, "sort")])
+def test_routed_experts_gather_while_t_times_k_is_at_most_e_then_sort(num_tokens, method):
+    assert layer_module.routed_expert_method(layer_config("bfloat16"), num_tokens) == method
+
+
+@pytest.fixture(scope="module")
+def decode_loop():
+    """A decode loop under jax.jit, T = 5, 6, 7, 8, 9, 12 tokens per step, each step's hidden states padded
+    to its power-of-two bucket; returns (the layer, the token counts each trace saw, {T: (x, y's T rows)})."""
+    layer = layer_on(8, "bfloat16")
+    traces = []
+
+    @functools.partial(jax.jit, compiler_options=FAST_COMPILE)
+    def step(parameters, x):
+        traces.append(x.shape[0])  # runs only when jit traces
+        return layer_module.layer_forward(parameters, x, config=layer.config, mesh=layer.mesh)
+
+    outputs = {}
+    for num_tokens in (5, 6, 7, 8, 9, 12):
+        x = hidden_states(num_tokens, "bfloat16")
+        y = step(layer.parameter_values(), jnp.asarray(layer_module.pad_to_bucket(x)))
+        outputs[num_tokens] = x, np.asarray(y)[:num_tokens]
+    return layer, traces, outputs
+
+
+def test_a_bucketed_decode_loop_traces_once_per_bucket(decode_loop):
+    _, traces, _ = decode_loop
+    assert traces == [8, 16]
+
+
+def test_bucket_padding_leaves_the_real_rows_unchanged(decode_loop):
+    layer, _, outputs = decode_loop
+    for num_tokens, (x, y) in outputs.items():
+        assert y.shape == (num_tokens, HIDDEN)
+        assert relative_error(y, expected(layer.config, x)) <= TOLERANCE[np.dtype(jnp.bfloat16)]
+
+
+def test_the_layer_lowers_from_abstract_parameters():
+    """What a deviceless GPU compile needs: no values, only shapes and shardings."""
+    config = layer_config("bfloat16")
+    mesh = make_tp_mesh(2)
+    x = jax.ShapeDtypeStruct((3, HIDDEN), config.dtype, sharding=NamedSharding(mesh, P()))
+    lowered = layer_module.layer_forward.lower(layer_module.abstract_parameters(config, mesh), x, config=config,
+                                               mesh=mesh, tier="overlap")
+    assert lowered.out_info.shape == (3, HIDDEN)
+
+
+@pytest.mark.parametrize(("num_tokens", "expected_experts"), [(1, 16), (1 << 20, 896)])
+def test_the_cost_model_reads_each_chosen_expert_once(num_tokens, expected_experts):
+    kimi = layer_module.LayerConfig.kimi_k3(num_experts=896, top_k=16)
+    assert layer_cost.experts_read(kimi, num_tokens) == pytest.approx(expected_experts)
+
+
+def test_a_tiers_predicted_layer_gain_is_the_tail_time_it_saves_over_the_native_layer():
+    kimi = layer_module.LayerConfig.kimi_k3(num_experts=896, top_k=16)
+    tails = {tier: k3_tail.cost_model.predict_time(k3_tail.cost_model.tier_cost(kimi.tail, 64, 8, tier=tier),
+                                                   "mi355x").total_s for tier in ("native", "overlap")}
+    native = layer_cost.predict_layer(kimi, 64, 8, tier="native", hardware="mi355x")
+    assert native.tail_s == tails["native"]
+    gain = layer_cost.layer_gain(kimi, 64, 8, tier="overlap", hardware="mi355x")
+    assert gain == pytest.approx((tails["native"] - tails["overlap"]) / native.total_s)
+
+
+@pytest.mark.parametrize(
+    ("build", "message"),
+    [
+        (lambda: layer_module.KimiK3MoELayer(layer_config("float32"), make_tp_mesh(2),
+                                             {**checkpoint("float32"), "down_proj": np.zeros((HIDDEN, 3))}),
+         r"^checkpoint: expected down_proj of shape \(64, 32\)"),
+        (lambda: layer_module.KimiK3MoELayer(layer_config("float32"), make_tp_mesh(2),
+                                             {k: v for k, v in checkpoint("float32").items() if k != "router_bias"}),
+         r"^checkpoint: expected the names"),
+        (lambda: layer_module.partition_specs(layer_config("float32"), 3), r"^expert_intermediate_size: expected a "
+                                                                           r"multiple of the TP size 3"),
+        (lambda: layer_on(2, "float32")(jnp.zeros((3, HIDDEN), jnp.bfloat16)),
+         r"^hidden_states: expected a \[T, 64\] array of float32"),
+        (lambda: layer_config("float32", has_shared_experts=False), r"^tail: the layer has shared experts"),
+    ],
+    ids=["checkpoint-shape", "checkpoint-names", "tp-size", "hidden-states-dtype", "tail-config"],
+)
+def test_bad_input_is_a_value_error_naming_it(build, message):
+    with pytest.raises(ValueError, match=message):
+        build()
