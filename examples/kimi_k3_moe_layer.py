@@ -24,7 +24,8 @@ Tensor parallelism (each parameter's partition spec is in :func:`partition_specs
   ends with the shared partial s_i, and sum_i s_i = s.
 - the tail: :func:`k3_tail.latent_moe_tail` on (r_i, s_i) per rank inside the layer's own
   ``jax.shard_map``, with W_up whole on every rank ("replicated", vLLM's layout) or in column blocks
-  [L, H/p] ("column"). Its collectives are the layer's only ones.
+  [L, H/p] ("column"); in FP8 with per-column scales (sharded with its columns) when the tail config's
+  ``up_proj_dtype`` says so. Its collectives are the layer's only ones.
 
 Kimi-K3's two shared experts (SiTU MLPs of width 3072 each) are one MLP of width F = 6144 here:
 their gate and up kernels concatenated along the intermediate width and their down kernels along
@@ -101,11 +102,9 @@ class LayerConfig:
         if not isinstance(self.tail, k3_tail.TailConfig):
             raise ValueError(f"tail: expected a k3_tail.TailConfig, got {type(self.tail).__name__}")
         tail = self.tail
-        if (not tail.has_shared_experts or not tail.use_latent_norm or tail.fused_output_is_reduced
-                or tail.up_proj_dtype is not None):
-            raise ValueError("tail: the layer has shared experts, the latent norm, unreduced routed partials and its "
-                             "up projection in the activations' dtype; expected has_shared_experts=True, "
-                             "use_latent_norm=True, fused_output_is_reduced=False, up_proj_dtype=None")
+        if not tail.has_shared_experts or not tail.use_latent_norm or tail.fused_output_is_reduced:
+            raise ValueError("tail: the layer has shared experts, the latent norm and unreduced routed partials; "
+                             "expected has_shared_experts=True, use_latent_norm=True, fused_output_is_reduced=False")
         for name in ("num_experts", "top_k", "expert_intermediate_size", "shared_intermediate_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -149,6 +148,8 @@ def layer_parameters(config: LayerConfig) -> dict[str, Parameter]:
     Kernels are drawn with variance 1 / fan-in, so every GEMM output has about unit scale. The
     correction bias (float32) and the norm scale are spread (``ROUTER_BIAS_STDDEV``,
     ``NORM_SCALE_STDDEV``) so that the bias changes some top-k choices and the scale is not all ones.
+    With an FP8 ``config.tail.up_proj_dtype`` the up projection is its FP8 values [L, H] and their
+    float32 scales ``up_proj_scale`` [H] (``k3_tail.quantize_up_proj`` of the checkpoint's kernel).
     """
     hidden, latent, experts, dtype = config.hidden_size, config.latent_size, config.num_experts, config.dtype
     expert_width, shared_width = config.expert_intermediate_size, config.shared_intermediate_size
@@ -168,6 +169,10 @@ def layer_parameters(config: LayerConfig) -> dict[str, Parameter]:
         "shared_down": kernel(shared_width, hidden, fan_in=shared_width),
         "norm_scale": Parameter((latent,), dtype, NORM_SCALE_STDDEV, mean=1.0),
         "up_proj_kernel": kernel(latent, hidden, fan_in=latent),
+        **({} if config.tail.up_proj_dtype is None else {
+            "up_proj_kernel": Parameter((latent, hidden), config.tail.up_proj_dtype, latent ** -0.5),
+            "up_proj_scale": Parameter((hidden,), np.dtype(np.float32), 0.0),  # made by the quantisation
+        }),
     }
 
 
@@ -188,20 +193,33 @@ def partition_specs(config: LayerConfig, tp_size: int, *, axis_name: str = "tp",
         if width % tp_size:
             raise ValueError(f"{name}: expected a multiple of the TP size {tp_size}, got {width}")
     tp = axis_name
+    column = weight_layout == "column"
     return {
         "router_kernel": P(), "router_bias": P(), "down_proj": P(),
         "expert_gate": P(None, None, tp), "expert_up": P(None, None, tp), "expert_down": P(None, tp, None),
         "shared_gate": P(None, tp), "shared_up": P(None, tp), "shared_down": P(tp, None),
-        "norm_scale": P(), "up_proj_kernel": P(None, tp) if weight_layout == "column" else P(),
+        "norm_scale": P(), "up_proj_kernel": P(None, tp) if column else P(),
+        **({} if config.tail.up_proj_dtype is None else {"up_proj_scale": P(tp) if column else P()}),
     }
 
 
 def random_checkpoint(config: LayerConfig, *, seed: int = 0) -> dict[str, np.ndarray]:
     """Stand-in weights for a checkpoint, by name, each in its dtype: drawn on the host with numpy, so
-    nothing is compiled (XLA's CPU compiler takes seconds per ``jax.random.normal`` shape)."""
+    nothing is compiled (XLA's CPU compiler takes seconds per ``jax.random.normal`` shape). With an FP8
+    up projection the kernel is drawn in the layer's dtype, as the checkpoint ships it, and quantised
+    (``k3_tail.quantize_up_proj``: values and per-column scales), as a server does at load."""
     rng = np.random.default_rng(seed)
-    return {name: (p.mean + p.stddev * rng.standard_normal(p.shape, dtype=np.float32)).astype(p.dtype)
-            for name, p in layer_parameters(config).items()}
+    weights = {}
+    for name, p in layer_parameters(config).items():
+        if name == "up_proj_scale":
+            continue  # made with the quantised kernel
+        value = p.mean + p.stddev * rng.standard_normal(p.shape, dtype=np.float32)
+        if name == "up_proj_kernel" and config.tail.up_proj_dtype is not None:
+            quantized = k3_tail.quantize_up_proj(value.astype(config.dtype), config.tail.up_proj_dtype)
+            weights[name], weights["up_proj_scale"] = np.asarray(quantized.values), np.asarray(quantized.scale)
+        else:
+            weights[name] = value.astype(p.dtype)
+    return weights
 
 
 def abstract_parameters(config: LayerConfig, mesh: Mesh, *, axis_name: str = "tp",
@@ -303,9 +321,16 @@ def layer_per_rank(parameters: Mapping[str, jax.Array], hidden_states: jax.Array
     (``k3_tail.is_token_sharded_output``).
     """
     routed, shared = rank_partials(parameters, hidden_states, config=config)
-    return k3_tail.latent_moe_tail(routed, shared, parameters["norm_scale"], parameters["up_proj_kernel"],
+    return k3_tail.latent_moe_tail(routed, shared, parameters["norm_scale"], up_projection(parameters),
                                    config=config.tail, axis_name=axis_name, weight_layout=weight_layout, tier=tier,
                                    device=device)
+
+
+def up_projection(parameters: Mapping[str, jax.Array]) -> jax.Array | k3_tail.QuantizedKernel:
+    """The up projection as the tail takes it: the kernel, or its FP8 values with their scales."""
+    if "up_proj_scale" in parameters:
+        return k3_tail.QuantizedKernel(parameters["up_proj_kernel"], parameters["up_proj_scale"])
+    return parameters["up_proj_kernel"]
 
 
 @functools.partial(jax.jit, static_argnames=("config", "mesh", "axis_name", "weight_layout", "tier"))

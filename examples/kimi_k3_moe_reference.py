@@ -22,13 +22,16 @@ def reference_layer(weights: Mapping[str, np.ndarray], hidden_states: np.ndarray
 
     weights: router_kernel [H, E], router_bias [E], down_proj [H, L], expert_gate and expert_up
     [E, L, m], expert_down [E, m, L], shared_gate and shared_up [H, F], shared_down [F, H],
-    norm_scale [L], up_proj_kernel [L, H]; hidden_states [T, H].
+    norm_scale [L], up_proj_kernel [L, H] (and up_proj_scale [H] for FP8 values); hidden_states [T, H].
     """
     routed, shared = reference_partials(weights, hidden_states, top_k=top_k)
     latent = routed_scaling_factor * routed
     rms = np.sqrt(np.mean(latent * latent, axis=-1, keepdims=True) + rms_norm_eps)
     normed = latent / rms * np.asarray(weights["norm_scale"], np.float64)
-    return normed @ np.asarray(weights["up_proj_kernel"], np.float64) + shared
+    kernel = np.asarray(weights["up_proj_kernel"], np.float64)
+    if "up_proj_scale" in weights:  # an FP8 kernel: its values times their per-column scales
+        kernel = kernel * np.asarray(weights["up_proj_scale"], np.float64)
+    return normed @ kernel + shared
 
 
 def reference_partials(weights: Mapping[str, np.ndarray], hidden_states: np.ndarray, *,

@@ -79,6 +79,7 @@ from examples.kimi_k3_moe_layer import (
     abstract_parameters,
     build_layer,
     layer_forward,
+    up_projection,
 )
 from k3_tail import benchmark, cost_model, xla_report
 from k3_tail.cli.common import ProgressBar, format_ms, positive_int, positive_int_list, progress
@@ -172,7 +173,8 @@ def measure_cpu(args: argparse.Namespace) -> tuple[LayerConfig, list[dict[str, A
             calls[tier] = {
                 "layer": functools.partial(layer, hidden, tier=tier),
                 "tail": functools.partial(k3_tail.tail_forward, routed, shared, parameters["norm_scale"],
-                                          parameters["up_proj_kernel"], config=config.tail, mesh=mesh, tier=tier,
+                                          up_projection(parameters), config=config.tail, mesh=mesh,
+                                          tier=tier,
                                           weight_layout=args.weight_layout),
             }
             for call in calls[tier].values():

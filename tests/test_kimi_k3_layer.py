@@ -33,7 +33,7 @@ from examples import kimi_k3_moe_cost as layer_cost
 from examples import kimi_k3_moe_layer as layer_module
 from examples.kimi_k3_moe_reference import choice_margin, reference_layer, reference_partials
 from helpers import make_tp_mesh
-from reference import TOLERANCE, relative_error
+from reference import TOLERANCE, relative_error, tolerance
 
 HIDDEN, LATENT, EXPERT_WIDTH, SHARED_WIDTH, EXPERTS, TOP_K = 64, 32, 16, 24, 8, 2
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
@@ -137,6 +137,26 @@ def assert_matches_reference(case):
 @pytest.mark.parametrize("case", PAIRWISE_CASES)
 def test_layer_matches_the_float64_reference(case):
     assert_matches_reference(case)
+
+
+@pytest.mark.parametrize(
+    ("up_proj_dtype", "fp8_activations", "weight_layout", "tp_size", "num_tokens"),
+    [("float8_e4m3fn", False, "column", 8, 16), ("float8_e4m3fnuz", True, "replicated", 2, 300)],
+    ids=["e4m3fn-column-p8-T16", "e4m3fnuz-fp8act-replicated-p2-T300"],
+)
+def test_layer_with_an_fp8_up_projection_matches_the_reference(up_proj_dtype, fp8_activations, weight_layout,
+                                                               tp_size, num_tokens):
+    """The checkpoint's kernel quantised at load (FP8 values, per-column scales sharded with the columns):
+    the layer matches the reference built from the same values and scales."""
+    config = layer_config("bfloat16", up_proj_dtype=up_proj_dtype, fp8_activations=fp8_activations)
+    weights = layer_module.random_checkpoint(config, seed=0)
+    layer = layer_module.KimiK3MoELayer(config, make_tp_mesh(tp_size), weights, weight_layout=weight_layout)
+    assert layer.parameter_values()["up_proj_kernel"].dtype == jnp.dtype(up_proj_dtype)
+    x = hidden_states(num_tokens, "bfloat16")
+    y = run_layer(layer, x)
+    reference = reference_layer(weights, x, top_k=TOP_K, rms_norm_eps=config.tail.rms_norm_eps,
+                                routed_scaling_factor=config.tail.routed_scaling_factor)
+    assert relative_error(y, reference) <= tolerance(config.tail)
 
 
 @pytest.mark.slow
