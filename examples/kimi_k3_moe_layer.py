@@ -157,6 +157,11 @@ def layer_parameters(config: LayerConfig) -> dict[str, Parameter]:
     def kernel(*shape, fan_in):
         return Parameter(shape, dtype, fan_in ** -0.5)
 
+    up_proj_dtype = config.tail.up_proj_dtype
+    up_projection = {"up_proj_kernel": kernel(latent, hidden, fan_in=latent)}
+    if up_proj_dtype is not None:
+        up_projection = {"up_proj_kernel": Parameter((latent, hidden), up_proj_dtype, latent ** -0.5),
+                         "up_proj_scale": Parameter((hidden,), np.dtype(np.float32), 0.0)}  # made by quantising
     return {
         "router_kernel": kernel(hidden, experts, fan_in=hidden),
         "router_bias": Parameter((experts,), np.dtype(np.float32), ROUTER_BIAS_STDDEV),
@@ -168,11 +173,7 @@ def layer_parameters(config: LayerConfig) -> dict[str, Parameter]:
         "shared_up": kernel(hidden, shared_width, fan_in=hidden),
         "shared_down": kernel(shared_width, hidden, fan_in=shared_width),
         "norm_scale": Parameter((latent,), dtype, NORM_SCALE_STDDEV, mean=1.0),
-        "up_proj_kernel": kernel(latent, hidden, fan_in=latent),
-        **({} if config.tail.up_proj_dtype is None else {
-            "up_proj_kernel": Parameter((latent, hidden), config.tail.up_proj_dtype, latent ** -0.5),
-            "up_proj_scale": Parameter((hidden,), np.dtype(np.float32), 0.0),  # made by the quantisation
-        }),
+        **up_projection,
     }
 
 
@@ -194,13 +195,15 @@ def partition_specs(config: LayerConfig, tp_size: int, *, axis_name: str = "tp",
             raise ValueError(f"{name}: expected a multiple of the TP size {tp_size}, got {width}")
     tp = axis_name
     column = weight_layout == "column"
-    return {
+    specs = {
         "router_kernel": P(), "router_bias": P(), "down_proj": P(),
         "expert_gate": P(None, None, tp), "expert_up": P(None, None, tp), "expert_down": P(None, tp, None),
         "shared_gate": P(None, tp), "shared_up": P(None, tp), "shared_down": P(tp, None),
         "norm_scale": P(), "up_proj_kernel": P(None, tp) if column else P(),
-        **({} if config.tail.up_proj_dtype is None else {"up_proj_scale": P(tp) if column else P()}),
     }
+    if config.tail.up_proj_dtype is not None:
+        specs["up_proj_scale"] = P(tp) if column else P()
+    return specs
 
 
 def random_checkpoint(config: LayerConfig, *, seed: int = 0) -> dict[str, np.ndarray]:

@@ -56,10 +56,14 @@ def expect_rank(x: Any, name: str, layout: str, ndim: int) -> None:
         raise ValueError(f"{name}: expected a {ndim}-d array {layout}, got {got}")
 
 
-def expect_array(x: Any, name: str, shapes: Sequence[tuple[int, ...]], dtype: np.dtype, sizes: str) -> None:
+def expect_array(
+    x: Any, name: str, shapes: Sequence[tuple[int, ...]], dtype: np.dtype, sizes: str, *,
+    dtype_field: str = "config.dtype",
+) -> None:
     """ValueError naming ``name`` unless ``x`` is an array of one of ``shapes`` and of ``dtype``.
 
-    ``sizes`` names the sizes the shapes come from ("p=8, L=3584"), for the message.
+    ``sizes`` names the sizes the shapes come from ("p=8, L=3584"), and ``dtype_field`` where the dtype
+    comes from, for the message.
     """
     if x is None or not hasattr(x, "shape"):
         raise ValueError(f"{name}: expected an array of shape {shapes[0]}, got {type(x).__name__}")
@@ -67,7 +71,7 @@ def expect_array(x: Any, name: str, shapes: Sequence[tuple[int, ...]], dtype: np
         wanted = " or ".join(str(s) for s in shapes)
         raise ValueError(f"{name}: expected shape {wanted} ({sizes}), got {tuple(x.shape)}")
     if jnp.dtype(x.dtype) != dtype:
-        raise ValueError(f"{name}: expected dtype {dtype.name} (config.dtype), got {jnp.dtype(x.dtype).name}")
+        raise ValueError(f"{name}: expected dtype {dtype.name} ({dtype_field}), got {jnp.dtype(x.dtype).name}")
 
 
 def expect_optional(

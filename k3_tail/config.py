@@ -124,13 +124,8 @@ class TailConfig:
         up_proj_dtype = self.up_proj_dtype
         if up_proj_dtype is None or _float_dtype(up_proj_dtype) == dtype:
             up_proj_dtype = None  # the kernel in the activations' dtype is the unquantised kernel
-        elif _fp8_dtype(up_proj_dtype) is None:
-            raise ValueError(
-                f"up_proj_dtype: expected None (the kernel in dtype {dtype.name}) or one of {FP8_FORMATS}, "
-                f"got {up_proj_dtype!r}"
-            )
         else:
-            up_proj_dtype = _fp8_dtype(up_proj_dtype)
+            up_proj_dtype = fp8_format(up_proj_dtype, "up_proj_dtype")
         object.__setattr__(self, "up_proj_dtype", up_proj_dtype)
         if self.fp8_activations and up_proj_dtype is None:
             raise ValueError(f"fp8_activations: needs an FP8 up_proj_dtype (one of {FP8_FORMATS}), got None")
@@ -198,14 +193,6 @@ def check_config(config: Any) -> TailConfig:
     if not isinstance(config, TailConfig):
         raise ValueError(f"config: expected a k3_tail.TailConfig, got {type(config).__name__}")
     return config
-
-
-def _fp8_dtype(value: Any) -> np.dtype | None:
-    """``value`` as one of the FP8 formats, or None when it names none of them."""
-    try:
-        return fp8_format(value, "up_proj_dtype")
-    except ValueError:
-        return None
 
 
 def _float_dtype(value: Any) -> np.dtype | None:

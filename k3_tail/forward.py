@@ -15,7 +15,7 @@ from k3_tail.per_rank import latent_moe_tail
 from k3_tail.tiers.columns import check_weight_layout, pad_columns, padded_hidden_size
 from k3_tail.tiers.registry import Tier
 from k3_tail.tiers.tokens import is_token_sharded_output
-from k3_tail.tiers.up_projection import check_up_proj_kernel, column_sharding, column_spec, map_columns
+from k3_tail.tiers.up_projection import check_up_proj_kernel, column_sharding, column_spec
 
 
 def tail_forward(
@@ -85,8 +85,7 @@ def _tail_forward_jit(routed_partials, shared_partials, norm_weight, up_proj_ker
         config=config, tp_size=tp_size, weight_layout=weight_layout,
     )
     if weight_layout == "column":
-        width = padded_hidden_size(config.hidden_size, tp_size)
-        up_proj_kernel = map_columns(lambda x: pad_columns(x, width), up_proj_kernel)
+        up_proj_kernel = pad_columns(up_proj_kernel, padded_hidden_size(config.hidden_size, tp_size))
 
     routed_spec = P() if config.fused_output_is_reduced else P(axis_name)
     columns = axis_name if weight_layout == "column" else None

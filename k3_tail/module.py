@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from k3_tail._checks import AxisName, check_axis_name, check_mesh
+from k3_tail._checks import AxisName, check_axis_name, check_mesh, expect_array
 from k3_tail.config import TailConfig, check_config
 from k3_tail.forward import tail_forward
 from k3_tail.per_rank import latent_moe_tail
@@ -19,7 +19,7 @@ from k3_tail.selection.decision import TierDecision
 from k3_tail.selection.rules import select_tier
 from k3_tail.tiers.columns import check_weight_layout, pad_columns, padded_hidden_size
 from k3_tail.tiers.registry import Tier
-from k3_tail.tiers.up_projection import QuantizedKernel, map_columns, quantize_up_proj
+from k3_tail.tiers.up_projection import QuantizedKernel, quantize_up_proj
 
 _LECUN_NORMAL = nnx.initializers.lecun_normal()
 
@@ -61,18 +61,12 @@ class LatentMoETail(nnx.Module):
     ):
         check_config(config)
         axis_name = check_axis_name(axis_name)
-        tp_size = check_mesh(mesh, axis_name)
+        check_mesh(mesh, axis_name)
         self.config = config
         self.mesh = mesh
         self.axis_name = axis_name
         self.weight_layout = check_weight_layout(weight_layout)
         latent, hidden = config.latent_size, config.hidden_size
-
-        if weight_layout == "column":
-            width, columns = padded_hidden_size(hidden, tp_size), axis_name
-        else:
-            width, columns = hidden, None
-        self._width, self._columns = width, columns
         # Initialise the real [L, H] columns only, so padding never changes their distribution.
         self._set_up_proj(kernel_init(rngs.params(), (latent, hidden), config.dtype))
         self.norm_scale = (
@@ -89,10 +83,8 @@ class LatentMoETail(nnx.Module):
         sharding this module was built with (padding columns zero). The caller's array is not
         modified. A wrong shape or dtype, or a non-finite kernel, is a ValueError naming ``kernel``.
         """
-        shape = (self.config.latent_size, self.config.hidden_size)
-        if not hasattr(kernel, "shape") or tuple(kernel.shape) != shape or jnp.dtype(kernel.dtype) != self.config.dtype:
-            got = f"{jnp.dtype(kernel.dtype).name} {tuple(kernel.shape)}" if hasattr(kernel, "shape") else kernel
-            raise ValueError(f"kernel: expected a {self.config.dtype.name} array of shape {shape} (L, H), got {got}")
+        latent, hidden = self.config.latent_size, self.config.hidden_size
+        expect_array(kernel, "kernel", [(latent, hidden)], self.config.dtype, f"L={latent}, H={hidden}")
         self._set_up_proj(jnp.asarray(kernel))
 
     def _set_up_proj(self, kernel: jax.Array) -> None:
@@ -100,10 +92,13 @@ class LatentMoETail(nnx.Module):
         padded to the layout's width, sharded by columns or replicated."""
         if self.config.up_proj_dtype is not None:
             kernel = quantize_up_proj(kernel, self.config.up_proj_dtype)
-        padded = map_columns(lambda x: pad_columns(x, self._width), kernel)
-        values, scale = (padded.values, padded.scale) if isinstance(padded, QuantizedKernel) else (padded, None)
-        self.up_proj_kernel = _sharded_param(values, (None, self._columns), self.mesh)
-        self.up_proj_scale = None if scale is None else _sharded_param(scale, (self._columns,), self.mesh)
+        columns = None
+        if self.weight_layout == "column":
+            columns = self.axis_name
+            kernel = pad_columns(kernel, padded_hidden_size(self.config.hidden_size, self.tp_size))
+        values, scale = (kernel.values, kernel.scale) if isinstance(kernel, QuantizedKernel) else (kernel, None)
+        self.up_proj_kernel = _sharded_param(values, (None, columns), self.mesh)
+        self.up_proj_scale = None if scale is None else _sharded_param(scale, (columns,), self.mesh)
 
     @property
     def tp_size(self) -> int:

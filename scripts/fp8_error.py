@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 import numpy as np
@@ -39,14 +38,14 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", metavar="FILE", help="write the rows as JSON")
     args = parser.parse_args()
-    if not os.environ.get("JAX_PLATFORMS") and not any(os.path.exists(n) for n in ("/dev/nvidiactl", "/dev/kfd")):
-        os.environ["JAX_PLATFORMS"] = "cpu"  # keeps a GPU plugin that cannot start quiet
-
     import jax
     import jax.numpy as jnp
 
-    jax.config.update("jax_num_cpu_devices", args.devices)
     import k3_tail
+    from k3_tail.cli.common import use_cpu_without_gpu
+
+    use_cpu_without_gpu()  # keeps a GPU plugin that cannot start quiet, as the k3-tail commands do
+    jax.config.update("jax_num_cpu_devices", args.devices)
 
     devices = jax.devices() if jax.default_backend() != "cpu" else jax.devices("cpu")[: args.devices]
     mesh = jax.make_mesh((len(devices),), ("tp",), devices=devices)

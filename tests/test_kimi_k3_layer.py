@@ -32,7 +32,7 @@ import k3_tail
 from examples import kimi_k3_moe_cost as layer_cost
 from examples import kimi_k3_moe_layer as layer_module
 from examples.kimi_k3_moe_reference import choice_margin, reference_layer, reference_partials
-from helpers import make_tp_mesh
+from helpers import FAST_COMPILE_OPTIONS, make_tp_mesh
 from reference import TOLERANCE, relative_error, tolerance
 
 HIDDEN, LATENT, EXPERT_WIDTH, SHARED_WIDTH, EXPERTS, TOP_K = 64, 32, 16, 24, 8, 2
@@ -48,14 +48,12 @@ LAYER_FACTORS = {
 # float32 rounding moves a score by about 1e-7: a margin far above that picks the same experts in
 # float32 and float64.
 MIN_CHOICE_MARGIN = 1e-5
-# The tests compile the layer with LLVM's optimisation and XLA CPU's newer (MLIR) fusion emitters off:
-# the same HLO program, for about a quarter of the compile CPU time (measured: 0.25 s instead of 1.0-1.3 s
-# per program), which the suite's time budget needs. Both are XLA DebugOptions, which every backend accepts.
-FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
 STATIC_ARGUMENTS = ("config", "mesh", "axis_name", "weight_layout", "tier")
-layer_forward = jax.jit(layer_module.layer_forward, static_argnames=STATIC_ARGUMENTS, compiler_options=FAST_COMPILE)
+# Compiled fast (helpers.FAST_COMPILE_OPTIONS): the same programs, in a quarter of the compile time.
+layer_forward = jax.jit(layer_module.layer_forward, static_argnames=STATIC_ARGUMENTS,
+                        compiler_options=FAST_COMPILE_OPTIONS)
 layer_partials = jax.jit(layer_module.layer_partials, static_argnames=STATIC_ARGUMENTS[:-1],
-                         compiler_options=FAST_COMPILE)
+                         compiler_options=FAST_COMPILE_OPTIONS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,7 +107,7 @@ def layer_on(tp_size, dtype, weight_layout="replicated", sequence_parallel=False
 
 
 def run_layer(layer, x, tier=None):
-    """``layer(x, tier=tier)``: the same call of layer_forward on the layer's parameters, compiled with FAST_COMPILE."""
+    """``layer(x, tier=tier)``: the same call of layer_forward on the layer's parameters, compiled fast."""
     return layer_forward(layer.parameter_values(), jnp.asarray(x), config=layer.config, mesh=layer.mesh,
                          weight_layout=layer.weight_layout, tier=tier)
 
@@ -212,7 +210,7 @@ def decode_loop():
     layer = layer_on(8, "bfloat16")
     traces = []
 
-    @functools.partial(jax.jit, compiler_options=FAST_COMPILE)
+    @functools.partial(jax.jit, compiler_options=FAST_COMPILE_OPTIONS)
     def step(parameters, x):
         traces.append(x.shape[0])  # runs only when jit traces
         return layer_module.layer_forward(parameters, x, config=layer.config, mesh=layer.mesh)

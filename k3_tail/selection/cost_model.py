@@ -37,14 +37,13 @@ The model has two layers.
    collectives, with the :class:`Hardware` figures:
 
        local      = max(gemm_flops / peak, (weight_bytes + activation_bytes) / hbm_bytes_per_s)
-
-   where peak is the preset's ``peak_fp8_flops`` for a GEMM of two FP8 operands
-   (``fp8_activations``) in a format the preset lists in ``fp8_formats``, else ``peak_flops``
-   (weight-only FP8 multiplies in ``config.dtype``: it saves bytes, not FLOP time).
        collective = collective_latency_s + wire_bytes / link_bytes_per_s   (0 for a group of 1 rank)
        total      = sum(serial collectives) + max(local, sum(hidden collectives))
 
-   where a collective is hidden when its record term runs beside the GEMM (``beside_gemm``).
+   where peak is the preset's ``peak_fp8_flops`` for a GEMM of two FP8 operands
+   (``fp8_activations``) in a format the preset lists in ``fp8_formats``, else ``peak_flops``
+   (weight-only FP8 multiplies in ``config.dtype``: it saves bytes, not FLOP time), and a collective
+   is hidden when its record term runs beside the GEMM (``beside_gemm``).
 
 Assumptions a reader must know:
 - Vendor peaks: the presets hold data-sheet peak dense BF16 FLOP/s, HBM and link bandwidth, which

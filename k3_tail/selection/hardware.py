@@ -34,18 +34,17 @@ class Hardware:
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"name: expected a non-empty string, got {self.name!r}")
-        for field in ("peak_flops", "hbm_bytes_per_s", "link_bytes_per_s", "collective_latency_s"):
+        numbers = ("peak_flops", "hbm_bytes_per_s", "link_bytes_per_s", "collective_latency_s", "peak_fp8_flops")
+        for field in numbers:
             value = getattr(self, field)
+            if field == "peak_fp8_flops" and value is None:
+                continue
             zero_allowed = field == "collective_latency_s"
             is_number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
             if not is_number or value < 0 or (value == 0 and not zero_allowed):
                 raise ValueError(f"{field}: expected a finite number {'>=' if zero_allowed else '>'} 0, got {value!r}")
-        fp8 = self.peak_fp8_flops
-        if fp8 is not None and (isinstance(fp8, bool) or not isinstance(fp8, (int, float)) or not math.isfinite(fp8)
-                                or fp8 <= 0):
-            raise ValueError(f"peak_fp8_flops: expected None or a finite number > 0, got {fp8!r}")
         if not isinstance(self.fp8_formats, tuple) or not all(isinstance(f, str) for f in self.fp8_formats) \
-                or bool(self.fp8_formats) != (fp8 is not None):
+                or bool(self.fp8_formats) != (self.peak_fp8_flops is not None):
             raise ValueError(
                 f"fp8_formats: expected a tuple of FP8 dtype names, non-empty exactly when peak_fp8_flops is set, "
                 f"got {self.fp8_formats!r}"

@@ -41,12 +41,15 @@ def padded_hidden_size(hidden_size: int, tp_size: int) -> int:
     return -(-hidden_size // tp_size) * tp_size
 
 
-def pad_columns(x: jax.Array, width: int) -> jax.Array:
-    """``x`` with zero columns appended on its last axis up to ``width`` (no-op when already there)."""
-    extra = width - x.shape[-1]
-    if extra == 0:
-        return x
-    return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, extra)])
+def pad_columns(x: Kernel, width: int) -> Kernel:
+    """``x`` with zero columns appended on its last axis up to ``width`` (no-op when already there);
+    for a QuantizedKernel, its values and scales alike."""
+
+    def pad(leaf):
+        extra = width - leaf.shape[-1]
+        return leaf if extra == 0 else jnp.pad(leaf, [(0, 0)] * (leaf.ndim - 1) + [(0, extra)])
+
+    return map_columns(pad, x)
 
 
 def own_kernel_block(up_proj_kernel: Kernel, *, hidden_size: int, weight_layout: str, axis_name: AxisName) -> Kernel:
@@ -62,10 +65,8 @@ def own_kernel_block(up_proj_kernel: Kernel, *, hidden_size: int, weight_layout:
     tp_size = lax.axis_size(axis_name)
     block_width = padded_hidden_size(hidden_size, tp_size) // tp_size
     start = lax.axis_index(axis_name) * block_width
-    return map_columns(
-        lambda x: lax.dynamic_slice_in_dim(pad_columns(x, block_width * tp_size), start, block_width, axis=-1),
-        up_proj_kernel,
-    )
+    return map_columns(lambda x: lax.dynamic_slice_in_dim(x, start, block_width, axis=-1),
+                       pad_columns(up_proj_kernel, block_width * tp_size))
 
 
 def project_all_columns(

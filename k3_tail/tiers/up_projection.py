@@ -35,6 +35,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from k3_tail._checks import expect_array
+
 FP8_FORMATS = ("float8_e4m3fn", "float8_e4m3fnuz")
 
 
@@ -177,38 +179,20 @@ def check_up_proj_kernel(
     :class:`QuantizedKernel` of that format whose values have one of ``shapes`` [L, N] and whose
     scale is float32 [N]. ``sizes`` names the sizes the shapes come from, for the message.
     """
-    wanted = " or ".join(str(s) for s in shapes)
     if up_proj_dtype is None:
         if isinstance(kernel, QuantizedKernel):
             raise ValueError(
                 f"up_proj_kernel: got a QuantizedKernel ({kernel.dtype.name}) but config.up_proj_dtype is None: "
                 f"expected a {dtype.name} array; set TailConfig(up_proj_dtype={kernel.dtype.name!r}) to use it"
             )
-        if kernel is None or not hasattr(kernel, "shape"):
-            raise ValueError(f"up_proj_kernel: expected an array of shape {shapes[0]}, got {type(kernel).__name__}")
-        if tuple(kernel.shape) not in shapes:
-            raise ValueError(f"up_proj_kernel: expected shape {wanted} ({sizes}), got {tuple(kernel.shape)}")
-        if jnp.dtype(kernel.dtype) != dtype:
-            raise ValueError(
-                f"up_proj_kernel: expected dtype {dtype.name} (config.dtype), got {jnp.dtype(kernel.dtype).name}"
-            )
+        expect_array(kernel, "up_proj_kernel", shapes, dtype, sizes)
         return
     if not isinstance(kernel, QuantizedKernel):
         raise ValueError(
             f"up_proj_kernel: config.up_proj_dtype is {up_proj_dtype.name}, so expected a k3_tail.QuantizedKernel "
             f"(k3_tail.quantize_up_proj(kernel, {up_proj_dtype.name!r})), got {type(kernel).__name__}"
         )
-    if not hasattr(kernel.values, "shape") or tuple(kernel.values.shape) not in shapes:
-        got = tuple(kernel.values.shape) if hasattr(kernel.values, "shape") else type(kernel.values).__name__
-        raise ValueError(f"up_proj_kernel: expected values of shape {wanted} ({sizes}), got {got}")
-    if kernel.dtype != up_proj_dtype:
-        raise ValueError(
-            f"up_proj_kernel: expected values of dtype {up_proj_dtype.name} (config.up_proj_dtype), "
-            f"got {kernel.dtype.name}"
-        )
-    columns = (kernel.values.shape[1],)
-    if not hasattr(kernel.scale, "shape") or tuple(kernel.scale.shape) != columns \
-            or jnp.dtype(kernel.scale.dtype) != jnp.float32:
-        got = (f"{jnp.dtype(kernel.scale.dtype).name} {tuple(kernel.scale.shape)}" if hasattr(kernel.scale, "shape")
-               else type(kernel.scale).__name__)
-        raise ValueError(f"up_proj_kernel: expected a float32 scale of shape {columns} (one per column), got {got}")
+    expect_array(kernel.values, "up_proj_kernel", shapes, up_proj_dtype, f"values: {sizes}",
+                 dtype_field="config.up_proj_dtype")
+    expect_array(kernel.scale, "up_proj_kernel", [kernel.values.shape[1:]], np.dtype(np.float32),
+                 "scale: one per column", dtype_field="float32 scales")

@@ -43,7 +43,7 @@ from k3_tail.config import TailConfig
 from k3_tail.forward import tail_forward
 from k3_tail.tiers.columns import check_weight_layout, pad_columns, padded_hidden_size
 from k3_tail.tiers.registry import Tier
-from k3_tail.tiers.up_projection import column_sharding, map_columns, quantize_up_proj
+from k3_tail.tiers.up_projection import column_sharding, quantize_up_proj
 
 DEFAULT_MAX_TOKENS = 8192
 CPU_MAX_TOKENS = 1024
@@ -284,8 +284,7 @@ def place_weights(
         kernel = quantize_up_proj(kernel, config.up_proj_dtype)
     columns = axis_name if check_weight_layout(weight_layout) == "column" else None
     if columns is not None:
-        width = padded_hidden_size(hidden, check_mesh(mesh, axis_name))
-        kernel = map_columns(lambda x: pad_columns(x, width), kernel)
+        kernel = pad_columns(kernel, padded_hidden_size(hidden, check_mesh(mesh, axis_name)))
     norm = place(norm_weight, config, mesh, P()) if config.use_latent_norm else None
     return norm, jax.device_put(kernel, column_sharding(kernel, mesh, columns))
 
