@@ -5,12 +5,14 @@
 The tiers (``Tier``; one module and one record each under ``k3_tail.tiers``) all compute it with
 different schedules; ``select_tier`` picks one per token count (vLLM's rule, a measured table or the
 cost model) and says why. ``latent_moe_tail`` is the per-rank entry point, for a model's own
-``jax.shard_map``; ``tail_forward`` runs it on global arrays; ``LatentMoETail`` is the Flax NNX
-module. ``quantize_up_proj`` stores the up projection in FP8 (``QuantizedKernel``, for
-``TailConfig(up_proj_dtype=...)``). ``compile_tail`` compiles one call (also for a deviceless GPU
-topology, ``topology_mesh``) and ``k3_tail.xla_report`` reads what XLA made of it;
-``k3_tail.cost_model`` predicts each tier's cost. The benchmark (``k3_tail.benchmark``) and the
-multi-process helper (``k3_tail.multiprocess``) load on first use: ``import k3_tail`` loads only the core.
+``jax.shard_map``, and ``reduce_shared`` the shared experts' reduction issued before the routed
+experts (for ``TailConfig(shared_output_is_reduced=True)``); ``tail_forward`` runs the tail on global
+arrays; ``LatentMoETail`` is the Flax NNX module. ``quantize_up_proj`` stores the up projection in FP8
+(``QuantizedKernel``, for ``TailConfig(up_proj_dtype=...)``). ``compile_tail`` compiles one call
+(also for a deviceless GPU topology, ``topology_mesh``) and ``k3_tail.xla_report`` reads what XLA
+made of it; ``k3_tail.cost_model`` predicts each tier's cost. The benchmark (``k3_tail.benchmark``)
+and the multi-process helper (``k3_tail.multiprocess``) load on first use: ``import k3_tail`` loads
+only the core.
 """
 
 import importlib
@@ -24,6 +26,7 @@ from k3_tail.selection import table as calibration
 from k3_tail.selection.decision import TierDecision
 from k3_tail.selection.rules import select_tier
 from k3_tail.selection.table import SelectionTable, TokenRange
+from k3_tail.shared_reduction import reduce_shared
 from k3_tail.tiers.column_parallel import column_parallel_tail
 from k3_tail.tiers.columns import WEIGHT_LAYOUTS, padded_hidden_size
 from k3_tail.tiers.native import native_tail
@@ -34,7 +37,7 @@ from k3_tail.tiers.record import TierRecord
 from k3_tail.tiers.registry import Tier
 from k3_tail.tiers.scatter_gather import scatter_gather_tail
 from k3_tail.tiers.token_parallel import token_parallel_tail
-from k3_tail.tiers.tokens import is_token_sharded_output
+from k3_tail.tiers.tokens import is_token_sharded_output, padded_token_count
 from k3_tail.tiers.up_projection import FP8_FORMATS, QuantizedKernel, quantize_up_proj
 from k3_tail.xla import report as xla_report
 from k3_tail.xla.compilation import compile_tail, compiler_options, tail_arguments
@@ -72,7 +75,9 @@ __all__ = [
     "one_shot_tail",
     "overlap_tail",
     "padded_hidden_size",
+    "padded_token_count",
     "quantize_up_proj",
+    "reduce_shared",
     "rms_norm",
     "scatter_gather_tail",
     "select_tier",

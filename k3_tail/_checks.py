@@ -7,6 +7,7 @@ from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.sharding import Mesh
 
 # A TP axis: one mesh axis name, or a tuple of them (a TP group spread over several mesh axes).
@@ -34,6 +35,18 @@ def check_axis_name(axis_name: Any) -> str | tuple[str, ...]:
 def axis_names(axis_name: str | tuple[str, ...]) -> tuple[str, ...]:
     """``axis_name`` as a tuple of mesh axis names."""
     return axis_name if isinstance(axis_name, tuple) else (axis_name,)
+
+
+def axis_size_in_scope(axis_name: AxisName, function: str) -> int:
+    """p: the size of the TP axis ``axis_name`` of the enclosing ``jax.shard_map`` (the product over a
+    tuple), or ValueError naming ``axis_name`` when ``function`` is called outside one with that axis."""
+    try:
+        return lax.axis_size(axis_name)
+    except NameError as error:
+        raise ValueError(
+            f"axis_name: {axis_name!r} is not a mesh axis here; call {function} inside jax.shard_map over a "
+            f"mesh with that axis ({error})"
+        ) from None
 
 
 def check_mesh(mesh: Any, axis_name: AxisName) -> int:

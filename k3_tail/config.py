@@ -22,6 +22,7 @@ _FLOAT_DTYPES = tuple(np.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float
 ENV_OVERLAP_TOKEN_THRESHOLD = "VLLM_SHARED_EXPERTS_STREAM_TOKEN_THRESHOLD"
 ENV_DISABLE_OVERLAP = "VLLM_DISABLE_SHARED_EXPERTS_STREAM"
 ENV_PREFILL_TOKEN_PARALLEL_MIN_TOKENS = "VLLM_KIMI_K3_AMD_PREFILL_SP_MIN_TOKENS"
+ENV_SHARED_OUTPUT_REDUCED = "VLLM_KIMI_K3_SHARED_OUTPUT_AR_OVERLAP"
 
 SELECTION_POLICIES = ("vllm", "measured", "model")
 
@@ -60,6 +61,12 @@ class TailConfig:
       fused_output_is_reduced: the routed output arrives already reduced (expert parallelism
         reduces it in the combine); the tail then skips the latent all-reduce and takes one
         replicated [T, L] latent instead of per-rank partials.
+      shared_output_is_reduced: the shared-expert output arrives already reduced
+        (:func:`k3_tail.reduce_shared`, called as soon as the shared experts finish so that its
+        collective runs during the routed experts: vLLM's VLLM_KIMI_K3_SHARED_OUTPUT_AR_OVERLAP);
+        the tail then puts no collective on it and takes it in place of the shared partials, in
+        the form :func:`k3_tail.reduce_shared` returns. Needs ``has_shared_experts``. Each tier's
+        record says how its schedule changes (``Tier.X.record.shared_reduced_form``).
       sequence_parallel: the surrounding model shards tokens over the TP axis: every tier returns
         y token-sharded ([T/p, H] per rank; see :mod:`k3_tail.tiers.tokens`).
       prefill_token_parallel_min_tokens: with sequence-parallel output, pick the token_parallel
@@ -91,6 +98,7 @@ class TailConfig:
     scatter_gather_max_tokens: int = 128
     has_shared_experts: bool = True
     fused_output_is_reduced: bool = False
+    shared_output_is_reduced: bool = False
     sequence_parallel: bool = False
     prefill_token_parallel_min_tokens: int = 0
     all_reduce_form: str = "auto"
@@ -110,9 +118,13 @@ class TailConfig:
         if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
             raise ValueError(f"routed_scaling_factor: expected a finite number, got {scale!r}")
         for name in ("use_latent_norm", "fp8_activations", "disable_overlap", "use_scatter_gather",
-                     "has_shared_experts", "fused_output_is_reduced", "sequence_parallel"):
+                     "has_shared_experts", "fused_output_is_reduced", "shared_output_is_reduced",
+                     "sequence_parallel"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
+        if self.shared_output_is_reduced and not self.has_shared_experts:
+            raise ValueError("shared_output_is_reduced: a reduced shared output needs shared experts, but "
+                             "has_shared_experts is False")
         if self.all_reduce_form not in ALL_REDUCE_FORMS:
             raise ValueError(f"all_reduce_form: expected one of {ALL_REDUCE_FORMS}, got {self.all_reduce_form!r}")
         dtype = _float_dtype(self.dtype)
@@ -162,8 +174,10 @@ class TailConfig:
 
         VLLM_SHARED_EXPERTS_STREAM_TOKEN_THRESHOLD sets ``overlap_token_threshold`` (an integer >= 0);
         VLLM_KIMI_K3_AMD_PREFILL_SP_MIN_TOKENS sets ``prefill_token_parallel_min_tokens`` (>= 0, 0: off);
-        VLLM_DISABLE_SHARED_EXPERTS_STREAM sets ``disable_overlap`` (1/0, true/false, yes/no, on/off).
-        Unset variables leave ``base`` as it is; unparsable values raise ValueError naming the variable.
+        VLLM_DISABLE_SHARED_EXPERTS_STREAM sets ``disable_overlap`` and
+        VLLM_KIMI_K3_SHARED_OUTPUT_AR_OVERLAP sets ``shared_output_is_reduced`` (each 1/0, true/false,
+        yes/no, on/off). Unset variables leave ``base`` as it is; unparsable values raise ValueError
+        naming the variable.
         """
         base = cls.kimi_k3() if base is None else base
         environ = os.environ if environ is None else environ
@@ -176,15 +190,17 @@ class TailConfig:
                     changes[field] = int(raw.strip())
                 except ValueError:
                     raise ValueError(f"{field}: {variable}={raw!r} is not an integer") from None
-        raw = environ.get(ENV_DISABLE_OVERLAP)
-        if raw is not None:
-            word = raw.strip().lower()
-            if word not in _TRUE_WORDS + _FALSE_WORDS:
-                raise ValueError(
-                    f"disable_overlap: {ENV_DISABLE_OVERLAP}={raw!r} is not a boolean "
-                    f"(expected one of {', '.join(w for w in _TRUE_WORDS + _FALSE_WORDS if w)})"
-                )
-            changes["disable_overlap"] = word in _TRUE_WORDS
+        for variable, field in ((ENV_DISABLE_OVERLAP, "disable_overlap"),
+                                (ENV_SHARED_OUTPUT_REDUCED, "shared_output_is_reduced")):
+            raw = environ.get(variable)
+            if raw is not None:
+                word = raw.strip().lower()
+                if word not in _TRUE_WORDS + _FALSE_WORDS:
+                    raise ValueError(
+                        f"{field}: {variable}={raw!r} is not a boolean "
+                        f"(expected one of {', '.join(w for w in _TRUE_WORDS + _FALSE_WORDS if w)})"
+                    )
+                changes[field] = word in _TRUE_WORDS
         return dataclasses.replace(base, **changes)
 
 

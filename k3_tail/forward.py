@@ -14,7 +14,7 @@ from k3_tail.config import TailConfig, check_config
 from k3_tail.per_rank import latent_moe_tail
 from k3_tail.tiers.columns import check_weight_layout, pad_columns, padded_hidden_size
 from k3_tail.tiers.registry import Tier
-from k3_tail.tiers.tokens import is_token_sharded_output
+from k3_tail.tiers.tokens import is_token_sharded_output, pad_tokens
 from k3_tail.tiers.up_projection import check_up_proj_kernel, column_sharding, column_spec
 
 
@@ -36,7 +36,8 @@ def tail_forward(
       routed_partials: [p, T, L], entry i is TP rank i's routed latent partial; [T, L] (the reduced
         latent) when ``config.fused_output_is_reduced``.
       shared_partials: [p, T, H], entry i is rank i's shared-expert partial; None exactly when
-        ``config.has_shared_experts`` is False.
+        ``config.has_shared_experts`` is False. With ``config.shared_output_is_reduced``: the reduced
+        shared output [T, H] (their sum), which the tail adds without a collective.
       norm_weight: [L] RMSNorm scale g; None exactly when ``config.use_latent_norm`` is False.
       up_proj_kernel: [L, H] up projection (Flax layout, y = x @ W). With ``weight_layout="column"``
         it may also be the padded [L, padded_hidden_size(H, p)] storage of :class:`LatentMoETail`.
@@ -88,8 +89,14 @@ def _tail_forward_jit(routed_partials, shared_partials, norm_weight, up_proj_ker
         up_proj_kernel = pad_columns(up_proj_kernel, padded_hidden_size(config.hidden_size, tp_size))
 
     routed_spec = P() if config.fused_output_is_reduced else P(axis_name)
+    shared_spec = P(axis_name)
+    if config.shared_output_is_reduced and config.sequence_parallel:
+        # Each rank's tail takes its T'/p rows of the reduced shared output (k3_tail.reduce_shared's form).
+        shared_partials = None if shared_partials is None else pad_tokens(shared_partials, tp_size)
+    elif config.shared_output_is_reduced:
+        shared_spec = P()
     columns = axis_name if weight_layout == "column" else None
-    specs = (routed_spec, P(axis_name), P())
+    specs = (routed_spec, shared_spec, P())
     args = (
         *(None if x is None else jax.device_put(x, NamedSharding(mesh, spec))
           for x, spec in zip((routed_partials, shared_partials, norm_weight), specs, strict=True)),
@@ -104,7 +111,8 @@ def _tail_forward_jit(routed_partials, shared_partials, norm_weight, up_proj_ker
     def per_rank(routed, shared, norm, kernel):
         # The per-rank partials arrive as [1, T, X] blocks of the [p, T, X] globals.
         routed = routed if config.fused_output_is_reduced else routed[0]
-        return per_rank_tail(routed, None if shared is None else shared[0], norm, kernel)
+        shared = shared if shared is None or config.shared_output_is_reduced else shared[0]
+        return per_rank_tail(routed, shared, norm, kernel)
 
     in_specs = tuple(None if x is None else spec for x, spec in zip(args, specs, strict=True))
     out_spec = P(axis_name) if is_token_sharded_output(config, num_tokens, tp_size) else P()
@@ -126,9 +134,13 @@ def _check_global_inputs(routed_partials, shared_partials, norm_weight, up_proj_
         expected_routed = (tp_size, num_tokens, latent)
     expect_array(routed_partials, "routed_partials", [expected_routed], config.dtype, f"p={tp_size}, L={latent}")
 
+    shared_shape, shared_sizes = (tp_size, num_tokens, hidden), f"p={tp_size}, T={num_tokens}, H={hidden}"
+    if config.shared_output_is_reduced:
+        shared_shape = (num_tokens, hidden)
+        shared_sizes = f"the reduced shared output (shared_output_is_reduced): T={num_tokens}, H={hidden}"
     expect_optional(shared_partials, "shared_partials", present=config.has_shared_experts,
-                    absent_because="config.has_shared_experts is False", shapes=[(tp_size, num_tokens, hidden)],
-                    dtype=config.dtype, sizes=f"p={tp_size}, T={num_tokens}, H={hidden}")
+                    absent_because="config.has_shared_experts is False", shapes=[shared_shape],
+                    dtype=config.dtype, sizes=shared_sizes)
     expect_optional(norm_weight, "norm_weight", present=config.use_latent_norm,
                     absent_because="config.use_latent_norm is False", shapes=[(latent,)], dtype=config.dtype,
                     sizes=f"L={latent}")

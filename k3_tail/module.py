@@ -17,6 +17,7 @@ from k3_tail.forward import tail_forward
 from k3_tail.per_rank import latent_moe_tail
 from k3_tail.selection.decision import TierDecision
 from k3_tail.selection.rules import select_tier
+from k3_tail.shared_reduction import reduce_shared
 from k3_tail.tiers.columns import check_weight_layout, pad_columns, padded_hidden_size
 from k3_tail.tiers.registry import Tier
 from k3_tail.tiers.up_projection import QuantizedKernel, quantize_up_proj
@@ -46,7 +47,8 @@ class LatentMoETail(nnx.Module):
     what :func:`k3_tail.latent_moe_tail` does, inside a shard_map that hands it this rank's blocks of
     the parameters (``nnx.shard_map`` with in_spec
     ``nnx.StateSharding(nnx.get_partition_spec(nnx.state(module)))`` for the module);
-    ``plan(num_tokens)`` tells which tier a call would take and why.
+    ``reduce_shared(shared_partial)`` is :func:`k3_tail.reduce_shared` on the module's axis, for
+    ``config.shared_output_is_reduced``; ``plan(num_tokens)`` tells which tier a call would take and why.
     """
 
     def __init__(
@@ -123,6 +125,13 @@ class LatentMoETail(nnx.Module):
         return latent_moe_tail(routed_partial, shared_partial, *self._weights(), config=self.config,
                                axis_name=self.axis_name, weight_layout=self.weight_layout, tier=tier,
                                device=self.mesh.devices.flat[0])
+
+    def reduce_shared(self, shared_partial) -> jax.Array:
+        """This rank's shared partial [T, H] reduced over the module's TP axis, in the form ``per_rank``
+        takes it with ``config.shared_output_is_reduced`` (:func:`k3_tail.reduce_shared`), inside a
+        shard_map over this module's mesh: call it as soon as the shared experts finish."""
+        return reduce_shared(shared_partial, config=self.config, axis_name=self.axis_name,
+                             device=self.mesh.devices.flat[0])
 
     def _weights(self) -> tuple[jax.Array | None, jax.Array | QuantizedKernel]:
         """(norm weight or None, up-projection kernel): the values of the parameters."""

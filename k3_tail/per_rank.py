@@ -11,14 +11,13 @@ and :class:`k3_tail.LatentMoETail` are shells over it.
 from __future__ import annotations
 
 import jax
-from jax import lax
 
-from k3_tail._checks import AxisName, check_axis_name, expect_array, expect_optional, expect_rank
+from k3_tail._checks import AxisName, axis_size_in_scope, check_axis_name, expect_array, expect_optional, expect_rank
 from k3_tail.config import TailConfig, check_config
 from k3_tail.selection.rules import select_tier
 from k3_tail.tiers.columns import check_weight_layout, padded_hidden_size
 from k3_tail.tiers.registry import Tier
-from k3_tail.tiers.tokens import gather_tokens, is_token_sharded_output, pad_tokens
+from k3_tail.tiers.tokens import gather_tokens, is_token_sharded_output, pad_tokens, padded_token_count
 from k3_tail.tiers.up_projection import QuantizedKernel, check_up_proj_kernel
 
 
@@ -44,7 +43,10 @@ def latent_moe_tail(
       routed_partial: [T, L], this rank's routed latent partial; the reduced latent (the same on every
         rank) when ``config.fused_output_is_reduced``.
       shared_partial: [T, H], this rank's shared-expert partial; None exactly when
-        ``config.has_shared_experts`` is False.
+        ``config.has_shared_experts`` is False. With ``config.shared_output_is_reduced``: the reduced
+        shared output as :func:`k3_tail.reduce_shared` returns it ([T, H], or for
+        ``config.sequence_parallel`` this rank's [T'/p, H] rows, T' = T rounded up to a multiple of
+        p, at least p); the tail puts no collective on it.
       norm_weight: [L] RMSNorm scale g (replicated); None exactly when ``config.use_latent_norm`` is False.
       up_proj_kernel: "replicated": the whole [L, H] kernel. "column": this rank's column block
         [L, Hb] of the kernel stored padded to [L, p*Hb] with zero columns, Hb = ceil(H / p)
@@ -74,13 +76,7 @@ def latent_moe_tail(
     check_config(config)
     axis_name = check_axis_name(axis_name)
     weight_layout = check_weight_layout(weight_layout)
-    try:
-        tp_size = lax.axis_size(axis_name)
-    except NameError as error:
-        raise ValueError(
-            f"axis_name: {axis_name!r} is not a mesh axis here; call latent_moe_tail inside jax.shard_map over a "
-            f"mesh with that axis ({error})"
-        ) from None
+    tp_size = axis_size_in_scope(axis_name, "latent_moe_tail")
     num_tokens = _check_per_rank_inputs(
         routed_partial, shared_partial, norm_weight, up_proj_kernel,
         config=config, tp_size=tp_size, weight_layout=weight_layout,
@@ -94,9 +90,11 @@ def latent_moe_tail(
         tier.record.check_runs(weight_layout, config)
 
     if config.sequence_parallel:
-        # Zero token rows up to a multiple of p, so that each rank owns T'/p rows.
+        # Zero token rows up to a multiple of p, so that each rank owns T'/p rows (a reduced shared
+        # output already is this rank's rows).
         routed_partial = pad_tokens(routed_partial, tp_size)
-        shared_partial = None if shared_partial is None else pad_tokens(shared_partial, tp_size)
+        if shared_partial is not None and not config.shared_output_is_reduced:
+            shared_partial = pad_tokens(shared_partial, tp_size)
     y = tier.record.function(
         routed_partial, shared_partial, norm_weight, up_proj_kernel,
         config=config, axis_name=axis_name, weight_layout=weight_layout, platform=device.platform,
@@ -113,9 +111,16 @@ def _check_per_rank_inputs(routed_partial, shared_partial, norm_weight, up_proj_
     expect_rank(routed_partial, "routed_partial", "[T, L] (this rank's block)", 2)
     num_tokens = routed_partial.shape[0]
     expect_array(routed_partial, "routed_partial", [(num_tokens, latent)], config.dtype, f"L={latent}")
+    shared_rows, shared_sizes = num_tokens, f"T={num_tokens}, H={hidden}"
+    if config.shared_output_is_reduced and config.sequence_parallel:
+        shared_rows = padded_token_count(num_tokens, tp_size) // tp_size
+        shared_sizes = (f"the reduced shared output's rows of this rank: T'/p = {shared_rows} for T={num_tokens}, "
+                        f"p={tp_size}, as k3_tail.reduce_shared returns them; H={hidden}")
+    elif config.shared_output_is_reduced:
+        shared_sizes = f"the reduced shared output, as k3_tail.reduce_shared returns it: T={num_tokens}, H={hidden}"
     expect_optional(shared_partial, "shared_partial", present=config.has_shared_experts,
-                    absent_because="config.has_shared_experts is False", shapes=[(num_tokens, hidden)],
-                    dtype=config.dtype, sizes=f"T={num_tokens}, H={hidden}")
+                    absent_because="config.has_shared_experts is False", shapes=[(shared_rows, hidden)],
+                    dtype=config.dtype, sizes=shared_sizes)
     expect_optional(norm_weight, "norm_weight", present=config.use_latent_norm,
                     absent_because="config.use_latent_norm is False", shapes=[(latent,)], dtype=config.dtype,
                     sizes=f"L={latent}")

@@ -22,7 +22,6 @@ import dataclasses
 import functools
 import json
 import sys
-import time
 
 import numpy as np
 
@@ -30,7 +29,7 @@ from k3_tail import TailConfig, Tier, tail_forward
 from k3_tail.cli.common import (
     CommandError, demo_devices, format_ms, positive_int, positive_int_list, progress, tp_mesh, use_cpu_without_gpu,
 )
-from k3_tail.tools.benchmark import Timing, machine_info, place_partials, place_weights
+from k3_tail.tools.benchmark import Timing, machine_info, place_partials, place_weights, time_round_robin
 
 BASELINE = ("column_parallel", "column", "all-reduce")
 
@@ -83,17 +82,8 @@ def measure_variants(mesh, weights, routed, shared, num_tokens, sequence_paralle
         config = TailConfig.kimi_k3(sequence_parallel=sequence_parallel, all_reduce_form=form)
         calls[tier, layout, form] = functools.partial(tail_forward, routed, shared, *weights[layout], config=config,
                                                       mesh=mesh, tier=tier, weight_layout=layout)
-    for key, call in calls.items():
-        progress(f"T={num_tokens} {output}: compiling {'/'.join(key)}")
-        call().block_until_ready()
-    seconds = {key: [] for key in calls}
-    keys = list(calls)
-    for index in range(rounds):
-        progress(f"T={num_tokens} {output}: round {index + 1}/{rounds}")
-        for key in keys[index % len(keys):] + keys[: index % len(keys)]:
-            start = time.perf_counter()
-            calls[key]().block_until_ready()
-            seconds[key].append(time.perf_counter() - start)
+    seconds = time_round_robin(calls, rounds=rounds,
+                               on_progress=lambda message: progress(f"T={num_tokens} {output}: {message}"))
     baseline = Timing.of(seconds[BASELINE]).median_s
     return [{"num_tokens": num_tokens, "output": output, "tier": tier, "weight_layout": layout,
              "all_reduce_form": form, **dataclasses.asdict(Timing.of(runs)),

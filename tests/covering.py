@@ -213,11 +213,12 @@ INDIVISIBLE_HIDDEN_SIZE = 97  # prime: divides by none of 2, 3, 4, 8
 # p = 1 or T = 0, overlap up to the threshold, column_parallel above it).
 TIERS = (*(tier.value for tier in k3_tail.Tier), "selected")
 TP_SIZES = (1, 2, 3, 4, 8)
-# Token counts: empty; one token (fewer than the ranks); a small odd prime (13: no p > 1 divides it,
-# so sequence-parallel output is padded, and p = 8 leaves a rank only padding rows); 24, which every
-# p divides (sequence-parallel output stays token-sharded); just above the overlap threshold (257,
-# prime: the selected tier is column_parallel).
-TOKEN_COUNTS = (0, 1, 13, 24, OVERLAP_TOKEN_THRESHOLD + 1)
+# Token counts: empty; one token (fewer than the ranks: a one-row GEMM); a small odd prime (5: no p > 1
+# divides it, so sequence-parallel output is padded, and p = 8 leaves ranks only padding rows); 24, which
+# every p divides (sequence-parallel output stays token-sharded); 65 (odd, divisible by none of the p > 1:
+# one row past two waves of 32); just above the overlap threshold (257, prime: the selected tier is
+# column_parallel).
+TOKEN_COUNTS = (0, 1, 5, 24, 65, OVERLAP_TOKEN_THRESHOLD + 1)
 DTYPES = ("bfloat16", "float32")
 WEIGHT_LAYOUTS = ("column", "replicated")
 # The up projection's weights: in the activations' dtype (None) or quantised to an FP8 format.
@@ -235,6 +236,8 @@ TAIL_FACTORS = {
     "sequence_parallel": (False, True),
     "up_proj_dtype": UP_PROJ_DTYPES,
     "fp8_activations": (False, True),
+    # The shared output reduced before the tail (k3_tail.reduce_shared) or summed by the tier.
+    "shared_output_is_reduced": (False, True),
 }
 
 
@@ -252,10 +255,10 @@ def tail_constraint(case: Mapping[str, Any]) -> bool:
 
 
 # Sequence-parallel output at every p > 1 both token-sharded (T = 24) and padded then gathered
-# (T = 13): three-way interactions that pairs alone would not guarantee.
+# (T = 5): three-way interactions that pairs alone would not guarantee.
 TAIL_SEEDS = tuple(
     {"tp_size": p, "num_tokens": num_tokens, "sequence_parallel": True}
-    for num_tokens in (24, 13)
+    for num_tokens in (24, 5)
     for p in TP_SIZES
     if p > 1
 )
@@ -276,6 +279,7 @@ class TailCase:
     sequence_parallel: bool
     up_proj_dtype: str | None = None
     fp8_activations: bool = False
+    shared_output_is_reduced: bool = False
 
     @property
     def hidden_size(self) -> int:
@@ -283,7 +287,7 @@ class TailCase:
 
     @property
     def id(self) -> str:
-        """E.g. ``overlap-p3-T13-bf16-column-H97-scale2-nonorm-sp-e4m3fnuz-fp8act``."""
+        """E.g. ``overlap-p3-T5-bf16-column-H97-scale2-nonorm-sp-e4m3fnuz-fp8act-sharedreduced``."""
         return "-".join((
             self.tier,
             f"p{self.tp_size}",
@@ -296,6 +300,7 @@ class TailCase:
             "sp" if self.sequence_parallel else "nosp",
             "wdtype" if self.up_proj_dtype is None else self.up_proj_dtype.removeprefix("float8_"),
             *(("fp8act",) if self.fp8_activations else ()),
+            *(("sharedreduced",) if self.shared_output_is_reduced else ()),
         ))
 
 

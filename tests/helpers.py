@@ -107,6 +107,7 @@ def case_config(case):
         sequence_parallel=case.sequence_parallel,
         up_proj_dtype=case.up_proj_dtype,
         fp8_activations=case.fp8_activations,
+        shared_output_is_reduced=case.shared_output_is_reduced,
     )
 
 
@@ -114,13 +115,14 @@ def run_case(case):
     """(config, inputs, y): ``k3_tail.tail_forward`` of a covering case on a mesh of its p devices.
 
     The case's tier is forced, or left to the library when it is "selected"; the norm weight is
-    passed only when the latent norm is on (``tail_forward`` wants None otherwise).
+    passed only when the latent norm is on (``tail_forward`` wants None otherwise), the shared
+    partials summed when the case's shared output arrives reduced.
     """
     config = case_config(case)
     inputs = make_inputs(config, case.tp_size, case.num_tokens)
     y = k3_tail.tail_forward(
         inputs.routed,
-        inputs.shared,
+        reduced_shared(config, inputs.shared) if config.shared_output_is_reduced else inputs.shared,
         inputs.norm_weight if config.use_latent_norm else None,
         inputs.kernel,
         config=config,
@@ -129,6 +131,12 @@ def run_case(case):
         weight_layout=case.weight_layout,
     )
     return config, inputs, y
+
+
+def reduced_shared(config, shared_partials):
+    """The reduced shared output [T, H] a caller passes with ``shared_output_is_reduced``: the sum of the
+    [p, T, H] partials in float32, rounded once to the config's dtype (the reference keeps the exact sum)."""
+    return np.asarray(jnp.asarray(np.asarray(shared_partials, np.float32).sum(axis=0), config.dtype))
 
 
 def column_buffers(config, inputs, mesh, weight_layout):

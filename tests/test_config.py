@@ -84,6 +84,7 @@ def test_from_env_without_variables_keeps_the_base():
         ("VLLM_SHARED_EXPERTS_STREAM_TOKEN_THRESHOLD", "2.5", "overlap_token_threshold"),
         ("VLLM_SHARED_EXPERTS_STREAM_TOKEN_THRESHOLD", "-3", "overlap_token_threshold"),
         ("VLLM_DISABLE_SHARED_EXPERTS_STREAM", "maybe", "disable_overlap"),
+        ("VLLM_KIMI_K3_SHARED_OUTPUT_AR_OVERLAP", "2", "shared_output_is_reduced"),
     ],
 )
 def test_from_env_rejects_unparsable_values(variable, value, field):
@@ -107,3 +108,15 @@ def test_new_fields_reject_bad_values(field, value):
 def test_from_env_rejects_an_unparsable_prefill_threshold():
     with pytest.raises(ValueError, match="^prefill_token_parallel_min_tokens: VLLM_KIMI_K3_AMD_PREFILL_SP_MIN_TOKENS"):
         TailConfig.from_env(environ={"VLLM_KIMI_K3_AMD_PREFILL_SP_MIN_TOKENS": "many"})
+
+
+@pytest.mark.parametrize(("word", "reduced"), [("1", True), ("off", False)])
+def test_from_env_reads_the_early_shared_reduction_switch(word, reduced):
+    config = TailConfig.from_env(environ={"VLLM_KIMI_K3_SHARED_OUTPUT_AR_OVERLAP": word})
+    assert config.shared_output_is_reduced is reduced
+    assert TailConfig.from_env(environ={}).shared_output_is_reduced is False
+
+
+def test_a_reduced_shared_output_without_shared_experts_names_both():
+    with pytest.raises(ValueError, match=r"^shared_output_is_reduced: .*has_shared_experts is False"):
+        TailConfig.kimi_k3(shared_output_is_reduced=True, has_shared_experts=False)

@@ -35,6 +35,7 @@ VARIANTS = {
     "no_norm": TailConfig.kimi_k3(use_latent_norm=False),
     "fused_reduced": TailConfig.kimi_k3(fused_output_is_reduced=True),
     "fp8": TailConfig.kimi_k3(up_proj_dtype="float8_e4m3fn"),
+    "shared_reduced": TailConfig.kimi_k3(shared_output_is_reduced=True),
 }
 
 
@@ -107,7 +108,8 @@ def test_sequence_parallel_counts_agree_with_the_gpu_compiled_program(gpu_mesh, 
 
 
 # Where a config switch changes what a tier moves or reads (T = 16): padded column blocks (H = 1001, p = 8),
-# no shared reduction, no x in one_shot's packed buffer, no latent all-reduce, an FP8 kernel.
+# no shared reduction, no x in one_shot's packed buffer, no latent all-reduce, an FP8 kernel, a shared output
+# reduced before the tail (every tier).
 VARIANT_CASES = [
     *(pytest.param("h1001", tier, layout, id=f"h1001-{tier.value}-{layout}")
       for tier in Tier for layout in ("column", "replicated") if tier.supports(layout)
@@ -116,6 +118,8 @@ VARIANT_CASES = [
       for tier in (Tier.OVERLAP, Tier.SCATTER_GATHER, Tier.ONE_SHOT)),
     pytest.param("no_norm", Tier.ONE_SHOT, "replicated", id="no_norm-one_shot"),
     pytest.param("fused_reduced", Tier.COLUMN_PARALLEL, "column", id="fused_reduced-column_parallel"),
+    *(pytest.param("shared_reduced", tier, "column" if tier.supports("column") else "replicated",
+                   id=f"shared_reduced-{tier.value}") for tier in Tier),
     # FP8 kernel bytes (values and scales) on the whole kernel, a column block and a sliced block.
     *(pytest.param("fp8", tier, layout, id=f"fp8-{tier.value}-{layout}")
       for tier, layout in ((Tier.OVERLAP, "replicated"), (Tier.SCATTER_GATHER, "column"),

@@ -152,8 +152,9 @@ def test_tail_design_is_small_and_its_ids_are_unique():
 
 
 def test_tail_case_id_names_every_factor():
-    case = covering.TailCase("overlap", 3, 13, "bfloat16", "column", False, 2.0, False, True, "float8_e4m3fnuz", True)
-    assert case.id == "overlap-p3-T13-bf16-column-H97-scale2-nonorm-sp-e4m3fnuz-fp8act"
+    case = covering.TailCase("overlap", 3, 5, "bfloat16", "column", False, 2.0, False, True, "float8_e4m3fnuz", True,
+                             True)
+    assert case.id == "overlap-p3-T5-bf16-column-H97-scale2-nonorm-sp-e4m3fnuz-fp8act-sharedreduced"
     assert case.hidden_size == 97
 
 

@@ -1,6 +1,7 @@
 """The full Cartesian products behind the covering designs of test_tiers.py and test_sequence_parallel.py.
 
-About 2340 cases (minutes on 2 cores), 720 of them with FP8 up-projection weights: skipped by default,
+About 2820 cases (minutes on 2 cores), 720 of them with FP8 up-projection weights and 480 with a shared
+output reduced before the tail: skipped by default,
 run with ``pytest -m slow``. The default run covers every pair of these factors (tests/covering.py);
 these products try every combination.
 """
@@ -11,7 +12,7 @@ import jax.numpy as jnp
 import pytest
 
 import k3_tail
-from helpers import assert_column_tier_writes_only_its_own_block, make_tp_mesh, tier_layouts
+from helpers import assert_column_tier_writes_only_its_own_block, make_tp_mesh, reduced_shared, tier_layouts
 from reference import TOLERANCE, make_inputs, reference_tail, relative_error, tolerance
 
 pytestmark = pytest.mark.slow
@@ -102,6 +103,21 @@ def test_every_tier_pads_and_gathers_tokens_that_p_does_not_divide(tier, weight_
     inputs = make_inputs(config, 8, num_tokens)
     y = run_tail(config, inputs, 8, tier, weight_layout)
     assert y.shape == (num_tokens, config.hidden_size) and y.sharding.is_fully_replicated
+    assert relative_error(y, reference_tail(config, inputs)) <= TOLERANCE[config.dtype]
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["replicated_output", "sp"])
+@pytest.mark.parametrize("base", SIZES)
+@pytest.mark.parametrize("num_tokens", [1, 5, 16, 65])
+@pytest.mark.parametrize("tp_size", [1, 2, 8])
+@pytest.mark.parametrize(("tier", "weight_layout"), tier_layouts())
+def test_every_tier_takes_a_reduced_shared_output(tier, weight_layout, tp_size, num_tokens, base, sequence_parallel):
+    config = dataclasses.replace(base, dtype=jnp.bfloat16, shared_output_is_reduced=True,
+                                 sequence_parallel=sequence_parallel)
+    inputs = make_inputs(config, tp_size, num_tokens)
+    y = run_tail(config, dataclasses.replace(inputs, shared=reduced_shared(config, inputs.shared)), tp_size, tier,
+                 weight_layout)
+    assert y.shape == (num_tokens, config.hidden_size) and y.dtype == config.dtype
     assert relative_error(y, reference_tail(config, inputs)) <= TOLERANCE[config.dtype]
 
 

@@ -67,7 +67,8 @@ class Layer:
 
 
 def run_layer(mesh, config, layer, *, tier=None, weight_layout="replicated", lower_only=False):
-    """The model: one shard_map over ``mesh``; each rank computes its partials, then the tail."""
+    """The model: one shard_map over ``mesh``; each rank computes its partials (reducing the shared one
+    itself with ``config.shared_output_is_reduced``), then the tail."""
     num_tokens = layer.expert_act.shape[0]
     kernel = layer.kernel
     kernel_spec = P()
@@ -78,8 +79,10 @@ def run_layer(mesh, config, layer, *, tier=None, weight_layout="replicated", low
     token_sharded = k3_tail.is_token_sharded_output(config, num_tokens, P_SIZE)
 
     def per_rank(expert_act, down, shared_act, shared_out, norm_weight, up_proj_kernel):
-        routed = jnp.dot(expert_act, down, preferred_element_type=jnp.float32).astype(config.dtype)
         shared = jnp.dot(shared_act, shared_out, preferred_element_type=jnp.float32).astype(config.dtype)
+        if config.shared_output_is_reduced:  # as soon as the shared experts finish, before the routed ones
+            shared = k3_tail.reduce_shared(shared, config=config, axis_name=TP)
+        routed = jnp.dot(expert_act, down, preferred_element_type=jnp.float32).astype(config.dtype)
         return k3_tail.latent_moe_tail(routed, shared, norm_weight, up_proj_kernel, config=config, axis_name=TP,
                                        weight_layout=weight_layout, tier=tier)
 
@@ -107,11 +110,27 @@ def test_every_tier_in_a_models_shard_map_over_a_tuple_axis(mesh, tier, weight_l
     assert y.sharding.is_fully_replicated
 
 
+@pytest.mark.parametrize(("tier", "weight_layout"), [pytest.param(None, "column", id="selected-column"),
+                                                     *tier_layouts()])
+def test_every_tier_takes_the_shared_output_reduced_early_in_a_models_shard_map(mesh, tier, weight_layout):
+    """k3_tail.reduce_shared right after the shared experts, the tail on its result (one row: a one-row GEMM)."""
+    config = dataclasses.replace(CONFIG, shared_output_is_reduced=True)
+    for num_tokens in (1, 5):
+        layer = Layer.random(config, num_tokens)
+        y = run_layer(mesh, config, layer, tier=tier, weight_layout=weight_layout)
+        assert_close(config, y, layer.reference(config))
+        assert y.sharding.is_fully_replicated
+
+
+@pytest.mark.parametrize("shared_output_is_reduced", [False, True], ids=["shared-partials", "shared-reduced"])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bfloat16", "float32"])
 @pytest.mark.parametrize("num_tokens", [16, 5, 0])
-def test_sequence_parallel_output_is_this_ranks_rows_when_p_divides_t(mesh, num_tokens, dtype):
-    """T = 16: rank k returns rows [2k, 2k + 2); T = 5 or 0: the rows are gathered (replicated)."""
-    config = dataclasses.replace(CONFIG, sequence_parallel=True, dtype=dtype)
+def test_sequence_parallel_output_is_this_ranks_rows_when_p_divides_t(mesh, num_tokens, dtype,
+                                                                      shared_output_is_reduced):
+    """T = 16: rank k returns rows [2k, 2k + 2); T = 5 or 0: the rows are gathered (replicated). A shared
+    output reduced early arrives as each rank's rows of the (padded) sum."""
+    config = dataclasses.replace(CONFIG, sequence_parallel=True, dtype=dtype,
+                                 shared_output_is_reduced=shared_output_is_reduced)
     layer = Layer.random(config, num_tokens)
     y = run_layer(mesh, config, layer, weight_layout="column")
     assert y.shape == (num_tokens, config.hidden_size)
@@ -187,9 +206,13 @@ def per_rank_call(**overrides):
          r"^tier: one_shot needs the whole \[L, H\] kernel"),
         ({"axis_name": ("tp", "tp")}, r"^axis_name: expected a mesh axis name or a tuple of distinct"),
         ({"config": "kimi"}, r"^config: expected a k3_tail.TailConfig"),
+        ({"config": dataclasses.replace(CONFIG, shared_output_is_reduced=True, sequence_parallel=True)},
+         r"^shared_partial: expected shape \(1, 97\) \(the reduced shared output's rows of this rank"),
+        ({"config": dataclasses.replace(CONFIG, shared_output_is_reduced=True),
+          "shared_partial": np.zeros((3, 97), jnp.bfloat16)}, r"^shared_partial: expected dtype float32"),
     ],
     ids=["routed-width", "routed-global", "shared-rows", "shared-missing", "norm-dtype", "column-block",
-         "one_shot-column", "axis-repeated", "config"],
+         "one_shot-column", "axis-repeated", "config", "reduced-shared-rows", "reduced-shared-dtype"],
 )
 def test_bad_per_rank_input_is_a_value_error_naming_the_argument(overrides, message):
     with pytest.raises(ValueError, match=message):
@@ -214,6 +237,23 @@ def test_module_per_rank_call_in_an_nnx_shard_map(mesh, up_proj_dtype):
         kernel = k3_tail.QuantizedKernel(kernel, np.asarray(module.up_proj_scale[...])[: config.hidden_size])
     expected = reference_tail(config, dataclasses.replace(inputs, kernel=kernel,
                                                           norm_weight=np.asarray(module.norm_scale[...])))
+    assert_close(config, y, expected)
+
+
+def test_module_reduces_its_shared_partial_and_takes_it_per_rank(mesh):
+    config = dataclasses.replace(CONFIG, shared_output_is_reduced=True)
+    module = k3_tail.LatentMoETail(config, mesh, rngs=nnx.Rngs(0), axis_name=TP, weight_layout="column")
+    inputs = make_inputs(config, P_SIZE, 5)
+    state_specs = nnx.StateSharding(nnx.get_partition_spec(nnx.state(module)))
+
+    @nnx.shard_map(mesh=mesh, in_specs=(state_specs, P(TP), P(TP)), out_specs=P())
+    def layer(module, routed, shared):
+        return module.per_rank(routed[0], module.reduce_shared(shared[0]))
+
+    y = layer(module, *(jax.device_put(x, NamedSharding(mesh, P(TP))) for x in (inputs.routed, inputs.shared)))
+    expected = reference_tail(config, dataclasses.replace(
+        inputs, kernel=np.asarray(module.up_proj_kernel[...])[:, : config.hidden_size],
+        norm_weight=np.asarray(module.norm_scale[...])))
     assert_close(config, y, expected)
 
 

@@ -14,6 +14,7 @@ import jax
 import pytest
 
 from k3_tail import Tier, TailConfig, compile_tail, compiler_options, tail_arguments, tail_forward, topology_mesh
+from k3_tail.tiers.up_projection import gemm_rows
 from k3_tail.xla.hlo_text import parse_module
 from k3_tail.xla.report import report
 
@@ -97,8 +98,8 @@ def test_column_tier_is_one_latent_and_one_hidden_all_reduce_around_a_local_gemm
     assert [(c.kind, elements(c)) for c in result.collectives] == [
         ("all-reduce", num_tokens * L), ("all-reduce", num_tokens * H)
     ]
-    # The local GEMM is [T, L] x [L, H/p]: its FLOPs are exactly 2 * T * L * H/p.
-    assert result.gemm_flops == 2 * num_tokens * L * (H // P)
+    # The local GEMM is [T, L] x [L, H/p]: its FLOPs are exactly 2 * T * L * H/p (one row multiplied as two).
+    assert result.gemm_flops == 2 * gemm_rows(num_tokens) * L * (H // P)
 
 
 def test_column_tier_kernel_argument_is_the_local_block(gpu_mesh):
@@ -115,7 +116,7 @@ def test_scatter_gather_tier_is_a_latent_all_reduce_then_reduce_scatter_and_all_
         ("all-reduce", num_tokens * L), ("reduce-scatter", num_tokens * H), ("all-gather", num_tokens * H)
     ]
     assert result.shared_reduction.kind == "reduce-scatter"
-    assert result.gemm_flops == 2 * num_tokens * L * (H // P)
+    assert result.gemm_flops == 2 * gemm_rows(num_tokens) * L * (H // P)
 
 
 @pytest.mark.skipif(AOT_MISSING, reason="needs the [aot] extra (jax-cuda13-plugin and -pjrt of the installed jax)")
@@ -255,3 +256,38 @@ def test_fp8_weights_halve_the_kernel_bytes_each_device_holds(gpu_mesh):
     bf16 = report(compile_tail(CONFIG, gpu_mesh, 16, tier=Tier.COLUMN_PARALLEL, weight_layout="column"))
     _, fp8 = fp8_program(gpu_mesh, Tier.COLUMN_PARALLEL, "column", 16, fp8_activations=False)
     assert sum(a.bytes for a in fp8.arguments) - sum(a.bytes for a in bf16.arguments) == -L * H // P + 4 * H // P
+
+
+# --- One-row GEMMs at their bytes ---------------------------------------------------------------------------
+
+# XLA fuses only a static slice of a parameter into a GEMM; a column tier's block of the whole (replicated)
+# kernel sits at its rank's offset, a dynamic slice, which XLA copies out before the GEMM at every T
+# (docs/design.md, "One-row GEMMs"). There the temporary memory is that copy, [L, H/p], and little more.
+COPIES_ITS_BLOCK = {(Tier.COLUMN_PARALLEL, "replicated"), (Tier.SCATTER_GATHER, "replicated")}
+TEMPORARY_LIMIT_BYTES = 2e6
+
+
+def temporary_limit(tier, weight_layout, up_proj_dtype):
+    """2 MB, or for a tier that copies its block the block's bytes ([L, H/p], 1 byte per FP8 value) + 0.2 MB."""
+    if (tier, weight_layout) not in COPIES_ITS_BLOCK:
+        return TEMPORARY_LIMIT_BYTES
+    return (1 if up_proj_dtype else 2) * L * H // P + 0.2e6
+
+
+@pytest.mark.parametrize(("tier", "weight_layout", "up_proj_dtype"), [
+    pytest.param(tier, layout, dtype, id=f"{tier.value}-{layout}-{dtype or 'bf16'}")
+    for tier in Tier for layout in LAYOUTS if tier.supports(layout) for dtype in (None, "float8_e4m3fn")])
+def test_a_one_token_call_reads_its_kernel_once_without_a_kernel_sized_intermediate(gpu_mesh, tier, weight_layout,
+                                                                                      up_proj_dtype):
+    """Per device: bytes accessed at T = 1 at most 1.15x those at T = 2, temporary memory at most 2 MB at both
+    (a column tier on the replicated kernel: its block's copy), and the product is one GEMM, not a multiply
+    and a reduce."""
+    config = TailConfig.kimi_k3(up_proj_dtype=up_proj_dtype)
+    programs = {}
+    for num_tokens in (1, 2):
+        compiled = compile_tail(config, gpu_mesh, num_tokens, tier=tier, weight_layout=weight_layout)
+        programs[num_tokens] = report(compiled), compiled.memory_analysis().temp_size_in_bytes
+    (one, one_temporary), (two, two_temporary) = programs[1], programs[2]
+    assert [gemm.scopes for gemm in one.gemms] == [("up_projection",)]
+    assert one.bytes_accessed <= 1.15 * two.bytes_accessed
+    assert max(one_temporary, two_temporary) <= temporary_limit(tier, weight_layout, up_proj_dtype)

@@ -197,12 +197,20 @@ def add_measurement_arguments(parser: argparse.ArgumentParser) -> None:
     shapes.add_argument("--no-shared", action="store_true", help="no shared experts (has_shared_experts=False)")
     shapes.add_argument("--reduced-routed", action="store_true",
                         help="the routed output arrives reduced, [T, L] (fused_output_is_reduced=True)")
+    add_reduced_shared_argument(shapes)
     shapes.add_argument("--sequence-parallel", action="store_true",
                         help="token-sharded output (sequence_parallel=True)")
     shapes.add_argument("--all-reduce-form", choices=ALL_REDUCE_FORMS, default=kimi.all_reduce_form,
                         help="one all-reduce, reduce-scatter + all-gather, or auto: the form measured faster on the "
                         f"platform for the buffer's size and dtype (default: {kimi.all_reduce_form})")
     add_up_projection_arguments(shapes)
+
+
+def add_reduced_shared_argument(group: argparse._ArgumentGroup | argparse.ArgumentParser) -> None:
+    """``--reduced-shared``: the shared output arrives reduced (``k3_tail.reduce_shared`` before the tail)."""
+    group.add_argument("--reduced-shared", action="store_true",
+                       help="the shared output arrives reduced, [T, H], reduced before the tail by "
+                       "k3_tail.reduce_shared (shared_output_is_reduced=True)")
 
 
 def add_up_projection_arguments(group: argparse._ArgumentGroup | argparse.ArgumentParser) -> None:
@@ -240,7 +248,8 @@ def measurement_config(args: argparse.Namespace) -> TailConfig:
         return TailConfig(
             hidden_size=args.hidden_size, latent_size=args.latent_size, dtype=args.dtype, rms_norm_eps=args.eps,
             routed_scaling_factor=args.scale, use_latent_norm=not args.no_norm, has_shared_experts=not args.no_shared,
-            fused_output_is_reduced=args.reduced_routed, sequence_parallel=args.sequence_parallel,
+            fused_output_is_reduced=args.reduced_routed, shared_output_is_reduced=args.reduced_shared,
+            sequence_parallel=args.sequence_parallel,
             all_reduce_form=args.all_reduce_form, **up_projection_options(args),
         )
     except ValueError as error:
@@ -331,7 +340,8 @@ def describe_config(config: TailConfig) -> str:
             f"scale {config.routed_scaling_factor:g}")
     flags = [name for name, on in (
         ("no norm", not config.use_latent_norm), ("no shared experts", not config.has_shared_experts),
-        ("reduced routed output", config.fused_output_is_reduced), ("sequence-parallel", config.sequence_parallel),
+        ("reduced routed output", config.fused_output_is_reduced),
+        ("reduced shared output", config.shared_output_is_reduced), ("sequence-parallel", config.sequence_parallel),
         (f"all_reduce_form {config.all_reduce_form}", config.all_reduce_form != "auto"),
         (f"up projection {getattr(config.up_proj_dtype, 'name', '')}", config.up_proj_dtype is not None),
         ("FP8 activations", config.fp8_activations),

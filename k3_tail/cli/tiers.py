@@ -4,8 +4,8 @@ Prints :func:`k3_tail.tiers.registry.tier_table`, the Markdown table of the tier
 per-rank GEMM FLOPs and kernel bytes, collectives, what each needs), which is also the README's
 tier table. ``--json`` prints the records as plain data instead: a list in the registry's order,
 one object per tier with its name, summary, schedule, collectives_text, needs_whole_kernel,
-needs_unreduced_routed, projects_all_columns, token_sharded_form and compiler_options (per
-platform family). Needs no devices; exit status 0.
+needs_unreduced_routed, projects_all_columns, token_sharded_form, shared_reduced_form and
+compiler_options (per platform family). Needs no devices; exit status 0.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from k3_tail.tiers.registry import TIER_RECORDS, tier_table
 # The record's fields that are plain data, in the order --json writes them.
 RECORD_FIELDS = (
     "name", "summary", "schedule", "collectives_text", "needs_whole_kernel", "needs_unreduced_routed",
-    "projects_all_columns", "token_sharded_form",
+    "projects_all_columns", "token_sharded_form", "shared_reduced_form",
 )
 
 

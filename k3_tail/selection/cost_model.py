@@ -14,7 +14,9 @@ The model has two layers.
      1 for an FP8 ``up_proj_dtype``, whose per-column float32 scales add 4*H (or 4*Hb) bytes.
    - ``activation_bytes``: the activation rows the call reads and writes on this rank: its routed and
      shared inputs and its own rows of y, d*(T*L + T*H + T*H) (no shared partial: no second term;
-     token-sharded output: the last term is T/p*H), for the caller's T. This is the traffic no
+     token-sharded output: the last term is T/p*H; a shared output that arrives reduced is read as
+     the [T, H] that :func:`k3_tail.tail_forward` takes, or this rank's T/p rows of it for
+     token-sharded output), for the caller's T. This is the traffic no
      schedule avoids, and for
      a call it equals the per-rank bytes of the program's activation arguments and result;
      intermediates that XLA's fusion decides (the float32 projection of the replicated layout, the
@@ -79,6 +81,7 @@ from k3_tail.tiers.columns import check_weight_layout
 from k3_tail.tiers.record import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER, RING_WIRE_FACTORS, CallShape
 from k3_tail.tiers.registry import Tier
 from k3_tail.tiers.tokens import is_token_sharded_output, padded_token_count
+from k3_tail.tiers.up_projection import gemm_rows
 
 __all__ = [
     "ALL_GATHER", "ALL_REDUCE", "ALL_TO_ALL", "HARDWARE", "REDUCE_SCATTER", "CollectiveCost", "Crossover", "Hardware",
@@ -110,6 +113,13 @@ class CollectiveCost:
     def wire_bytes(self) -> float:
         """Bytes this rank sends on a ring: 2(g-1)/g * B for an all-reduce, (g-1)/g * B otherwise."""
         return RING_WIRE_FACTORS[self.kind](self.group_size) * self.buffer_bytes
+
+    def seconds(self, hardware: Hardware | str) -> float:
+        """collective_latency_s + wire_bytes / link_bytes_per_s on ``hardware``; 0 over a group of one rank."""
+        if self.group_size == 1:
+            return 0.0
+        hardware = hardware_preset(hardware)
+        return hardware.collective_latency_s + self.wire_bytes / hardware.link_bytes_per_s
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,10 +177,13 @@ def tier_cost(
         rows=rows, latent_size=latent, hidden_size=hidden, tp_size=tp_size, weight_layout=weight_layout,
         has_shared=config.has_shared_experts, use_norm=config.use_latent_norm,
         routed_reduced=config.fused_output_is_reduced, token_sharded=sequence_parallel,
+        shared_reduced=config.shared_output_is_reduced,
     )
     token_sharded = is_token_sharded_output(config, num_tokens, tp_size)
     output_rows = num_tokens // tp_size if token_sharded else num_tokens
     shared_rows = num_tokens if shape.has_shared else 0
+    if shape.shared_reduced and token_sharded:
+        shared_rows = output_rows  # this rank's rows of the reduced [T, H], sharded over tokens
     activation_bytes = element * (num_tokens * latent + shared_rows * hidden + output_rows * hidden)
     columns = record.gemm_columns(hidden, tp_size, weight_layout)
     norm_bytes = element * latent if config.use_latent_norm else 0
@@ -191,7 +204,7 @@ def tier_cost(
         num_tokens=num_tokens,
         tp_size=tp_size,
         weight_layout=weight_layout,
-        gemm_flops=2 * record.gemm_rows(rows, tp_size) * latent * columns,
+        gemm_flops=2 * gemm_rows(record.gemm_rows(rows, tp_size)) * latent * columns,
         weight_bytes=kernel_bytes + norm_bytes,
         activation_bytes=activation_bytes,
         collectives=tuple(collectives),
@@ -238,9 +251,7 @@ def _time_terms(cost: TierCost, hardware: Hardware) -> tuple[float, float, float
     """(compute, memory, serial collectives, hidden collectives) seconds of ``cost`` on ``hardware``."""
     serial = hidden = 0.0
     for collective in cost.collectives:
-        seconds = 0.0
-        if collective.group_size > 1:
-            seconds = hardware.collective_latency_s + collective.wire_bytes / hardware.link_bytes_per_s
+        seconds = collective.seconds(hardware)
         if collective.hidden:
             hidden += seconds
         else:
@@ -333,7 +344,8 @@ def _totals(config, tp_size, hardware, weight_layout, tier, tokens: np.ndarray) 
     works on (T, or T rounded up to a multiple of p for sequence-parallel output and for a tier that
     shards tokens), except the activation bytes, which follow the caller's T and, with
     sequence-parallel output, whether the result comes back token-sharded (p divides T) or gathered.
-    So is each of :func:`_time_terms`: two calls p tokens apart give each term's line.
+    So is each of :func:`_time_terms`: two calls p tokens apart give each term's line, taken where the
+    GEMM has at least two rows; the GEMM of a single row is computed as two (its compute term doubles).
     """
     def lines(start: int) -> tuple[np.ndarray, np.ndarray]:
         first, second = (
@@ -342,10 +354,12 @@ def _totals(config, tp_size, hardware, weight_layout, tier, tokens: np.ndarray) 
         )
         return first - (second - first) / tp_size * start, (second - first) / tp_size  # intercept, slope
 
-    intercept, slope = lines(tp_size)
-    padded = config.sequence_parallel or Tier.parse(tier).record.shards_tokens
+    intercept, slope = lines(2 * tp_size)
+    record = Tier.parse(tier).record
+    padded = config.sequence_parallel or record.shards_tokens
     rows = -(-tokens // tp_size) * tp_size if padded else tokens
     compute, _, serial, hidden = intercept[:, None] + slope[:, None] * rows
+    compute = compute * np.where(record.gemm_rows(rows, tp_size) == 1, gemm_rows(1), 1)
     memory = intercept[1] + slope[1] * tokens
     if config.sequence_parallel and tp_size > 1:  # T not divisible by p: all T rows of y come back
         gathered_intercept, gathered_slope = lines(tp_size + 1)

@@ -49,11 +49,14 @@ def select_tier(
          ``prefill_token_parallel_min_tokens`` > 0, T >= it and the replicated kernel layout (vLLM's
          VLLM_KIMI_K3_AMD_PREFILL_SP_MIN_TOKENS; the reason says when only the layout kept it out).
       3. SCATTER_GATHER if ``config.use_scatter_gather`` and T <= ``scatter_gather_max_tokens``.
-      4. OVERLAP if T <= ``overlap_token_threshold`` and overlap is not disabled.
+      4. OVERLAP if T <= ``overlap_token_threshold`` and overlap is not disabled; NATIVE there when
+         ``config.shared_output_is_reduced`` (vLLM's pre-reduced shared tail: nothing is left to
+         overlap, and overlap's schedule then is native's).
       5. COLUMN_PARALLEL otherwise; when H % p != 0 the projection's columns are padded to the next
          multiple of p and sliced back, so no columns are dropped and no fallback is needed.
     With ``config.sequence_parallel`` the same rules pick the tier and the reason says how that tier
-    returns token-sharded output (its record's ``token_sharded_form``). ONE_SHOT is never selected
+    returns token-sharded output (its record's ``token_sharded_form``); with
+    ``config.shared_output_is_reduced``, how its schedule changes (``shared_reduced_form``). ONE_SHOT is never selected
     here: it trades a full GEMM per rank for one collective fewer, and only a cost model or a
     measured table for the hardware can say where that wins; force it with ``tier=``.
     """
@@ -68,6 +71,8 @@ def select_tier(
         reason += f"; {forms}"
     elif config.all_reduce_form != "auto":
         reason += f"; all_reduce_form={config.all_reduce_form!r}"
+    if config.shared_output_is_reduced:
+        reason += f"; shared output reduced before the tail: {decision.tier.record.shared_reduced_form}"
     if not config.sequence_parallel:
         return TierDecision(decision.tier, reason)
     reason = f"{reason}; sequence-parallel output: {decision.tier.record.token_sharded_form}"
@@ -122,10 +127,13 @@ def _select_vllm_rest(config: TailConfig, num_tokens: int, tp_size: int) -> Tier
             f"scatter_gather_max_tokens={config.scatter_gather_max_tokens}",
         )
     if num_tokens <= config.overlap_token_threshold:
+        within = f"T={num_tokens} <= overlap_token_threshold={config.overlap_token_threshold}"
+        if config.shared_output_is_reduced:
+            return TierDecision(Tier.NATIVE, f"{within}, but shared_output_is_reduced is True: the shared "
+                                             "all-reduce already ran, so overlap would have nothing to hide and "
+                                             "runs native's schedule; native it is")
         if not config.disable_overlap:
-            return TierDecision(
-                Tier.OVERLAP, f"T={num_tokens} <= overlap_token_threshold={config.overlap_token_threshold}"
-            )
+            return TierDecision(Tier.OVERLAP, within)
         why = f"disable_overlap is True (T={num_tokens} <= overlap_token_threshold would pick overlap)"
     else:
         why = f"T={num_tokens} > overlap_token_threshold={config.overlap_token_threshold}"

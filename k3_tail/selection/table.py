@@ -8,8 +8,9 @@ tier measured fastest at T_a serves [T_a, T_b - 1]; the first range starts at T 
 one is open-ended.
 
 A table is only valid where it was measured: the same device kind, TP size, weight layout, hidden
-and latent sizes, dtype and up-projection weights (``up_proj_dtype``, ``fp8_activations``; a table
-without those keys was measured with the kernel in dtype). Using it anywhere else raises ValueError
+and latent sizes, dtype, up-projection weights (``up_proj_dtype``, ``fp8_activations``; a table
+without those keys was measured with the kernel in dtype) and whether the shared output arrived
+reduced (``shared_output_is_reduced``; absent: it did not). Using it anywhere else raises ValueError
 naming what differs, since a table measured on other hardware or shapes would pick tiers for the
 wrong reasons.
 
@@ -17,7 +18,7 @@ JSON form (``format`` names the version)::
 
     {"format": "k3_tail.selection_table/1", "device_kind": "NVIDIA H200", "tp_size": 8,
      "weight_layout": "column", "hidden_size": 7168, "latent_size": 3584, "dtype": "bfloat16",
-     "up_proj_dtype": null, "fp8_activations": false, "source": "...",
+     "up_proj_dtype": null, "fp8_activations": false, "shared_output_is_reduced": false, "source": "...",
      "ranges": [{"first": 1, "last": 255, "tier": "overlap"},
                 {"first": 256, "last": null, "tier": "column_parallel"}]}
 """
@@ -69,6 +70,7 @@ class SelectionTable:
     source: str = ""
     up_proj_dtype: str | None = None
     fp8_activations: bool = False
+    shared_output_is_reduced: bool = False
 
     def __post_init__(self):
         _check_ranges(self.ranges, self.weight_layout)
@@ -80,8 +82,9 @@ class SelectionTable:
     def check_matches(
         self, config: TailConfig, tp_size: int, *, weight_layout: str | None = None, device_kind: str | None = None
     ) -> None:
-        """ValueError naming the first of p, shapes, dtypes, FP8 activations, layout or device kind that
-        differs from where the table was measured (``weight_layout`` / ``device_kind`` None: not checked)."""
+        """ValueError naming the first of p, shapes, dtypes, FP8 activations, a reduced shared output, layout
+        or device kind that differs from where the table was measured (``weight_layout`` / ``device_kind``
+        None: not checked)."""
         expected = {
             "tp_size": tp_size,
             "hidden_size": config.hidden_size,
@@ -89,6 +92,7 @@ class SelectionTable:
             "dtype": config.dtype.name,
             "up_proj_dtype": _up_proj_dtype_name(config),
             "fp8_activations": config.fp8_activations,
+            "shared_output_is_reduced": config.shared_output_is_reduced,
             "weight_layout": weight_layout,
             "device_kind": device_kind,
         }
@@ -134,12 +138,14 @@ class SelectionTable:
                 raise ValueError(f"selection_table.{name}: expected an integer >= 1, got {values[name]!r}")
         # Tables written before FP8 weights existed have neither key: they were measured with the kernel in dtype.
         values["up_proj_dtype"] = data.get("up_proj_dtype")
-        values["fp8_activations"] = data.get("fp8_activations", False)
         if not isinstance(values["up_proj_dtype"], (str, type(None))):
             raise ValueError(f"selection_table.up_proj_dtype: expected a dtype name or null, "
                              f"got {values['up_proj_dtype']!r}")
-        if not isinstance(values["fp8_activations"], bool):
-            raise ValueError(f"selection_table.fp8_activations: expected a bool, got {values['fp8_activations']!r}")
+        # Likewise tables written before a reduced shared output existed were measured with the partials.
+        for name in ("fp8_activations", "shared_output_is_reduced"):
+            values[name] = data.get(name, False)
+            if not isinstance(values[name], bool):
+                raise ValueError(f"selection_table.{name}: expected a bool, got {values[name]!r}")
         raw_ranges = data.get("ranges")
         if not isinstance(raw_ranges, list) or not raw_ranges:
             raise ValueError(f"selection_table.ranges: expected a non-empty list, got {raw_ranges!r}")
@@ -197,6 +203,7 @@ def table_from_measurements(
         device_kind=device_kind, tp_size=tp_size, weight_layout=weight_layout, hidden_size=config.hidden_size,
         latent_size=config.latent_size, dtype=config.dtype.name, ranges=tuple(ranges), source=source,
         up_proj_dtype=_up_proj_dtype_name(config), fp8_activations=config.fp8_activations,
+        shared_output_is_reduced=config.shared_output_is_reduced,
     )
 
 

@@ -8,10 +8,11 @@ from jax import lax
 
 from k3_tail._checks import AxisName
 from k3_tail.config import TailConfig
-from k3_tail.tiers.columns import own_kernel_block, pad_columns
+from k3_tail.tiers.columns import assemble_column_blocks, own_kernel_block, pad_columns
 from k3_tail.tiers.norm import allreduce_norm_latent_out
 from k3_tail.tiers.up_projection import project
 from k3_tail.tiers.record import CallShape, CollectiveTerm, TierRecord
+from k3_tail.tiers.scopes import SHARED_REDUCTION
 from k3_tail.tiers.tokens import reduce_output
 
 
@@ -41,14 +42,27 @@ def column_parallel_tail(
 
     Returns y [T, H] in ``config.dtype``, identical on every rank. For sequence-parallel output
     (T % p == 0) the final AR is a reduce-scatter over tokens and this rank gets its [T/p, H] rows.
+    With ``config.shared_output_is_reduced`` shared_partial is the reduced shared output
+    (:func:`k3_tail.reduce_shared`'s form): the final collective has nothing left to sum, so it is an
+    all-gather of the [T, Hb] projection blocks (an all-to-all to token rows for sequence-parallel
+    output), and the reduced shared output is added after it.
     Cost per rank, either layout: 2TLH/p GEMM FLOPs, 2LH/p weight bytes, AR(T*L) then AR(T*H),
     serial. The replicated layout slices its block out of the whole kernel (which it keeps in memory).
     """
+    if defer_all_reduce and config.shared_output_is_reduced:
+        raise ValueError("defer_all_reduce: with shared_output_is_reduced the tier ends in an all-gather of the "
+                         "column blocks, not in an all-reduce that a caller could fold")
     latent = allreduce_norm_latent_out(routed_partial, norm_weight, config=config, axis_name=axis_name,
                                        platform=platform)
     block = own_kernel_block(
         up_proj_kernel, hidden_size=config.hidden_size, weight_layout=weight_layout, axis_name=axis_name
     )
+    if config.shared_output_is_reduced:
+        # Nothing is left to sum, so the stitch is an all-gather of the blocks: half an all-reduce's bytes.
+        own = project(latent, block, fp8_activations=config.fp8_activations).astype(config.dtype)
+        projected = assemble_column_blocks(own, hidden_size=config.hidden_size,
+                                           token_sharded=config.sequence_parallel, axis_name=axis_name)
+        return (projected.astype(jnp.float32) + shared_partial.astype(jnp.float32)).astype(config.dtype)
     block_width = block.shape[1]
     start = lax.axis_index(axis_name) * block_width
     if shared_partial is None:
@@ -61,10 +75,13 @@ def column_parallel_tail(
     buffer = buffer[:, : config.hidden_size]
     if defer_all_reduce:
         return buffer
-    return reduce_output(buffer, axis_name=axis_name, config=config, platform=platform)
+    with jax.named_scope(SHARED_REDUCTION):
+        return reduce_output(buffer, axis_name=axis_name, config=config, platform=platform)
 
 
 def _collectives(shape: CallShape) -> tuple[CollectiveTerm, ...]:
+    if shape.shared_reduced:
+        return shape.latent_reduction() + (shape.block_assembly(),)
     # The [T, H] buffer is reduced with or without shared experts: it carries the column blocks.
     return shape.latent_reduction() + (CollectiveTerm(shape.output_reduction, shape.rows * shape.hidden_size),)
 
@@ -78,5 +95,7 @@ RECORD = TierRecord(
     collectives_text="AR(TL), AR(TH)",
     projects_all_columns=False,
     token_sharded_form="the final AR becomes a reduce-scatter over tokens",
+    shared_reduced_form="the final AR has nothing left to sum and becomes an AG of the column blocks (an "
+                        "all-to-all to token rows for token-sharded output); the reduced shared output is added",
     collectives=_collectives,
 )

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from k3_tail._checks import AxisName
+from k3_tail.tiers.scopes import OUTPUT_GATHER
 from k3_tail.tiers.up_projection import QuantizedKernel, map_columns, project
 
 Kernel = jax.Array | QuantizedKernel
@@ -101,4 +102,18 @@ def gather_columns(projected: jax.Array, *, hidden_size: int, weight_layout: str
     """
     if weight_layout == "replicated":
         return projected
-    return lax.all_gather(projected, axis_name, axis=1, tiled=True, to="invarying")[:, :hidden_size]
+    return assemble_column_blocks(projected, hidden_size=hidden_size, token_sharded=False, axis_name=axis_name)
+
+
+def assemble_column_blocks(own: jax.Array, *, hidden_size: int, token_sharded: bool, axis_name: AxisName) -> jax.Array:
+    """y from every rank's column block ``own`` [T, Hb] (inside shard_map), named ``k3_tail/output_gather``.
+
+    Replicated output: an all-gather of the blocks, [T, H] on every rank ((p-1)/p * T*p*Hb elements
+    per rank on a ring). Token-sharded output (T % p == 0): an all-to-all from column blocks to token
+    rows: rank k sends token block j of its column block to rank j and gets its own [T/p, H] rows
+    ((p-1)/p * T*Hb elements). Padding columns (H % p != 0) are sliced off.
+    """
+    with jax.named_scope(OUTPUT_GATHER):
+        if token_sharded:
+            return lax.all_to_all(own, axis_name, split_axis=0, concat_axis=1, tiled=True)[:, :hidden_size]
+        return lax.all_gather(own, axis_name, axis=1, tiled=True, to="invarying")[:, :hidden_size]

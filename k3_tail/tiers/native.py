@@ -10,7 +10,7 @@ from k3_tail.config import TailConfig
 from k3_tail.tiers.columns import project_all_columns
 from k3_tail.tiers.norm import allreduce_norm_latent_out
 from k3_tail.tiers.record import CallShape, CollectiveTerm, TierRecord
-from k3_tail.tiers.tokens import own_tokens, reduce_output
+from k3_tail.tiers.tokens import own_tokens, shared_output
 
 
 def native_tail(
@@ -29,7 +29,9 @@ def native_tail(
     Per rank: routed_partial [T, L], shared_partial [T, H] or None, norm_weight [L] or None,
     up_proj_kernel [L, H] ("replicated") or this rank's [L, Hb] block ("column").
     Returns y [T, H] in ``config.dtype``, identical on every rank; for sequence-parallel output
-    (T % p == 0) this rank's [T/p, H] rows, AR(s) then being a reduce-scatter over tokens.
+    (T % p == 0) this rank's [T/p, H] rows, AR(s) then being a reduce-scatter over tokens. With
+    ``config.shared_output_is_reduced`` shared_partial is the reduced shared output
+    (:func:`k3_tail.reduce_shared`'s form), added without a collective.
 
     Cost per rank, replicated layout: 2TLH GEMM FLOPs, 2LH weight bytes, AR(T*L) and AR(T*H).
     Column layout: 2TLH/p FLOPs and 2LH/p weight bytes, plus an all-gather of the [T, H/p] output
@@ -45,12 +47,12 @@ def native_tail(
         projected = own_tokens(projected, axis_name=axis_name)
     if shared_partial is None:
         return projected.astype(config.dtype)
-    shared = reduce_output(shared_partial, axis_name=axis_name, config=config, platform=platform)
+    shared = shared_output(shared_partial, axis_name=axis_name, config=config, platform=platform)
     return (projected.astype(jnp.float32) + shared.astype(jnp.float32)).astype(config.dtype)
 
 
 def _collectives(shape: CallShape) -> tuple[CollectiveTerm, ...]:
-    shared = (CollectiveTerm(shape.output_reduction, shape.rows * shape.hidden_size),) if shape.has_shared else ()
+    shared = (CollectiveTerm(shape.output_reduction, shape.rows * shape.hidden_size),) if shape.sums_shared else ()
     return shape.latent_reduction() + shape.column_gather() + shared
 
 
@@ -62,5 +64,6 @@ RECORD = TierRecord(
     collectives_text="AR(TL), AR(TH) (column layout: + AG(TH) of the output blocks)",
     projects_all_columns=True,
     token_sharded_form="AR(s) becomes a reduce-scatter over tokens and each rank keeps its rows of the projection",
+    shared_reduced_form="AR(s) is left out: the reduced shared output is added",
     collectives=_collectives,
 )

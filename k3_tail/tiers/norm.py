@@ -9,6 +9,7 @@ from jax import lax
 from k3_tail._checks import AxisName
 from k3_tail.config import TailConfig
 from k3_tail.tiers.collectives import all_reduce
+from k3_tail.tiers.scopes import LATENT_REDUCTION
 
 
 def rms_norm(x: jax.Array, weight: jax.Array | None, *, eps: float, scale: float = 1.0) -> jax.Array:
@@ -55,8 +56,9 @@ def allreduce_norm_latent_out(
     if config.fused_output_is_reduced:
         latent = routed_partial
     else:
-        latent = all_reduce(routed_partial, axis_name=axis_name, all_reduce_form=config.all_reduce_form,
-                            platform=platform)
+        with jax.named_scope(LATENT_REDUCTION):
+            latent = all_reduce(routed_partial, axis_name=axis_name, all_reduce_form=config.all_reduce_form,
+                                platform=platform)
     weight = norm_weight if config.use_latent_norm else None
     normed = rms_norm(latent, weight, eps=config.rms_norm_eps, scale=config.routed_scaling_factor)
     return normed.astype(config.dtype)

@@ -17,6 +17,7 @@ from k3_tail.config import TailConfig
 from k3_tail.tiers.norm import inverse_rms
 from k3_tail.tiers.up_projection import project
 from k3_tail.tiers.record import CallShape, CollectiveTerm, TierRecord
+from k3_tail.tiers.scopes import PACKED_REDUCTION
 from k3_tail.tiers.tokens import reduce_output
 
 
@@ -44,31 +45,37 @@ def one_shot_tail(
     one latency instead of two serial ones, for 2TH more bytes than native moves. The packed
     buffer is in ``config.dtype``, like every other tier's collectives, so each rank's projected
     partial is rounded once before the sum: the error stays at the other tiers' level (a few
-    bf16 ulps of y).
+    bf16 ulps of y). With ``config.shared_output_is_reduced`` shared_partial is the reduced shared
+    output (:func:`k3_tail.reduce_shared`'s form): the packed buffer loses s (T*(H + L) elements)
+    and it is added after the collective.
     """
     RECORD.check_runs(weight_layout, config)
     scaled = config.routed_scaling_factor * routed_partial.astype(jnp.float32)
     weighted = scaled * norm_weight.astype(jnp.float32) if config.use_latent_norm else scaled
     projected = project(weighted.astype(config.dtype), up_proj_kernel, fp8_activations=config.fp8_activations)
     hidden = config.hidden_size
+    sums_shared = shared_partial is not None and not config.shared_output_is_reduced
     parts = [projected.astype(config.dtype)]
-    if shared_partial is not None:
+    if sums_shared:
         parts.append(shared_partial)
     if config.use_latent_norm:
         parts.append(scaled.astype(config.dtype))
-    packed = reduce_output(jnp.concatenate(parts, axis=1), axis_name=axis_name, config=config,
-                           platform=platform).astype(jnp.float32)
+    with jax.named_scope(PACKED_REDUCTION):
+        packed = reduce_output(jnp.concatenate(parts, axis=1), axis_name=axis_name, config=config,
+                               platform=platform).astype(jnp.float32)
     y = packed[:, :hidden]
     if config.use_latent_norm:
         latent = packed[:, -config.latent_size:]
         y = y * inverse_rms(latent, eps=config.rms_norm_eps)
-    if shared_partial is not None:
+    if sums_shared:
         y = y + packed[:, hidden:2 * hidden]
+    elif shared_partial is not None:  # the reduced shared output, in this rank's form
+        y = y + shared_partial.astype(jnp.float32)
     return y.astype(config.dtype)
 
 
 def _collectives(shape: CallShape) -> tuple[CollectiveTerm, ...]:
-    packed = shape.hidden_size + (shape.hidden_size if shape.has_shared else 0)
+    packed = shape.hidden_size + (shape.hidden_size if shape.sums_shared else 0)
     packed += shape.latent_size if shape.use_norm else 0
     return (CollectiveTerm(shape.output_reduction, shape.rows * packed),)
 
@@ -81,6 +88,7 @@ RECORD = TierRecord(
     collectives_text="AR(T(2H+L)): one collective instead of two serial ones",
     projects_all_columns=True,
     token_sharded_form="the packed all-reduce becomes a reduce-scatter over tokens",
+    shared_reduced_form="the packed all-reduce loses s (T(H+L) elements); the reduced shared output is added after it",
     collectives=_collectives,
     needs_whole_kernel=True,
     needs_unreduced_routed=True,

@@ -34,7 +34,7 @@ from k3_tail.config import TailConfig
 from k3_tail.tiers.columns import gather_columns, project_own_columns
 from k3_tail.tiers.norm import allreduce_norm_latent_out
 from k3_tail.tiers.record import CallShape, CollectiveTerm, TierRecord
-from k3_tail.tiers.tokens import own_tokens, reduce_output
+from k3_tail.tiers.tokens import own_tokens, shared_output
 
 
 def overlap_tail(
@@ -53,7 +53,9 @@ def overlap_tail(
     Per rank: routed_partial [T, L], shared_partial [T, H] or None, norm_weight [L] or None,
     up_proj_kernel [L, H] ("replicated") or this rank's [L, Hb] block ("column").
     Returns y [T, H] in ``config.dtype``, identical on every rank; for sequence-parallel output
-    (T % p == 0) this rank's [T/p, H] rows, AR(s) then being a reduce-scatter over tokens.
+    (T % p == 0) this rank's [T/p, H] rows, AR(s) then being a reduce-scatter over tokens. With
+    ``config.shared_output_is_reduced`` there is no AR(s) to hide: the reduced shared output is
+    added, and the schedule is the native tier's.
 
     Cost per rank: as the native tier (replicated: 2TLH FLOPs, 2LH weight bytes, AR(T*L) + AR(T*H);
     column: 2TLH/p FLOPs, 2LH/p weight bytes and an all-gather of the [T, H/p] output blocks), but
@@ -64,10 +66,12 @@ def overlap_tail(
     projected = project_own_columns(latent, up_proj_kernel, weight_layout=weight_layout,
                                     fp8_activations=config.fp8_activations)
     shared = None
-    if shared_partial is not None:
+    if shared_partial is not None and config.shared_output_is_reduced:
+        shared = shared_partial  # reduced before the tail: nothing is left to overlap
+    elif shared_partial is not None:
         # The shared partial waits for the normalised latent, so the two all-reduces cannot be combined.
         _, shared_partial = lax.optimization_barrier((latent, shared_partial))
-        shared = reduce_output(shared_partial, axis_name=axis_name, config=config, platform=platform)
+        shared = shared_output(shared_partial, axis_name=axis_name, config=config, platform=platform)
         # The column layout's all-gather waits for the shared all-reduce, which leaves the GEMM as the
         # only work to schedule inside it (else XLA may run the GEMM first and hide the all-gather).
         _, projected = lax.optimization_barrier((shared, projected))
@@ -82,7 +86,7 @@ def overlap_tail(
 
 def _collectives(shape: CallShape) -> tuple[CollectiveTerm, ...]:
     shared = ()
-    if shape.has_shared:
+    if shape.sums_shared:
         shared = (CollectiveTerm(shape.output_reduction, shape.rows * shape.hidden_size, beside_gemm=True),)
     return shape.latent_reduction() + shared + shape.column_gather()
 
@@ -95,6 +99,7 @@ RECORD = TierRecord(
     collectives_text="AR(TL), AR(TH) beside the GEMM (column layout: + AG(TH) of the output blocks)",
     projects_all_columns=True,
     token_sharded_form="AR(s) becomes a reduce-scatter over tokens and each rank keeps its rows of the projection",
+    shared_reduced_form="nothing is left to overlap: the reduced shared output is added, as native does",
     collectives=_collectives,
     # In a program with more than one tail the all-reduce combiner would merge the shared all-reduce
     # with others (nothing would overlap), and a synchronous all-reduce hides behind nothing.

@@ -9,6 +9,8 @@ read a tier's facts from its record:
 - what it needs (``needs_whole_kernel``, ``needs_unreduced_routed``) and so the reason it gives
   when it cannot run (:meth:`TierRecord.why_not`);
 - ``token_sharded_form``: how it makes token-sharded output (``TailConfig.sequence_parallel``);
+- ``shared_reduced_form``: how its schedule changes when the shared output arrives already reduced
+  (``TailConfig.shared_output_is_reduced``);
 - ``compiler_options``: the per-executable XLA options it needs, per platform family;
 - its cost terms: ``projects_all_columns`` (the GEMM's width) and ``collectives`` (the collectives
   it issues, in order, and which of them run beside the GEMM);
@@ -57,8 +59,8 @@ class CallShape:
 
     rows: the token rows the tier works on (T; for token-sharded output T rounded up to a multiple
     of p). The other fields are the config's and the call's: L, H, p, the kernel's layout, whether a
-    shared partial exists, whether the norm runs, whether the routed output arrives reduced, and
-    whether the output is token-sharded.
+    shared partial exists, whether the norm runs, whether the routed output arrives reduced, whether
+    the output is token-sharded, and whether the shared output arrives reduced.
     """
 
     rows: int
@@ -70,6 +72,12 @@ class CallShape:
     use_norm: bool
     routed_reduced: bool
     token_sharded: bool
+    shared_reduced: bool = False
+
+    @property
+    def sums_shared(self) -> bool:
+        """Whether the tier itself sums shared partials: they exist and do not arrive reduced."""
+        return self.has_shared and not self.shared_reduced
 
     @property
     def block_width(self) -> int:
@@ -91,6 +99,14 @@ class CallShape:
             return ()
         return (CollectiveTerm(ALL_GATHER, self.rows * self.tp_size * self.block_width),)
 
+    def block_assembly(self) -> CollectiveTerm:
+        """How a column tier assembles y from the ranks' [T, Hb] blocks
+        (:func:`k3_tail.tiers.columns.assemble_column_blocks`): AG(T*p*Hb), or for token-sharded output
+        an all-to-all whose per-rank send buffer is T*Hb."""
+        if self.token_sharded:
+            return CollectiveTerm(ALL_TO_ALL, self.rows * self.block_width)
+        return CollectiveTerm(ALL_GATHER, self.rows * self.tp_size * self.block_width)
+
 
 @dataclasses.dataclass(frozen=True)
 class TierRecord:
@@ -106,7 +122,8 @@ class TierRecord:
     the replicated kernel each rank projects all H columns (else its own block of Hb).
     shards_tokens: the tier splits the tokens over the ranks itself: it works on T rounded up to a
     multiple of p (at least p) whatever the output, and its GEMM on this rank's T/p rows.
-    token_sharded_form: how it returns token-sharded output. compiler_options: per platform family
+    token_sharded_form: how it returns token-sharded output. shared_reduced_form: how its schedule
+    changes when the shared output arrives reduced. compiler_options: per platform family
     ("gpu", "cpu", "tpu"), the per-executable XLA options. collectives: its collectives for a
     :class:`CallShape`, in issue order.
     """
@@ -118,6 +135,7 @@ class TierRecord:
     collectives_text: str
     projects_all_columns: bool
     token_sharded_form: str
+    shared_reduced_form: str
     collectives: Callable[[CallShape], tuple[CollectiveTerm, ...]]
     needs_whole_kernel: bool = False
     needs_unreduced_routed: bool = False

@@ -65,11 +65,12 @@ facts and ``Tier.X.record.summary`` says what it does.
 def tier_table() -> str:
     """The tiers as a Markdown table: schedule, per-rank GEMM FLOPs and kernel bytes, collectives
     (T tokens, p ranks, L -> H, bf16; an FP8 kernel reads half the kernel bytes plus a float32
-    scale per column), and what each needs. The README's tier table is this text."""
+    scale per column), how each runs when the shared output arrives reduced
+    (``TailConfig.shared_output_is_reduced``), and what each needs. The README's tier table is this text."""
     lines = [
         "| tier | what it is | schedule | GEMM FLOPs | kernel bytes (FP8 kernel: half, + 4 per column) | collectives "
-        "| needs |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| with the shared output reduced before the tail | needs |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for record in TIER_RECORDS:
         gemm = "2TLH/p" if record.shards_tokens or not record.projects_all_columns else "2TLH"
@@ -79,6 +80,6 @@ def tier_table() -> str:
         needs = [text for flag, text in ((record.needs_whole_kernel, "replicated kernel"),
                                          (record.needs_unreduced_routed, "unreduced routed partials")) if flag]
         cells = (record.name, record.summary, record.schedule, gemm, kernel, record.collectives_text,
-                 ", ".join(needs) or "-")
+                 record.shared_reduced_form, ", ".join(needs) or "-")
         lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
     return "\n".join(lines)

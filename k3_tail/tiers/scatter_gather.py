@@ -10,10 +10,11 @@ from jax import lax
 
 from k3_tail._checks import AxisName
 from k3_tail.config import TailConfig
-from k3_tail.tiers.columns import own_kernel_block, pad_columns
+from k3_tail.tiers.columns import assemble_column_blocks, own_kernel_block, pad_columns
 from k3_tail.tiers.norm import allreduce_norm_latent_out
 from k3_tail.tiers.up_projection import project
-from k3_tail.tiers.record import ALL_GATHER, ALL_TO_ALL, REDUCE_SCATTER, CallShape, CollectiveTerm, TierRecord
+from k3_tail.tiers.record import REDUCE_SCATTER, CallShape, CollectiveTerm, TierRecord
+from k3_tail.tiers.scopes import SHARED_REDUCTION
 
 
 def scatter_gather_tail(
@@ -39,7 +40,9 @@ def scatter_gather_tail(
     rank j and gets its own [T/p, H] rows (AR(T*L), RS(T*H), all-to-all of (p-1)/p * T*H/p).
     Cost per rank, either layout: 2TLH/p GEMM FLOPs, 2LH/p weight bytes, AR(T*L), RS(T*H), AG(T*H):
     the same bytes as one AR(T*H), but the add runs on 1/p of the columns and the GEMM can start
-    as soon as the latent is ready.
+    as soon as the latent is ready. With ``config.shared_output_is_reduced`` shared_partial is the
+    reduced shared output (:func:`k3_tail.reduce_shared`'s form): no RS, and it is added to the
+    assembled rows.
     """
     latent = allreduce_norm_latent_out(routed_partial, norm_weight, config=config, axis_name=axis_name,
                                        platform=platform)
@@ -47,25 +50,21 @@ def scatter_gather_tail(
         up_proj_kernel, hidden_size=config.hidden_size, weight_layout=weight_layout, axis_name=axis_name
     )
     own = project(latent, block, fp8_activations=config.fp8_activations)
-    if shared_partial is not None:
+    if shared_partial is not None and not config.shared_output_is_reduced:
         padded = pad_columns(shared_partial, block.shape[1] * lax.axis_size(axis_name))
-        own = own + lax.psum_scatter(padded, axis_name, scatter_dimension=1, tiled=True).astype(jnp.float32)
-    own = own.astype(config.dtype)
-    if config.sequence_parallel:
-        rows = lax.all_to_all(own, axis_name, split_axis=0, concat_axis=1, tiled=True)
-        return rows[:, : config.hidden_size]
-    gathered = lax.all_gather(own, axis_name, axis=1, tiled=True, to="invarying")
-    return gathered[:, : config.hidden_size]
+        with jax.named_scope(SHARED_REDUCTION):
+            own = own + lax.psum_scatter(padded, axis_name, scatter_dimension=1, tiled=True).astype(jnp.float32)
+    y = assemble_column_blocks(own.astype(config.dtype), hidden_size=config.hidden_size,
+                               token_sharded=config.sequence_parallel, axis_name=axis_name)
+    if config.shared_output_is_reduced:
+        y = (y.astype(jnp.float32) + shared_partial.astype(jnp.float32)).astype(config.dtype)
+    return y
 
 
 def _collectives(shape: CallShape) -> tuple[CollectiveTerm, ...]:
     blocks = shape.rows * shape.tp_size * shape.block_width
-    scatter = (CollectiveTerm(REDUCE_SCATTER, blocks, beside_gemm=True),) if shape.has_shared else ()
-    if shape.token_sharded:
-        finish = CollectiveTerm(ALL_TO_ALL, shape.rows * shape.block_width)
-    else:
-        finish = CollectiveTerm(ALL_GATHER, blocks)
-    return shape.latent_reduction() + scatter + (finish,)
+    scatter = (CollectiveTerm(REDUCE_SCATTER, blocks, beside_gemm=True),) if shape.sums_shared else ()
+    return shape.latent_reduction() + scatter + (shape.block_assembly(),)
 
 
 RECORD = TierRecord(
@@ -76,6 +75,8 @@ RECORD = TierRecord(
     collectives_text="AR(TL), RS(TH) beside the GEMM, AG(TH)",
     projects_all_columns=False,
     token_sharded_form="the final all-gather over columns becomes an all-to-all from columns to tokens",
+    shared_reduced_form="RS(s) is left out: the own block's projection is assembled and the reduced shared output "
+                        "added to it",
     collectives=_collectives,
     # Async collectives pinned on, for the reduce-scatter that runs beside the GEMM.
     compiler_options=MappingProxyType({"gpu": MappingProxyType({"xla_gpu_disable_async_collectives": ""})}),

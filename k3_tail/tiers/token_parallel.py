@@ -20,7 +20,8 @@ from k3_tail.config import TailConfig
 from k3_tail.tiers.norm import rms_norm
 from k3_tail.tiers.up_projection import project
 from k3_tail.tiers.record import ALL_GATHER, REDUCE_SCATTER, CallShape, CollectiveTerm, TierRecord
-from k3_tail.tiers.tokens import gather_tokens, pad_tokens
+from k3_tail.tiers.scopes import LATENT_REDUCTION, SHARED_REDUCTION
+from k3_tail.tiers.tokens import gather_tokens, own_tokens, pad_tokens
 
 
 def token_parallel_tail(
@@ -46,7 +47,8 @@ def token_parallel_tail(
     the tiers' common signature: this tier issues no all-reduce whose form it could choose.
 
     Cost per rank: 2(T'/p)LH GEMM FLOPs, 2LH weight bytes, RS(T'*L), RS(T'*H) and, for replicated
-    output, AG(T'*H).
+    output, AG(T'*H). With ``config.shared_output_is_reduced`` shared_partial is the reduced shared
+    output (:func:`k3_tail.reduce_shared`'s form): no RS(T'*H), the rank takes its own rows of it.
     """
     RECORD.check_runs(weight_layout, config)
     num_tokens = routed_partial.shape[0]
@@ -54,14 +56,22 @@ def token_parallel_tail(
         return jnp.zeros((0, config.hidden_size), config.dtype)
     tp_size = lax.axis_size(axis_name)
 
-    def own_rows(x):
-        return lax.psum_scatter(pad_tokens(x, tp_size), axis_name, scatter_dimension=0, tiled=True)
+    def own_rows(x, scope):
+        with jax.named_scope(scope):
+            return lax.psum_scatter(pad_tokens(x, tp_size), axis_name, scatter_dimension=0, tiled=True)
 
     weight = norm_weight if config.use_latent_norm else None
-    latent = rms_norm(own_rows(routed_partial), weight, eps=config.rms_norm_eps, scale=config.routed_scaling_factor)
+    latent = rms_norm(own_rows(routed_partial, LATENT_REDUCTION), weight, eps=config.rms_norm_eps,
+                      scale=config.routed_scaling_factor)
     y = project(latent.astype(config.dtype), up_proj_kernel, fp8_activations=config.fp8_activations)
     if shared_partial is not None:
-        y = y + own_rows(shared_partial).astype(jnp.float32)
+        if not config.shared_output_is_reduced:
+            shared = own_rows(shared_partial, SHARED_REDUCTION)
+        elif config.sequence_parallel:
+            shared = shared_partial  # already this rank's rows
+        else:
+            shared = own_tokens(pad_tokens(shared_partial, tp_size), axis_name=axis_name)
+        y = y + shared.astype(jnp.float32)
     y = y.astype(config.dtype)
     if config.sequence_parallel:
         return y
@@ -70,7 +80,7 @@ def token_parallel_tail(
 
 def _collectives(shape: CallShape) -> tuple[CollectiveTerm, ...]:
     terms = [CollectiveTerm(REDUCE_SCATTER, shape.rows * shape.latent_size)]
-    if shape.has_shared:
+    if shape.sums_shared:
         terms.append(CollectiveTerm(REDUCE_SCATTER, shape.rows * shape.hidden_size))
     if not shape.token_sharded:
         terms.append(CollectiveTerm(ALL_GATHER, shape.rows * shape.hidden_size))
@@ -88,6 +98,7 @@ RECORD = TierRecord(
     projects_all_columns=True,
     shards_tokens=True,
     token_sharded_form="the final all-gather over tokens is left out: each rank keeps its own rows",
+    shared_reduced_form="RS(s) is left out: each rank takes its own rows of the reduced shared output",
     collectives=_collectives,
     needs_whole_kernel=True,
     needs_unreduced_routed=True,

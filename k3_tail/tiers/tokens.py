@@ -19,6 +19,7 @@ from jax import lax
 from k3_tail._checks import AxisName
 from k3_tail.config import TailConfig
 from k3_tail.tiers.collectives import all_reduce
+from k3_tail.tiers.scopes import OUTPUT_GATHER, SHARED_REDUCTION
 
 
 def padded_token_count(num_tokens: int, tp_size: int) -> int:
@@ -50,6 +51,21 @@ def reduce_output(x: jax.Array, *, axis_name: AxisName, config: TailConfig, plat
     return all_reduce(x, axis_name=axis_name, all_reduce_form=config.all_reduce_form, platform=platform)
 
 
+def shared_output(shared_partial: jax.Array, *, axis_name: AxisName, config: TailConfig,
+                  platform: str | None) -> jax.Array:
+    """The sum of the shared partials in the form of this rank's output: [T, W], or this rank's [T/p, W]
+    rows for sequence-parallel output.
+
+    With ``config.shared_output_is_reduced`` the argument already is that sum
+    (:func:`k3_tail.reduce_shared`) and is returned as it is: no collective. Otherwise
+    :func:`reduce_output` of the partials, named ``k3_tail/shared_reduction``.
+    """
+    if config.shared_output_is_reduced:
+        return shared_partial
+    with jax.named_scope(SHARED_REDUCTION):
+        return reduce_output(shared_partial, axis_name=axis_name, config=config, platform=platform)
+
+
 def own_tokens(x: jax.Array, *, axis_name: AxisName) -> jax.Array:
     """This rank's [T/p, W] rows of a [T, W] array that every rank holds whole (no communication)."""
     rows = x.shape[0] // lax.axis_size(axis_name)
@@ -59,4 +75,5 @@ def own_tokens(x: jax.Array, *, axis_name: AxisName) -> jax.Array:
 def gather_tokens(rows: jax.Array, num_tokens: int, *, axis_name: AxisName) -> jax.Array:
     """The first ``num_tokens`` rows of the token-sharded [T'/p, W] ``rows`` on every rank: an
     all-gather over tokens of (p-1)/p * T'W elements, then the padding rows sliced off."""
-    return lax.all_gather(rows, axis_name, axis=0, tiled=True, to="invarying")[:num_tokens]
+    with jax.named_scope(OUTPUT_GATHER):
+        return lax.all_gather(rows, axis_name, axis=0, tiled=True, to="invarying")[:num_tokens]

@@ -36,6 +36,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from k3_tail._checks import expect_array
+from k3_tail.tiers.scopes import UP_PROJECTION
 
 FP8_FORMATS = ("float8_e4m3fn", "float8_e4m3fnuz")
 
@@ -132,7 +133,26 @@ def project(latent: jax.Array, kernel: jax.Array | QuantizedKernel, *, fp8_activ
     ``fp8_activations`` (only with a QuantizedKernel): ``latent`` is first quantised per row to the
     kernel's format (a scale per token: amax / the format's max), so the GEMM multiplies two FP8
     operands; the row and column scales are applied to its float32 result.
+
+    A single row (T = 1, or a rank's one row of a token-sharded call) is multiplied as two, the
+    second zero, and the zero row's result dropped: XLA turns a one-row product with a narrow kernel
+    into a multiply that writes a float32, transposed copy of the kernel and a reduce that reads it
+    back (GPU), or a slower matrix-vector path (CPU); with two rows it stays one GEMM that reads the
+    kernel once in its stored dtype (docs/design.md, "One-row GEMMs").
     """
+    rows = latent.shape[0]
+    with jax.named_scope(UP_PROJECTION):
+        padded = jnp.pad(latent, [(0, gemm_rows(rows) - rows), (0, 0)])  # no-op but for one row
+        return _project_rows(padded, kernel, fp8_activations=fp8_activations)[:rows]
+
+
+def gemm_rows(rows: int) -> int:
+    """The rows the GEMM of :func:`project` multiplies for ``rows`` latent rows: 2 for one, else ``rows``."""
+    return 2 if rows == 1 else rows
+
+
+def _project_rows(latent: jax.Array, kernel: jax.Array | QuantizedKernel, *, fp8_activations: bool) -> jax.Array:
+    """:func:`project` for any number of rows, as one product."""
     if not isinstance(kernel, QuantizedKernel):
         return jnp.dot(latent, kernel, preferred_element_type=jnp.float32)
     if not fp8_activations:

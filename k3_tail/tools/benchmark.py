@@ -29,7 +29,7 @@ import os
 import platform
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -267,6 +267,32 @@ def time_runs(run: Callable[[], jax.Array], *, repeats: int, warmup: int = 1) ->
     return output, warmup_seconds, Timing.of(seconds)
 
 
+def time_round_robin(
+    calls: Mapping[Hashable, Callable[[], jax.Array]], *, rounds: int,
+    on_progress: Callable[[str], None] | None = None,
+) -> dict[Hashable, list[float]]:
+    """Wall seconds of each call in ``calls``, measured in one interleaved run.
+
+    Every call runs once untimed (it compiles), then ``rounds`` rounds each run every call once,
+    timed with ``time.perf_counter`` around the call and ``block_until_ready``; the order rotates
+    by one each round, so a load drift on a shared machine hits every call alike. Returns the
+    ``rounds`` times of each call, by its key. ``on_progress`` gets "compiling KEY" and "round i/n".
+    """
+    report = on_progress or (lambda message: None)
+    for key, call in calls.items():
+        report(f"compiling {key}")
+        call().block_until_ready()
+    keys = list(calls)
+    seconds: dict[Hashable, list[float]] = {key: [] for key in keys}
+    for index in range(check_int("rounds", rounds, minimum=1)):
+        report(f"round {index + 1}/{rounds}")
+        for key in keys[index % len(keys):] + keys[: index % len(keys)]:
+            start = time.perf_counter()
+            calls[key]().block_until_ready()
+            seconds[key].append(time.perf_counter() - start)
+    return seconds
+
+
 def place_weights(
     config: TailConfig, mesh: Mesh, weight_layout: str, rng: np.random.Generator, *, axis_name: AxisName = "tp"
 ) -> tuple[jax.Array | None, jax.Array]:
@@ -294,8 +320,9 @@ def place_partials(
 ) -> tuple[jax.Array, jax.Array | None]:
     """Random routed [p, T, L] and shared [p, T, H] partials (randn / sqrt(p)), rank i holding entry i.
 
-    With ``config.fused_output_is_reduced`` the routed output is one replicated [T, L] (the sum);
-    without shared experts the shared partial is None.
+    With ``config.fused_output_is_reduced`` the routed output is one replicated [T, L] (the sum), with
+    ``config.shared_output_is_reduced`` the shared output one replicated [T, H]; without shared
+    experts the shared partial is None.
     """
     tp_size = check_mesh(mesh, axis_name)
     scale = 1 / np.sqrt(tp_size)
@@ -307,6 +334,8 @@ def place_partials(
     if not config.has_shared_experts:
         return routed, None
     shared = scale * rng.standard_normal((tp_size, num_tokens, config.hidden_size), dtype=np.float32)
+    if config.shared_output_is_reduced:
+        return routed, place(shared.sum(axis=0), config, mesh, P())
     return routed, place(shared, config, mesh, P(axis_name))
 
 

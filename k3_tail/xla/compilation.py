@@ -25,6 +25,7 @@ from k3_tail.forward import tail_forward
 from k3_tail.selection.rules import select_tier
 from k3_tail.tiers.columns import check_weight_layout, padded_hidden_size
 from k3_tail.tiers.registry import Tier
+from k3_tail.tiers.tokens import is_token_sharded_output
 from k3_tail.tiers.up_projection import QuantizedKernel, column_sharding
 
 
@@ -41,12 +42,13 @@ def tail_arguments(
     """Abstract (routed, shared, norm_weight, kernel) arguments of one :func:`tail_forward` call.
 
     Shapes and shardings: routed [p, T, L] split over ``axis_name`` on dim 0 ([T, L] replicated when
-    ``config.fused_output_is_reduced``); shared [p, T, H] split on dim 0, or None without shared
-    experts; norm weight [L] replicated, or None without the norm; kernel [L, H] replicated, or the
-    padded [L, padded_hidden_size(H, p)] column storage split on dim 1 for ``weight_layout="column"``.
-    With an FP8 ``config.up_proj_dtype`` the kernel is a :class:`k3_tail.QuantizedKernel` of FP8
-    values shaped and sharded as above and float32 scales [H] (or [padded_hidden_size(H, p)] split
-    over ``axis_name``).
+    ``config.fused_output_is_reduced``); shared [p, T, H] split on dim 0 ([T, H] when
+    ``config.shared_output_is_reduced``: split over tokens where the output is token-sharded, else
+    replicated), or None without shared experts; norm weight [L] replicated, or None without the
+    norm; kernel [L, H] replicated, or the padded [L, padded_hidden_size(H, p)] column storage split
+    on dim 1 for ``weight_layout="column"``. With an FP8 ``config.up_proj_dtype`` the kernel is a
+    :class:`k3_tail.QuantizedKernel` of FP8 values shaped and sharded as above and float32 scales [H]
+    (or [padded_hidden_size(H, p)] split over ``axis_name``).
     """
     tp_size = check_mesh(mesh, axis_name)
     num_tokens = check_int("num_tokens", num_tokens, minimum=0)
@@ -60,7 +62,12 @@ def tail_arguments(
         routed = array((num_tokens, latent), P())
     else:
         routed = array((tp_size, num_tokens, latent), P(axis_name))
-    shared = array((tp_size, num_tokens, hidden), P(axis_name)) if config.has_shared_experts else None
+    shared = None
+    if config.shared_output_is_reduced:
+        token_sharded = is_token_sharded_output(config, num_tokens, tp_size)
+        shared = array((num_tokens, hidden), P(axis_name) if token_sharded else P())
+    elif config.has_shared_experts:
+        shared = array((tp_size, num_tokens, hidden), P(axis_name))
     norm_weight = array((latent,), P()) if config.use_latent_norm else None
     width = padded_hidden_size(hidden, tp_size) if weight_layout == "column" else hidden
     columns = axis_name if weight_layout == "column" else None

@@ -71,6 +71,11 @@ class Instruction:
             names.extend(name.strip().lstrip("%") for name in match.group(1).strip("{}").split(",") if name.strip())
         return tuple(names)
 
+    @property
+    def op_name(self) -> str:
+        """The ``op_name`` of its metadata (the JAX operation and named scopes it came from), or ""."""
+        return _op_name(self)
+
     def attribute(self, key: str) -> str | None:
         """The raw text of ``key=...`` (braced values whole), or None."""
         match = re.search(rf"\b{re.escape(key)}=", self.attributes)

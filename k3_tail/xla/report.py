@@ -19,6 +19,11 @@
 - ``shared_reduction``: the first collective whose input derives from the shared partial (program
   argument ``shared_argument``), and ``overlapped``: whether it is async with a GEMM between its start
   and done. On the CPU backend every collective is synchronous, so ``overlapped`` is False there.
+- ``scopes`` of each collective and GEMM: the tail's named scopes (:mod:`k3_tail.tiers.scopes`:
+  "latent_reduction", "shared_reduction", "packed_reduction", "output_gather", "up_projection") its
+  ``op_name`` carries; several when XLA combined collectives of different scopes.
+  :meth:`XlaReport.in_scope` finds the tail's parts by name in a whole model's program, where the
+  shared partial is no program argument.
 
 The entry computation of a compiled module is scheduled, so its instruction order is the order the
 device runs it in (one stream of compute; async collectives run beside it).
@@ -28,11 +33,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 from typing import Any
 
 import jax
 
 from k3_tail.tiers.record import RING_WIRE_FACTORS
+from k3_tail.tiers.scopes import PREFIX as SCOPE_PREFIX
+from k3_tail.tiers.scopes import SCOPES
 from k3_tail.xla.hlo_text import (
     ArrayShape,
     Instruction,
@@ -48,6 +56,7 @@ _COLLECTIVE_KINDS = (
     "all-reduce", "all-gather", "reduce-scatter", "all-to-all", "ragged-all-to-all", "collective-permute",
     "collective-broadcast",
 )
+SCOPE_NAMES = tuple(scope.removeprefix(SCOPE_PREFIX) for scope in SCOPES)
 # Instructions that name or regroup buffers without touching their data.
 _NO_DATA = {
     "parameter", "constant", "bitcast", "get-tuple-element", "tuple", "partition-id", "replica-id", "after-all",
@@ -65,6 +74,7 @@ class Gemm:
     flops: int
     position: int
     operands: tuple[ArrayShape, ...]
+    scopes: tuple[str, ...] = ()
 
     @property
     def operand_types(self) -> tuple[str, ...]:
@@ -88,6 +98,7 @@ class Collective:
     between: tuple[str, ...]
     between_gemms: tuple[str, ...]
     carries_shared: bool
+    scopes: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,6 +128,13 @@ class XlaReport:
             return None
         return self.shared_reduction.is_async and bool(self.shared_reduction.between_gemms)
 
+    def in_scope(self, scope: str) -> tuple[Collective, ...]:
+        """The collectives that carry the tail's named scope ``scope`` ("latent_reduction",
+        "shared_reduction", "packed_reduction", "output_gather"), in schedule order."""
+        if scope not in SCOPE_NAMES:
+            raise ValueError(f"scope: expected one of {SCOPE_NAMES}, got {scope!r}")
+        return tuple(collective for collective in self.collectives if scope in collective.scopes)
+
     def of_kind(self, kind: str) -> tuple[Collective, ...]:
         """The collectives of one kind ("all-reduce", "reduce-scatter", "all-gather", ...)."""
         return tuple(collective for collective in self.collectives if collective.kind == kind)
@@ -142,9 +160,10 @@ class XlaReport:
             if collective.is_async:
                 timing = f"async [{collective.start}..{collective.done}]"
             shared = "  <- shared reduction" if collective is self.shared_reduction else ""
+            scopes = f" ({', '.join(collective.scopes)})" if collective.scopes else ""
             lines.append(
-                f"  {collective.kind} {' + '.join(map(str, collective.arrays))}: {collective.bytes / 1e3:.1f} kB, "
-                f"group {collective.group_size}, wire {collective.wire_bytes / 1e3:.1f} kB/rank, {timing}{shared}"
+                f"  {collective.kind} {' + '.join(map(str, collective.arrays))}{scopes}: {collective.bytes / 1e3:.1f} "
+                f"kB, group {collective.group_size}, wire {collective.wire_bytes / 1e3:.1f} kB/rank, {timing}{shared}"
             )
             if collective.between:
                 lines.append(f"      scheduled inside: {', '.join(collective.between)}")
@@ -175,7 +194,7 @@ def report(compiled: jax.stages.Compiled, *, shared_argument: int | None = 1) ->
         )
         if flops and _collective_kind(module, instruction) is None:
             operands = tuple(array for operand in instruction.operands for array in symbols[operand].arrays)
-            gemms.append(Gemm(instruction.name, flops, position, operands))
+            gemms.append(Gemm(instruction.name, flops, position, operands, _scopes(instruction)))
     gemm_names = {gemm.name for gemm in gemms}
 
     derives_from_shared = functools.partial(_derives_from, symbols=symbols, argument=shared_argument, memo={})
@@ -253,7 +272,19 @@ def _collective(module, symbols, position, num_devices, gemm_names, derives_from
         between=between,
         between_gemms=tuple(name for name in between if name in gemm_names),
         carries_shared=any(derives_from_shared(operand) for operand in instruction.operands),
+        scopes=_scopes(instruction),
     )
+
+
+def _scopes(instruction: Instruction) -> tuple[str, ...]:
+    """The tail's scope names in ``instruction``'s op_name, in the order they appear: one, or several
+    for a collective XLA combined ("k3_tail/(latent_reduction/...:shared_reduction/...)")."""
+    op_name = instruction.op_name
+    start = op_name.find(SCOPE_PREFIX)
+    if start < 0:
+        return ()
+    found = re.findall(r"[\w.]+", op_name[start + len(SCOPE_PREFIX):])
+    return tuple(dict.fromkeys(name for name in found if name in SCOPE_NAMES))
 
 
 def _derives_from(name: str, *, symbols: dict[str, Instruction], argument: int | None, memo: dict[str, bool]) -> bool:

@@ -1,0 +1,61 @@
+"""The shared experts' reduction, per rank, issued as early as the model likes.
+
+The shared-expert partials are independent of the routed experts, so their sum can travel while
+the routed experts compute (tens of microseconds at decode on a GPU) instead of beside the tail's
+up projection (one or two). :func:`reduce_shared` is that sum, per rank inside the model's own
+``jax.shard_map``; ``TailConfig(shared_output_is_reduced=True)`` then makes the tail take its
+result in place of the partials and put no collective on it (vLLM's
+VLLM_KIMI_K3_SHARED_OUTPUT_AR_OVERLAP).
+"""
+
+from __future__ import annotations
+
+import jax
+
+from k3_tail._checks import AxisName, axis_size_in_scope, check_axis_name, expect_array, expect_rank
+from k3_tail.config import TailConfig, check_config
+from k3_tail.tiers.scopes import SHARED_REDUCTION
+from k3_tail.tiers.tokens import pad_tokens, reduce_output
+
+
+def reduce_shared(
+    shared_partial: jax.Array,
+    *,
+    config: TailConfig,
+    axis_name: AxisName = "tp",
+    device: jax.Device | None = None,
+) -> jax.Array:
+    """The sum over the TP ranks of the shared-expert partials, in the form the tail takes it.
+
+    Call it inside a ``jax.shard_map`` whose mesh has the TP axis ``axis_name`` (a name, or a tuple
+    of names as for :func:`k3_tail.latent_moe_tail`), as soon as the shared experts finish.
+    shared_partial: this rank's [T, H] partial, dtype ``config.dtype``.
+
+    Returns, in ``config.dtype``:
+      - without ``config.sequence_parallel``: the sum [T, H], the same on every rank (an all-reduce
+        of T*H elements in the form ``config.all_reduce_form`` picks on the device's platform);
+      - with ``config.sequence_parallel``: this rank's rows of the sum, [T'/p, H] with T' = T
+        rounded up to a multiple of p (at least p), zero rows appended: a reduce-scatter over tokens
+        (half the wire bytes), the rows each rank's tail works on, whether or not its output
+        then comes back token-sharded.
+    Pass the result as ``shared_partial`` of :func:`k3_tail.latent_moe_tail` (or
+    :meth:`k3_tail.LatentMoETail.per_rank`) with ``TailConfig(shared_output_is_reduced=True)``.
+    ``device``: a device of the mesh (its platform decides the all-reduce's form); None:
+    ``jax.devices()[0]``. The collective carries the named scope ``k3_tail/shared_reduction``.
+
+    ValueError naming the argument: a wrong shape or dtype, a config without shared experts, or no
+    ``axis_name`` axis in scope.
+    """
+    check_config(config)
+    axis_name = check_axis_name(axis_name)
+    tp_size = axis_size_in_scope(axis_name, "reduce_shared")
+    if not config.has_shared_experts:
+        raise ValueError("config: has_shared_experts is False, so there is no shared output to reduce")
+    expect_rank(shared_partial, "shared_partial", "[T, H] (this rank's shared-expert partial)", 2)
+    hidden = config.hidden_size
+    expect_array(shared_partial, "shared_partial", [(shared_partial.shape[0], hidden)], config.dtype, f"H={hidden}")
+    platform = (jax.devices()[0] if device is None else device).platform
+    if config.sequence_parallel:
+        shared_partial = pad_tokens(shared_partial, tp_size)
+    with jax.named_scope(SHARED_REDUCTION):
+        return reduce_output(shared_partial, axis_name=axis_name, config=config, platform=platform)
