@@ -23,6 +23,14 @@ its roofline and alpha-beta collectives, with the assumptions its docstring list
 
 The layer-level gain of a tier is 1 - layer(tier) / layer(native) for the same T: the MoE layer
 only, not a whole model's step (attention, the other layers, sampling and scheduling dilute it).
+
+The shared reduction: with ``LayerConfig.early_shared_reduction`` (the layer's default) the shared
+experts' all-reduce (a reduce-scatter over tokens for sequence-parallel output) runs while the
+router, the down projection and the routed experts compute, so only what of its alpha-beta time
+outlasts them is exposed, and the tail's tier runs without it
+(``TailConfig.shared_output_is_reduced``). Without it, the tail's tier carries it, hidden only
+where the tier's record says (overlap: beside the up projection). :func:`early_reduction_gain` is
+1 - layer(early) / layer(in the tail), each with the tier the cost model predicts fastest.
 """
 
 from __future__ import annotations
@@ -72,19 +80,29 @@ def layer_kernels(config: LayerConfig, num_tokens: int, tp_size: int, *,
     )
 
 
+def layer_flops(config: LayerConfig, num_tokens: int, tp_size: int, *, tier: k3_tail.Tier | str,
+                weight_layout: str = "replicated") -> float:
+    """The layer's useful GEMM FLOPs per rank with the tail ``tier``: every kernel of :func:`layer_kernels`
+    and the tail's GEMM (``cost_model.tier_cost``). What a compiled layer's GEMM FLOPs are measured against."""
+    tail = cost_model.tier_cost(config.tail, num_tokens, tp_size, tier=tier, weight_layout=weight_layout)
+    return sum(kernel.flops for kernel in layer_kernels(config, num_tokens, tp_size)) + tail.gemm_flops
+
+
 @dataclasses.dataclass(frozen=True)
 class LayerPrediction:
     """The predicted per-call seconds of the layer with one tail tier: ``other_s`` for the kernels
-    before the tail (:func:`layer_kernels`), ``tail_s`` for the tail."""
+    before the tail (:func:`layer_kernels`), ``tail_s`` for the tail, ``shared_exposed_s`` for what of an
+    early shared reduction the routed work does not hide (0 when the tail reduces the shared output)."""
 
     tier: k3_tail.Tier
     num_tokens: int
     other_s: float
     tail_s: float
+    shared_exposed_s: float = 0.0
 
     @property
     def total_s(self) -> float:
-        return self.other_s + self.tail_s
+        return self.other_s + self.shared_exposed_s + self.tail_s
 
     @property
     def tail_share(self) -> float:
@@ -97,10 +115,46 @@ def predict_layer(config: LayerConfig, num_tokens: int, tp_size: int, *, tier: k
                   expert_weight_bytes: float | None = None) -> LayerPrediction:
     """The layer's predicted time with ``tier`` for T = ``num_tokens`` on ``tp_size`` ranks of ``hardware``."""
     hardware = cost_model.HARDWARE[hardware] if isinstance(hardware, str) else hardware
-    other = sum(kernel.seconds(hardware)
-                for kernel in layer_kernels(config, num_tokens, tp_size, expert_weight_bytes=expert_weight_bytes))
+    kernels = {kernel.name: kernel.seconds(hardware)
+               for kernel in layer_kernels(config, num_tokens, tp_size, expert_weight_bytes=expert_weight_bytes)}
+    exposed = 0.0
+    if config.early_shared_reduction and num_tokens:
+        routed = sum(seconds for name, seconds in kernels.items() if name != "shared experts")
+        exposed = max(0.0, shared_reduction(config, num_tokens, tp_size).seconds(hardware) - routed)
     tail = cost_model.tier_cost(config.tail, num_tokens, tp_size, tier=tier, weight_layout=weight_layout)
-    return LayerPrediction(k3_tail.Tier.parse(tier), num_tokens, other, cost_model.predict_time(tail, hardware).total_s)
+    return LayerPrediction(k3_tail.Tier.parse(tier), num_tokens, sum(kernels.values()),
+                           cost_model.predict_time(tail, hardware).total_s, exposed)
+
+
+def shared_reduction(config: LayerConfig, num_tokens: int, tp_size: int) -> cost_model.CollectiveCost:
+    """The early shared reduction as ``k3_tail.reduce_shared`` issues it, per rank: AR(T*H), or for
+    sequence-parallel output a reduce-scatter over tokens of the T'-row padded partial."""
+    element = config.dtype.itemsize
+    if config.tail.sequence_parallel:
+        rows = k3_tail.padded_token_count(num_tokens, tp_size)
+        return cost_model.CollectiveCost(cost_model.REDUCE_SCATTER, element * rows * config.hidden_size, tp_size)
+    return cost_model.CollectiveCost(cost_model.ALL_REDUCE, element * num_tokens * config.hidden_size, tp_size)
+
+
+def best_layer(config: LayerConfig, num_tokens: int, tp_size: int, *, hardware: cost_model.Hardware | str,
+               weight_layout: str = "replicated", expert_weight_bytes: float | None = None) -> LayerPrediction:
+    """The fastest :func:`predict_layer` over the tail tiers that run with ``weight_layout`` (the first in
+    ``Tier``'s order on a tie)."""
+    predictions = [predict_layer(config, num_tokens, tp_size, tier=tier, hardware=hardware,
+                                 weight_layout=weight_layout, expert_weight_bytes=expert_weight_bytes)
+                   for tier in k3_tail.Tier if tier.supports(weight_layout, config.tail)]
+    return min(predictions, key=lambda prediction: prediction.total_s)
+
+
+def early_reduction_gain(config: LayerConfig, num_tokens: int, tp_size: int, *,
+                         hardware: cost_model.Hardware | str, weight_layout: str = "replicated",
+                         expert_weight_bytes: float | None = None) -> float:
+    """1 - layer(early shared reduction) / layer(shared reduction in the tail), each with its fastest tier:
+    the predicted fraction of the layer's time that issuing the shared reduction early saves."""
+    early, late = (best_layer(dataclasses.replace(config, early_shared_reduction=flag), num_tokens, tp_size,
+                              hardware=hardware, weight_layout=weight_layout, expert_weight_bytes=expert_weight_bytes)
+                   for flag in (True, False))
+    return 1 - early.total_s / late.total_s
 
 
 def layer_gain(config: LayerConfig, num_tokens: int, tp_size: int, *, tier: k3_tail.Tier | str,

@@ -32,27 +32,25 @@ their gate and up kernels concatenated along the intermediate width and their do
 its rows. That is the same function, because SiTU acts on each intermediate channel alone, and it is
 how maxtext's Kimi-K3 block stores them.
 
-The routed experts, per rank, take one of two methods (:func:`routed_expert_method`):
+The routed experts, per rank, take one of the methods of examples/kimi_k3_routed_experts.py, picked
+by :func:`routed_expert_method` with its reason:
 
-- "gather" while T * k <= E (decode): the chosen experts' weight blocks are gathered per token,
-  [T, k, L, m/p], and applied with einsums. That reads T*k expert blocks, at most the E blocks all
-  experts hold, and needs no sort.
-- "sort" above: the T*k (token, expert) pairs are sorted by expert and each expert's rows are
-  multiplied by its weights with ``jax.lax.ragged_dot`` (a grouped GEMM), then weighted and added
-  back to their tokens. No [T, E, ...] or [T, k, L, m/p] array exists in the program. ragged_dot is
-  the grouped GEMM's API but not always its kernel: with jax 0.10.2 the CPU backend and XLA's CUDA
-  pipeline both compute it as a dense GEMM over all E groups, the other groups' rows masked out, at
-  E times the useful FLOPs (Kimi-K3 at T = 256: 30 TFLOP per rank for 34 GFLOP of experts;
-  scripts/layer_share.py shows it). The method is right there, not fast: it waits for a grouped-GEMM
-  lowering.
+- "gather" while T * k <= E (decode): for each (token, slot) the chosen expert's blocks are read in
+  place and applied as a multiply + reduce XLA fuses, so the [T, k, L, m/p] blocks are never copied.
+  That reads T*k expert blocks, at most the E blocks all experts hold, and needs no sort.
+- "capacity" above (prefill): the T*k pairs sorted by expert, each expert's first C pairs in one
+  batched GEMM over all E experts with the weights read in place, once, and the pairs beyond C in
+  overflow rounds: exact for any routing, at about CAPACITY_FACTOR (1.25) times the useful FLOPs.
+- "ragged_dot" (by name only): ``jax.lax.ragged_dot``, which jax 0.10.2 computes densely over all E
+  experts on CPU and in XLA's default GPU pipeline (E times the useful FLOPs).
 
 Numerics: weights and activations in ``config.tail.dtype`` (Kimi-K3: bf16), every GEMM accumulating
 in float32, the router, SiTU and the weighted sum in float32; activations are rounded to the dtype
 where they enter a GEMM (z, the SiTU outputs) and where the partials enter the tail.
 
 Per-rank cost, d bytes per element: router 2THE FLOPs over dHE weight bytes; down projection 2THL
-over dHL; routed experts 6TkLm/p over 3dLm/p per expert read (gather: T*k of them; sort: every
-expert with a row); shared experts 6THF/p over 3dHF/p; then the tail tier's (README tier table).
+over dHL; routed experts 6TkLm/p over 3dLm/p per expert read (gather: T*k of them; capacity: all E,
+once); shared experts 6THF/p over 3dHF/p; then the tail tier's (README tier table).
 
 ``KimiK3MoELayer`` holds the parameters as ``nnx.Param`` (``build_layer``: random stand-ins for a
 checkpoint); :func:`layer_forward` is the jitted pure function it calls, which also compiles from
@@ -74,10 +72,11 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import k3_tail
+from examples.kimi_k3_routed_experts import ROUTED_EXPERTS, routed_expert_method
+from examples.kimi_k3_situ import situ
 
 KIMI_K3_NUM_EXPERTS, KIMI_K3_TOP_K = 896, 16
 KIMI_K3_EXPERT_INTERMEDIATE_SIZE, KIMI_K3_SHARED_INTERMEDIATE_SIZE = 3072, 6144
-SITU_GATE_BOUND, SITU_UP_BOUND = 4.0, 25.0
 # The stand-in checkpoint's correction bias and norm scale: spread enough that the bias changes some
 # top-k choices and the scale is not all ones, as in a trained layer.
 ROUTER_BIAS_STDDEV, NORM_SCALE_STDDEV = 0.1, 0.1
@@ -90,6 +89,11 @@ class LayerConfig:
     num_experts E and top_k k of the router; each routed expert maps L -> expert_intermediate_size (m)
     -> L, the shared experts H -> shared_intermediate_size (F) -> H. p must divide m and F. Frozen
     and hashable, like ``TailConfig``.
+
+    early_shared_reduction (default True): the shared experts run before the routed ones and their
+    partials are summed (``k3_tail.reduce_shared``) while the routed experts compute; the tail takes
+    the reduced output. False keeps the shared reduction inside the tail, where only the up projection
+    can hide it. ``tail.shared_output_is_reduced`` is set here to follow it.
     """
 
     tail: k3_tail.TailConfig
@@ -97,6 +101,7 @@ class LayerConfig:
     top_k: int = 2
     expert_intermediate_size: int = KIMI_K3_EXPERT_INTERMEDIATE_SIZE
     shared_intermediate_size: int = KIMI_K3_SHARED_INTERMEDIATE_SIZE
+    early_shared_reduction: bool = True
 
     def __post_init__(self):
         if not isinstance(self.tail, k3_tail.TailConfig):
@@ -105,6 +110,11 @@ class LayerConfig:
         if not tail.has_shared_experts or not tail.use_latent_norm or tail.fused_output_is_reduced:
             raise ValueError("tail: the layer has shared experts, the latent norm and unreduced routed partials; "
                              "expected has_shared_experts=True, use_latent_norm=True, fused_output_is_reduced=False")
+        if not isinstance(self.early_shared_reduction, bool):
+            raise ValueError(f"early_shared_reduction: expected a bool, got {self.early_shared_reduction!r}")
+        # The layer decides where its shared output is reduced; its tail is told.
+        tail = dataclasses.replace(tail, shared_output_is_reduced=self.early_shared_reduction)
+        object.__setattr__(self, "tail", tail)
         for name in ("num_experts", "top_k", "expert_intermediate_size", "shared_intermediate_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -113,10 +123,12 @@ class LayerConfig:
             raise ValueError(f"top_k: expected at most num_experts = {self.num_experts}, got {self.top_k}")
 
     @classmethod
-    def kimi_k3(cls, *, num_experts: int = 8, top_k: int = 2, **tail_overrides: Any) -> LayerConfig:
+    def kimi_k3(cls, *, num_experts: int = 8, top_k: int = 2, early_shared_reduction: bool = True,
+                **tail_overrides: Any) -> LayerConfig:
         """Kimi-K3's widths (H 7168, L 3584, m 3072, F 6144, bf16) with ``num_experts`` experts, ``top_k``
         per token (small by default, for a CPU; Kimi-K3 routes to KIMI_K3_TOP_K of KIMI_K3_NUM_EXPERTS)."""
-        return cls(k3_tail.TailConfig.kimi_k3(**tail_overrides), num_experts=num_experts, top_k=top_k)
+        return cls(k3_tail.TailConfig.kimi_k3(**tail_overrides), num_experts=num_experts, top_k=top_k,
+                   early_shared_reduction=early_shared_reduction)
 
     @property
     def hidden_size(self) -> int:
@@ -234,12 +246,6 @@ def abstract_parameters(config: LayerConfig, mesh: Mesh, *, axis_name: str = "tp
             for name, p in layer_parameters(config).items()}
 
 
-def situ(gate: jax.Array, up: jax.Array) -> jax.Array:
-    """Kimi-K3's SiTU gated activation, per element: 4 tanh(g/4) sigmoid(g) * 25 tanh(u/25)."""
-    bounded_gate = SITU_GATE_BOUND * jnp.tanh(gate / SITU_GATE_BOUND) * jax.nn.sigmoid(gate)
-    return bounded_gate * (SITU_UP_BOUND * jnp.tanh(up / SITU_UP_BOUND))
-
-
 def route(hidden_states: jax.Array, router_kernel: jax.Array, correction_bias: jax.Array, *,
           top_k: int) -> tuple[jax.Array, jax.Array]:
     """(chosen [T, k] expert ids, combine weights [T, k] float32) of hidden_states [T, H].
@@ -253,77 +259,60 @@ def route(hidden_states: jax.Array, router_kernel: jax.Array, correction_bias: j
     return chosen, picked / picked.sum(axis=1, keepdims=True)
 
 
-def routed_expert_method(config: LayerConfig, num_tokens: int) -> str:
-    """"gather" while T * k <= E (each token's chosen weight blocks gathered: at most E blocks read),
-    "sort" above (pairs sorted by expert, ``jax.lax.ragged_dot``); the module docstring says why."""
-    return "gather" if num_tokens * config.top_k <= config.num_experts else "sort"
+def routed_partial(parameters: Mapping[str, jax.Array], hidden_states: jax.Array, *,
+                   config: LayerConfig) -> jax.Array:
+    """This rank's routed latent partial r_i [T, L] in the config's dtype: router, down projection and
+    routed experts. Per rank, inside a shard_map: ``parameters`` are this rank's blocks,
+    ``hidden_states`` [T, H] the whole (replicated) input. No collective."""
+    chosen, combine = route(hidden_states, parameters["router_kernel"], parameters["router_bias"],
+                            top_k=config.top_k)
+    latent = _dot(hidden_states, parameters["down_proj"]).astype(config.dtype)
+    experts = ROUTED_EXPERTS[routed_expert_method(config, hidden_states.shape[0]).method]
+    routed = experts(latent, chosen, combine, parameters["expert_gate"], parameters["expert_up"],
+                     parameters["expert_down"])
+    return routed.astype(config.dtype)
 
 
-def experts_by_gather(latent, chosen, combine, gate, up, down) -> jax.Array:
-    """This rank's routed partial [T, L] (float32): per token, its k experts' blocks gathered and applied.
-
-    latent [T, L], chosen and combine [T, k]; gate and up [E, L, m/p], down [E, m/p, L] (this rank's
-    blocks). Gathers [T, k, L, m/p] per kernel: for decode only.
-    """
-    gate_in = jnp.einsum("tl,tklm->tkm", latent, gate[chosen], preferred_element_type=jnp.float32)
-    up_in = jnp.einsum("tl,tklm->tkm", latent, up[chosen], preferred_element_type=jnp.float32)
-    activation = situ(gate_in, up_in).astype(latent.dtype)
-    out = jnp.einsum("tkm,tkml->tkl", activation, down[chosen], preferred_element_type=jnp.float32)
-    return jnp.einsum("tk,tkl->tl", combine, out)
-
-
-def experts_by_sort(latent, chosen, combine, gate, up, down) -> jax.Array:
-    """This rank's routed partial [T, L] (float32): the T*k (token, expert) pairs sorted by expert, one
-    grouped GEMM per kernel (``jax.lax.ragged_dot``), the pairs' outputs put back in token order and
-    weighted.
-
-    Arguments as :func:`experts_by_gather`. The largest intermediates are [T*k, L] and [T*k, m/p].
-    """
-    num_tokens, top_k = chosen.shape
-    expert_of_pair = chosen.reshape(-1)
-    order = jnp.argsort(expert_of_pair, stable=True)  # the pairs grouped by expert, in expert order
-    group_sizes = jnp.bincount(expert_of_pair, length=gate.shape[0]).astype(jnp.int32)
-    rows = latent[order // top_k]
-    gate_in = jax.lax.ragged_dot(rows, gate, group_sizes, preferred_element_type=jnp.float32)
-    up_in = jax.lax.ragged_dot(rows, up, group_sizes, preferred_element_type=jnp.float32)
-    activation = situ(gate_in, up_in).astype(latent.dtype)
-    out = jax.lax.ragged_dot(activation, down, group_sizes, preferred_element_type=jnp.float32)
-    out = out[jnp.argsort(order)].reshape(num_tokens, top_k, -1)  # back to (token, slot) order
-    return jnp.einsum("tk,tkl->tl", combine, out)
-
-
-_ROUTED_EXPERTS = {"gather": experts_by_gather, "sort": experts_by_sort}
+def shared_partial(parameters: Mapping[str, jax.Array], hidden_states: jax.Array, *,
+                   config: LayerConfig) -> jax.Array:
+    """This rank's shared-expert partial s_i [T, H] in the config's dtype (arguments as
+    :func:`routed_partial`). No collective."""
+    activation = situ(_dot(hidden_states, parameters["shared_gate"]),
+                      _dot(hidden_states, parameters["shared_up"])).astype(config.dtype)
+    return _dot(activation, parameters["shared_down"]).astype(config.dtype)
 
 
 def rank_partials(parameters: Mapping[str, jax.Array], hidden_states: jax.Array, *,
                   config: LayerConfig) -> tuple[jax.Array, jax.Array]:
-    """(routed latent partial r_i [T, L], shared partial s_i [T, H]) of this rank, in the config's dtype.
-
-    Per rank, inside a shard_map: ``parameters`` are this rank's blocks, ``hidden_states`` [T, H] the
-    whole (replicated) input. No collective.
-    """
-    dtype = config.dtype
-    chosen, combine = route(hidden_states, parameters["router_kernel"], parameters["router_bias"],
-                            top_k=config.top_k)
-    latent = _dot(hidden_states, parameters["down_proj"]).astype(dtype)
-    experts = _ROUTED_EXPERTS[routed_expert_method(config, hidden_states.shape[0])]
-    routed = experts(latent, chosen, combine, parameters["expert_gate"], parameters["expert_up"],
-                     parameters["expert_down"])
-    shared_activation = situ(_dot(hidden_states, parameters["shared_gate"]),
-                             _dot(hidden_states, parameters["shared_up"])).astype(dtype)
-    shared = _dot(shared_activation, parameters["shared_down"])
-    return routed.astype(dtype), shared.astype(dtype)
+    """(routed latent partial r_i [T, L], shared partial s_i [T, H]) of this rank, in the config's dtype
+    (:func:`routed_partial`, :func:`shared_partial`). No collective."""
+    return (routed_partial(parameters, hidden_states, config=config),
+            shared_partial(parameters, hidden_states, config=config))
 
 
 def layer_per_rank(parameters: Mapping[str, jax.Array], hidden_states: jax.Array, *, config: LayerConfig,
                    axis_name: str, weight_layout: str, tier: k3_tail.Tier | str | None,
                    device: jax.Device) -> jax.Array:
-    """This rank's y: its partials (:func:`rank_partials`), then ``k3_tail.latent_moe_tail`` on them.
+    """This rank's y: its partials, then ``k3_tail.latent_moe_tail`` on them.
+
+    With ``config.early_shared_reduction`` the shared experts run first and ``k3_tail.reduce_shared``
+    sums their partials while the routed experts compute; the tail then takes the reduced shared
+    output (``TailConfig.shared_output_is_reduced``). Two ordering barriers (they order values and
+    emit no kernel) make XLA's schedule keep the reduction around the routed experts: the routed
+    experts' input waits for the shared partial, and the routed partial waits for the reduced
+    shared output, so the tail cannot start before both are done.
 
     Returns [T, H], or this rank's [T/p, H] rows when the tail's output is token-sharded
     (``k3_tail.is_token_sharded_output``).
     """
-    routed, shared = rank_partials(parameters, hidden_states, config=config)
+    if config.early_shared_reduction:
+        shared = shared_partial(parameters, hidden_states, config=config)
+        hidden_states, shared = jax.lax.optimization_barrier((hidden_states, shared))
+        shared = k3_tail.reduce_shared(shared, config=config.tail, axis_name=axis_name, device=device)
+        routed = routed_partial(parameters, hidden_states, config=config)
+        routed, _ = jax.lax.optimization_barrier((routed, shared))
+    else:
+        routed, shared = rank_partials(parameters, hidden_states, config=config)
     return k3_tail.latent_moe_tail(routed, shared, parameters["norm_scale"], up_projection(parameters),
                                    config=config.tail, axis_name=axis_name, weight_layout=weight_layout, tier=tier,
                                    device=device)

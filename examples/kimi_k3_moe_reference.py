@@ -44,13 +44,25 @@ def reference_partials(weights: Mapping[str, np.ndarray], hidden_states: np.ndar
     chosen = np.argsort(-(scores + w["router_bias"]), axis=1, kind="stable")[:, :top_k]
     picked = np.take_along_axis(scores, chosen, axis=1)
     combine = picked / picked.sum(axis=1, keepdims=True)
-    z = x @ w["down_proj"]
-    routed = np.zeros_like(z)
-    for token in range(x.shape[0]):
-        for expert, weight in zip(chosen[token], combine[token], strict=True):
-            routed[token] += weight * _situ_mlp(z[token], w["expert_gate"][expert], w["expert_up"][expert],
-                                                w["expert_down"][expert])
+    routed = reference_routed_experts(x @ w["down_proj"], chosen, combine, w["expert_gate"], w["expert_up"],
+                                      w["expert_down"])
     return routed, _situ_mlp(x, w["shared_gate"], w["shared_up"], w["shared_down"])
+
+
+def reference_routed_experts(latent: np.ndarray, chosen: np.ndarray, combine: np.ndarray, gate: np.ndarray,
+                             up: np.ndarray, down: np.ndarray) -> np.ndarray:
+    """r [T, L] in float64, one (token, chosen expert) pair at a time: sum over j of combine[t, j] *
+    SiTU(latent[t] @ gate[e], latent[t] @ up[e]) @ down[e], e = chosen[t, j].
+
+    latent [T, L], chosen and combine [T, k], gate and up [E, L, m], down [E, m, L] (whole experts).
+    """
+    gate, up, down = (np.asarray(kernel, np.float64) for kernel in (gate, up, down))
+    latent = np.asarray(latent, np.float64)
+    routed = np.zeros_like(latent)
+    for token in range(latent.shape[0]):
+        for expert, weight in zip(chosen[token], combine[token], strict=True):
+            routed[token] += weight * _situ_mlp(latent[token], gate[expert], up[expert], down[expert])
+    return routed
 
 
 def choice_margin(weights: Mapping[str, np.ndarray], hidden_states: np.ndarray, *, top_k: int) -> float:

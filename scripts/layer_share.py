@@ -1,10 +1,11 @@
 """What the tail's tiers are worth inside the Kimi-K3 latent MoE layer (examples/kimi_k3_moe_layer.py).
 
-    python scripts/layer_share.py [--parts cpu,h100,model] [--tokens 1,4,16,64,256,1024] [--repeats 3]
+    python scripts/layer_share.py [--parts cpu,h100,early,cost,model] [--tokens 1,4,16,64,256,1024] [--repeats 3]
                                   [--width-divisor 4] [--experts 8] [--top-k 2] [--compile-tokens 1,16,256]
-                                  [--model-tokens 1,16,64,256,1024,8192] [--weight-layout replicated] [--json FILE]
+                                  [--cost-tokens 1,16,256,2048,8192] [--model-tokens 1,16,64,256,1024,8192]
+                                  [--weight-layout replicated] [--json FILE]
 
-Three parts, each a table (progress on stderr):
+Five parts, each a table (progress on stderr):
 
 cpu    The whole layer and the tail alone, per tier, on an 8-device CPU mesh. The layer is
        :class:`KimiK3MoELayer` with stand-in weights at Kimi-K3's widths divided by --width-divisor
@@ -16,30 +17,47 @@ cpu    The whole layer and the tail alone, per tier, on an 8-device CPU mesh. Th
        once (the order rotating), each run timed with perf_counter around the call and
        block_until_ready. Reported: median and q25-q75 in ms, the tail's share (tail median / layer
        median) and the layer's speed against the native tier's layer. The 8 CPU devices share the
-       host's cores and ragged_dot runs densely over the experts there: this ranks tiers on this
-       machine only.
+       host's cores: this ranks tiers on this machine only.
 
 h100   The whole layer at Kimi-K3's shapes (896 experts, top 16, bf16) compiled per tier for a
        deviceless 8 x H100 (``k3_tail.topology_mesh("h100x8")``, XLA's CUDA pipeline, the tier's
-       ``k3_tail.compiler_options(tier, "gpu")``), at each --compile-tokens. The shared partial is
-       computed inside the program, so ``xla_report.report(..., shared_argument=1)`` cannot trace it to
-       an argument; instead the shared reduction is the first all-reduce or reduce-scatter whose
-       buffers hold at least T*H elements (T padded to a multiple of p for token_parallel). That
-       identifies it in every tier: the layer's only collectives are the tail's, its latent reduction
-       moves T*L < T*H elements, and every form of the shared reduction moves T*H or more (alone,
-       merged with the latent's by XLA as native's is, or packed with it as one_shot's). Reported: its
-       buffers, whether it is an async start/done pair, the GEMMs XLA scheduled between start and done,
-       the share of the tier's up-projection FLOPs (``cost_model.tier_cost``) among those that come
-       after the latent reduction started (only tail work does), and "overlapped": async with all of
-       the up projection inside. Also the GEMM FLOPs per rank XLA compiled against the layer's useful
-       ones (examples/kimi_k3_moe_cost.py): where they differ, ``jax.lax.ragged_dot`` was expanded
-       densely.
+       ``k3_tail.compiler_options(tier, "gpu")``), at each --compile-tokens, with the shared reduction
+       inside the tail (``early_shared_reduction=False``: where the tiers differ). The tail's
+       collectives carry named scopes, so the shared reduction is the first collective named
+       ``k3_tail/shared_reduction`` or ``k3_tail/packed_reduction`` (``XlaReport.in_scope``), or where
+       there is none the first unnamed one: XLA's GPU all-reduce combiner drops the names of the
+       all-reduces it merges (native's latent and shared reductions), while a combined reduce-scatter
+       keeps both. Reported:
+       its buffers, whether it is an async start/done pair, the GEMMs XLA scheduled between start and
+       done, the share of the tier's up-projection FLOPs (the GEMMs named ``k3_tail/up_projection``)
+       inside it, and "overlapped": async with all of the up projection inside. Also the GEMM FLOPs per
+       rank XLA compiled against the layer's useful ones (examples/kimi_k3_moe_cost.py).
+
+early  Where the shared reduction runs in the same compiled layer with the tier it selects, issued
+       inside the tail (``early_shared_reduction=False``) and before the routed experts (``True``,
+       the default), at each --compile-tokens (examples/kimi_k3_layer_schedule.py): the schedule
+       positions of its start and done, of the first instruction that reads a routed-expert weight and
+       of the last routed-expert instruction, and the share of the routed-expert instructions between
+       start and done.
+
+cost   What the layer costs per device at each --cost-tokens, compiled as in h100 but with the tail
+       tier the layer selects (``k3_tail.select_tier(..., platform="gpu")``), with the routed-expert
+       method it selects (examples/kimi_k3_routed_experts.py). Reported: the GEMM FLOPs XLA compiled
+       (``xla_report``, from the HLO shapes: dots and GEMM custom calls; a while loop's body counts
+       once; the gather method's multiply + reduce fusions are not GEMMs) against the layer's useful
+       FLOPs, the bytes every top-level instruction reads and writes (``xla_report``'s HLO-shape
+       estimate: an operand counts whole, so a fusion that gathers a few experts' blocks counts every
+       expert's), XLA's temp memory (``memory_analysis().temp_size_in_bytes``), and that temp memory
+       over the routed-expert weight bytes the step reads (3 L m/p bf16 per expert, times the
+       expected distinct experts of examples/kimi_k3_moe_cost.py).
 
 model  The cost model's layer-level gain of each tier over native on the MI355X preset, TP 8, at
-       each --model-tokens: the tail from ``k3_tail.cost_model`` and the rest of the layer from the
-       roofline of examples/kimi_k3_moe_cost.py, with the routed experts' weights in bf16 and in MXFP4
-       (Kimi-K3's release), next to vLLM's published end-to-end figures. Ours is the MoE layer alone;
-       theirs is a whole serving run.
+       each --model-tokens, the shared reduction inside the tail: the tail from ``k3_tail.cost_model``
+       and the rest of the layer from the roofline of examples/kimi_k3_moe_cost.py, with the routed
+       experts' weights in bf16 and in MXFP4 (Kimi-K3's release), next to vLLM's published end-to-end
+       figures. Ours is the MoE layer alone; theirs is a whole serving run. Then the gain of issuing the
+       shared reduction early (``layer_cost.early_reduction_gain``: each way with its fastest tier) on
+       MI355X and H200.
 
 --parts picks parts; --json FILE also writes the machine, the settings and every row. Exit status 0,
 or 2 for bad arguments.
@@ -81,12 +99,15 @@ from examples.kimi_k3_moe_layer import (
     layer_forward,
     up_projection,
 )
-from k3_tail import benchmark, cost_model, xla_report
+from examples.kimi_k3_layer_schedule import shared_reduction_placement
+from examples.kimi_k3_routed_experts import routed_expert_method
+from k3_tail import benchmark, xla_report
 from k3_tail.cli.common import ProgressBar, format_ms, positive_int, positive_int_list, progress
 
-PARTS = ("cpu", "h100", "model")
+PARTS = ("cpu", "h100", "early", "cost", "model")
 CPU_DEVICES = 8
 MODEL_HARDWARE, MODEL_TP_SIZE = "mi355x", 8
+EARLY_REDUCTION_HARDWARE = ("mi355x", "h200")
 EXPERT_PRECISIONS = {"bf16": None, "MXFP4": layer_cost.MXFP4_BYTES}
 # vLLM's published end-to-end gains of its tail tiers over its base path (Kimi-K3, 8k input / 1k output).
 VLLM_FIGURES = ("8 x MI355X: TTFT -5.1 .. -5.5 %, output throughput +3.05 .. +4.91 %; SM100 (B200): TTFT -4 %")
@@ -112,6 +133,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="cpu: experts per token (default: 2)")
     parser.add_argument("--compile-tokens", type=positive_int_list, default=(1, 16, 256), metavar="T,...",
                         help="h100: token counts to compile for (default: 1,16,256)")
+    parser.add_argument("--cost-tokens", type=positive_int_list, default=(1, 16, 256, 2048, 8192), metavar="T,...",
+                        help="cost: token counts to compile for (default: 1,16,256,2048,8192)")
     parser.add_argument("--model-tokens", type=positive_int_list, default=(1, 16, 64, 256, 1024, 8192),
                         metavar="T,...", help="model: token counts (default: 1,16,64,256,1024,8192)")
     parser.add_argument("--weight-layout", choices=k3_tail.WEIGHT_LAYOUTS, default="replicated",
@@ -243,7 +266,7 @@ def spread(timing: dict[str, float]) -> str:
 
 def compile_h100(args: argparse.Namespace) -> tuple[LayerConfig, list[dict[str, Any]]]:
     """One row per (T, tier): the shared reduction of the compiled 8 x H100 layer (module docstring)."""
-    config = LayerConfig.kimi_k3(num_experts=KIMI_K3_NUM_EXPERTS, top_k=KIMI_K3_TOP_K)
+    config = LayerConfig.kimi_k3(num_experts=KIMI_K3_NUM_EXPERTS, top_k=KIMI_K3_TOP_K, early_shared_reduction=False)
     mesh = k3_tail.topology_mesh("h100x8")
     tp_size = mesh.shape["tp"]
     parameters = abstract_parameters(config, mesh, weight_layout=args.weight_layout)
@@ -252,53 +275,85 @@ def compile_h100(args: argparse.Namespace) -> tuple[LayerConfig, list[dict[str, 
     rows = []
     for num_tokens in args.compile_tokens:
         hidden = jax.ShapeDtypeStruct((num_tokens, config.hidden_size), config.dtype, sharding=NamedSharding(mesh, P()))
-        useful = sum(kernel.flops for kernel in layer_cost.layer_kernels(config, num_tokens, tp_size))
         for tier in tiers:
             bar.step(f"h100 T={num_tokens} {tier.value}: compile")
             lowered = layer_forward.lower(parameters, hidden, config=config, mesh=mesh,
                                           weight_layout=args.weight_layout, tier=tier)
             compiled = lowered.compile(compiler_options=k3_tail.compiler_options(tier, "gpu"))
             report = xla_report.report(compiled, shared_argument=None)
-            up_flops = cost_model.tier_cost(config.tail, num_tokens, tp_size, tier=tier,
-                                            weight_layout=args.weight_layout).gemm_flops
-            reduced_rows = -(-num_tokens // tp_size) * tp_size if tier.record.shards_tokens else num_tokens
-            rows.append({"num_tokens": num_tokens, "tier": tier.value,
-                         **shared_reduction_schedule(report, config, reduced_rows, up_flops),
-                         "compiled_gemm_flops": report.gemm_flops, "useful_gemm_flops": useful + up_flops})
+            rows.append({"num_tokens": num_tokens, "tier": tier.value, **shared_reduction_schedule(report),
+                         "compiled_gemm_flops": report.gemm_flops,
+                         "useful_gemm_flops": layer_cost.layer_flops(config, num_tokens, tp_size, tier=tier,
+                                                                     weight_layout=args.weight_layout)})
     bar.finish()
     return config, rows
 
 
-def shared_reduction_schedule(report: k3_tail.XlaReport, config: LayerConfig, rows: int,
-                              up_flops: int) -> dict[str, Any]:
-    """The shared reduction (the first all-reduce or reduce-scatter of >= rows*H elements), whether it is async,
-    the GEMMs inside it, and how much of the up projection they are (module docstring).
-
-    ``rows``: the token rows the tier reduces (T, or T padded to a multiple of p for a tier that shards
-    tokens), so that the latent reduction moves rows*L < rows*H elements. A GEMM scheduled after the latent
-    reduction started is tail work: the router, the down projection and the routed experts feed that
-    reduction, and the shared experts feed the shared one. XLA may split the up projection (at T = 1 a GEMV
-    becomes a multiply and a reduce fusion), so their FLOPs are summed.
-    """
-    reductions = [c for c in report.collectives if c.kind in ("all-reduce", "reduce-scatter")]
-
-    def elements(collective):
-        return sum(array.elements for array in collective.arrays)
-
-    shared = next((c for c in reductions if elements(c) >= rows * config.hidden_size), None)
-    if shared is None:
-        raise RuntimeError(f"{rows} rows: the compiled layer reduces no buffer of rows*H elements or more")
-    latent = next((c for c in reductions if elements(c) == rows * config.latent_size), None)
+def shared_reduction_schedule(report: k3_tail.XlaReport) -> dict[str, Any]:
+    """The shared reduction (the first collective named k3_tail/shared_reduction or packed_reduction, else the
+    first unnamed one: XLA's all-reduce combiner drops the names of what it merges), whether it is async, the
+    GEMMs inside it, and the share of the up projection (the GEMMs named k3_tail/up_projection) among them
+    (module docstring)."""
+    named = [c for c in report.collectives if {"shared_reduction", "packed_reduction"} & set(c.scopes)]
+    shared = (named or [c for c in report.collectives if not c.scopes])[0]
     gemms = {gemm.name: gemm for gemm in report.gemms}
     inside = [gemms[name] for name in shared.between_gemms]
-    tail_flops_inside = sum(gemm.flops for gemm in inside if latent is None or gemm.position > latent.start)
+    up_flops = sum(gemm.flops for gemm in report.gemms if "up_projection" in gemm.scopes)
+    inside_flops = sum(gemm.flops for gemm in inside if "up_projection" in gemm.scopes)
     return {
         "shared_reduction": f"{shared.kind} {' + '.join(map(str, shared.arrays))}",
         "is_async": shared.is_async,
         "gemms_inside": [{"name": gemm.name, "flops": gemm.flops, "position": gemm.position} for gemm in inside],
-        "up_projection_inside": tail_flops_inside / up_flops,
-        "overlapped": shared.is_async and tail_flops_inside >= up_flops,
+        "up_projection_inside": inside_flops / up_flops,
+        "overlapped": shared.is_async and inside_flops >= up_flops,
     }
+
+
+# ---- early ----
+
+
+def compile_early(args: argparse.Namespace) -> tuple[LayerConfig, list[dict[str, Any]]]:
+    """One row per (T, early or not): where the shared reduction runs in the compiled layer (module docstring)."""
+    mesh = k3_tail.topology_mesh("h100x8")
+    bar = ProgressBar(2 * len(args.compile_tokens))
+    rows = []
+    for num_tokens in args.compile_tokens:
+        for early in (False, True):
+            config = LayerConfig.kimi_k3(num_experts=KIMI_K3_NUM_EXPERTS, top_k=KIMI_K3_TOP_K,
+                                         early_shared_reduction=early)
+            bar.step(f"early T={num_tokens} {'early' if early else 'in the tail'}: compile")
+            tier = k3_tail.select_tier(config.tail, num_tokens, mesh.shape["tp"], weight_layout=args.weight_layout,
+                                       platform="gpu").tier
+            hidden = jax.ShapeDtypeStruct((num_tokens, config.hidden_size), config.dtype,
+                                          sharding=NamedSharding(mesh, P()))
+            lowered = layer_forward.lower(abstract_parameters(config, mesh, weight_layout=args.weight_layout), hidden,
+                                          config=config, mesh=mesh, weight_layout=args.weight_layout)
+            placement = shared_reduction_placement(lowered.compile(compiler_options=k3_tail.compiler_options(tier,
+                                                                                                              "gpu")))
+            rows.append({"num_tokens": num_tokens, "early_shared_reduction": early, "tier": tier.value,
+                         **dataclasses.asdict(placement),
+                         "starts_before_the_routed_experts": placement.starts_before_the_routed_experts,
+                         "ends_after_the_routed_experts": placement.ends_after_the_routed_experts,
+                         "routed_share_inside": placement.routed_share_inside})
+    bar.finish()
+    return config, rows
+
+
+def format_early(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
+    lines = [
+        "early: where the shared reduction runs in the layer compiled for a deviceless 8 x H100 (Kimi-K3: 896 experts,"
+        f" top 16, bf16, {args.weight_layout} up projection), the tier it selects; schedule positions",
+        f"{'T':>6}  {'shared reduction':<18}{'tier':<17}{'start..done':>13}{'routed reads from':>19}"
+        f"{'last routed':>13}{'routed inside':>15}{'starts before':>15}{'ends after':>12}",
+    ]
+    for row in rows:
+        where = "early" if row["early_shared_reduction"] else "in the tail"
+        lines.append(f"{row['num_tokens']:>6}  {where:<18}{row['tier']:<17}{row['start']:>6}..{row['done']:<5}"
+                     f"{row['first_routed_read']:>19}{row['last_routed']:>13}{row['routed_share_inside']:>15.0%}"
+                     f"{str(row['starts_before_the_routed_experts']):>15}{str(row['ends_after_the_routed_experts']):>12}")
+    lines += ["routed inside: the share of the routed-expert instructions (those computed from a routed-expert weight",
+              "before the latent reduction) scheduled between the shared reduction's start and done"]
+    return "\n".join(lines)
 
 
 def format_h100(config: LayerConfig, rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
@@ -320,7 +375,58 @@ def format_h100(config: LayerConfig, rows: list[dict[str, Any]], args: argparse.
     lines += grouped_by_token_count(rows, line)
     lines += ["up projection inside: the share of the tier's up-projection FLOPs scheduled between the shared",
               "reduction's start and done; overlapped: async, with all of it inside. useful GEMM FLOPs: the layer's",
-              "(examples/kimi_k3_moe_cost.py); above them, XLA expanded jax.lax.ragged_dot densely over the experts"]
+              "(examples/kimi_k3_moe_cost.py)"]
+    return "\n".join(lines)
+
+
+# ---- cost ----
+
+
+def compile_cost(args: argparse.Namespace) -> tuple[LayerConfig, list[dict[str, Any]]]:
+    """One row per T: the cost of the layer compiled for 8 x H100 with the tier it selects (module docstring)."""
+    config = LayerConfig.kimi_k3(num_experts=KIMI_K3_NUM_EXPERTS, top_k=KIMI_K3_TOP_K)
+    mesh = k3_tail.topology_mesh("h100x8")
+    tp_size = mesh.shape["tp"]
+    parameters = abstract_parameters(config, mesh, weight_layout=args.weight_layout)
+    expert_bytes = 3 * config.latent_size * config.expert_intermediate_size // tp_size * config.dtype.itemsize
+    bar = ProgressBar(len(args.cost_tokens))
+    rows = []
+    for num_tokens in args.cost_tokens:
+        bar.step(f"cost T={num_tokens}: compile")
+        tier = k3_tail.select_tier(config.tail, num_tokens, tp_size, weight_layout=args.weight_layout,
+                                   platform="gpu").tier
+        hidden = jax.ShapeDtypeStruct((num_tokens, config.hidden_size), config.dtype, sharding=NamedSharding(mesh, P()))
+        lowered = layer_forward.lower(parameters, hidden, config=config, mesh=mesh, weight_layout=args.weight_layout)
+        compiled = lowered.compile(compiler_options=k3_tail.compiler_options(tier, "gpu"))
+        report = xla_report.report(compiled, shared_argument=None)
+        rows.append({
+            "num_tokens": num_tokens, "tier": tier.value,
+            "routed_expert_method": routed_expert_method(config, num_tokens).method,
+            "compiled_gemm_flops": report.gemm_flops,
+            "useful_flops": layer_cost.layer_flops(config, num_tokens, tp_size, tier=tier,
+                                                   weight_layout=args.weight_layout),
+            "bytes_accessed": report.bytes_accessed, "temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
+            "routed_weight_bytes_read": expert_bytes * layer_cost.experts_read(config, num_tokens),
+        })
+    bar.finish()
+    return config, rows
+
+
+def format_cost(config: LayerConfig, rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
+    lines = [
+        f"cost: the layer compiled for a deviceless 8 x H100 (Kimi-K3: {config.num_experts} experts, top "
+        f"{config.top_k}, bf16, {args.weight_layout} up projection) with the tier and routed-expert method it selects",
+        f"{'T':>6}  {'tier':<17}{'method':<10}{'GEMM GFLOP compiled / useful':>30}{'ratio':>8}{'GB accessed':>13}"
+        f"{'temp MB':>11}{'temp / routed weights read':>28}",
+    ]
+    for row in rows:
+        flops = f"{row['compiled_gemm_flops'] / 1e9:,.1f} / {row['useful_flops'] / 1e9:,.1f}"
+        lines.append(f"{row['num_tokens']:>6}  {row['tier']:<17}{row['routed_expert_method']:<10}{flops:>30}"
+                     f"{row['compiled_gemm_flops'] / row['useful_flops']:>7.2f}x{row['bytes_accessed'] / 1e9:>13.2f}"
+                     f"{row['temp_bytes'] / 1e6:>11,.1f}{row['temp_bytes'] / row['routed_weight_bytes_read']:>27.2f}x")
+    lines += ["GEMM FLOPs from the HLO shapes (a while loop's body once; the gather method's multiply + reduce",
+              "fusions are not GEMMs); GB accessed: xla_report's HLO-shape estimate (a gathering fusion counts its",
+              "whole weight operand); routed weights read: 3 L m/p bf16 per expected distinct expert"]
     return "\n".join(lines)
 
 
@@ -329,7 +435,7 @@ def format_h100(config: LayerConfig, rows: list[dict[str, Any]], args: argparse.
 
 def predict_model(args: argparse.Namespace) -> tuple[LayerConfig, list[dict[str, Any]]]:
     """One row per (expert weight precision, T): the layer's predicted time with native and each tier's gain."""
-    config = LayerConfig.kimi_k3(num_experts=KIMI_K3_NUM_EXPERTS, top_k=KIMI_K3_TOP_K)
+    config = LayerConfig.kimi_k3(num_experts=KIMI_K3_NUM_EXPERTS, top_k=KIMI_K3_TOP_K, early_shared_reduction=False)
     tiers = layer_tiers(args.weight_layout)
     rows = []
     for precision, expert_bytes in EXPERT_PRECISIONS.items():
@@ -343,6 +449,11 @@ def predict_model(args: argparse.Namespace) -> tuple[LayerConfig, list[dict[str,
                 "native_tail_share": native.tail_share, "selected": selected.value,
                 "gain": {tier.value: layer_cost.layer_gain(config, num_tokens, MODEL_TP_SIZE, tier=tier, **options)
                          for tier in tiers},
+                "early_reduction_gain": {
+                    name: layer_cost.early_reduction_gain(config, num_tokens, MODEL_TP_SIZE, hardware=name,
+                                                          weight_layout=args.weight_layout,
+                                                          expert_weight_bytes=expert_bytes)
+                    for name in EARLY_REDUCTION_HARDWARE},
             })
     return config, rows
 
@@ -361,7 +472,16 @@ def format_model(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
             lines.append(f"{row['num_tokens']:>6}{row['native_layer_s'] * 1e6:>19.1f}{row['native_tail_share']:>21.1%}"
                          f"{gains}{picked:>21}")
     lines += ["", f"vLLM's published end-to-end gains, for comparison: {VLLM_FIGURES}.",
-              "Those are whole serving runs (every layer, attention, sampling); these are the MoE layer alone."]
+              "Those are whole serving runs (every layer, attention, sampling); these are the MoE layer alone.", "",
+              f"the shared reduction issued before the routed experts: layer-level gain over it inside the tail, each "
+              f"with its fastest tier, TP {MODEL_TP_SIZE}, {args.weight_layout} up projection",
+              f"{'T':>6}" + "".join(f"{f'{name}, {precision}':>18}" for name in EARLY_REDUCTION_HARDWARE
+                                     for precision in EXPERT_PRECISIONS)]
+    by_key = {(row["expert_weights"], row["num_tokens"]): row for row in rows}
+    for num_tokens in args.model_tokens:
+        lines.append(f"{num_tokens:>6}" + "".join(
+            f"{by_key[precision, num_tokens]['early_reduction_gain'][name]:>+17.2%} "
+            for name in EARLY_REDUCTION_HARDWARE for precision in EXPERT_PRECISIONS))
     return "\n".join(lines)
 
 
@@ -386,6 +506,22 @@ def main(argv: list[str] | None = None) -> int:
         else:
             results["h100"] = {"config": describe(config), "rows": rows}
             sections.append(format_h100(config, rows, args))
+    if "early" in args.parts:
+        try:
+            _, rows = compile_early(args)
+        except k3_tail.TopologyUnavailable as error:
+            progress(f"early: skipped: {error}")
+        else:
+            results["early"] = {"rows": rows}
+            sections.append(format_early(rows, args))
+    if "cost" in args.parts:
+        try:
+            config, rows = compile_cost(args)
+        except k3_tail.TopologyUnavailable as error:
+            progress(f"cost: skipped: {error}")
+        else:
+            results["cost"] = {"config": describe(config), "rows": rows}
+            sections.append(format_cost(config, rows, args))
     if "model" in args.parts:
         config, rows = predict_model(args)
         results["model"] = {"config": describe(config), "hardware": MODEL_HARDWARE, "rows": rows}

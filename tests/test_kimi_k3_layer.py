@@ -7,9 +7,10 @@ H 64, L 32, routed-expert width 16, shared width 24, 8 experts, top 2.
 
 The parity cases are a pairwise covering design (tests/covering.py) over the tail tier (each one
 forced, and "selected") x p in {1, 2, 8} x T in {1, 16, 300} x the up projection's layout x dtype x
-replicated or sequence-parallel output; ``pytest -m slow`` runs their full product. T = 1 takes the
-routed experts' gather method (T*k <= E), T = 16 and 300 the sort + ragged_dot method; 300 is above
-the overlap tier's threshold.
+replicated or sequence-parallel output x the shared reduction issued early (``k3_tail.reduce_shared``
+before the routed experts, the default) or inside the tail; ``pytest -m slow`` runs their full product. T = 1 takes the
+routed experts' gather method (T*k <= E), T = 16 and 300 the capacity method (each method alone, and
+the choice between them: tests/test_kimi_k3_routed_experts.py); 300 is above the overlap tier's threshold.
 
 Tolerance, relative Frobenius error ||y - ref|| / ||ref||: bf16 <= 1e-2 (measured up to 6.3e-3 over
 the full product: z, the SiTU outputs, both partials, the tail's collectives and y are each rounded
@@ -44,6 +45,8 @@ LAYER_FACTORS = {
     "weight_layout": covering.WEIGHT_LAYOUTS,
     "dtype": tuple(DTYPES),
     "sequence_parallel": (False, True),
+    # The shared reduction issued before the routed experts (the default) or inside the tail.
+    "early_shared_reduction": (True, False),
 }
 # float32 rounding moves a score by about 1e-7: a margin far above that picks the same experts in
 # float32 and float64.
@@ -64,11 +67,13 @@ class LayerCase:
     weight_layout: str
     dtype: str
     sequence_parallel: bool
+    early_shared_reduction: bool
 
     @property
     def id(self) -> str:
         output = "sp" if self.sequence_parallel else "nosp"
-        return f"{self.tier}-p{self.tp_size}-T{self.num_tokens}-{self.weight_layout}-{self.dtype}-{output}"
+        shared = "early" if self.early_shared_reduction else "intail"
+        return f"{self.tier}-p{self.tp_size}-T{self.num_tokens}-{self.weight_layout}-{self.dtype}-{output}-{shared}"
 
 
 def layer_cases(design):
@@ -83,10 +88,11 @@ PRODUCT = (dict(zip(LAYER_FACTORS, values, strict=True)) for values in itertools
 FULL_PRODUCT = layer_cases(case for case in PRODUCT if covering.tail_constraint(case))
 
 
-def layer_config(dtype, **tail_changes):
+def layer_config(dtype, early_shared_reduction=True, **tail_changes):
     tail = k3_tail.TailConfig(hidden_size=HIDDEN, latent_size=LATENT, dtype=DTYPES[dtype], **tail_changes)
     return layer_module.LayerConfig(tail, num_experts=EXPERTS, top_k=TOP_K, expert_intermediate_size=EXPERT_WIDTH,
-                                    shared_intermediate_size=SHARED_WIDTH)
+                                    shared_intermediate_size=SHARED_WIDTH,
+                                    early_shared_reduction=early_shared_reduction)
 
 
 @functools.cache
@@ -101,9 +107,9 @@ def hidden_states(num_tokens, dtype):
 
 
 @functools.cache
-def layer_on(tp_size, dtype, weight_layout="replicated", sequence_parallel=False):
-    return layer_module.KimiK3MoELayer(layer_config(dtype, sequence_parallel=sequence_parallel),
-                                       make_tp_mesh(tp_size), checkpoint(dtype), weight_layout=weight_layout)
+def layer_on(tp_size, dtype, weight_layout="replicated", sequence_parallel=False, early_shared_reduction=True):
+    config = layer_config(dtype, early_shared_reduction, sequence_parallel=sequence_parallel)
+    return layer_module.KimiK3MoELayer(config, make_tp_mesh(tp_size), checkpoint(dtype), weight_layout=weight_layout)
 
 
 def run_layer(layer, x, tier=None):
@@ -120,7 +126,7 @@ def expected(config, x):
 def assert_matches_reference(case):
     """y of the case's layer matches the reference; it is replicated, or with sequence-parallel output and p
     dividing T each rank holds its T/p rows."""
-    layer = layer_on(case.tp_size, case.dtype, case.weight_layout, case.sequence_parallel)
+    layer = layer_on(case.tp_size, case.dtype, case.weight_layout, case.sequence_parallel, case.early_shared_reduction)
     x = hidden_states(case.num_tokens, case.dtype)
     y = run_layer(layer, x, tier=None if case.tier == "selected" else case.tier)
     assert y.shape == (case.num_tokens, HIDDEN) and y.dtype == DTYPES[case.dtype]
@@ -198,11 +204,6 @@ def test_the_ranks_partials_sum_to_the_routed_latent_and_the_shared_output():
     assert relative_error(np.asarray(shared, np.float64).sum(axis=0), expected_shared) <= 1e-5
 
 
-@pytest.mark.parametrize(("num_tokens", "method"), [(1, "gather"), (4, "gather"), (5, "sort"), (300, "sort")])
-def test_routed_experts_gather_while_t_times_k_is_at_most_e_then_sort(num_tokens, method):
-    assert layer_module.routed_expert_method(layer_config("bfloat16"), num_tokens) == method
-
-
 @pytest.fixture(scope="module")
 def decode_loop():
     """A decode loop under jax.jit, T = 5, 6, 7, 8, 9, 12 tokens per step, each step's hidden states padded
@@ -261,6 +262,28 @@ def test_a_tiers_predicted_layer_gain_is_the_tail_time_it_saves_over_the_native_
     assert gain == pytest.approx((tails["native"] - tails["overlap"]) / native.total_s)
 
 
+SLOW_LINK_H200 = dataclasses.replace(k3_tail.cost_model.HARDWARE["h200"], name="h200, 1 GB/s links",
+                                     link_bytes_per_s=1e9)
+
+
+@pytest.mark.parametrize(("hardware", "exposed"), [(k3_tail.cost_model.HARDWARE["h200"], False),
+                                                   (SLOW_LINK_H200, True)], ids=["h200", "slow-links"])
+def test_the_early_shared_reduction_is_predicted_to_expose_only_what_the_routed_work_does_not_hide(hardware, exposed):
+    """Native's tail without its shared all-reduce, plus what of that all-reduce outlasts the router, the down
+    projection and the routed experts (at T = 8192 on an H200 nothing: the routed work is longer)."""
+    early, late = (layer_module.LayerConfig.kimi_k3(num_experts=896, top_k=16, early_shared_reduction=flag)
+                   for flag in (True, False))
+    predictions = [layer_cost.predict_layer(config, 8192, 8, tier="native", hardware=hardware)
+                   for config in (early, late)]
+    reduction_s = layer_cost.shared_reduction(early, 8192, 8).seconds(hardware)
+    routed_s = sum(kernel.seconds(hardware) for kernel in layer_cost.layer_kernels(early, 8192, 8)
+                   if kernel.name != "shared experts")
+    assert predictions[0].shared_exposed_s == max(0.0, reduction_s - routed_s)
+    assert (predictions[0].shared_exposed_s > 0) is exposed
+    saved = predictions[1].total_s - predictions[0].total_s
+    assert saved == pytest.approx(reduction_s - predictions[0].shared_exposed_s)
+
+
 @pytest.mark.parametrize(
     ("build", "message"),
     [
@@ -275,8 +298,9 @@ def test_a_tiers_predicted_layer_gain_is_the_tail_time_it_saves_over_the_native_
         (lambda: layer_on(2, "float32")(jnp.zeros((3, HIDDEN), jnp.bfloat16)),
          r"^hidden_states: expected a \[T, 64\] array of float32"),
         (lambda: layer_config("float32", has_shared_experts=False), r"^tail: the layer has shared experts"),
+        (lambda: layer_config("float32", early_shared_reduction=1), r"^early_shared_reduction: expected a bool"),
     ],
-    ids=["checkpoint-shape", "checkpoint-names", "tp-size", "hidden-states-dtype", "tail-config"],
+    ids=["checkpoint-shape", "checkpoint-names", "tp-size", "hidden-states-dtype", "tail-config", "early-not-bool"],
 )
 def test_bad_input_is_a_value_error_naming_it(build, message):
     with pytest.raises(ValueError, match=message):

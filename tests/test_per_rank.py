@@ -113,18 +113,23 @@ def test_every_tier_in_a_models_shard_map_over_a_tuple_axis(mesh, tier, weight_l
 @pytest.mark.parametrize(("tier", "weight_layout"), [pytest.param(None, "column", id="selected-column"),
                                                      *tier_layouts()])
 def test_every_tier_takes_the_shared_output_reduced_early_in_a_models_shard_map(mesh, tier, weight_layout):
-    """k3_tail.reduce_shared right after the shared experts, the tail on its result (one row: a one-row GEMM)."""
+    """k3_tail.reduce_shared right after the shared experts, the tail on its result: one token (a one-row GEMM)
+    with the column layout, five with the replicated kernel."""
     config = dataclasses.replace(CONFIG, shared_output_is_reduced=True)
-    for num_tokens in (1, 5):
-        layer = Layer.random(config, num_tokens)
-        y = run_layer(mesh, config, layer, tier=tier, weight_layout=weight_layout)
-        assert_close(config, y, layer.reference(config))
-        assert y.sharding.is_fully_replicated
+    layer = Layer.random(config, 1 if weight_layout == "column" else 5)
+    y = run_layer(mesh, config, layer, tier=tier, weight_layout=weight_layout)
+    assert_close(config, y, layer.reference(config))
+    assert y.sharding.is_fully_replicated
 
 
-@pytest.mark.parametrize("shared_output_is_reduced", [False, True], ids=["shared-partials", "shared-reduced"])
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bfloat16", "float32"])
-@pytest.mark.parametrize("num_tokens", [16, 5, 0])
+# Every pair of T, dtype and a shared output reduced early or not.
+SEQUENCE_PARALLEL_CASES = [(16, jnp.bfloat16, False), (5, jnp.bfloat16, True), (0, jnp.bfloat16, False),
+                           (16, jnp.float32, True), (5, jnp.float32, False), (0, jnp.float32, True)]
+
+
+@pytest.mark.parametrize(("num_tokens", "dtype", "shared_output_is_reduced"), [
+    pytest.param(*case, id=f"{case[0]}-{jnp.dtype(case[1]).name}-{'shared-reduced' if case[2] else 'shared-partials'}")
+    for case in SEQUENCE_PARALLEL_CASES])
 def test_sequence_parallel_output_is_this_ranks_rows_when_p_divides_t(mesh, num_tokens, dtype,
                                                                       shared_output_is_reduced):
     """T = 16: rank k returns rows [2k, 2k + 2); T = 5 or 0: the rows are gathered (replicated). A shared

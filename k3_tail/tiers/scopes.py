@@ -2,8 +2,9 @@
 
 XLA keeps a named scope in the ``op_name`` metadata of every instruction traced inside it, through
 fusion and scheduling, so :mod:`k3_tail.xla.report` finds the tail's parts by name in any compiled
-program that contains it (a whole model's included), not by the size of their buffers. Each scope
-is one role:
+program that contains it (a whole model's included), not by the size of their buffers. (One
+exception: XLA's GPU all-reduce combiner drops the metadata of the all-reduces it merges.) Each
+scope is one role:
 
 - ``latent_reduction``: the sum of the routed latent partials (an all-reduce, or token_parallel's
   reduce-scatter over tokens);

@@ -21,7 +21,8 @@
   and done. On the CPU backend every collective is synchronous, so ``overlapped`` is False there.
 - ``scopes`` of each collective and GEMM: the tail's named scopes (:mod:`k3_tail.tiers.scopes`:
   "latent_reduction", "shared_reduction", "packed_reduction", "output_gather", "up_projection") its
-  ``op_name`` carries; several when XLA combined collectives of different scopes.
+  ``op_name`` carries; several when XLA combined reduce-scatters of different scopes, none for an
+  all-reduce that XLA's GPU all-reduce combiner merged from others (it drops their metadata).
   :meth:`XlaReport.in_scope` finds the tail's parts by name in a whole model's program, where the
   shared partial is no program argument.
 

@@ -1,0 +1,91 @@
+"""Where a compiled Kimi-K3 layer (examples/kimi_k3_moe_layer.py) runs its shared reduction, against the
+routed experts' work.
+
+The layer's collectives carry the tail's named scopes (``k3_tail/shared_reduction``,
+``k3_tail/latent_reduction``: ``k3_tail.xla_report``), so the shared reduction is found by name. The
+routed experts' work is found by data flow: every instruction computed, directly or through others,
+from a routed-expert weight (the parameters ``expert_gate``, ``expert_up``, ``expert_down``) that
+the schedule places before the latent reduction starts. The entry computation of a compiled module
+is scheduled, so positions are the order the device runs it in (one compute stream; an async
+collective runs beside it between its start and its done).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import jax
+
+from k3_tail import xla_report
+from k3_tail.xla.hlo_text import parse_module
+
+ROUTED_EXPERT_WEIGHTS = re.compile(r"\bexpert_(gate|up|down)\b")
+# Instructions that name or regroup values without computing.
+_NO_COMPUTE = {"parameter", "constant", "bitcast", "get-tuple-element", "tuple", "opt-barrier"}
+
+
+@dataclasses.dataclass(frozen=True)
+class SharedReductionPlacement:
+    """Schedule positions in one compiled layer (module docstring).
+
+    start, done: the shared reduction's (equal for a synchronous collective); is_async: a start/done
+    pair. first_routed_read: the first instruction that reads a routed-expert weight. last_routed: the
+    last routed-expert instruction before latent_reduction_start, the latent reduction's start.
+    routed_positions: every routed-expert instruction before it, in order.
+    """
+
+    start: int
+    done: int
+    is_async: bool
+    first_routed_read: int
+    last_routed: int
+    latent_reduction_start: int
+    routed_positions: tuple[int, ...]
+
+    @property
+    def starts_before_the_routed_experts(self) -> bool:
+        """The reduction is issued before any instruction reads a routed-expert weight."""
+        return self.start < self.first_routed_read
+
+    @property
+    def ends_after_the_routed_experts(self) -> bool:
+        """The reduction's wait comes after every routed-expert instruction that feeds the latent reduction."""
+        return self.done > self.last_routed
+
+    @property
+    def routed_share_inside(self) -> float:
+        """The share of the routed-expert instructions scheduled between the reduction's start and done."""
+        inside = sum(self.start < position < self.done for position in self.routed_positions)
+        return inside / len(self.routed_positions)
+
+
+def shared_reduction_placement(compiled: jax.stages.Compiled) -> SharedReductionPlacement:
+    """The :class:`SharedReductionPlacement` of a compiled layer; ValueError when the program has no
+    shared reduction, latent reduction or routed-expert weight."""
+    report = xla_report.report(compiled, shared_argument=None)
+    shared, latent = (next(iter(report.in_scope(scope)), None) for scope in ("shared_reduction", "latent_reduction"))
+    if shared is None or latent is None:
+        raise ValueError("compiled: expected a program with the tail's shared and latent reductions")
+    schedule = parse_module(compiled.as_text()).entry.instructions
+    derived = {i.name for i in schedule if i.opcode == "parameter" and ROUTED_EXPERT_WEIGHTS.search(i.op_name)}
+    if not derived:
+        raise ValueError("compiled: expected a program that reads routed-expert weights")
+    weights, reads, routed = set(derived), [], []
+    for position, instruction in enumerate(schedule):
+        operands = set(instruction.operands)
+        if not operands & derived:
+            continue
+        derived.add(instruction.name)
+        if instruction.opcode in _NO_COMPUTE:
+            if operands & weights and instruction.opcode in ("bitcast", "get-tuple-element"):
+                weights.add(instruction.name)  # a view of a weight still is the weight
+            continue
+        if operands & weights:
+            reads.append(position)
+        if position < latent.start:
+            routed.append(position)
+    return SharedReductionPlacement(
+        start=shared.start, done=shared.done, is_async=shared.is_async, first_routed_read=min(reads),
+        last_routed=max(routed), latent_reduction_start=latent.start, routed_positions=tuple(routed),
+    )

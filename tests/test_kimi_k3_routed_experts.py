@@ -1,0 +1,236 @@
+"""The routed-expert methods of examples/kimi_k3_routed_experts.py: exact for any routing, and what they
+cost in the Kimi-K3 layer compiled for a deviceless 8 x H100.
+
+Parity: every method, per rank under ``jax.shard_map`` on 2 CPU devices (each expert's intermediate
+width split over them, the ranks' partials summed), against the float64 per-pair loop of
+examples/kimi_k3_moe_reference.py, in float32 at tiny widths (L 32, m 16, 8 experts): relative
+Frobenius error <= 1e-5 (float32 accumulation; measured up to 2.6e-7). Routings: random distinct
+experts, every token to the same two experts (far over the capacity method's C, so it runs overflow
+rounds), top_k = E, tied router scores (through the layer's own router), and no tokens.
+
+Cost: the whole layer at Kimi-K3's shapes (896 experts, top 16, bf16, the tail tier it selects),
+compiled once per T for the deviceless 8 x H100 topology (needs the ``[aot]`` extra; skipped without
+it). Prefill (T = 256, 2048, 8192): GEMM FLOPs per device at most 1.5 times the layer's useful FLOPs
+(examples/kimi_k3_moe_cost.py and the tier's up projection) and temp memory at most 8 GB. Decode
+(T = 1, 16): temp memory at most a quarter of the routed-expert weight bytes the step reads, so no
+copy of the gathered weight blocks exists.
+
+Schedule: in the same programs (the layer's default ``early_shared_reduction=True``), the shared reduction is an
+async pair that starts before any routed-expert weight is read and waits only after the last routed-expert
+instruction (examples/kimi_k3_layer_schedule.py), at T = 1, 16 and 256; at 16 the start is known to miss.
+"""
+
+import dataclasses
+import functools
+import importlib.util
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import k3_tail
+from examples import kimi_k3_moe_cost as layer_cost
+from examples import kimi_k3_moe_layer as layer_module
+from examples import kimi_k3_routed_experts as routed_experts
+from examples.kimi_k3_layer_schedule import SharedReductionPlacement, shared_reduction_placement
+from examples.kimi_k3_moe_reference import reference_routed_experts
+from k3_tail import xla_report
+from helpers import FAST_COMPILE_OPTIONS, make_tp_mesh, once_per_session
+from reference import relative_error
+
+LATENT, EXPERT_WIDTH, EXPERTS, TOP_K, TP_SIZE = 32, 16, 8, 2, 2
+FLOAT32_TOLERANCE = 1e-5
+METHODS = tuple(routed_experts.ROUTED_EXPERTS)
+AOT_MISSING = importlib.util.find_spec("jax_plugins.xla_cuda13") is None
+PREFILL_TOKENS, DECODE_TOKENS = (256, 2048, 8192), (1, 16)
+MAX_FLOPS_OVER_USEFUL, MAX_PREFILL_TEMP_BYTES, MAX_DECODE_TEMP_OVER_WEIGHTS_READ = 1.5, 8e9, 0.25
+KIMI = layer_module.LayerConfig.kimi_k3(num_experts=layer_module.KIMI_K3_NUM_EXPERTS, top_k=layer_module.KIMI_K3_TOP_K)
+H100_TP_SIZE = 8  # the devices of the "h100x8" topology
+
+
+def expert_weights(num_experts=EXPERTS):
+    """Whole experts (gate, up [E, L, m], down [E, m, L]) in float32, variance 1 / fan-in."""
+    rng = np.random.default_rng(1)
+    gate_up, down = (num_experts, LATENT, EXPERT_WIDTH), (num_experts, EXPERT_WIDTH, LATENT)
+    shapes = (gate_up, gate_up, down)
+    return tuple((rng.standard_normal(shape) / np.sqrt(shape[1])).astype(np.float32) for shape in shapes)
+
+
+def random_routing(num_tokens, top_k=TOP_K):
+    """(chosen [T, k] distinct experts per token, combine [T, k] summing to 1) drawn at random."""
+    rng = np.random.default_rng(num_tokens)
+    chosen = np.argsort(rng.random((num_tokens, EXPERTS)), axis=1)[:, :top_k].astype(np.int32)
+    combine = rng.random((num_tokens, top_k)).astype(np.float32) + 0.5
+    return chosen, combine / combine.sum(axis=1, keepdims=True)
+
+
+def same_experts_routing(num_tokens):
+    """Every token to experts 3 and 5: each gets T pairs, far above the capacity method's C."""
+    chosen = np.tile(np.array([[3, 5]], np.int32), (num_tokens, 1))
+    return chosen, np.full((num_tokens, TOP_K), 0.5, np.float32)
+
+
+def tied_scores_routing(num_tokens):
+    """The layer's router on a zero kernel and bias: every score ties at sigmoid(0)."""
+    route = jax.jit(layer_module.route, static_argnames="top_k", compiler_options=FAST_COMPILE_OPTIONS)
+    chosen, combine = route(np.ones((num_tokens, 4), np.float32), np.zeros((4, EXPERTS), np.float32),
+                            np.zeros(EXPERTS, np.float32), top_k=TOP_K)
+    return np.asarray(chosen), np.asarray(combine)
+
+
+ROUTINGS = {
+    "random": lambda: random_routing(13),
+    "same-experts": lambda: same_experts_routing(40),
+    "top-k-equals-e": lambda: random_routing(5, top_k=EXPERTS),
+    "tied-scores": lambda: tied_scores_routing(6),
+}
+
+
+@functools.cache
+def method_on_ranks(method):
+    """``method`` per rank under jax.shard_map on TP_SIZE CPU devices, jitted: (latent, chosen, combine, gate,
+    up, down) of whole experts -> the ranks' partials [p, T, L]."""
+    experts = routed_experts.ROUTED_EXPERTS[method]
+
+    def per_rank(latent, chosen, combine, gate, up, down):
+        return experts(latent, chosen, combine, gate, up, down)[None]
+
+    blocks = (P(None, None, "tp"), P(None, None, "tp"), P(None, "tp", None))
+    mesh = make_tp_mesh(TP_SIZE, jax.sharding.AxisType.Auto)  # places the host arrays as in_specs say
+    return jax.jit(jax.shard_map(per_rank, mesh=mesh, in_specs=(P(), P(), P(), *blocks),
+                                 out_specs=P("tp")), compiler_options=FAST_COMPILE_OPTIONS)
+
+
+def routed_output(method, chosen, combine, weights):
+    """The ranks' partials of ``method`` summed, float64 [T, L], for random latent rows of ``chosen``'s T."""
+    latent = np.random.default_rng(2).standard_normal((chosen.shape[0], LATENT)).astype(np.float32)
+    partials = method_on_ranks(method)(latent, chosen, combine, *weights)
+    assert partials.shape == (TP_SIZE, chosen.shape[0], LATENT) and partials.dtype == jnp.float32
+    return np.asarray(partials, np.float64).sum(axis=0), latent
+
+
+@pytest.mark.parametrize("routing", ROUTINGS)
+@pytest.mark.parametrize("method", METHODS)
+def test_every_method_matches_the_float64_per_pair_loop(method, routing):
+    chosen, combine = ROUTINGS[routing]()
+    num_experts = chosen.shape[1] if routing == "top-k-equals-e" else EXPERTS
+    weights = expert_weights(num_experts)
+    routed, latent = routed_output(method, chosen, combine, weights)
+    assert relative_error(routed, reference_routed_experts(latent, chosen, combine, *weights)) <= FLOAT32_TOLERANCE
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_every_method_returns_an_empty_partial_for_no_tokens(method):
+    routed, _ = routed_output(method, np.zeros((0, TOP_K), np.int32), np.zeros((0, TOP_K), np.float32),
+                              expert_weights())
+    assert routed.shape == (0, LATENT)
+
+
+def test_the_same_experts_routing_is_far_over_capacity():
+    """What makes that routing adversarial for the capacity method: many overflow rounds."""
+    assert routed_experts.expert_capacity(40, TOP_K, EXPERTS) == 13  # so each expert's 40 pairs make 4 chunks
+    assert routed_experts.overflow_slots(EXPERTS) == 1              # and 6 overflow chunks take 6 rounds
+
+
+@pytest.mark.parametrize(("num_tokens", "top_k", "num_experts", "capacity"),
+                         [(1, 2, 8, 1), (40, 2, 8, 13), (5, 8, 8, 5), (8192, 16, 896, 183)])
+def test_capacity_is_the_capacity_factor_times_the_mean_pairs_per_expert_rounded_up_at_most_t(
+        num_tokens, top_k, num_experts, capacity):
+    assert routed_experts.expert_capacity(num_tokens, top_k, num_experts) == capacity
+
+
+@pytest.mark.parametrize(("num_tokens", "method"), [(0, "gather"), (1, "gather"), (4, "gather"), (5, "capacity"),
+                                                     (300, "capacity")])
+def test_the_layer_gathers_while_t_times_k_is_at_most_e_then_dispatches_by_capacity(num_tokens, method):
+    config = layer_module.LayerConfig(k3_tail.TailConfig(hidden_size=64, latent_size=LATENT), num_experts=EXPERTS,
+                                      top_k=TOP_K)
+    choice = routed_experts.routed_expert_method(config, num_tokens)
+    assert choice.method == method
+    assert f"T*k = {num_tokens * TOP_K}" in choice.reason
+
+
+@pytest.mark.parametrize("num_tokens", [-1, 2.0, True])
+def test_a_token_count_that_is_not_a_count_is_a_value_error_naming_it(num_tokens):
+    config = layer_module.LayerConfig(k3_tail.TailConfig(hidden_size=64, latent_size=LATENT))
+    with pytest.raises(ValueError, match=r"^num_tokens: expected an integer >= 0"):
+        routed_experts.routed_expert_method(config, num_tokens)
+
+
+@pytest.fixture
+def kimi_layer_cost(tmp_path_factory):
+    """T -> {"gemm_flops", "useful_flops", "temp_bytes"} per device of the Kimi-K3 layer compiled for the
+    deviceless 8 x H100 with the tail tier it selects (:func:`compile_kimi_layer`), each T once per session."""
+    if AOT_MISSING:
+        pytest.skip("needs the [aot] extra (jax-cuda13-plugin and -pjrt of the installed jax) for h100x8")
+
+    def cost(num_tokens):
+        _, result = once_per_session(tmp_path_factory, f"kimi-layer-h100x8-T{num_tokens}",
+                                     lambda _: compile_kimi_layer(num_tokens), timeout_s=120)
+        return result
+
+    return cost
+
+
+def compile_kimi_layer(num_tokens):
+    """The layer's per-device cost at T tokens, compiled as scripts/layer_share.py compiles it."""
+    mesh = k3_tail.topology_mesh("h100x8")
+    tp_size = mesh.shape["tp"]
+    tier = k3_tail.select_tier(KIMI.tail, num_tokens, tp_size, platform="gpu").tier
+    hidden = jax.ShapeDtypeStruct((num_tokens, KIMI.hidden_size), KIMI.dtype, sharding=NamedSharding(mesh, P()))
+    lowered = layer_module.layer_forward.lower(layer_module.abstract_parameters(KIMI, mesh), hidden, config=KIMI,
+                                               mesh=mesh)
+    compiled = lowered.compile(compiler_options=k3_tail.compiler_options(tier, "gpu"))
+    return {"gemm_flops": xla_report.report(compiled, shared_argument=None).gemm_flops,
+            "useful_flops": layer_cost.layer_flops(KIMI, num_tokens, tp_size, tier=tier),
+            "temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
+            "placement": dataclasses.asdict(shared_reduction_placement(compiled))}
+
+
+@pytest.mark.parametrize("num_tokens", PREFILL_TOKENS)
+def test_prefill_layer_compiles_to_at_most_one_and_a_half_times_its_useful_flops(kimi_layer_cost, num_tokens):
+    cost = kimi_layer_cost(num_tokens)
+    assert cost["gemm_flops"] <= MAX_FLOPS_OVER_USEFUL * cost["useful_flops"]
+
+
+@pytest.mark.parametrize("num_tokens", PREFILL_TOKENS)
+def test_prefill_layer_needs_at_most_8_gb_of_temp_memory(kimi_layer_cost, num_tokens):
+    assert kimi_layer_cost(num_tokens)["temp_bytes"] <= MAX_PREFILL_TEMP_BYTES
+
+
+@pytest.mark.parametrize("num_tokens", DECODE_TOKENS)
+def test_decode_layer_copies_no_gathered_weights(kimi_layer_cost, num_tokens):
+    """Temp memory at most a quarter of the routed-expert weights the step reads (3 kernels of L x m/p per
+    expert, times the expected distinct experts of examples/kimi_k3_moe_cost.py)."""
+    block_bytes = 3 * KIMI.latent_size * (KIMI.expert_intermediate_size // H100_TP_SIZE) * KIMI.dtype.itemsize
+    weights_read = block_bytes * layer_cost.experts_read(KIMI, num_tokens)
+    assert kimi_layer_cost(num_tokens)["temp_bytes"] <= MAX_DECODE_TEMP_OVER_WEIGHTS_READ * weights_read
+
+
+# --- The shared reduction issued before the routed experts (LayerConfig.early_shared_reduction) -------------------
+
+SCHEDULE_TOKENS = (1, 16, 256)
+
+
+def placement(kimi_layer_cost, num_tokens):
+    """The compiled layer's SharedReductionPlacement (stored as JSON by the session's compile)."""
+    facts = kimi_layer_cost(num_tokens)["placement"]
+    return SharedReductionPlacement(**{**facts, "routed_positions": tuple(facts["routed_positions"])})
+
+
+@pytest.mark.parametrize("num_tokens", SCHEDULE_TOKENS)
+def test_the_shared_reduction_waits_only_after_every_routed_expert_instruction(kimi_layer_cost, num_tokens):
+    """An async start/done pair whose done comes after the last routed-expert instruction that feeds the latent
+    reduction (without the early reduction it starts after all of them: docs/performance.md)."""
+    where = placement(kimi_layer_cost, num_tokens)
+    assert where.is_async and where.ends_after_the_routed_experts and where.done < where.latent_reduction_start
+
+
+@pytest.mark.parametrize("num_tokens", [
+    1, pytest.param(16, marks=pytest.mark.xfail(strict=True, reason=(
+        "XLA's latency-hiding scheduler starts the all-reduce once its estimated latency is covered: at 2 <= T <= 56 "
+        "(the gather method) after the gate and up products, the first routed-expert fusion"))),
+    256])
+def test_the_shared_reduction_starts_before_the_routed_experts_read_a_weight(kimi_layer_cost, num_tokens):
+    assert placement(kimi_layer_cost, num_tokens).starts_before_the_routed_experts
