@@ -90,6 +90,9 @@ class LayerConfig:
     -> L, the shared experts H -> shared_intermediate_size (F) -> H. p must divide m and F. Frozen
     and hashable, like ``TailConfig``.
 
+    routed_experts: the routed-expert method every call takes (a key of ``ROUTED_EXPERTS``: "gather",
+    "capacity", "ragged_dot"), or None (default) to let :func:`routed_expert_method` pick by T.
+
     early_shared_reduction (default True): the shared experts run before the routed ones and their
     partials are summed (``k3_tail.reduce_shared``) while the routed experts compute; the tail takes
     the reduced output. False keeps the shared reduction inside the tail, where only the up projection
@@ -101,6 +104,7 @@ class LayerConfig:
     top_k: int = 2
     expert_intermediate_size: int = KIMI_K3_EXPERT_INTERMEDIATE_SIZE
     shared_intermediate_size: int = KIMI_K3_SHARED_INTERMEDIATE_SIZE
+    routed_experts: str | None = None
     early_shared_reduction: bool = True
 
     def __post_init__(self):
@@ -110,6 +114,9 @@ class LayerConfig:
         if not tail.has_shared_experts or not tail.use_latent_norm or tail.fused_output_is_reduced:
             raise ValueError("tail: the layer has shared experts, the latent norm and unreduced routed partials; "
                              "expected has_shared_experts=True, use_latent_norm=True, fused_output_is_reduced=False")
+        if self.routed_experts is not None and self.routed_experts not in ROUTED_EXPERTS:
+            raise ValueError(f"routed_experts: expected None or one of {tuple(ROUTED_EXPERTS)}, "
+                             f"got {self.routed_experts!r}")
         if not isinstance(self.early_shared_reduction, bool):
             raise ValueError(f"early_shared_reduction: expected a bool, got {self.early_shared_reduction!r}")
         # The layer decides where its shared output is reduced; its tail is told.
@@ -123,11 +130,24 @@ class LayerConfig:
             raise ValueError(f"top_k: expected at most num_experts = {self.num_experts}, got {self.top_k}")
 
     @classmethod
-    def kimi_k3(cls, *, num_experts: int = 8, top_k: int = 2, early_shared_reduction: bool = True,
+    def kimi_k3(cls, *, num_experts: int = 8, top_k: int = 2, width_divisor: int = 1,
+                routed_experts: str | None = None, early_shared_reduction: bool = True,
                 **tail_overrides: Any) -> LayerConfig:
-        """Kimi-K3's widths (H 7168, L 3584, m 3072, F 6144, bf16) with ``num_experts`` experts, ``top_k``
-        per token (small by default, for a CPU; Kimi-K3 routes to KIMI_K3_TOP_K of KIMI_K3_NUM_EXPERTS)."""
-        return cls(k3_tail.TailConfig.kimi_k3(**tail_overrides), num_experts=num_experts, top_k=top_k,
+        """Kimi-K3's widths (H 7168, L 3584, m 3072, F 6144, bf16), each divided by ``width_divisor`` (a
+        smaller layer of the same proportions, for a CPU), with ``num_experts`` experts, ``top_k`` per
+        token (small by default; Kimi-K3 routes to KIMI_K3_TOP_K of KIMI_K3_NUM_EXPERTS). ValueError
+        naming ``width_divisor`` unless it divides every width."""
+        kimi = k3_tail.TailConfig.kimi_k3()
+        widths = (kimi.hidden_size, kimi.latent_size, KIMI_K3_EXPERT_INTERMEDIATE_SIZE,
+                  KIMI_K3_SHARED_INTERMEDIATE_SIZE)
+        if isinstance(width_divisor, bool) or not isinstance(width_divisor, int) or width_divisor < 1 \
+                or any(width % width_divisor for width in widths):
+            raise ValueError(f"width_divisor: expected a positive divisor of Kimi-K3's widths {widths}, "
+                             f"got {width_divisor!r}")
+        hidden, latent, expert, shared = (width // width_divisor for width in widths)
+        tail = k3_tail.TailConfig.kimi_k3(**{"hidden_size": hidden, "latent_size": latent, **tail_overrides})
+        return cls(tail, num_experts=num_experts, top_k=top_k, expert_intermediate_size=expert,
+                   shared_intermediate_size=shared, routed_experts=routed_experts,
                    early_shared_reduction=early_shared_reduction)
 
     @property

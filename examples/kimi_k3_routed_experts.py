@@ -86,10 +86,14 @@ class RoutedExpertMethod:
 
 
 def routed_expert_method(config: LayerConfig, num_tokens: int) -> RoutedExpertMethod:
-    """"gather" while T * k <= E (it reads at most the E blocks all experts hold, with no sort),
-    "capacity" above (each expert's weights read once); ValueError for a negative T."""
+    """``config.routed_experts`` when it names a method; else "gather" while T * k <= E (it reads at most
+    the E blocks all experts hold, with no sort), "capacity" above (each expert's weights read once).
+    ValueError for a negative T."""
     if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
         raise ValueError(f"num_tokens: expected an integer >= 0, got {num_tokens!r}")
+    if config.routed_experts is not None:
+        return RoutedExpertMethod(config.routed_experts,
+                                  f"forced by LayerConfig(routed_experts={config.routed_experts!r})")
     pairs, experts = num_tokens * config.top_k, config.num_experts
     if pairs <= experts:
         return RoutedExpertMethod("gather", f"T*k = {pairs} <= E = {experts}: each pair's expert blocks read in "

@@ -46,25 +46,18 @@ def main() -> int:
     import k3_tail
 
     mesh = k3_tail.topology_mesh(args.topology)
-    tokens = [int(t) for t in args.tokens.split(",")]
+    cases = [(tier, layout, variant, int(tokens)) for tier in k3_tail.Tier for layout in k3_tail.WEIGHT_LAYOUTS
+             if tier.supports(layout) for variant in variants for tokens in args.tokens.split(",")]
     rows = []
-    for tier in k3_tail.Tier:
-        for layout in k3_tail.WEIGHT_LAYOUTS:
-            if not tier.supports(layout):
-                continue
-            for variant in variants:
-                fields = {name: args.format if value is None else value for name, value in _VARIANTS[variant].items()}
-                config = k3_tail.TailConfig.kimi_k3(**fields)
-                for num_tokens in tokens:
-                    print(f"{tier.value} {layout} {variant} T={num_tokens}", file=sys.stderr, flush=True)
-                    compiled = k3_tail.compile_tail(config, mesh, num_tokens, tier=tier, weight_layout=layout)
-                    report = k3_tail.xla_report.report(compiled)
-                    rows.append({
-                        "tier": tier.value, "weight_layout": layout, "variant": variant, "num_tokens": num_tokens,
-                        "bytes_accessed": report.bytes_accessed,
-                        "temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
-                        "gemms": len(report.gemms),
-                    })
+    for tier, layout, variant, num_tokens in cases:
+        print(f"{tier.value} {layout} {variant} T={num_tokens}", file=sys.stderr, flush=True)
+        fields = {name: args.format if value is None else value for name, value in _VARIANTS[variant].items()}
+        compiled = k3_tail.compile_tail(k3_tail.TailConfig.kimi_k3(**fields), mesh, num_tokens, tier=tier,
+                                        weight_layout=layout)
+        report = k3_tail.xla_report.report(compiled)
+        rows.append({"tier": tier.value, "weight_layout": layout, "variant": variant, "num_tokens": num_tokens,
+                     "bytes_accessed": report.bytes_accessed, "gemms": len(report.gemms),
+                     "temp_bytes": compiled.memory_analysis().temp_size_in_bytes})
     two = {(r["tier"], r["weight_layout"], r["variant"]): r["bytes_accessed"] for r in rows if r["num_tokens"] == 2}
     print(f"Kimi-K3 tail on {args.topology} (deviceless compile), per device")
     print(f"{'tier':<16}{'layout':<12}{'weights':<9}{'T':>5}{'MB accessed':>13}{'x T=2':>7}{'temp MB':>9}{'GEMMs':>7}")

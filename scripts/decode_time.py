@@ -35,8 +35,7 @@ from jax.sharding import PartitionSpec as P
 
 from k3_tail import TailConfig, Tier, tail_forward
 from k3_tail.cli.common import (
-    AXIS_NAME, CommandError, demo_devices, format_ms, positive_int, positive_int_list, progress, tp_mesh,
-    use_cpu_without_gpu,
+    AXIS_NAME, CommandError, format_ms, positive_int, positive_int_list, progress, timing_mesh,
 )
 from k3_tail.tiers.up_projection import project
 from k3_tail.tools.benchmark import Timing, machine_info, place_partials, place_weights, time_round_robin
@@ -53,15 +52,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if 2 not in args.tokens:
         parser.error("--tokens: expected 2 among the token counts (the ratios are taken against T = 2)")
-    use_cpu_without_gpu()
     try:
-        mesh = tp_mesh(demo_devices(args.devices))
+        mesh, machine = timing_mesh(args.devices)
     except CommandError as error:
         print(f"decode_time.py: error: {error}", file=sys.stderr)
         return 2
-    machine = machine_info()
-    print(f"jax {machine['jax']}, {machine['device_count']} x {machine['device_kind']}, {machine['cpu_count']} "
-          f"cores, load average {machine['load_average_1min']:.2f} at start", flush=True)
     rng = np.random.default_rng(args.seed)
     kimi = TailConfig.kimi_k3()
     weights = {layout: place_weights(kimi, mesh, layout, rng) for layout in ("column", "replicated")}

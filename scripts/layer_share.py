@@ -97,6 +97,7 @@ from examples.kimi_k3_moe_layer import (
     abstract_parameters,
     build_layer,
     layer_forward,
+    partition_specs,
     up_projection,
 )
 from examples.kimi_k3_layer_schedule import shared_reduction_placement
@@ -142,13 +143,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="cpu: seed of the stand-in weights and inputs")
     parser.add_argument("--json", metavar="FILE", help="also write the machine, the settings and every row")
     args = parser.parse_args(argv)
-    kimi = LayerConfig.kimi_k3()
-    widths = (kimi.hidden_size, kimi.latent_size, kimi.expert_intermediate_size, kimi.shared_intermediate_size)
-    if any(width % (args.width_divisor * CPU_DEVICES) for width in widths):
-        parser.error(f"--width-divisor: expected a divisor of Kimi-K3's widths {widths} that leaves each a multiple "
-                     f"of the {CPU_DEVICES} devices (1, 2, 4, ... 64), got {args.width_divisor}")
-    if args.top_k > args.experts:
-        parser.error(f"--top-k: expected at most --experts = {args.experts}, got {args.top_k}")
+    try:
+        partition_specs(cpu_config(args), CPU_DEVICES)  # every width the CPU mesh splits must divide by it
+    except ValueError as error:
+        parser.error(f"--width-divisor, --experts, --top-k: {error}")
     return args
 
 
@@ -168,12 +166,10 @@ def layer_tiers(weight_layout: str) -> list[k3_tail.Tier]:
 
 
 def cpu_config(args: argparse.Namespace) -> LayerConfig:
-    kimi = LayerConfig.kimi_k3()
-    divisor = args.width_divisor
-    tail = k3_tail.TailConfig.kimi_k3(hidden_size=kimi.hidden_size // divisor, latent_size=kimi.latent_size // divisor)
-    return LayerConfig(tail, num_experts=args.experts, top_k=args.top_k,
-                       expert_intermediate_size=kimi.expert_intermediate_size // divisor,
-                       shared_intermediate_size=kimi.shared_intermediate_size // divisor)
+    """The CPU part's layer: Kimi-K3's widths / --width-divisor, --experts, --top-k, the shared reduction in
+    the tail (where the tiers differ)."""
+    return LayerConfig.kimi_k3(num_experts=args.experts, top_k=args.top_k, width_divisor=args.width_divisor,
+                               early_shared_reduction=False)
 
 
 def measure_cpu(args: argparse.Namespace) -> tuple[LayerConfig, list[dict[str, Any]]]:
@@ -339,7 +335,7 @@ def compile_early(args: argparse.Namespace) -> tuple[LayerConfig, list[dict[str,
     return config, rows
 
 
-def format_early(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
+def format_early(config: LayerConfig, rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
     lines = [
         "early: where the shared reduction runs in the layer compiled for a deviceless 8 x H100 (Kimi-K3: 896 experts,"
         f" top 16, bf16, {args.weight_layout} up projection), the tier it selects; schedule positions",
@@ -458,7 +454,7 @@ def predict_model(args: argparse.Namespace) -> tuple[LayerConfig, list[dict[str,
     return config, rows
 
 
-def format_model(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
+def format_model(config: LayerConfig, rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
     tiers = [tier.value for tier in layer_tiers(args.weight_layout) if tier != k3_tail.Tier.NATIVE]
     lines = [f"model: cost-model layer-level gain over native, {MODEL_HARDWARE.upper()} TP {MODEL_TP_SIZE}, Kimi-K3 "
              f"(896 experts, top 16), {args.weight_layout} up projection; the MoE layer alone"]
@@ -494,38 +490,15 @@ def main(argv: list[str] | None = None) -> int:
           f"{machine['load_average_1min']:.2f} at start")
     results: dict[str, Any] = {}
     sections = []
-    if "cpu" in args.parts:
-        config, rows = measure_cpu(args)
-        results["cpu"] = {"config": describe(config), "rows": rows}
-        sections.append(format_cpu(config, rows, args))
-    if "h100" in args.parts:
+    for part in (part for part in PARTS if part in args.parts):
+        produce, present = PART_STEPS[part]
         try:
-            config, rows = compile_h100(args)
-        except k3_tail.TopologyUnavailable as error:
-            progress(f"h100: skipped: {error}")
-        else:
-            results["h100"] = {"config": describe(config), "rows": rows}
-            sections.append(format_h100(config, rows, args))
-    if "early" in args.parts:
-        try:
-            _, rows = compile_early(args)
-        except k3_tail.TopologyUnavailable as error:
-            progress(f"early: skipped: {error}")
-        else:
-            results["early"] = {"rows": rows}
-            sections.append(format_early(rows, args))
-    if "cost" in args.parts:
-        try:
-            config, rows = compile_cost(args)
-        except k3_tail.TopologyUnavailable as error:
-            progress(f"cost: skipped: {error}")
-        else:
-            results["cost"] = {"config": describe(config), "rows": rows}
-            sections.append(format_cost(config, rows, args))
-    if "model" in args.parts:
-        config, rows = predict_model(args)
-        results["model"] = {"config": describe(config), "hardware": MODEL_HARDWARE, "rows": rows}
-        sections.append(format_model(rows, args))
+            config, rows = produce(args)
+        except k3_tail.TopologyUnavailable as error:  # the deviceless GPU parts need the [aot] extra
+            progress(f"{part}: skipped: {error}")
+            continue
+        results[part] = {"config": describe(config), "rows": rows}
+        sections.append(present(config, rows, args))
     elapsed = time.perf_counter() - started
     print("\n\n".join(["", *sections]))
     print(f"\nelapsed {elapsed:.0f} s; load average {os.getloadavg()[0]:.2f} at end")
@@ -535,6 +508,12 @@ def main(argv: list[str] | None = None) -> int:
             json.dump({"machine": machine, "settings": settings, "elapsed_s": elapsed, **results}, file, indent=1)
         print(f"wrote {args.json}")
     return 0
+
+
+# Each part: what computes its rows, and what prints them.
+PART_STEPS = {"cpu": (measure_cpu, format_cpu), "h100": (compile_h100, format_h100),
+              "early": (compile_early, format_early), "cost": (compile_cost, format_cost),
+              "model": (predict_model, format_model)}
 
 
 def describe(config: LayerConfig) -> dict[str, Any]:

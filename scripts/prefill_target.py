@@ -27,7 +27,7 @@ import numpy as np
 
 from k3_tail import TailConfig, Tier, tail_forward
 from k3_tail.cli.common import (
-    CommandError, demo_devices, format_ms, positive_int, positive_int_list, progress, tp_mesh, use_cpu_without_gpu,
+    CommandError, format_ms, positive_int, positive_int_list, progress, timing_mesh,
 )
 from k3_tail.tools.benchmark import Timing, machine_info, place_partials, place_weights, time_round_robin
 
@@ -43,15 +43,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     parser.add_argument("--json", metavar="FILE", help="also write the machine and every run time as JSON")
     args = parser.parse_args(argv)
-    use_cpu_without_gpu()
     try:
-        mesh = tp_mesh(demo_devices(args.devices))
+        mesh, machine = timing_mesh(args.devices)
     except CommandError as error:
         print(f"prefill_target.py: error: {error}", file=sys.stderr)
         return 2
-    machine = machine_info()
-    print(f"jax {machine['jax']}, {machine['device_count']} x {machine['device_kind']}, {machine['cpu_count']} "
-          f"cores, load average {machine['load_average_1min']:.2f} at start", flush=True)
     rng = np.random.default_rng(args.seed)
     kimi = TailConfig.kimi_k3()
     weights = {layout: place_weights(kimi, mesh, layout, rng) for layout in ("column", "replicated")}

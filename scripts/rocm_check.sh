@@ -11,6 +11,9 @@
 # hipBLASLt's C-accumulating bf16 GEMM has faulted for vLLM (XLA may fuse "dot + add" into one).
 # FP8 up-projection weights run in the parity design (both formats) and in the schedule checks, in the
 # format the GPUs multiply (E4M3FNUZ on MI300X/MI325X, E4M3FN otherwise), plus tests/test_up_projection.py.
+# The one-token checks (one GEMM per tier, bytes at T = 1 against T = 2, temporary memory) run in the
+# schedule checks, and the shared output reduced before the tail in the parity design and
+# tests/test_shared_reduction.py.
 #
 # XLA options: none are needed from the environment. k3_tail.compile_tail applies its own per
 # executable (k3_tail.compiler_options: for the overlap tier xla_gpu_all_reduce_combine_threshold_bytes=0
@@ -23,4 +26,4 @@ export JAX_PLATFORMS=rocm
 python -c 'import jax; d = jax.devices(); print(f"jax {jax.__version__}: {len(d)} x {d[0].device_kind} ({d[0].client.platform_version})")'
 python -m pytest tests/test_tiers.py tests/test_sequence_parallel.py tests/test_per_rank.py tests/test_forward.py \
     tests/test_collectives.py tests/test_rocm_watch.py tests/test_up_projection.py \
-    tests/test_module.py tests/test_schedule.py -m "rocm or not rocm" "$@"
+    tests/test_module.py tests/test_schedule.py tests/test_shared_reduction.py -m "rocm or not rocm" "$@"

@@ -10,14 +10,14 @@ by --width-divisor (default 4: H 1792, L 896, m 768, F 1536, as scripts/layer_sh
 same hidden states go through the layer once per method of --methods (default: ragged_dot, the
 layer's method above T*k = E before, and capacity, its method now): each program compiled and run
 --warmup times, then timed in --repeats rounds, each round running every method once (the order rotating),
-each run timed with perf_counter around the call and block_until_ready. Reported: median and q25-q75
+each run timed with perf_counter around the call and block_until_ready
+(:func:`k3_tail.benchmark.time_round_robin`). Reported: median and q25-q75
 in ms and the speed against the first method (its median over the method's); * marks the method the
 layer selects for that T.
 
-The layer has no switch for its routed-expert method: each method's program is lowered while the
-layer module's ``routed_expert_method`` is replaced by one that names it, then compiled and called
-as a compiled executable (never traced again). The 8 CPU devices share the host's cores, and
-ragged_dot runs densely over the E experts on CPU: this ranks the methods on this machine only.
+Each method is forced with ``LayerConfig(routed_experts=method)`` on the same parameters (one
+program per method). The 8 CPU devices share the host's cores, and ragged_dot runs densely over the
+E experts on CPU: this ranks the methods on this machine only.
 
 Progress on stderr; --json FILE also writes the machine, the settings and every row. Exit status 0,
 or 2 for bad arguments.
@@ -39,7 +39,6 @@ import functools
 import json
 import time
 from typing import Any
-from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -47,9 +46,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import k3_tail
 from examples import kimi_k3_moe_layer as layer_module
-from examples.kimi_k3_routed_experts import ROUTED_EXPERTS, RoutedExpertMethod, routed_expert_method
+from examples.kimi_k3_routed_experts import ROUTED_EXPERTS, routed_expert_method
 from k3_tail import benchmark
 from k3_tail.cli.common import ProgressBar, format_ms, positive_int, positive_int_list
 
@@ -74,13 +72,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="seed of the stand-in weights and inputs")
     parser.add_argument("--json", metavar="FILE", help="also write the machine, the settings and every row")
     args = parser.parse_args(argv)
-    kimi = layer_module.LayerConfig.kimi_k3()
-    widths = (kimi.hidden_size, kimi.latent_size, kimi.expert_intermediate_size, kimi.shared_intermediate_size)
-    if any(width % (args.width_divisor * CPU_DEVICES) for width in widths):
-        parser.error(f"--width-divisor: expected a divisor of Kimi-K3's widths {widths} that leaves each a multiple "
-                     f"of the {CPU_DEVICES} devices (1, 2, 4, ... 64), got {args.width_divisor}")
-    if args.top_k > args.experts:
-        parser.error(f"--top-k: expected at most --experts = {args.experts}, got {args.top_k}")
+    try:
+        layer_module.partition_specs(layer_config(args), CPU_DEVICES)  # the mesh splits m and F by its devices
+    except ValueError as error:
+        parser.error(f"--width-divisor, --experts, --top-k: {error}")
     return args
 
 
@@ -92,52 +87,32 @@ def method_list(text: str) -> tuple[str, ...]:
     return methods
 
 
-def layer_config(args: argparse.Namespace) -> layer_module.LayerConfig:
-    kimi = layer_module.LayerConfig.kimi_k3()
-    divisor = args.width_divisor
-    tail = k3_tail.TailConfig.kimi_k3(hidden_size=kimi.hidden_size // divisor, latent_size=kimi.latent_size // divisor)
-    return layer_module.LayerConfig(tail, num_experts=args.experts, top_k=args.top_k,
-                                    expert_intermediate_size=kimi.expert_intermediate_size // divisor,
-                                    shared_intermediate_size=kimi.shared_intermediate_size // divisor)
-
-
-def compile_with_method(layer: layer_module.KimiK3MoELayer, hidden_states: jax.Array,
-                        method: str) -> jax.stages.Compiled:
-    """The layer's program for ``hidden_states`` with the routed-expert ``method``, compiled (module docstring)."""
-    forced = RoutedExpertMethod(method, "forced by scripts/routed_experts_bench.py")
-    # A partial made here is a callable of its own, so no trace of another method's program is reused.
-    forward = functools.partial(layer_module.layer_forward.__wrapped__, config=layer.config, mesh=layer.mesh)
-    with mock.patch.object(layer_module, "routed_expert_method", lambda config, num_tokens: forced):
-        lowered = jax.jit(forward).lower(layer.parameter_values(), hidden_states)
-    return lowered.compile()
+def layer_config(args: argparse.Namespace, routed_experts: str | None = None) -> layer_module.LayerConfig:
+    """Kimi-K3's widths / --width-divisor, --experts, --top-k; the routed-expert method forced, or selected."""
+    return layer_module.LayerConfig.kimi_k3(num_experts=args.experts, top_k=args.top_k,
+                                            width_divisor=args.width_divisor, routed_experts=routed_experts)
 
 
 def measure(args: argparse.Namespace) -> tuple[layer_module.LayerConfig, list[dict[str, Any]]]:
     """One row per (T, method): the layer's timing on the CPU mesh (module docstring)."""
     config = layer_config(args)
     mesh = jax.make_mesh((CPU_DEVICES,), ("tp",), devices=jax.devices("cpu")[:CPU_DEVICES])
-    layer = layer_module.build_layer(config, mesh, seed=args.seed)
-    parameters = layer.parameter_values()
+    parameters = layer_module.build_layer(config, mesh, seed=args.seed).parameter_values()
     rng = np.random.default_rng(args.seed)
     bar = ProgressBar(len(args.tokens) * (len(args.methods) + args.repeats))
     rows = []
     for num_tokens in args.tokens:
         hidden = jax.device_put(jnp.asarray(rng.standard_normal((num_tokens, config.hidden_size)), config.dtype),
                                 NamedSharding(mesh, P()))
-        calls = {}
-        for method in args.methods:
-            bar.step(f"T={num_tokens} {method}: compile and warm up")
-            calls[method] = functools.partial(compile_with_method(layer, hidden, method), parameters, hidden)
-            for _ in range(args.warmup):
-                calls[method]().block_until_ready()
-        seconds = {method: [] for method in args.methods}
-        for round_index in range(args.repeats):
-            bar.step(f"T={num_tokens}: round {round_index + 1}/{args.repeats}")
-            start = round_index % len(args.methods)
-            for method in args.methods[start:] + args.methods[:start]:
-                began = time.perf_counter()
-                calls[method]().block_until_ready()
-                seconds[method].append(time.perf_counter() - began)
+        calls = {method: functools.partial(layer_module.layer_forward, parameters, hidden,
+                                           config=layer_config(args, method), mesh=mesh)
+                 for method in args.methods}
+        for _ in range(args.warmup - 1):  # time_round_robin runs each once before timing
+            for call in calls.values():
+                call().block_until_ready()
+        seconds = benchmark.time_round_robin(calls, rounds=args.repeats,
+                                             on_progress=lambda message, tokens=num_tokens: bar.step(
+                                                 f"T={tokens}: {message}"))
         selected = routed_expert_method(config, num_tokens).method
         baseline = float(np.median(seconds[args.methods[0]]))
         for method in args.methods:

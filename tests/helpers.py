@@ -36,6 +36,13 @@ def command_environment():
     return {**environment, "XLA_FLAGS": FAST_COMPILE_XLA_FLAGS}
 
 
+@functools.cache
+def compiled_tail(config, mesh, num_tokens, tier, weight_layout):
+    """``k3_tail.compile_tail`` once per process for the same arguments: the GPU schedule tests and the cost
+    model's agreement tests compile many of the same programs."""
+    return k3_tail.compile_tail(config, mesh, num_tokens, tier=k3_tail.Tier.parse(tier), weight_layout=weight_layout)
+
+
 def make_tp_mesh(tp_size, axis_type=jax.sharding.AxisType.Explicit):
     """A 1-d mesh named "tp" over the first ``tp_size`` devices (skips when there are fewer)."""
     if len(jax.devices()) < tp_size:

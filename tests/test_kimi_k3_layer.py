@@ -32,6 +32,7 @@ import covering
 import k3_tail
 from examples import kimi_k3_moe_cost as layer_cost
 from examples import kimi_k3_moe_layer as layer_module
+from examples.kimi_k3_routed_experts import routed_expert_method
 from examples.kimi_k3_moe_reference import choice_margin, reference_layer, reference_partials
 from helpers import FAST_COMPILE_OPTIONS, make_tp_mesh
 from reference import TOLERANCE, relative_error, tolerance
@@ -161,6 +162,17 @@ def test_layer_with_an_fp8_up_projection_matches_the_reference(up_proj_dtype, fp
     reference = reference_layer(weights, x, top_k=TOP_K, rms_norm_eps=config.tail.rms_norm_eps,
                                 routed_scaling_factor=config.tail.routed_scaling_factor)
     assert relative_error(y, reference) <= tolerance(config.tail)
+
+
+def test_a_forced_routed_expert_method_runs_at_any_t_and_matches_the_reference():
+    """LayerConfig(routed_experts=...) makes every call take that method: ragged_dot, which selection never picks,
+    at T = 16, where it would pick capacity (the covering design runs the selected methods)."""
+    method = "ragged_dot"
+    config = dataclasses.replace(layer_config("bfloat16"), routed_experts=method)
+    assert routed_expert_method(config, 16).method == method
+    layer = layer_module.KimiK3MoELayer(config, make_tp_mesh(2), checkpoint("bfloat16"))
+    x = hidden_states(16, "bfloat16")
+    assert relative_error(run_layer(layer, x), expected(config, x)) <= TOLERANCE[np.dtype(jnp.bfloat16)]
 
 
 @pytest.mark.slow
@@ -299,8 +311,12 @@ def test_the_early_shared_reduction_is_predicted_to_expose_only_what_the_routed_
          r"^hidden_states: expected a \[T, 64\] array of float32"),
         (lambda: layer_config("float32", has_shared_experts=False), r"^tail: the layer has shared experts"),
         (lambda: layer_config("float32", early_shared_reduction=1), r"^early_shared_reduction: expected a bool"),
+        (lambda: dataclasses.replace(layer_config("float32"), routed_experts="sort"),
+         r"^routed_experts: expected None or one of \('gather', 'capacity', 'ragged_dot'\)"),
+        (lambda: layer_module.LayerConfig.kimi_k3(width_divisor=3), r"^width_divisor: expected a positive divisor"),
     ],
-    ids=["checkpoint-shape", "checkpoint-names", "tp-size", "hidden-states-dtype", "tail-config", "early-not-bool"],
+    ids=["checkpoint-shape", "checkpoint-names", "tp-size", "hidden-states-dtype", "tail-config", "early-not-bool",
+         "routed-experts-name", "width-divisor"],
 )
 def test_bad_input_is_a_value_error_naming_it(build, message):
     with pytest.raises(ValueError, match=message):

@@ -110,11 +110,14 @@ def test_every_tier_in_a_models_shard_map_over_a_tuple_axis(mesh, tier, weight_l
     assert y.sharding.is_fully_replicated
 
 
-@pytest.mark.parametrize(("tier", "weight_layout"), [pytest.param(None, "column", id="selected-column"),
-                                                     *tier_layouts()])
-def test_every_tier_takes_the_shared_output_reduced_early_in_a_models_shard_map(mesh, tier, weight_layout):
+@pytest.mark.parametrize(("tier", "weight_layout"), [
+    pytest.param(None, "column", id="selected-column"), pytest.param("column_parallel", "column", id="column_parallel"),
+    pytest.param("one_shot", "replicated", id="one_shot"), pytest.param("token_parallel", "replicated",
+                                                                         id="token_parallel")])
+def test_the_tail_takes_the_shared_output_reduced_early_in_a_models_shard_map(mesh, tier, weight_layout):
     """k3_tail.reduce_shared right after the shared experts, the tail on its result: one token (a one-row GEMM)
-    with the column layout, five with the replicated kernel."""
+    with the column layout, five with the replicated kernel; the tiers whose schedule changes most (every tier
+    takes it in the covering design, through tail_forward)."""
     config = dataclasses.replace(CONFIG, shared_output_is_reduced=True)
     layer = Layer.random(config, 1 if weight_layout == "column" else 5)
     y = run_layer(mesh, config, layer, tier=tier, weight_layout=weight_layout)
@@ -224,17 +227,20 @@ def test_bad_per_rank_input_is_a_value_error_naming_the_argument(overrides, mess
         per_rank_call(**overrides)
 
 
-@pytest.mark.parametrize("up_proj_dtype", [None, "float8_e4m3fnuz"])
-def test_module_per_rank_call_in_an_nnx_shard_map(mesh, up_proj_dtype):
-    """The module's parameters (FP8 values and scales too) enter the model's shard_map as each rank's blocks."""
-    config = dataclasses.replace(CONFIG, up_proj_dtype=up_proj_dtype)
+@pytest.mark.parametrize(("up_proj_dtype", "shared_output_is_reduced"),
+                         [(None, True), ("float8_e4m3fnuz", False)], ids=["shared-reduced", "e4m3fnuz"])
+def test_module_per_rank_call_in_an_nnx_shard_map(mesh, up_proj_dtype, shared_output_is_reduced):
+    """The module's parameters (FP8 values and scales too) enter the model's shard_map as each rank's blocks; with
+    shared_output_is_reduced the model reduces its shared partial with the module's reduce_shared first."""
+    config = dataclasses.replace(CONFIG, up_proj_dtype=up_proj_dtype, shared_output_is_reduced=shared_output_is_reduced)
     module = k3_tail.LatentMoETail(config, mesh, rngs=nnx.Rngs(0), axis_name=TP, weight_layout="column")
     inputs = make_inputs(config, P_SIZE, 5)
     state_specs = nnx.StateSharding(nnx.get_partition_spec(nnx.state(module)))
 
     @nnx.shard_map(mesh=mesh, in_specs=(state_specs, P(TP), P(TP)), out_specs=P())
     def layer(module, routed, shared):
-        return module.per_rank(routed[0], shared[0])
+        shared = module.reduce_shared(shared[0]) if shared_output_is_reduced else shared[0]
+        return module.per_rank(routed[0], shared)
 
     y = layer(module, *(jax.device_put(x, NamedSharding(mesh, P(TP))) for x in (inputs.routed, inputs.shared)))
     kernel = np.asarray(module.up_proj_kernel[...])[:, : config.hidden_size]
@@ -242,23 +248,6 @@ def test_module_per_rank_call_in_an_nnx_shard_map(mesh, up_proj_dtype):
         kernel = k3_tail.QuantizedKernel(kernel, np.asarray(module.up_proj_scale[...])[: config.hidden_size])
     expected = reference_tail(config, dataclasses.replace(inputs, kernel=kernel,
                                                           norm_weight=np.asarray(module.norm_scale[...])))
-    assert_close(config, y, expected)
-
-
-def test_module_reduces_its_shared_partial_and_takes_it_per_rank(mesh):
-    config = dataclasses.replace(CONFIG, shared_output_is_reduced=True)
-    module = k3_tail.LatentMoETail(config, mesh, rngs=nnx.Rngs(0), axis_name=TP, weight_layout="column")
-    inputs = make_inputs(config, P_SIZE, 5)
-    state_specs = nnx.StateSharding(nnx.get_partition_spec(nnx.state(module)))
-
-    @nnx.shard_map(mesh=mesh, in_specs=(state_specs, P(TP), P(TP)), out_specs=P())
-    def layer(module, routed, shared):
-        return module.per_rank(routed[0], module.reduce_shared(shared[0]))
-
-    y = layer(module, *(jax.device_put(x, NamedSharding(mesh, P(TP))) for x in (inputs.routed, inputs.shared)))
-    expected = reference_tail(config, dataclasses.replace(
-        inputs, kernel=np.asarray(module.up_proj_kernel[...])[:, : config.hidden_size],
-        norm_weight=np.asarray(module.norm_scale[...])))
     assert_close(config, y, expected)
 
 

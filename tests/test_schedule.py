@@ -13,7 +13,8 @@ import sys
 import jax
 import pytest
 
-from k3_tail import Tier, TailConfig, compile_tail, compiler_options, tail_arguments, tail_forward, topology_mesh
+from helpers import compiled_tail
+from k3_tail import Tier, TailConfig, compiler_options, tail_arguments, tail_forward, topology_mesh
 from k3_tail.tiers.up_projection import gemm_rows
 from k3_tail.xla.hlo_text import parse_module
 from k3_tail.xla.report import report
@@ -35,7 +36,7 @@ def gpu_mesh(request):
 
 
 def compiled_report(mesh, tier, num_tokens, weight_layout):
-    return report(compile_tail(CONFIG, mesh, num_tokens, tier=tier, weight_layout=weight_layout))
+    return report(compiled_tail(CONFIG, mesh, num_tokens, tier, weight_layout))
 
 
 def elements(collective):
@@ -103,7 +104,7 @@ def test_column_tier_is_one_latent_and_one_hidden_all_reduce_around_a_local_gemm
 
 
 def test_column_tier_kernel_argument_is_the_local_block(gpu_mesh):
-    compiled = compile_tail(CONFIG, gpu_mesh, 16, tier=Tier.COLUMN_PARALLEL, weight_layout="column")
+    compiled = compiled_tail(CONFIG, gpu_mesh, 16, Tier.COLUMN_PARALLEL, "column")
     entry = parse_module(compiled.as_text()).entry
     parameters = {i.operand_text: i for i in entry.instructions if i.opcode == "parameter"}
     assert parameters["3"].arrays[0].dims == (L, H // P)
@@ -144,7 +145,7 @@ PREFILL_TOKENS = 2048
 
 def prefill_compile(mesh, tier, weight_layout, sequence_parallel):
     config = TailConfig.kimi_k3(sequence_parallel=sequence_parallel)
-    return compile_tail(config, mesh, PREFILL_TOKENS, tier=tier, weight_layout=weight_layout)
+    return compiled_tail(config, mesh, PREFILL_TOKENS, tier, weight_layout)
 
 
 def prefill_report(mesh, tier, weight_layout, sequence_parallel):
@@ -209,7 +210,7 @@ def fp8_format_for(mesh):
 
 def fp8_program(mesh, tier, weight_layout, num_tokens, fp8_activations):
     config = TailConfig.kimi_k3(up_proj_dtype=fp8_format_for(mesh), fp8_activations=fp8_activations)
-    compiled = compile_tail(config, mesh, num_tokens, tier=tier, weight_layout=weight_layout)
+    compiled = compiled_tail(config, mesh, num_tokens, tier, weight_layout)
     return parse_module(compiled.as_text()), report(compiled)
 
 
@@ -253,7 +254,7 @@ def test_fp8_activations_make_both_gemm_operands_fp8(gpu_mesh, tier, weight_layo
 
 def test_fp8_weights_halve_the_kernel_bytes_each_device_holds(gpu_mesh):
     """Per device: the column block [L, H/p] in FP8 plus float32 scales, against bf16 (half, plus 4H/p)."""
-    bf16 = report(compile_tail(CONFIG, gpu_mesh, 16, tier=Tier.COLUMN_PARALLEL, weight_layout="column"))
+    bf16 = report(compiled_tail(CONFIG, gpu_mesh, 16, Tier.COLUMN_PARALLEL, "column"))
     _, fp8 = fp8_program(gpu_mesh, Tier.COLUMN_PARALLEL, "column", 16, fp8_activations=False)
     assert sum(a.bytes for a in fp8.arguments) - sum(a.bytes for a in bf16.arguments) == -L * H // P + 4 * H // P
 
@@ -274,18 +275,19 @@ def temporary_limit(tier, weight_layout, up_proj_dtype):
     return (1 if up_proj_dtype else 2) * L * H // P + 0.2e6
 
 
-@pytest.mark.parametrize(("tier", "weight_layout", "up_proj_dtype"), [
-    pytest.param(tier, layout, dtype, id=f"{tier.value}-{layout}-{dtype or 'bf16'}")
-    for tier in Tier for layout in LAYOUTS if tier.supports(layout) for dtype in (None, "float8_e4m3fn")])
+@pytest.mark.parametrize(("tier", "weight_layout", "fp8"), [
+    pytest.param(tier, layout, fp8, id=f"{tier.value}-{layout}-{'fp8' if fp8 else 'bf16'}")
+    for tier in Tier for layout in LAYOUTS if tier.supports(layout) for fp8 in (False, True)])
 def test_a_one_token_call_reads_its_kernel_once_without_a_kernel_sized_intermediate(gpu_mesh, tier, weight_layout,
-                                                                                      up_proj_dtype):
+                                                                                      fp8):
     """Per device: bytes accessed at T = 1 at most 1.15x those at T = 2, temporary memory at most 2 MB at both
     (a column tier on the replicated kernel: its block's copy), and the product is one GEMM, not a multiply
-    and a reduce."""
+    and a reduce; with the kernel in bf16 and in the FP8 format the mesh's GPUs multiply."""
+    up_proj_dtype = fp8_format_for(gpu_mesh) if fp8 else None
     config = TailConfig.kimi_k3(up_proj_dtype=up_proj_dtype)
     programs = {}
     for num_tokens in (1, 2):
-        compiled = compile_tail(config, gpu_mesh, num_tokens, tier=tier, weight_layout=weight_layout)
+        compiled = compiled_tail(config, gpu_mesh, num_tokens, tier, weight_layout)
         programs[num_tokens] = report(compiled), compiled.memory_analysis().temp_size_in_bytes
     (one, one_temporary), (two, two_temporary) = programs[1], programs[2]
     assert [gemm.scopes for gemm in one.gemms] == [("up_projection",)]

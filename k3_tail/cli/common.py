@@ -35,7 +35,9 @@ from k3_tail.tiers.collectives import ALL_REDUCE_FORMS
 from k3_tail.tiers.columns import WEIGHT_LAYOUTS
 from k3_tail.tiers.registry import Tier
 from k3_tail.tiers.up_projection import FP8_FORMATS
-from k3_tail.tools.benchmark import CPU_MAX_TOKENS, DEFAULT_MAX_TOKENS, Measurement, check_tiers, measure_tiers
+from k3_tail.tools.benchmark import (
+    CPU_MAX_TOKENS, DEFAULT_MAX_TOKENS, Measurement, check_tiers, machine_info, measure_tiers,
+)
 
 PROG = "k3-tail"
 AXIS_NAME = "tp"
@@ -94,6 +96,18 @@ def demo_devices(cpu_device_count: int, *, accelerators: bool = True) -> list[ja
 def tp_mesh(devices: Sequence[jax.Device]) -> Mesh:
     """The 1-d TP mesh (axis ``AXIS_NAME``) over ``devices``."""
     return jax.make_mesh((len(devices),), (AXIS_NAME,), devices=devices)
+
+
+def timing_mesh(cpu_device_count: int) -> tuple[Mesh, dict]:
+    """(The 1-d TP mesh a timing script runs on, the machine it runs on): the CPU platform where no GPU
+    exists, all accelerators or ``cpu_device_count`` CPU devices, and ``benchmark.machine_info()``, whose
+    line this prints first. CommandError when the devices cannot be had."""
+    use_cpu_without_gpu()
+    mesh = tp_mesh(demo_devices(cpu_device_count))
+    machine = machine_info()
+    print(f"jax {machine['jax']}, {machine['device_count']} x {machine['device_kind']}, {machine['cpu_count']} "
+          f"cores, load average {machine['load_average_1min']:.2f} at start", flush=True)
+    return mesh, machine
 
 
 # ---- argument types and flags ----
