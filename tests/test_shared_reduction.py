@@ -98,6 +98,8 @@ def test_a_measured_table_refuses_the_other_mode():
     with pytest.raises(ValueError, match=r"^selection_table: measured with shared_output_is_reduced=False"):
         table.check_matches(REDUCED, 8, weight_layout="column", device_kind="cpu")
     assert k3_tail.SelectionTable.from_dict(table.to_dict()) == table
+    older = {key: value for key, value in table.to_dict().items() if key != "shared_output_is_reduced"}
+    assert k3_tail.SelectionTable.from_dict(older).shared_output_is_reduced is False  # measured with the partials
 
 
 def test_the_global_api_takes_the_reduced_shared_output_whole():
