@@ -61,7 +61,9 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from k3_tail.cli.common import CommandError, demo_devices, format_ms, positive_int, progress, use_cpu_without_gpu
+from k3_tail.cli.common import (
+    CommandError, choice_list, demo_devices, format_ms, positive_int, positive_int_list, progress, use_cpu_without_gpu,
+)
 from k3_tail.tools.benchmark import machine_info
 
 AXIS_NAME = "tp"
@@ -76,20 +78,6 @@ EXPECTED_OPS = {ALL_REDUCE: {"all-reduce": 1, "reduce-scatter": 0, "all-gather":
 HLO_OP = re.compile(r"\b(all-reduce|reduce-scatter|all-gather)(?:-start)?\(")
 
 
-def int_list(text: str) -> tuple[int, ...]:
-    """A comma-separated list of integers >= 1 (argparse type)."""
-    return tuple(positive_int(item.strip()) for item in text.split(","))
-
-
-def dtype_list(text: str) -> tuple[str, ...]:
-    """A comma-separated list of dtypes among DTYPES (argparse type)."""
-    names = tuple(item.strip() for item in text.split(","))
-    for name in names:
-        if name not in DTYPES:
-            raise argparse.ArgumentTypeError(f"expected dtypes among {', '.join(DTYPES)}, got {name!r}")
-    return names
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description="Time a sum over the TP ranks of a [rows, width] buffer as one all-reduce (psum) and as "
@@ -98,12 +86,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--devices", type=positive_int, default=8, metavar="N",
                         help="CPU devices to make without a GPU (default: 8); with GPUs all GPUs are used")
-    parser.add_argument("--rows", type=int_list, default=DEFAULT_ROWS, metavar="R,R,...",
+    parser.add_argument("--rows", type=positive_int_list, default=DEFAULT_ROWS, metavar="R,R,...",
                         help="buffer rows per rank, each a multiple of the device count "
                         f"(default: {','.join(map(str, DEFAULT_ROWS))})")
-    parser.add_argument("--widths", type=int_list, default=DEFAULT_WIDTHS, metavar="W,W,...",
+    parser.add_argument("--widths", type=positive_int_list, default=DEFAULT_WIDTHS, metavar="W,W,...",
                         help=f"buffer widths (default: {','.join(map(str, DEFAULT_WIDTHS))}: Kimi-K3's L, H and 2H+L)")
-    parser.add_argument("--dtypes", type=dtype_list, default=DEFAULT_DTYPES, metavar="D,D,...",
+    parser.add_argument("--dtypes", type=choice_list(tuple(DTYPES), "dtypes"), default=DEFAULT_DTYPES,
+                        metavar="D,D,...",
                         help=f"buffer dtypes among {', '.join(DTYPES)} (default: {','.join(DEFAULT_DTYPES)}); "
                         "those narrower than float32 are also timed cast to float32 around the collective")
     parser.add_argument("--repeats", type=positive_int, default=7, metavar="N",

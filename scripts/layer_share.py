@@ -103,7 +103,7 @@ from examples.kimi_k3_moe_layer import (
 from examples.kimi_k3_layer_schedule import shared_reduction_placement
 from examples.kimi_k3_routed_experts import routed_expert_method
 from k3_tail import benchmark, xla_report
-from k3_tail.cli.common import ProgressBar, format_ms, positive_int, positive_int_list, progress
+from k3_tail.cli.common import ProgressBar, choice_list, format_ms, positive_int, positive_int_list, progress
 
 PARTS = ("cpu", "h100", "early", "cost", "model")
 CPU_DEVICES = 8
@@ -118,7 +118,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="The Kimi-K3 latent MoE layer per tail tier: CPU-mesh times and "
                                      "the tail's share, the deviceless 8 x H100 schedule, the cost model's layer-level "
                                      "gains on MI355X. See the module docstring.")
-    parser.add_argument("--parts", type=part_list, default=PARTS, metavar="PART,...",
+    parser.add_argument("--parts", type=choice_list(tuple(PARTS), "parts"), default=PARTS, metavar="PART,...",
                         help=f"parts to run, of {', '.join(PARTS)} (default: all)")
     parser.add_argument("--tokens", type=positive_int_list, default=(1, 4, 16, 64, 256, 1024), metavar="T,...",
                         help="cpu: token counts (default: 1,4,16,64,256,1024)")
@@ -148,14 +148,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     except ValueError as error:
         parser.error(f"--width-divisor, --experts, --top-k: {error}")
     return args
-
-
-def part_list(text: str) -> tuple[str, ...]:
-    parts = tuple(item.strip() for item in text.split(","))
-    for part in parts:
-        if part not in PARTS:
-            raise argparse.ArgumentTypeError(f"expected parts among {', '.join(PARTS)}, got {part!r}")
-    return parts
 
 
 def layer_tiers(weight_layout: str) -> list[k3_tail.Tier]:

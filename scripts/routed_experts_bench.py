@@ -49,7 +49,7 @@ from jax.sharding import PartitionSpec as P
 from examples import kimi_k3_moe_layer as layer_module
 from examples.kimi_k3_routed_experts import ROUTED_EXPERTS, routed_expert_method
 from k3_tail import benchmark
-from k3_tail.cli.common import ProgressBar, format_ms, positive_int, positive_int_list
+from k3_tail.cli.common import ProgressBar, choice_list, format_ms, positive_int, positive_int_list
 
 CPU_DEVICES = 8
 
@@ -59,7 +59,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                      "method, interleaved. See the module docstring.")
     parser.add_argument("--tokens", type=positive_int_list, default=(64, 256, 1024), metavar="T,...",
                         help="token counts (default: 64,256,1024)")
-    parser.add_argument("--methods", type=method_list, default=("ragged_dot", "capacity"), metavar="METHOD,...",
+    parser.add_argument("--methods", type=choice_list(tuple(ROUTED_EXPERTS), "methods"),
+                        default=("ragged_dot", "capacity"), metavar="METHOD,...",
                         help=f"methods of {', '.join(ROUTED_EXPERTS)}, the first the baseline of the speed column "
                              "(default: ragged_dot,capacity)")
     parser.add_argument("--repeats", type=positive_int, default=5, metavar="N", help="timed rounds per T (default: 5)")
@@ -77,14 +78,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     except ValueError as error:
         parser.error(f"--width-divisor, --experts, --top-k: {error}")
     return args
-
-
-def method_list(text: str) -> tuple[str, ...]:
-    methods = tuple(item.strip() for item in text.split(","))
-    for method in methods:
-        if method not in ROUTED_EXPERTS:
-            raise argparse.ArgumentTypeError(f"expected methods among {', '.join(ROUTED_EXPERTS)}, got {method!r}")
-    return methods
 
 
 def layer_config(args: argparse.Namespace, routed_experts: str | None = None) -> layer_module.LayerConfig:

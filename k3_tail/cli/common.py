@@ -146,6 +146,19 @@ def positive_int_list(text: str) -> tuple[int, ...]:
     return tuple(positive_int(item.strip()) for item in text.split(","))
 
 
+def choice_list(choices: Sequence[str], what: str):
+    """An argparse type: a comma-separated list of names among ``choices`` (``what`` names them in errors)."""
+
+    def parse(text: str) -> tuple[str, ...]:
+        names = tuple(item.strip() for item in text.split(","))
+        for name in names:
+            if name not in choices:
+                raise argparse.ArgumentTypeError(f"expected {what} among {', '.join(choices)}, got {name!r}")
+        return names
+
+    return parse
+
+
 def tier_values() -> str:
     """The registry's tier values, comma-separated: "native, overlap, ..." (for help and errors)."""
     return ", ".join(tier.value for tier in Tier)
