@@ -35,7 +35,7 @@ from jax.sharding import PartitionSpec as P
 
 from k3_tail import TailConfig, Tier, tail_forward
 from k3_tail.cli.common import (
-    AXIS_NAME, CommandError, format_ms, positive_int, positive_int_list, progress, timing_mesh,
+    AXIS_NAME, CommandError, add_timing_arguments, format_ms, positive_int_list, progress, timing_mesh,
 )
 from k3_tail.tiers.up_projection import project
 from k3_tail.tools.benchmark import Timing, machine_info, place_partials, place_weights, time_round_robin
@@ -45,10 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=positive_int_list, default=(1, 2, 16), metavar="T,T,...",
                         help="token counts, 2 among them (default: 1,2,16)")
-    parser.add_argument("--devices", type=positive_int, default=8, help="CPU devices without a GPU (default: 8)")
-    parser.add_argument("--rounds", type=positive_int, default=7, help="timed rounds (default: 7)")
-    parser.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
-    parser.add_argument("--json", metavar="FILE", help="also write the machine and every run time as JSON")
+    add_timing_arguments(parser, rounds=7)
     args = parser.parse_args(argv)
     if 2 not in args.tokens:
         parser.error("--tokens: expected 2 among the token counts (the ratios are taken against T = 2)")

@@ -103,7 +103,15 @@ from examples.kimi_k3_moe_layer import (
 from examples.kimi_k3_layer_schedule import shared_reduction_placement
 from examples.kimi_k3_routed_experts import routed_expert_method
 from k3_tail import benchmark, xla_report
-from k3_tail.cli.common import ProgressBar, choice_list, format_ms, positive_int, positive_int_list, progress
+from k3_tail.cli.common import (
+    ProgressBar,
+    announce_machine,
+    choice_list,
+    format_ms,
+    positive_int,
+    positive_int_list,
+    progress,
+)
 
 PARTS = ("cpu", "h100", "early", "cost", "model")
 CPU_DEVICES = 8
@@ -477,9 +485,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     jax.config.update("jax_num_cpu_devices", CPU_DEVICES)
     started = time.perf_counter()
-    machine = benchmark.machine_info()
-    print(f"machine: {machine['cpu_count']} x {machine['cpu_model']}; jax {machine['jax']}; load average "
-          f"{machine['load_average_1min']:.2f} at start")
+    machine = announce_machine()
     results: dict[str, Any] = {}
     sections = []
     for part in (part for part in PARTS if part in args.parts):

@@ -27,7 +27,7 @@ import numpy as np
 
 from k3_tail import TailConfig, Tier, tail_forward
 from k3_tail.cli.common import (
-    CommandError, format_ms, positive_int, positive_int_list, progress, timing_mesh,
+    CommandError, add_timing_arguments, format_ms, positive_int_list, progress, timing_mesh,
 )
 from k3_tail.tools.benchmark import Timing, machine_info, place_partials, place_weights, time_round_robin
 
@@ -38,10 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=positive_int_list, default=(16, 1024), metavar="T,T,...",
                         help="token counts (default: 16,1024)")
-    parser.add_argument("--devices", type=positive_int, default=8, help="CPU devices without a GPU (default: 8)")
-    parser.add_argument("--rounds", type=positive_int, default=5, help="timed rounds (default: 5)")
-    parser.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
-    parser.add_argument("--json", metavar="FILE", help="also write the machine and every run time as JSON")
+    add_timing_arguments(parser, rounds=5)
     args = parser.parse_args(argv)
     try:
         mesh, machine = timing_mesh(args.devices)

@@ -49,7 +49,7 @@ from jax.sharding import PartitionSpec as P
 from examples import kimi_k3_moe_layer as layer_module
 from examples.kimi_k3_routed_experts import ROUTED_EXPERTS, routed_expert_method
 from k3_tail import benchmark
-from k3_tail.cli.common import ProgressBar, choice_list, format_ms, positive_int, positive_int_list
+from k3_tail.cli.common import ProgressBar, announce_machine, choice_list, format_ms, positive_int, positive_int_list
 
 CPU_DEVICES = 8
 
@@ -139,9 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     jax.config.update("jax_num_cpu_devices", CPU_DEVICES)
     started = time.perf_counter()
-    machine = benchmark.machine_info()
-    print(f"machine: {machine['cpu_count']} x {machine['cpu_model']}; jax {machine['jax']}; load average "
-          f"{machine['load_average_1min']:.2f} at start")
+    machine = announce_machine()
     config, rows = measure(args)
     elapsed = time.perf_counter() - started
     print(format_rows(config, rows, args))

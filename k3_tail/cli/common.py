@@ -98,16 +98,29 @@ def tp_mesh(devices: Sequence[jax.Device]) -> Mesh:
     return jax.make_mesh((len(devices),), (AXIS_NAME,), devices=devices)
 
 
+def add_timing_arguments(parser: argparse.ArgumentParser, *, rounds: int) -> None:
+    """A timing script's ``--devices``, ``--rounds`` (default ``rounds``), ``--seed`` and ``--json``."""
+    parser.add_argument("--devices", type=positive_int, default=8, help="CPU devices without a GPU (default: 8)")
+    parser.add_argument("--rounds", type=positive_int, default=rounds, help=f"timed rounds (default: {rounds})")
+    parser.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    parser.add_argument("--json", metavar="FILE", help="also write the machine and every run time as JSON")
+
+
+def announce_machine() -> dict:
+    """``benchmark.machine_info()``, after printing its line (what ran, and how loaded the host was)."""
+    machine = machine_info()
+    print(f"jax {machine['jax']}, {machine['device_count']} x {machine['device_kind']}, {machine['cpu_count']} x "
+          f"{machine['cpu_model']}, load average {machine['load_average_1min']:.2f} at start", flush=True)
+    return machine
+
+
 def timing_mesh(cpu_device_count: int) -> tuple[Mesh, dict]:
     """(The 1-d TP mesh a timing script runs on, the machine it runs on): the CPU platform where no GPU
-    exists, all accelerators or ``cpu_device_count`` CPU devices, and ``benchmark.machine_info()``, whose
-    line this prints first. CommandError when the devices cannot be had."""
+    exists, all accelerators or ``cpu_device_count`` CPU devices, and :func:`announce_machine`.
+    CommandError when the devices cannot be had."""
     use_cpu_without_gpu()
     mesh = tp_mesh(demo_devices(cpu_device_count))
-    machine = machine_info()
-    print(f"jax {machine['jax']}, {machine['device_count']} x {machine['device_kind']}, {machine['cpu_count']} "
-          f"cores, load average {machine['load_average_1min']:.2f} at start", flush=True)
-    return mesh, machine
+    return mesh, announce_machine()
 
 
 # ---- argument types and flags ----
