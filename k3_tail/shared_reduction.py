@@ -57,5 +57,5 @@ def reduce_shared(
     platform = (jax.devices()[0] if device is None else device).platform
     if config.sequence_parallel:
         shared_partial = pad_tokens(shared_partial, tp_size)
-    with jax.named_scope(SHARED_REDUCTION):
-        return reduce_output(shared_partial, axis_name=axis_name, config=config, platform=platform)
+    return reduce_output(shared_partial, axis_name=axis_name, config=config, platform=platform,
+                         scope=SHARED_REDUCTION)

@@ -13,7 +13,7 @@ from k3_tail.tiers.norm import allreduce_norm_latent_out
 from k3_tail.tiers.up_projection import project
 from k3_tail.tiers.record import CallShape, CollectiveTerm, TierRecord
 from k3_tail.tiers.scopes import SHARED_REDUCTION
-from k3_tail.tiers.tokens import reduce_output
+from k3_tail.tiers.tokens import add_shared, reduce_output
 
 
 def column_parallel_tail(
@@ -62,7 +62,7 @@ def column_parallel_tail(
         own = project(latent, block, fp8_activations=config.fp8_activations).astype(config.dtype)
         projected = assemble_column_blocks(own, hidden_size=config.hidden_size,
                                            token_sharded=config.sequence_parallel, axis_name=axis_name)
-        return (projected.astype(jnp.float32) + shared_partial.astype(jnp.float32)).astype(config.dtype)
+        return add_shared(projected, shared_partial, config=config)
     block_width = block.shape[1]
     start = lax.axis_index(axis_name) * block_width
     if shared_partial is None:
@@ -75,8 +75,7 @@ def column_parallel_tail(
     buffer = buffer[:, : config.hidden_size]
     if defer_all_reduce:
         return buffer
-    with jax.named_scope(SHARED_REDUCTION):
-        return reduce_output(buffer, axis_name=axis_name, config=config, platform=platform)
+    return reduce_output(buffer, axis_name=axis_name, config=config, platform=platform, scope=SHARED_REDUCTION)
 
 
 def _collectives(shape: CallShape) -> tuple[CollectiveTerm, ...]:

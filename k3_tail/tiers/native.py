@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 
 from k3_tail._checks import AxisName
 from k3_tail.config import TailConfig
 from k3_tail.tiers.columns import project_all_columns
 from k3_tail.tiers.norm import allreduce_norm_latent_out
 from k3_tail.tiers.record import CallShape, CollectiveTerm, TierRecord
-from k3_tail.tiers.tokens import own_tokens, shared_output
+from k3_tail.tiers.tokens import add_shared, own_tokens, shared_output
 
 
 def native_tail(
@@ -45,10 +44,10 @@ def native_tail(
     )
     if config.sequence_parallel:
         projected = own_tokens(projected, axis_name=axis_name)
-    if shared_partial is None:
-        return projected.astype(config.dtype)
-    shared = shared_output(shared_partial, axis_name=axis_name, config=config, platform=platform)
-    return (projected.astype(jnp.float32) + shared.astype(jnp.float32)).astype(config.dtype)
+    shared = None
+    if shared_partial is not None:
+        shared = shared_output(shared_partial, axis_name=axis_name, config=config, platform=platform)
+    return add_shared(projected, shared, config=config)
 
 
 def _collectives(shape: CallShape) -> tuple[CollectiveTerm, ...]:

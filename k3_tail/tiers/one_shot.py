@@ -60,9 +60,8 @@ def one_shot_tail(
         parts.append(shared_partial)
     if config.use_latent_norm:
         parts.append(scaled.astype(config.dtype))
-    with jax.named_scope(PACKED_REDUCTION):
-        packed = reduce_output(jnp.concatenate(parts, axis=1), axis_name=axis_name, config=config,
-                               platform=platform).astype(jnp.float32)
+    packed = reduce_output(jnp.concatenate(parts, axis=1), axis_name=axis_name, config=config, platform=platform,
+                           scope=PACKED_REDUCTION).astype(jnp.float32)
     y = packed[:, :hidden]
     if config.use_latent_norm:
         latent = packed[:, -config.latent_size:]

@@ -26,7 +26,6 @@ from __future__ import annotations
 from types import MappingProxyType
 
 import jax
-import jax.numpy as jnp
 from jax import lax
 
 from k3_tail._checks import AxisName
@@ -34,7 +33,7 @@ from k3_tail.config import TailConfig
 from k3_tail.tiers.columns import gather_columns, project_own_columns
 from k3_tail.tiers.norm import allreduce_norm_latent_out
 from k3_tail.tiers.record import CallShape, CollectiveTerm, TierRecord
-from k3_tail.tiers.tokens import own_tokens, shared_output
+from k3_tail.tiers.tokens import add_shared, own_tokens, shared_output
 
 
 def overlap_tail(
@@ -79,9 +78,7 @@ def overlap_tail(
                                axis_name=axis_name)
     if config.sequence_parallel:
         projected = own_tokens(projected, axis_name=axis_name)
-    if shared is None:
-        return projected.astype(config.dtype)
-    return (projected.astype(jnp.float32) + shared.astype(jnp.float32)).astype(config.dtype)
+    return add_shared(projected, shared, config=config)
 
 
 def _collectives(shape: CallShape) -> tuple[CollectiveTerm, ...]:

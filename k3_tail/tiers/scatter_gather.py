@@ -15,6 +15,7 @@ from k3_tail.tiers.norm import allreduce_norm_latent_out
 from k3_tail.tiers.up_projection import project
 from k3_tail.tiers.record import REDUCE_SCATTER, CallShape, CollectiveTerm, TierRecord
 from k3_tail.tiers.scopes import SHARED_REDUCTION
+from k3_tail.tiers.tokens import add_shared
 
 
 def scatter_gather_tail(
@@ -57,7 +58,7 @@ def scatter_gather_tail(
     y = assemble_column_blocks(own.astype(config.dtype), hidden_size=config.hidden_size,
                                token_sharded=config.sequence_parallel, axis_name=axis_name)
     if config.shared_output_is_reduced:
-        y = (y.astype(jnp.float32) + shared_partial.astype(jnp.float32)).astype(config.dtype)
+        y = add_shared(y, shared_partial, config=config)
     return y
 
 

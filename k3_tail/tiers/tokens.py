@@ -42,13 +42,16 @@ def is_token_sharded_output(config: TailConfig, num_tokens: int, tp_size: int) -
     return config.sequence_parallel and num_tokens > 0 and num_tokens % tp_size == 0
 
 
-def reduce_output(x: jax.Array, *, axis_name: AxisName, config: TailConfig, platform: str | None) -> jax.Array:
+def reduce_output(x: jax.Array, *, axis_name: AxisName, config: TailConfig, platform: str | None,
+                  scope: str) -> jax.Array:
     """Sum of ``x`` [T, W] over the ranks: all of it ([T, W], an all-reduce in the form
     ``config.all_reduce_form`` picks on ``platform``) or, for sequence-parallel output, this rank's
-    [T/p, W] rows of it (reduce-scatter over tokens)."""
-    if config.sequence_parallel:
-        return lax.psum_scatter(x, axis_name, scatter_dimension=0, tiled=True)
-    return all_reduce(x, axis_name=axis_name, all_reduce_form=config.all_reduce_form, platform=platform)
+    [T/p, W] rows of it (reduce-scatter over tokens). The collective carries the named scope
+    ``scope`` (:mod:`k3_tail.tiers.scopes`: what it sums)."""
+    with jax.named_scope(scope):
+        if config.sequence_parallel:
+            return lax.psum_scatter(x, axis_name, scatter_dimension=0, tiled=True)
+        return all_reduce(x, axis_name=axis_name, all_reduce_form=config.all_reduce_form, platform=platform)
 
 
 def shared_output(shared_partial: jax.Array, *, axis_name: AxisName, config: TailConfig,
@@ -62,8 +65,16 @@ def shared_output(shared_partial: jax.Array, *, axis_name: AxisName, config: Tai
     """
     if config.shared_output_is_reduced:
         return shared_partial
-    with jax.named_scope(SHARED_REDUCTION):
-        return reduce_output(shared_partial, axis_name=axis_name, config=config, platform=platform)
+    return reduce_output(shared_partial, axis_name=axis_name, config=config, platform=platform,
+                         scope=SHARED_REDUCTION)
+
+
+def add_shared(projected: jax.Array, shared: jax.Array | None, *, config: TailConfig) -> jax.Array:
+    """y = projected + shared, added in float32 and rounded once to ``config.dtype`` (``projected`` alone,
+    rounded, when there is no shared output)."""
+    if shared is None:
+        return projected.astype(config.dtype)
+    return (projected.astype(jnp.float32) + shared.astype(jnp.float32)).astype(config.dtype)
 
 
 def own_tokens(x: jax.Array, *, axis_name: AxisName) -> jax.Array:
