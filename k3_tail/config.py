@@ -13,7 +13,8 @@ import numpy as np
 
 from k3_tail._checks import check_int
 from k3_tail.selection.hardware import HARDWARE
-from k3_tail.tiers.collectives import ALL_REDUCE_FORMS
+from k3_tail.tiers.collectives import ALL_REDUCE_FORMS, SPLIT
+from k3_tail.tiers.codecs import CODECS
 from k3_tail.tiers.up_projection import FP8_FORMATS, fp8_format
 
 _FLOAT_DTYPES = tuple(np.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32))
@@ -23,6 +24,12 @@ ENV_OVERLAP_TOKEN_THRESHOLD = "VLLM_SHARED_EXPERTS_STREAM_TOKEN_THRESHOLD"
 ENV_DISABLE_OVERLAP = "VLLM_DISABLE_SHARED_EXPERTS_STREAM"
 ENV_PREFILL_TOKEN_PARALLEL_MIN_TOKENS = "VLLM_KIMI_K3_AMD_PREFILL_SP_MIN_TOKENS"
 ENV_SHARED_OUTPUT_REDUCED = "VLLM_KIMI_K3_SHARED_OUTPUT_AR_OVERLAP"
+ENV_QUICK_REDUCE_QUANTIZATION = "VLLM_ROCM_QUICK_REDUCE_QUANTIZATION"
+ENV_QUICK_REDUCE_MAX_SIZE_MB = "VLLM_ROCM_QUICK_REDUCE_MAX_SIZE_BYTES_MB"
+ENV_QUICK_REDUCE_CAST_BF16_TO_FP16 = "VLLM_ROCM_QUICK_REDUCE_CAST_BF16_TO_FP16"
+ALL_REDUCE_QUANTIZATIONS = (None, *CODECS)
+# QuickReduce's largest buffer when VLLM_ROCM_QUICK_REDUCE_MAX_SIZE_BYTES_MB is unset: 2 GiB.
+DEFAULT_QUANTIZED_ALL_REDUCE_MAX_BYTES = 2**31
 
 SELECTION_POLICIES = ("vllm", "measured", "model")
 
@@ -74,6 +81,23 @@ class TailConfig:
       all_reduce_form: how a sum over the ranks travels: "auto" (one all-reduce, or a reduce-scatter
         + all-gather where that was measured faster: :mod:`k3_tail.tiers.collectives`),
         "all-reduce" or "reduce-scatter+all-gather".
+
+    Quantised sums (vLLM ROCm's QuickReduce, :mod:`k3_tail.tiers.collectives`):
+      all_reduce_quantization: None (default: sums travel in ``dtype``) or "int8", "int6", "int4":
+        every sum the tail sends over the TP axis whose buffer holds between the two sizes below
+        travels block-quantised (:mod:`k3_tail.tiers.codecs`) as a two-shot all-reduce (all-to-all of
+        each rank's chunks, float32 sum by the chunk's owner, re-quantised all-gather); a sum that
+        only scatters sends the first shot alone. It changes the result (each value by at most about
+        one codec step of its 32-value block per shot), so no selection policy turns it on; the
+        selection reason says which of the tier's sums it quantises.
+      quantized_all_reduce_min_bytes: the smallest buffer (bytes, in ``dtype``) that is quantised;
+        None (default): vLLM's minimum-size table for the codec, ``dtype`` and p
+        (:func:`k3_tail.tiers.collectives.quantization_min_bytes`).
+      quantized_all_reduce_max_bytes: the largest buffer that is quantised (default 2 GiB, as
+        QuickReduce's).
+      quantized_all_reduce_fp16_sizes_for_bf16: with the default minimum, bfloat16 buffers follow
+        vLLM's float16 table (True, default: what vLLM's default bf16-to-fp16 cast does) or its far
+        larger bfloat16 one (False). The codec itself computes in float32 either way.
       selection_policy: how the tier is chosen for a token count. "vllm" (default): the rules above
         (vLLM's fixed threshold). "measured": the ``selection_table`` measured on this hardware
         (:mod:`k3_tail.selection.table`). "model": the tier :mod:`k3_tail.cost_model` predicts fastest
@@ -102,6 +126,10 @@ class TailConfig:
     sequence_parallel: bool = False
     prefill_token_parallel_min_tokens: int = 0
     all_reduce_form: str = "auto"
+    all_reduce_quantization: str | None = None
+    quantized_all_reduce_min_bytes: int | None = None
+    quantized_all_reduce_max_bytes: int = DEFAULT_QUANTIZED_ALL_REDUCE_MAX_BYTES
+    quantized_all_reduce_fp16_sizes_for_bf16: bool = True
     selection_policy: str = "vllm"
     selection_table: Any = None
     hardware: str | None = None
@@ -119,7 +147,7 @@ class TailConfig:
             raise ValueError(f"routed_scaling_factor: expected a finite number, got {scale!r}")
         for name in ("use_latent_norm", "fp8_activations", "disable_overlap", "use_scatter_gather",
                      "has_shared_experts", "fused_output_is_reduced", "shared_output_is_reduced",
-                     "sequence_parallel"):
+                     "sequence_parallel", "quantized_all_reduce_fp16_sizes_for_bf16"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
         if self.shared_output_is_reduced and not self.has_shared_experts:
@@ -127,6 +155,7 @@ class TailConfig:
                              "has_shared_experts is False")
         if self.all_reduce_form not in ALL_REDUCE_FORMS:
             raise ValueError(f"all_reduce_form: expected one of {ALL_REDUCE_FORMS}, got {self.all_reduce_form!r}")
+        self._check_quantization()
         dtype = _float_dtype(self.dtype)
         if dtype is None:
             names = ", ".join(d.name for d in _FLOAT_DTYPES)
@@ -142,6 +171,19 @@ class TailConfig:
         if self.fp8_activations and up_proj_dtype is None:
             raise ValueError(f"fp8_activations: needs an FP8 up_proj_dtype (one of {FP8_FORMATS}), got None")
         self._check_selection_policy()
+
+    def _check_quantization(self) -> None:
+        if self.all_reduce_quantization not in ALL_REDUCE_QUANTIZATIONS:
+            raise ValueError(f"all_reduce_quantization: expected one of {ALL_REDUCE_QUANTIZATIONS}, "
+                             f"got {self.all_reduce_quantization!r}")
+        maximum = check_int("quantized_all_reduce_max_bytes", self.quantized_all_reduce_max_bytes, minimum=1)
+        object.__setattr__(self, "quantized_all_reduce_max_bytes", maximum)
+        if self.quantized_all_reduce_min_bytes is not None:
+            minimum = check_int("quantized_all_reduce_min_bytes", self.quantized_all_reduce_min_bytes, minimum=0)
+            object.__setattr__(self, "quantized_all_reduce_min_bytes", minimum)
+            if minimum > maximum:
+                raise ValueError(f"quantized_all_reduce_min_bytes: expected at most quantized_all_reduce_max_bytes="
+                                 f"{maximum}, got {minimum}")
 
     def _check_selection_policy(self) -> None:
         if self.selection_policy not in SELECTION_POLICIES:
@@ -174,10 +216,15 @@ class TailConfig:
 
         VLLM_SHARED_EXPERTS_STREAM_TOKEN_THRESHOLD sets ``overlap_token_threshold`` (an integer >= 0);
         VLLM_KIMI_K3_AMD_PREFILL_SP_MIN_TOKENS sets ``prefill_token_parallel_min_tokens`` (>= 0, 0: off);
-        VLLM_DISABLE_SHARED_EXPERTS_STREAM sets ``disable_overlap`` and
-        VLLM_KIMI_K3_SHARED_OUTPUT_AR_OVERLAP sets ``shared_output_is_reduced`` (each 1/0, true/false,
-        yes/no, on/off). Unset variables leave ``base`` as it is; unparsable values raise ValueError
-        naming the variable.
+        VLLM_DISABLE_SHARED_EXPERTS_STREAM sets ``disable_overlap``,
+        VLLM_KIMI_K3_SHARED_OUTPUT_AR_OVERLAP sets ``shared_output_is_reduced`` and
+        VLLM_ROCM_QUICK_REDUCE_CAST_BF16_TO_FP16 sets ``quantized_all_reduce_fp16_sizes_for_bf16`` (each
+        1/0, true/false, yes/no, on/off). VLLM_ROCM_QUICK_REDUCE_QUANTIZATION (case-insensitive) sets
+        ``all_reduce_quantization``: INT8, INT6, INT4 the codec; NONE off; FP, QuickReduce's unquantised
+        two-shot form, sets ``all_reduce_form`` to "reduce-scatter+all-gather" (for every sum: both forms
+        are exact, so no size window is needed). VLLM_ROCM_QUICK_REDUCE_MAX_SIZE_BYTES_MB sets
+        ``quantized_all_reduce_max_bytes`` (an integer >= 1, in MiB). Unset variables leave ``base`` as it
+        is; unparsable values raise ValueError naming the variable.
         """
         base = cls.kimi_k3() if base is None else base
         environ = os.environ if environ is None else environ
@@ -190,8 +237,19 @@ class TailConfig:
                     changes[field] = int(raw.strip())
                 except ValueError:
                     raise ValueError(f"{field}: {variable}={raw!r} is not an integer") from None
+        raw = environ.get(ENV_QUICK_REDUCE_MAX_SIZE_MB)
+        if raw is not None:
+            try:
+                changes["quantized_all_reduce_max_bytes"] = int(raw.strip()) * 2**20
+            except ValueError:
+                raise ValueError(f"quantized_all_reduce_max_bytes: {ENV_QUICK_REDUCE_MAX_SIZE_MB}={raw!r} is not an "
+                                 "integer") from None
+        raw = environ.get(ENV_QUICK_REDUCE_QUANTIZATION)
+        if raw is not None:
+            changes.update(_quick_reduce_regime(raw))
         for variable, field in ((ENV_DISABLE_OVERLAP, "disable_overlap"),
-                                (ENV_SHARED_OUTPUT_REDUCED, "shared_output_is_reduced")):
+                                (ENV_SHARED_OUTPUT_REDUCED, "shared_output_is_reduced"),
+                                (ENV_QUICK_REDUCE_CAST_BF16_TO_FP16, "quantized_all_reduce_fp16_sizes_for_bf16")):
             raw = environ.get(variable)
             if raw is not None:
                 word = raw.strip().lower()
@@ -202,6 +260,19 @@ class TailConfig:
                     )
                 changes[field] = word in _TRUE_WORDS
         return dataclasses.replace(base, **changes)
+
+
+def _quick_reduce_regime(raw: str) -> dict[str, Any]:
+    """The config fields that QuickReduce's quantisation regime ``raw`` (its environment value) sets."""
+    regime = raw.strip().lower()
+    if regime == "fp":
+        return {"all_reduce_quantization": None, "all_reduce_form": SPLIT}
+    if regime == "none":
+        return {"all_reduce_quantization": None}
+    if regime in CODECS:
+        return {"all_reduce_quantization": regime}
+    raise ValueError(f"all_reduce_quantization: {ENV_QUICK_REDUCE_QUANTIZATION}={raw!r} is not a QuickReduce "
+                     f"regime (expected one of FP, {', '.join(name.upper() for name in CODECS)}, NONE)")
 
 
 def check_config(config: Any) -> TailConfig:

@@ -1,9 +1,11 @@
 """One all-reduce against reduce-scatter + all-gather, for a sum over the TP ranks of a [rows, width] buffer.
 
     python scripts/collective_forms.py [--devices 8] [--rows 16,64,256,1024,2048] [--widths 3584,7168,17920]
-                                       [--dtypes bfloat16,float32] [--repeats 7] [--json FILE]
+                                       [--dtypes bfloat16,float32] [--quantized int8,int6,int4] [--repeats 7]
+                                       [--json FILE]
 
-Decides, per backend, which form of the same sum is faster, and whether the dtype moved matters.
+Decides, per backend, which form of the same sum is faster, and whether the dtype moved matters; with
+--quantized, what the tail's quantised two-shot sum (vLLM ROCm QuickReduce) costs against them.
 
 Mesh: a 1-d mesh "tp" of all GPUs when there are any; otherwise of --devices forced CPU devices
 (default 8; the CPU platform is selected when JAX_PLATFORMS is unset and no GPU device node exists).
@@ -21,6 +23,11 @@ whole [rows, width] sum:
               jax.lax.all_gather(..., "tp", axis=0, tiled=True)
   and, for a dtype narrower than float32, both forms again with the buffer cast to float32 before the
   collective and back to its dtype after ("moved float32"; they move twice the bytes).
+  With --quantized CODEC,...: for each codec (int8, int6, int4) the tail's own sum,
+  ``k3_tail.tiers.collectives.all_reduce`` with a Kimi-K3 TailConfig of the buffer's dtype,
+  ``all_reduce_quantization=CODEC`` and ``quantized_all_reduce_min_bytes=0`` (so every buffer is
+  quantised): block-encode, all-to-all, float32 sum of the own chunk, re-encode, all-gather, decode
+  ("CODEC two-shot"; :mod:`k3_tail.tiers.collectives`).
 
 Timing: per buffer, each form is compiled and run --warmup times untimed, then --repeats rounds,
 each round running every form once (round robin, the starting form rotating from round to round),
@@ -30,15 +37,20 @@ numpy's linear interpolation) in ms; per pair: the ratio of medians RS+AG / all-
 quartiles of the per-round ratios (each RS+AG run over the all-reduce run of the same round).
 
 Numerics: after the warm-up, each form's result is compared with the all-reduce of the same moved
-dtype and with a float64 sum of the partials on the host: max |a - b| / max |b| over the buffer.
+dtype (a quantised form: with the all-reduce moving the buffer as is) and with a float64 sum of the
+partials on the host: max |a - b| / max |b| over the buffer.
 
-Compiled program: the number of all-reduce, reduce-scatter and all-gather ops in each form's
-compiled HLO is recorded (a backend could rewrite one form into the other); a mismatch is flagged.
+Compiled program: the number of all-reduce, reduce-scatter, all-gather and all-to-all ops in each
+form's compiled HLO is recorded (a backend could rewrite one form into the other); a mismatch is flagged.
 
 Output: a table (one line per buffer and moved dtype), then one summary line per dtype and moved
 dtype: the smallest buffer size (bytes of the buffer in its own dtype, per rank) from which RS+AG is
 faster by more than --margin (ratio of medians < 1 - margin) in every measured case at or above that
 size, or "never"; and the same rule with the per-round ratios' q75 (a stricter, noise-aware reading).
+With --quantized, a second table: per buffer and codec, the quantised sum's median and quartiles
+against the all-reduce moving the buffer as is (lax.psum), the ratio of medians quantised / all-reduce
+and the quartiles of its per-round ratios, the ratio of medians to RS+AG, and the numerics. Absolute
+times on a shared host drift; the ratios, taken within one run and round by round, are what to read.
 --json FILE also writes the machine (jax version, backend, device kind and count, cpu count, load
 averages at start and end and per buffer), the settings and every run time. Exit status 0, or 2 for
 bad arguments.
@@ -64,6 +76,9 @@ from jax.sharding import PartitionSpec as P
 from k3_tail.cli.common import (
     CommandError, choice_list, demo_devices, format_ms, positive_int, positive_int_list, progress, use_cpu_without_gpu,
 )
+from k3_tail.config import TailConfig
+from k3_tail.tiers.codecs import CODECS
+from k3_tail.tiers.collectives import all_reduce as tail_all_reduce
 from k3_tail.tools.benchmark import machine_info
 
 AXIS_NAME = "tp"
@@ -71,11 +86,12 @@ DEFAULT_ROWS = (16, 64, 256, 1024, 2048)
 DEFAULT_WIDTHS = (3584, 7168, 17920)  # Kimi-K3: L, H, 2H + L
 DEFAULT_DTYPES = ("bfloat16", "float32")
 DTYPES = ("bfloat16", "float16", "float32")
-ALL_REDUCE, SPLIT = "all-reduce", "RS+AG"
+ALL_REDUCE, SPLIT, QUANTIZED = "all-reduce", "RS+AG", "two-shot"
 # Collective ops expected in each form's compiled HLO.
-EXPECTED_OPS = {ALL_REDUCE: {"all-reduce": 1, "reduce-scatter": 0, "all-gather": 0},
-                SPLIT: {"all-reduce": 0, "reduce-scatter": 1, "all-gather": 1}}
-HLO_OP = re.compile(r"\b(all-reduce|reduce-scatter|all-gather)(?:-start)?\(")
+EXPECTED_OPS = {ALL_REDUCE: {"all-reduce": 1, "reduce-scatter": 0, "all-gather": 0, "all-to-all": 0},
+                SPLIT: {"all-reduce": 0, "reduce-scatter": 1, "all-gather": 1, "all-to-all": 0},
+                QUANTIZED: {"all-reduce": 0, "reduce-scatter": 0, "all-gather": 1, "all-to-all": 1}}
+HLO_OP = re.compile(r"\b(all-reduce|reduce-scatter|all-gather|all-to-all)(?:-start)?\(")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -95,6 +111,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         metavar="D,D,...",
                         help=f"buffer dtypes among {', '.join(DTYPES)} (default: {','.join(DEFAULT_DTYPES)}); "
                         "those narrower than float32 are also timed cast to float32 around the collective")
+    parser.add_argument("--quantized", type=choice_list(tuple(CODECS), "codecs"), default=(), metavar="C,C,...",
+                        help=f"also time the tail's quantised two-shot sum with each codec among {', '.join(CODECS)} "
+                        "(k3_tail.tiers.collectives.all_reduce, every buffer quantised; default: none)")
     parser.add_argument("--repeats", type=positive_int, default=7, metavar="N",
                         help="timed rounds per buffer, each running every form once (default: 7)")
     parser.add_argument("--warmup", type=positive_int, default=1, metavar="N",
@@ -110,8 +129,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def make_forms(mesh: jax.sharding.Mesh, dtype: jnp.dtype) -> list[tuple[str, str, str, Any]]:
-    """(key, form, moved dtype name, jitted function) for every form timed on a buffer of ``dtype``."""
+def make_forms(mesh: jax.sharding.Mesh, dtype: jnp.dtype, quantized: tuple[str, ...] = ()
+               ) -> list[tuple[str, str, str, Any]]:
+    """(key, form, moved dtype name, jitted function) for every form timed on a buffer of ``dtype``; a
+    quantised form (one per codec of ``quantized``) has the codec's name as its moved dtype."""
 
     def all_reduce(x: jax.Array) -> jax.Array:
         return jax.lax.psum(x, AXIS_NAME)
@@ -134,7 +155,20 @@ def make_forms(mesh: jax.sharding.Mesh, dtype: jnp.dtype) -> list[tuple[str, str
         for form, collective in ((ALL_REDUCE, all_reduce), (SPLIT, split)):
             function = jax.jit(jax.shard_map(wrap(collective), mesh=mesh, in_specs=P(AXIS_NAME), out_specs=P()))
             forms.append((f"{form} moved {moved_name}", form, moved_name, function))
+    for codec in quantized:
+        config = TailConfig.kimi_k3(dtype=dtype, all_reduce_quantization=codec, quantized_all_reduce_min_bytes=0)
+
+        def quantized_sum(x: jax.Array, config: TailConfig = config) -> jax.Array:
+            return tail_all_reduce(x, axis_name=AXIS_NAME, config=config, platform=None)
+
+        function = jax.jit(jax.shard_map(quantized_sum, mesh=mesh, in_specs=P(AXIS_NAME), out_specs=P()))
+        forms.append((quantized_key(codec), QUANTIZED, codec, function))
     return forms
+
+
+def quantized_key(codec: str) -> str:
+    """The key of the quantised form with ``codec`` ("int8 two-shot")."""
+    return f"{codec} {QUANTIZED}"
 
 
 def stats(values: list[float]) -> dict[str, float]:
@@ -155,7 +189,7 @@ def measure_buffer(mesh, rows: int, width: int, dtype_name: str, args, key) -> d
     sharding = NamedSharding(mesh, P(AXIS_NAME))
     x = jax.jit(lambda k: jax.random.normal(k, (tp_size * rows, width), dtype), out_shardings=sharding)(key)
     x.block_until_ready()
-    forms = make_forms(mesh, dtype)
+    forms = make_forms(mesh, dtype, args.quantized)
     compiled, hlo_ops, results = {}, {}, {}
     for name, form, _, function in forms:
         executable = function.lower(x).compile()
@@ -178,6 +212,8 @@ def measure_buffer(mesh, rows: int, width: int, dtype_name: str, args, key) -> d
         entry = {"vs_float64_sum": relative_difference(results[name], reference)}
         if form == SPLIT:
             entry["vs_all_reduce"] = relative_difference(results[name], results[f"{ALL_REDUCE} moved {moved}"])
+        elif form == QUANTIZED:
+            entry["vs_all_reduce"] = relative_difference(results[name], results[f"{ALL_REDUCE} moved {dtype_name}"])
         numerics[name] = entry
     del results, reference
 
@@ -193,7 +229,7 @@ def measure_buffer(mesh, rows: int, width: int, dtype_name: str, args, key) -> d
     gc.collect()
 
     pairs = []
-    for moved in dict.fromkeys(moved for _, _, moved, _ in forms):
+    for moved in dict.fromkeys(moved for _, form, moved, _ in forms if form != QUANTIZED):
         reduce_times, split_times = times[f"{ALL_REDUCE} moved {moved}"], times[f"{SPLIT} moved {moved}"]
         per_round = [s / r for s, r in zip(split_times, reduce_times, strict=True)]
         pair = {
@@ -209,11 +245,24 @@ def measure_buffer(mesh, rows: int, width: int, dtype_name: str, args, key) -> d
                 np.median(reduce_times) / np.median(times[f"{ALL_REDUCE} moved {dtype_name}"]))
             pair["split_vs_as_is"] = float(np.median(split_times) / np.median(times[f"{SPLIT} moved {dtype_name}"]))
         pairs.append(pair)
+    reduce_times, split_times = times[f"{ALL_REDUCE} moved {dtype_name}"], times[f"{SPLIT} moved {dtype_name}"]
+    quantized = []
+    for codec in args.quantized:
+        quantized_times = times[quantized_key(codec)]
+        quantized.append({
+            "codec": codec,
+            "quantized_s": stats(quantized_times),
+            "all_reduce_s": stats(reduce_times),
+            "ratio_of_medians": float(np.median(quantized_times) / np.median(reduce_times)),
+            "per_round_ratio": stats([q / r for q, r in zip(quantized_times, reduce_times, strict=True)]),
+            "vs_split_ratio_of_medians": float(np.median(quantized_times) / np.median(split_times)),
+            **numerics[quantized_key(codec)],
+        })
     return {
         "rows": rows, "width": width, "dtype": dtype_name, "bytes": rows * width * dtype.itemsize,
         "times_s": times, "hlo_ops": hlo_ops,
         "hlo_as_expected": all(hlo_ops[name] == EXPECTED_OPS[form] for name, form, _, _ in forms),
-        "numerics": numerics, "pairs": pairs,
+        "numerics": numerics, "pairs": pairs, "quantized": quantized,
     }
 
 
@@ -249,6 +298,38 @@ def format_table(buffers: list[dict[str, Any]]) -> str:
         "'>' the reverse, '~' the quartile ranges overlap. AR/RS x as-is: median of the form moving float32 over",
         "the same form moving the buffer as is. rel diff: max |RS+AG - all-reduce| / max |all-reduce| (same moved",
         "dtype). HLO!: a form's compiled HLO does not hold the expected collectives (see the JSON).",
+    ]
+    return "\n".join(lines)
+
+
+def format_quantized_table(buffers: list[dict[str, Any]]) -> str:
+    header = (f"{'rows':>5}{'width':>7}  {'dtype':<9}{'codec':<6}{'MiB':>7}  {'all-reduce ms (q25-q75)':>25}"
+              f"{'two-shot ms (q25-q75)':>25}{'Q/AR':>7}{'per-round q25-q75':>19}{'sep':>5}{'Q/RS+AG':>9}"
+              f"{'vs AR':>9}{'vs f64':>9}{'AR vs f64':>10}")
+    lines = [header]
+    previous = None
+    for buffer in sorted(buffers, key=lambda b: (b["dtype"], b["width"], b["rows"])):
+        if previous is not None and (buffer["dtype"], buffer["width"]) != previous:
+            lines.append("")
+        previous = buffer["dtype"], buffer["width"]
+        reference = buffer["numerics"][f"{ALL_REDUCE} moved {buffer['dtype']}"]["vs_float64_sum"]
+        for entry in buffer["quantized"]:
+            reduce_s, quantized_s, per_round = entry["all_reduce_s"], entry["quantized_s"], entry["per_round_ratio"]
+            separated = ("<" if quantized_s["q75"] < reduce_s["q25"] else ">" if quantized_s["q25"] > reduce_s["q75"]
+                         else "~")
+            flag = "" if buffer["hlo_as_expected"] else "  HLO!"
+            lines.append(
+                f"{buffer['rows']:>5}{buffer['width']:>7}  {buffer['dtype']:<9}{entry['codec']:<6}"
+                f"{buffer['bytes'] / 2**20:>7.2f}  {spread(reduce_s):>25}{spread(quantized_s):>25}"
+                f"{entry['ratio_of_medians']:>7.2f}{per_round['q25']:>10.2f}-{per_round['q75']:<8.2f}{separated:>5}"
+                f"{entry['vs_split_ratio_of_medians']:>9.2f}{entry['vs_all_reduce']:>9.1e}"
+                f"{entry['vs_float64_sum']:>9.1e}{reference:>10.1e}{flag}")
+    lines += [
+        "",
+        "two-shot: k3_tail.tiers.collectives.all_reduce with the codec, every buffer quantised. all-reduce: lax.psum",
+        "of the buffer as is. Q/AR: ratio of medians; per-round: quartiles of two-shot/all-reduce within each round;",
+        "sep as above. Q/RS+AG: ratio of medians to RS+AG moving the buffer as is. vs AR, vs f64: max |two-shot - b|",
+        "/ max |b| with b the all-reduce's result and the float64 sum; AR vs f64: the all-reduce's own.",
     ]
     return "\n".join(lines)
 
@@ -330,6 +411,9 @@ def main(argv: list[str] | None = None) -> int:
     load_end = os.getloadavg()
     print()
     print(format_table(buffers))
+    if args.quantized:
+        print()
+        print(format_quantized_table(buffers))
     print()
     summary_lines, summary = format_summary(buffers, args.margin)
     for line in summary_lines:

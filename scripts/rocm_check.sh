@@ -13,11 +13,14 @@
 # format the GPUs multiply (E4M3FNUZ on MI300X/MI325X, E4M3FN otherwise), plus tests/test_up_projection.py.
 # The one-token checks (one GEMM per tier, bytes at T = 1 against T = 2, temporary memory) run in the
 # schedule checks, and the shared output reduced before the tail in the parity design and
-# tests/test_shared_reduction.py.
+# tests/test_shared_reduction.py. Quantised sums (vLLM ROCm's QuickReduce codecs) run in the parity
+# design (every codec), tests/test_quantized_sums.py (codecs, the two-shot sum on the GPUs, the size
+# window) and the schedule checks (wire bytes of the quantised shots, the unquantised decode program).
 #
 # XLA options: none are needed from the environment. k3_tail.compile_tail applies its own per
-# executable (k3_tail.compiler_options: for the overlap tier xla_gpu_all_reduce_combine_threshold_bytes=0
-# and xla_gpu_disable_async_collectives=""), and these override XLA_FLAGS. To see XLA's ROCm passes,
+# executable (k3_tail.compiler_options: for the overlap tier xla_gpu_all_reduce_combine_threshold_bytes=0,
+# xla_gpu_all_gather_combine_threshold_bytes=0 and xla_gpu_disable_async_collectives=""), and these
+# override XLA_FLAGS. To see XLA's ROCm passes,
 # add XLA_FLAGS=--xla_dump_to=DIR; the dump also holds this GPU's exact target config
 # (*.gpu_target_config.pbtxt), which can replace k3_tail/xla/targets/mi300x.txtpb or mi355x.txtpb.
 set -euo pipefail
@@ -26,4 +29,5 @@ export JAX_PLATFORMS=rocm
 python -c 'import jax; d = jax.devices(); print(f"jax {jax.__version__}: {len(d)} x {d[0].device_kind} ({d[0].client.platform_version})")'
 python -m pytest tests/test_tiers.py tests/test_sequence_parallel.py tests/test_per_rank.py tests/test_forward.py \
     tests/test_collectives.py tests/test_rocm_watch.py tests/test_up_projection.py \
-    tests/test_module.py tests/test_schedule.py tests/test_shared_reduction.py -m "rocm or not rocm" "$@"
+    tests/test_module.py tests/test_schedule.py tests/test_shared_reduction.py tests/test_quantized_sums.py \
+    -m "rocm or not rocm" "$@"

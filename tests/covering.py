@@ -223,6 +223,7 @@ DTYPES = ("bfloat16", "float32")
 WEIGHT_LAYOUTS = ("column", "replicated")
 # The up projection's weights: in the activations' dtype (None) or quantised to an FP8 format.
 UP_PROJ_DTYPES = (None, *k3_tail.FP8_FORMATS)
+ALL_REDUCE_QUANTIZATIONS = (None, "int8", "int6", "int4")
 
 TAIL_FACTORS = {
     "tier": TIERS,
@@ -238,6 +239,8 @@ TAIL_FACTORS = {
     "fp8_activations": (False, True),
     # The shared output reduced before the tail (k3_tail.reduce_shared) or summed by the tier.
     "shared_output_is_reduced": (False, True),
+    # Sums in the dtype, or block-quantised with every codec (every buffer, whatever its size).
+    "all_reduce_quantization": ALL_REDUCE_QUANTIZATIONS,
 }
 
 
@@ -280,6 +283,7 @@ class TailCase:
     up_proj_dtype: str | None = None
     fp8_activations: bool = False
     shared_output_is_reduced: bool = False
+    all_reduce_quantization: str | None = None
 
     @property
     def hidden_size(self) -> int:
@@ -287,7 +291,7 @@ class TailCase:
 
     @property
     def id(self) -> str:
-        """E.g. ``overlap-p3-T5-bf16-column-H97-scale2-nonorm-sp-e4m3fnuz-fp8act-sharedreduced``."""
+        """E.g. ``overlap-p3-T5-bf16-column-H97-scale2-nonorm-sp-e4m3fnuz-fp8act-sharedreduced-int4``."""
         return "-".join((
             self.tier,
             f"p{self.tp_size}",
@@ -301,6 +305,7 @@ class TailCase:
             "wdtype" if self.up_proj_dtype is None else self.up_proj_dtype.removeprefix("float8_"),
             *(("fp8act",) if self.fp8_activations else ()),
             *(("sharedreduced",) if self.shared_output_is_reduced else ()),
+            *((self.all_reduce_quantization,) if self.all_reduce_quantization else ()),
         ))
 
 

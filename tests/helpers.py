@@ -103,8 +103,8 @@ def once_per_session(tmp_path_factory, name, produce, *, timeout_s):
 
 
 def case_config(case):
-    """The TailConfig of a covering case (tests/covering.py): its shapes, dtype, scale, norm, SP output and
-    up-projection weights."""
+    """The TailConfig of a covering case (tests/covering.py): its shapes, dtype, scale, norm, SP output,
+    up-projection weights and quantised sums (every sum quantised, however small)."""
     return k3_tail.TailConfig(
         hidden_size=case.hidden_size,
         latent_size=covering.LATENT_SIZE,
@@ -115,6 +115,8 @@ def case_config(case):
         up_proj_dtype=case.up_proj_dtype,
         fp8_activations=case.fp8_activations,
         shared_output_is_reduced=case.shared_output_is_reduced,
+        all_reduce_quantization=case.all_reduce_quantization,
+        quantized_all_reduce_min_bytes=0 if case.all_reduce_quantization else None,
     )
 
 

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import k3_tail
+import k3_tail.tiers.codecs
 
 # Relative Frobenius error allowed against the float64 reference, per activation dtype.
 # bf16 rounds each of the ~5 steps (two reductions, norm, GEMM output, add) to 2^-9 relative;
@@ -22,9 +23,61 @@ TOLERANCE = {np.dtype(jnp.bfloat16): 1e-2, np.dtype(jnp.float32): 1e-5}
 FP8_ACTIVATIONS_TOLERANCE = 4e-2
 
 
-def tolerance(config):
-    """The relative error a tier may have against :func:`reference_tail` with ``config``."""
-    return FP8_ACTIVATIONS_TOLERANCE if config.fp8_activations else TOLERANCE[config.dtype]
+# A quantised sum's rounding is predicted from the codec (quantisation_noise); a tier may have twice it.
+QUANTIZATION_MARGIN = 2.0
+
+
+def tolerance(config, inputs=None):
+    """The relative error a tier may have against :func:`reference_tail` with ``config``: the dtype's
+    (or FP8 activations') tolerance, plus with quantised sums ``QUANTIZATION_MARGIN`` times the
+    rounding noise the codec predicts for ``inputs`` (:func:`quantisation_noise`)."""
+    limit = FP8_ACTIVATIONS_TOLERANCE if config.fp8_activations else TOLERANCE[config.dtype]
+    if config.all_reduce_quantization is None:
+        return limit
+    return limit + QUANTIZATION_MARGIN * quantisation_noise(config, inputs)
+
+
+def block_maxima(values):
+    """max |x| over each block of 32 consecutive values of ``values`` flattened (zero-padded), float64."""
+    flat = np.abs(np.asarray(values, np.float64)).reshape(-1)
+    return np.pad(flat, (0, -flat.size % 32)).reshape(-1, 32).max(axis=1)
+
+
+def sum_rounding_noise(codec, partials):
+    """The predicted RMS error (absolute, Frobenius) of a quantised two-shot sum of ``partials`` [p, ...].
+
+    Each value is rounded to a multiple of its block's step, step = m / 2^(b-1) (m: the block's
+    largest magnitude), once in its rank's partial and once more in the sum. Rounding noise is
+    uniform over a step, so each rounding adds step^2 / 12 of variance, independently:
+        ||e||^2 = sum over blocks of 32 * (sum_i step_i^2 + step_sum^2) / 12.
+    """
+    step = k3_tail.tiers.codecs.CODECS[codec].relative_step
+    partials = np.asarray(partials, np.float64)
+    squares = sum(np.sum(block_maxima(partial) ** 2) for partial in partials)
+    squares += np.sum(block_maxima(partials.sum(axis=0)) ** 2)
+    return step * np.sqrt(32 * squares / 12)
+
+
+def quantisation_noise(config, inputs):
+    """The relative error of y that quantising the tail's two sums predicts for ``inputs``.
+
+    The routed sum's error passes through the norm (scale-invariant: its relative size at most) and the
+    projection (a random kernel keeps it), so it costs y_r = norm(x) W its relative error; the shared
+    sum's adds to y as it is. Every tier rounds each term in about this measure (whichever buffer
+    carries it: column_parallel's stitched sum and one_shot's packed one hold the same values in
+    other places). Zero on one rank, where nothing is sent.
+    """
+    routed = np.asarray(inputs.routed, np.float64)
+    if routed.shape[0] == 1 or routed.size == 0:
+        return 0.0
+    codec = config.all_reduce_quantization
+    y_routed = reference_latent(config, inputs.routed, inputs.norm_weight) @ kernel_matrix(inputs.kernel)
+    x = config.routed_scaling_factor * routed.sum(axis=0)
+    squared = (sum_rounding_noise(codec, config.routed_scaling_factor * routed) / np.linalg.norm(x)
+               * np.linalg.norm(y_routed)) ** 2
+    if inputs.shared is not None and not config.shared_output_is_reduced:
+        squared += sum_rounding_noise(codec, inputs.shared) ** 2
+    return float(np.sqrt(squared) / np.linalg.norm(reference_tail(config, inputs)))
 
 
 @dataclasses.dataclass(frozen=True)

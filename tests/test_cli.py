@@ -9,7 +9,10 @@ import pytest
 
 from helpers import command_environment
 from k3_tail.cli import build_parser, main
-from k3_tail.cli.common import measurement_config, up_projection_options
+from k3_tail.cli.common import (
+    all_reduce_quantization_options, describe_config, measurement_config, up_projection_options,
+)
+from k3_tail.config import TailConfig
 from k3_tail.tiers.registry import Tier, tier_table
 
 AOT_MISSING = importlib.util.find_spec("jax_plugins.xla_cuda13") is None
@@ -72,6 +75,52 @@ def test_every_command_that_runs_the_tail_takes_the_fp8_flags(command):
 def test_fp8_activations_without_an_fp8_kernel_is_a_one_line_error(capsys):
     assert main(["hlo", "--topology", "cpu", "--fp8-activations"]) == 2
     assert capsys.readouterr().err.startswith("k3-tail hlo: error: --fp8-activations: needs --up-proj-dtype")
+
+
+@pytest.mark.parametrize("command", ["demo", "bench", "hlo", "calibrate"])
+def test_every_command_that_runs_the_tail_takes_the_all_reduce_quantization_flags(command):
+    extra = ["--out", "table.json"] if command == "calibrate" else []
+    args = build_parser().parse_args([command, *extra, "--all-reduce-quantization", "int6",
+                                      "--quantized-all-reduce-min-bytes", "4096"])
+    options = all_reduce_quantization_options(args)
+    assert options == {"all_reduce_quantization": "int6", "quantized_all_reduce_min_bytes": 4096}
+    config = measurement_config(args) if command in ("bench", "calibrate") else TailConfig.kimi_k3(**options)
+    assert config.all_reduce_quantization == "int6" and config.quantized_all_reduce_min_bytes == 4096
+
+
+def test_all_reduce_quantization_defaults_to_none_with_vllms_minimum():
+    args = build_parser().parse_args(["bench"])
+    assert all_reduce_quantization_options(args) == {"all_reduce_quantization": None,
+                                                     "quantized_all_reduce_min_bytes": None}
+
+
+def test_quantized_all_reduce_min_bytes_without_a_codec_is_a_one_line_error(capsys):
+    assert main(["hlo", "--topology", "cpu", "--quantized-all-reduce-min-bytes", "0"]) == 2
+    assert capsys.readouterr().err.startswith(
+        "k3-tail hlo: error: --quantized-all-reduce-min-bytes: needs --all-reduce-quantization")
+
+
+def test_an_unknown_all_reduce_quantization_is_refused_by_argparse(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["bench", "--all-reduce-quantization", "fp8"])
+    assert exit_info.value.code == 2
+    assert "invalid choice: 'fp8'" in capsys.readouterr().err
+
+
+def test_describe_config_names_the_codec_and_its_minimum():
+    assert describe_config(TailConfig.kimi_k3(all_reduce_quantization="int4", quantized_all_reduce_min_bytes=0)
+                           ).endswith(", int4-quantised sums >= 0 B")
+    assert describe_config(TailConfig.kimi_k3(all_reduce_quantization="int8")
+                           ).endswith(", int8-quantised sums (vLLM's minimum)")
+    assert "quantised" not in describe_config(TailConfig.kimi_k3())
+
+
+def test_hlo_compiles_the_quantised_sums_on_a_cpu_mesh(capsys):
+    assert main(["hlo", "--topology", "cpu", "--devices", "4", "--tokens", "16",
+                 "--all-reduce-quantization", "int4", "--quantized-all-reduce-min-bytes", "0"]) == 0
+    output = capsys.readouterr().out
+    assert "int4-quantised sums >= 0 B" in output
+    assert "int4-quantised all-to-all" in output
 
 
 def test_hlo_json_on_a_cpu_mesh_names_the_selected_tier():

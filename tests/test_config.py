@@ -52,6 +52,12 @@ def test_equal_configs_hash_equally_whatever_the_dtype_spelling():
         ("dtype", "float64"),
         ("use_latent_norm", 1),
         ("sequence_parallel", "yes"),
+        ("all_reduce_quantization", "int5"),
+        ("all_reduce_quantization", "INT4"),
+        ("quantized_all_reduce_min_bytes", -1),
+        ("quantized_all_reduce_min_bytes", 3 * 2**31),  # above the maximum
+        ("quantized_all_reduce_max_bytes", 0),
+        ("quantized_all_reduce_fp16_sizes_for_bf16", "no"),
     ],
 )
 def test_invalid_field_raises_value_error_naming_it(field, value):
@@ -85,6 +91,10 @@ def test_from_env_without_variables_keeps_the_base():
         ("VLLM_SHARED_EXPERTS_STREAM_TOKEN_THRESHOLD", "-3", "overlap_token_threshold"),
         ("VLLM_DISABLE_SHARED_EXPERTS_STREAM", "maybe", "disable_overlap"),
         ("VLLM_KIMI_K3_SHARED_OUTPUT_AR_OVERLAP", "2", "shared_output_is_reduced"),
+        ("VLLM_ROCM_QUICK_REDUCE_QUANTIZATION", "INT3", "all_reduce_quantization"),
+        ("VLLM_ROCM_QUICK_REDUCE_MAX_SIZE_BYTES_MB", "big", "quantized_all_reduce_max_bytes"),
+        ("VLLM_ROCM_QUICK_REDUCE_MAX_SIZE_BYTES_MB", "0", "quantized_all_reduce_max_bytes"),
+        ("VLLM_ROCM_QUICK_REDUCE_CAST_BF16_TO_FP16", "fp16", "quantized_all_reduce_fp16_sizes_for_bf16"),
     ],
 )
 def test_from_env_rejects_unparsable_values(variable, value, field):
@@ -120,3 +130,22 @@ def test_from_env_reads_the_early_shared_reduction_switch(word, reduced):
 def test_a_reduced_shared_output_without_shared_experts_names_both():
     with pytest.raises(ValueError, match=r"^shared_output_is_reduced: .*has_shared_experts is False"):
         TailConfig.kimi_k3(shared_output_is_reduced=True, has_shared_experts=False)
+
+
+@pytest.mark.parametrize(("regime", "quantization", "form"), [
+    ("INT8", "int8", "auto"), ("INT6", "int6", "auto"), ("int4", "int4", "auto"), ("NONE", None, "auto"),
+    ("FP", None, "reduce-scatter+all-gather"),  # QuickReduce's unquantised two-shot form
+])
+def test_from_env_reads_the_quick_reduce_regime(regime, quantization, form):
+    config = TailConfig.from_env(environ={"VLLM_ROCM_QUICK_REDUCE_QUANTIZATION": regime})
+    assert (config.all_reduce_quantization, config.all_reduce_form) == (quantization, form)
+
+
+def test_from_env_reads_the_quick_reduce_size_cap_in_mib_and_the_bf16_cast():
+    config = TailConfig.from_env(environ={"VLLM_ROCM_QUICK_REDUCE_QUANTIZATION": "INT4",
+                                          "VLLM_ROCM_QUICK_REDUCE_MAX_SIZE_BYTES_MB": "512",
+                                          "VLLM_ROCM_QUICK_REDUCE_CAST_BF16_TO_FP16": "0"})
+    assert config.quantized_all_reduce_max_bytes == 512 * 2**20
+    assert config.quantized_all_reduce_fp16_sizes_for_bf16 is False
+    defaults = TailConfig.from_env(environ={})
+    assert (defaults.all_reduce_quantization, defaults.quantized_all_reduce_max_bytes) == (None, 2**31)

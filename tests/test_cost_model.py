@@ -287,12 +287,14 @@ def test_column_layout_column_parallel_then_scatter_gather(hardware):
     assert changes[0].num_tokens > 256
 
 
-@pytest.mark.parametrize("sequence_parallel", [False, True])
-@pytest.mark.parametrize("weight_layout", ["column", "replicated"])
-@pytest.mark.parametrize("hardware", ["mi355x", "h200"])
-def test_crossovers_are_where_best_tier_changes(hardware, weight_layout, sequence_parallel):
-    """The vectorised scan agrees with best_tier at every T of the range."""
-    config = TailConfig.kimi_k3(sequence_parallel=sequence_parallel)
+@pytest.mark.parametrize(("hardware", "weight_layout", "sequence_parallel", "quantization"), [
+    (hardware, layout, sequence_parallel, None)
+    for hardware in ("mi355x", "h200") for layout in ("column", "replicated") for sequence_parallel in (False, True)
+] + [("mi355x", "replicated", False, "int4"), ("h200", "column", True, "int8")])
+def test_crossovers_are_where_best_tier_changes(hardware, weight_layout, sequence_parallel, quantization):
+    """The vectorised scan agrees with best_tier at every T of the range (with quantised sums too, whose
+    default size window makes each sum's time piecewise in T)."""
+    config = TailConfig.kimi_k3(sequence_parallel=sequence_parallel, all_reduce_quantization=quantization)
     kwargs = {"hardware": hardware, "weight_layout": weight_layout}
     fastest = [best_tier(config, t, P, **kwargs).tier for t in range(1, 2049)]
     pairs = zip(range(2, 2049), fastest, fastest[1:], strict=False)
@@ -413,3 +415,56 @@ def test_fp8_weights_move_the_crossovers_later_on_mi355x(weight_layout):
                  for d in (None, "float8_e4m3fn"))
     assert (fp8[0].before, fp8[0].after) == (bf16[0].before, bf16[0].after)
     assert fp8[0].num_tokens > bf16[0].num_tokens
+
+
+# --- Quantised sums ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tier, weight_layout", [
+    (Tier.NATIVE, "replicated"), (Tier.OVERLAP, "column"), (Tier.COLUMN_PARALLEL, "column"),
+    (Tier.SCATTER_GATHER, "replicated"), (Tier.ONE_SHOT, "replicated"), (Tier.TOKEN_PARALLEL, "replicated"),
+])
+def test_quantised_wire_bytes_agree_with_the_gpu_compiled_program(gpu_mesh, tier, weight_layout):
+    """Every sum int4-quantised (T = 256): the model's encoded wire bytes are the program's all-to-alls
+    and all-gathers (and the plain collectives it keeps, e.g. the column layout's output gather)."""
+    config = TailConfig.kimi_k3(all_reduce_quantization="int4", quantized_all_reduce_min_bytes=0)
+    cost = tier_cost(config, 256, P, tier=tier, weight_layout=weight_layout)
+    compiled = report(compiled_tail(config, gpu_mesh, 256, tier, weight_layout))
+    assert any(c.codec for c in cost.collectives) and any(c.quantization for c in compiled.collectives)
+    assert sum(c.wire_bytes for c in cost.collectives) == pytest.approx(
+        sum(c.wire_bytes for c in compiled.collectives), rel=1e-4)
+
+
+def test_a_quantised_all_reduce_costs_two_latencies_its_encoded_bytes_and_three_codec_passes():
+    hardware = Hardware("unit", peak_flops=1e12, hbm_bytes_per_s=1e9, link_bytes_per_s=1e6, collective_latency_s=1.0)
+    # 4 ranks, 8192 bf16 elements: chunks of 2048 = 64 blocks of 18 bytes (int4): payload 4 * 1152 bytes.
+    collective = CollectiveCost(ALL_REDUCE, 16384, 4, codec="int4")
+    assert collective.payload_bytes == 4608
+    assert collective.wire_bytes == pytest.approx(1.5 * 4608)
+    passes = 2 * 16384 + 3 * 4608 + 4608 / 4
+    assert collective.seconds(hardware) == pytest.approx(2.0 + 1.5 * 4608 / 1e6 + passes / 1e9)
+    scatter = CollectiveCost(REDUCE_SCATTER, 16384, 4, codec="int4")
+    assert scatter.seconds(hardware) == pytest.approx(1.0 + 0.75 * 4608 / 1e6 + (16384 * 1.25 + 2 * 4608) / 1e9)
+
+
+def test_tier_cost_quantises_exactly_the_sums_inside_the_window():
+    """Kimi-K3 at T = 256 on 8 ranks with int4 (vLLM minimum 2 MiB): the 3.7 MB shared sum is quantised,
+    the 1.8 MB latent sum is not, and an all-gather never is."""
+    config = TailConfig.kimi_k3(all_reduce_quantization="int4")
+    cost = tier_cost(config, 256, P, tier=Tier.OVERLAP, weight_layout="column")
+    assert [(c.kind, c.codec) for c in cost.collectives] == [
+        (ALL_REDUCE, None), (ALL_REDUCE, "int4"), (ALL_GATHER, None)]
+
+
+@pytest.mark.parametrize(("kind", "codec"), [(ALL_GATHER, "int4"), (ALL_REDUCE, "int5")])
+def test_a_codec_only_on_a_sum_and_only_a_known_one(kind, codec):
+    with pytest.raises(ValueError, match="codec"):
+        CollectiveCost(kind, 1024, 8, codec=codec)
+
+
+def test_quantisation_speeds_up_prefill_on_mi355x_by_its_wire_bytes():
+    """At T = 8192 on MI355X the sums are mostly wire time: int4 saves time over bf16."""
+    plain = predict_time(tier_cost(K3, 8192, P, tier=Tier.COLUMN_PARALLEL, weight_layout="column"), "mi355x")
+    config = TailConfig.kimi_k3(all_reduce_quantization="int4")
+    quantised = predict_time(tier_cost(config, 8192, P, tier=Tier.COLUMN_PARALLEL, weight_layout="column"), "mi355x")
+    assert quantised.collective_s < 0.5 * plain.collective_s

@@ -1,7 +1,7 @@
 """The full Cartesian products behind the covering designs of test_tiers.py and test_sequence_parallel.py.
 
-About 2820 cases (minutes on 2 cores), 720 of them with FP8 up-projection weights and 480 with a shared
-output reduced before the tail: skipped by default,
+About 3540 cases (minutes on 2 cores), 720 of them with FP8 up-projection weights, 480 with a shared
+output reduced before the tail and 720 with quantised sums: skipped by default,
 run with ``pytest -m slow``. The default run covers every pair of these factors (tests/covering.py);
 these products try every combination.
 """
@@ -130,3 +130,19 @@ def test_column_tier_writes_only_its_own_block_everywhere(tp_size, num_tokens, b
     config = dataclasses.replace(base, dtype=dtype)
     assert_column_tier_writes_only_its_own_block(config, tp_size, num_tokens, weight_layout)
 
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["replicated_output", "sp"])
+@pytest.mark.parametrize("codec", ["int8", "int6", "int4"])
+@pytest.mark.parametrize("base", SIZES)
+@pytest.mark.parametrize("num_tokens", [1, 5, 65])
+@pytest.mark.parametrize("tp_size", [2, 8])
+@pytest.mark.parametrize(("tier", "weight_layout"), tier_layouts())
+def test_every_tier_with_every_codec(tier, weight_layout, tp_size, num_tokens, base, codec, sequence_parallel):
+    """Every sum quantised (minimum size 0), within the limit the codec predicts for the inputs."""
+    config = dataclasses.replace(base, all_reduce_quantization=codec, quantized_all_reduce_min_bytes=0,
+                                 sequence_parallel=sequence_parallel)
+    inputs = make_inputs(config, tp_size, num_tokens)
+    y = run_tail(config, inputs, tp_size, tier, weight_layout)
+    assert y.shape == (num_tokens, config.hidden_size) and y.dtype == config.dtype
+    assert relative_error(y, reference_tail(config, inputs)) <= tolerance(config, inputs)

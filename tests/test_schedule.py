@@ -15,6 +15,7 @@ import pytest
 
 from helpers import compiled_tail
 from k3_tail import Tier, TailConfig, compiler_options, tail_arguments, tail_forward, topology_mesh
+from k3_tail.tiers.codecs import CODECS
 from k3_tail.tiers.up_projection import gemm_rows
 from k3_tail.xla.hlo_text import parse_module
 from k3_tail.xla.report import report
@@ -293,3 +294,44 @@ def test_a_one_token_call_reads_its_kernel_once_without_a_kernel_sized_intermedi
     assert [gemm.scopes for gemm in one.gemms] == [("up_projection",)]
     assert one.bytes_accessed <= 1.15 * two.bytes_accessed
     assert max(one_temporary, two_temporary) <= temporary_limit(tier, weight_layout, up_proj_dtype)
+
+
+# --- Quantised sums (vLLM ROCm's QuickReduce) -------------------------------------------------------------------
+
+
+def quantised_report(mesh, codec, num_tokens, **overrides):
+    config = TailConfig.kimi_k3(all_reduce_quantization=codec, **overrides)
+    return report(compiled_tail(config, mesh, num_tokens, Tier.OVERLAP, "replicated"))
+
+
+def wire_bytes(result):
+    return sum(c.wire_bytes for c in result.collectives)
+
+
+@pytest.mark.parametrize(("codec", "target"), [("int8", 0.57), ("int4", 0.32)])
+def test_quantised_sums_carry_the_codecs_bits_and_scales_instead_of_bf16(gpu_mesh, codec, target):
+    """Overlap, replicated kernel, T = 2048, every sum quantised: two shots of uint8 payload per sum, at most
+    the target share of the unquantised program's ring wire bytes: b/16 + 1/32 of them (block bytes / 64)."""
+    plain = compiled_report(gpu_mesh, Tier.OVERLAP, PREFILL_TOKENS, "replicated")
+    quantised = quantised_report(gpu_mesh, codec, PREFILL_TOKENS, quantized_all_reduce_min_bytes=0)
+    assert sorted(c.kind for c in quantised.collectives) == ["all-gather"] * 2 + ["all-to-all"] * 2
+    assert {(c.quantization, c.payload_dtypes) for c in quantised.collectives} == {(codec, ("u8",))}
+    ratio = wire_bytes(quantised) / wire_bytes(plain)
+    assert ratio <= target
+    assert ratio == pytest.approx(CODECS[codec].block_bytes / 64, rel=1e-3)
+
+
+def test_the_quantised_shared_sums_second_shot_runs_beside_the_gemm(gpu_mesh):
+    """With the overlap tier's options the shared sum's all-gather is not combined with the latent's."""
+    quantised = quantised_report(gpu_mesh, "int4", PREFILL_TOKENS, quantized_all_reduce_min_bytes=0)
+    gathers = [c for c in quantised.in_scope("shared_reduction") if c.kind == "all-gather"]
+    assert len(gathers) == 1 and gathers[0].scopes == ("shared_reduction",)
+    assert gathers[0].is_async and gathers[0].between_gemms
+
+
+def test_at_decode_the_default_minimum_keeps_the_sums_unquantised(gpu_mesh):
+    """T = 16: the 0.1 and 0.2 MB sums are below vLLM's 2 MiB INT4 minimum for TP8."""
+    plain = compiled_report(gpu_mesh, Tier.OVERLAP, 16, "replicated")
+    quantised = quantised_report(gpu_mesh, "int4", 16)
+    assert [(c.kind, c.arrays, c.quantization) for c in quantised.collectives] == [
+        (c.kind, c.arrays, None) for c in plain.collectives]

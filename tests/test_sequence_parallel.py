@@ -45,7 +45,7 @@ def test_output_is_token_sharded_when_p_divides_t_and_matches_the_reference(case
     else:
         assert y.sharding.is_fully_replicated
         assert {shard.data.shape for shard in y.addressable_shards} == {(num_tokens, hidden_size)}
-    assert relative_error(y, reference_tail(config, inputs)) <= tolerance(config)
+    assert relative_error(y, reference_tail(config, inputs)) <= tolerance(config, inputs)
 
 
 @pytest.mark.parametrize(("tier", "weight_layout"), tier_layouts())

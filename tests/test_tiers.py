@@ -55,7 +55,7 @@ def test_tier_matches_the_float64_reference_and_replicates_y(case):
     assert y.shape == (case.num_tokens, case.hidden_size) and y.dtype == config.dtype
     if case.num_tokens:
         assert y.sharding.is_fully_replicated
-        assert relative_error(y, reference_tail(config, inputs)) <= tolerance(config)
+        assert relative_error(y, reference_tail(config, inputs)) <= tolerance(config, inputs)
 
 
 # The tail inputs with one term dropped or misread; each must miss the reference by far more than 1e-2.

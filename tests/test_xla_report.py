@@ -1,11 +1,15 @@
 """k3_tail.xla_report and its HLO reader on the CPU mesh, where cost_analysis gives per-device cost."""
 
+import importlib.util
 import json
 
+import jax
+import jax.numpy as jnp
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from helpers import make_tp_mesh
-from k3_tail import Tier, TailConfig, compile_tail
+from k3_tail import Tier, TailConfig, compile_tail, topology_mesh
 from k3_tail.xla.hlo_text import dot_flops, parse_module, replica_group_size
 from k3_tail.xla.report import report
 
@@ -97,3 +101,31 @@ def test_replica_group_spellings(groups, size):
 def test_text_without_an_entry_is_a_value_error():
     with pytest.raises(ValueError, match="ENTRY"):
         parse_module("HloModule m\n")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("jax_plugins.xla_cuda13") is None,
+                    reason="needs the [aot] extra (jax-cuda13-plugin and -pjrt of the installed jax)")
+def test_a_combined_all_gather_counts_every_array_it_gathers():
+    """XLA's GPU pipeline combines independent all-gathers (here a uint8 payload and its bf16 scales) into one
+    whose async result is ((inputs), (outputs)): every gathered array counts, not the last one alone."""
+    mesh = topology_mesh("h100x8")
+
+    def gather_both(payload, scales):
+        return tuple(jax.lax.all_gather(x, "tp", tiled=True, to="invarying") for x in (payload, scales))
+
+    program = jax.jit(jax.shard_map(gather_both, mesh=mesh, in_specs=(P("tp"), P("tp")), out_specs=(P(), P())))
+    arguments = (jax.ShapeDtypeStruct((64, 32), jnp.uint8, sharding=NamedSharding(mesh, P("tp"))),
+                 jax.ShapeDtypeStruct((64,), jnp.bfloat16, sharding=NamedSharding(mesh, P("tp"))))
+    (gathered,) = report(program.lower(*arguments).compile(), shared_argument=None).collectives
+    assert [(array.dtype, array.dims) for array in gathered.arrays] == [("u8", (64, 32)), ("bf16", (64,))]
+    assert gathered.bytes == 64 * 32 + 64 * 2 and gathered.payload_dtypes == ("u8", "bf16")
+    assert gathered.wire_bytes == round(7 / 8 * gathered.bytes)
+
+
+def test_the_shots_of_a_quantised_sum_carry_its_codec_and_uint8_payload():
+    config = TailConfig.kimi_k3(all_reduce_quantization="int6", quantized_all_reduce_min_bytes=0)
+    result = report(compile_tail(config, make_tp_mesh(4), 8, tier=Tier.NATIVE, weight_layout="replicated"))
+    assert sorted((c.form, c.payload_dtypes) for c in result.collectives) == [
+        ("int6-quantised all-gather", ("u8",))] * 2 + [("int6-quantised all-to-all", ("u8",))] * 2
+    # The CPU backend splits an all-to-all into one operand per rank; the bytes are the same.
+    assert "int6-quantised all-to-all u8[1,224,26] + u8[1,224,26]" in result.format()

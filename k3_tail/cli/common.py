@@ -28,7 +28,7 @@ from typing import IO
 import jax
 from jax.sharding import Mesh
 
-from k3_tail.config import TailConfig
+from k3_tail.config import ALL_REDUCE_QUANTIZATIONS, TailConfig
 from k3_tail.selection.decision import TierDecision
 from k3_tail.selection.rules import select_tier
 from k3_tail.tiers.collectives import ALL_REDUCE_FORMS
@@ -244,6 +244,7 @@ def add_measurement_arguments(parser: argparse.ArgumentParser) -> None:
                         help="one all-reduce, reduce-scatter + all-gather, or auto: the form measured faster on the "
                         f"platform for the buffer's size and dtype (default: {kimi.all_reduce_form})")
     add_up_projection_arguments(shapes)
+    add_all_reduce_quantization_arguments(shapes)
 
 
 def add_reduced_shared_argument(group: argparse._ArgumentGroup | argparse.ArgumentParser) -> None:
@@ -270,6 +271,30 @@ def up_projection_options(args: argparse.Namespace) -> dict[str, object]:
     return {"up_proj_dtype": args.up_proj_dtype, "fp8_activations": args.fp8_activations}
 
 
+# --all-reduce-quantization's choices: "none" (no codec) and the codecs (k3_tail.tiers.codecs.CODECS).
+QUANTIZATION_CHOICES = tuple("none" if name is None else name for name in ALL_REDUCE_QUANTIZATIONS)
+
+
+def add_all_reduce_quantization_arguments(group: argparse._ArgumentGroup | argparse.ArgumentParser) -> None:
+    """``--all-reduce-quantization`` and ``--quantized-all-reduce-min-bytes``: quantised TP sums
+    (vLLM ROCm's QuickReduce, :mod:`k3_tail.tiers.collectives`)."""
+    group.add_argument("--all-reduce-quantization", choices=QUANTIZATION_CHOICES, default="none",
+                       help="send the TP sums block-quantised in this codec, as two-shot all-reduces like vLLM "
+                       "ROCm's QuickReduce; changes the numerics (default: none)")
+    group.add_argument("--quantized-all-reduce-min-bytes", type=non_negative_int, default=None, metavar="N",
+                       help="with --all-reduce-quantization: quantise only sums of buffers of at least N bytes "
+                       "(default: vLLM's minimum for the dtype and p)")
+
+
+def all_reduce_quantization_options(args: argparse.Namespace) -> dict[str, object]:
+    """The TailConfig fields ``--all-reduce-quantization`` and ``--quantized-all-reduce-min-bytes`` set."""
+    codec = None if args.all_reduce_quantization == "none" else args.all_reduce_quantization
+    if args.quantized_all_reduce_min_bytes is not None and codec is None:
+        raise CommandError("--quantized-all-reduce-min-bytes: needs --all-reduce-quantization (one of "
+                           + ", ".join(name for name in QUANTIZATION_CHOICES if name != "none") + ")")
+    return {"all_reduce_quantization": codec, "quantized_all_reduce_min_bytes": args.quantized_all_reduce_min_bytes}
+
+
 def add_shape_arguments(group: argparse._ArgumentGroup) -> argparse._ArgumentGroup:
     """``--hidden-size``, ``--latent-size`` and ``--dtype`` (Kimi-K3's by default) on ``group``; returns it."""
     kimi = TailConfig.kimi_k3()
@@ -291,6 +316,7 @@ def measurement_config(args: argparse.Namespace) -> TailConfig:
             fused_output_is_reduced=args.reduced_routed, shared_output_is_reduced=args.reduced_shared,
             sequence_parallel=args.sequence_parallel,
             all_reduce_form=args.all_reduce_form, **up_projection_options(args),
+            **all_reduce_quantization_options(args),
         )
     except ValueError as error:
         raise CommandError(f"config: {error}") from None
@@ -378,6 +404,9 @@ def describe_config(config: TailConfig) -> str:
     """One line: the config's shapes and numerics, e.g. "H=7168, L=3584, bfloat16, eps 1e-06, scale 1"."""
     text = (f"H={config.hidden_size}, L={config.latent_size}, {config.dtype.name}, eps {config.rms_norm_eps:g}, "
             f"scale {config.routed_scaling_factor:g}")
+    minimum = config.quantized_all_reduce_min_bytes
+    quantised = (f"{config.all_reduce_quantization}-quantised sums "
+                 + ("(vLLM's minimum)" if minimum is None else f">= {minimum} B"))
     flags = [name for name, on in (
         ("no norm", not config.use_latent_norm), ("no shared experts", not config.has_shared_experts),
         ("reduced routed output", config.fused_output_is_reduced),
@@ -385,6 +414,7 @@ def describe_config(config: TailConfig) -> str:
         (f"all_reduce_form {config.all_reduce_form}", config.all_reduce_form != "auto"),
         (f"up projection {getattr(config.up_proj_dtype, 'name', '')}", config.up_proj_dtype is not None),
         ("FP8 activations", config.fp8_activations),
+        (quantised, config.all_reduce_quantization is not None),
     ) if on]
     return ", ".join([text, *flags])
 

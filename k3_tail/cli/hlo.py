@@ -16,9 +16,9 @@ import jax
 from jax.sharding import Mesh
 
 from k3_tail.cli.common import (
-    AXIS_NAME, DEFAULT_CPU_DEVICES, CommandError, add_reduced_shared_argument, add_up_projection_arguments,
-    add_weight_layout_argument, demo_devices, describe_config, mesh_decision, non_negative_int, positive_int,
-    tp_mesh, up_projection_options,
+    AXIS_NAME, DEFAULT_CPU_DEVICES, CommandError, add_all_reduce_quantization_arguments, add_reduced_shared_argument,
+    add_up_projection_arguments, add_weight_layout_argument, all_reduce_quantization_options, demo_devices,
+    describe_config, mesh_decision, non_negative_int, positive_int, tp_mesh, up_projection_options,
 )
 from k3_tail.config import TailConfig
 from k3_tail.tiers.registry import Tier
@@ -59,6 +59,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     add_weight_layout_argument(hlo)
     add_up_projection_arguments(hlo)
     add_reduced_shared_argument(hlo)
+    add_all_reduce_quantization_arguments(hlo)
     hlo.add_argument("--json", action="store_true", help="print the report as JSON")
     hlo.set_defaults(run=run)
 
@@ -66,7 +67,11 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     """The ``hlo`` command: compile, report, print (text or JSON)."""
     mesh = hlo_mesh(args.topology, args.devices)
-    config = TailConfig.kimi_k3(shared_output_is_reduced=args.reduced_shared, **up_projection_options(args))
+    try:
+        config = TailConfig.kimi_k3(shared_output_is_reduced=args.reduced_shared, **up_projection_options(args),
+                                    **all_reduce_quantization_options(args))
+    except ValueError as error:
+        raise CommandError(f"config: {error}") from None
     tp_size = mesh.shape[AXIS_NAME]
     selection = mesh_decision(config, args.tokens, mesh, args.weight_layout)
     tier = selection.tier if args.tier == "auto" else Tier.parse(args.tier)
@@ -84,7 +89,9 @@ def run(args: argparse.Namespace) -> int:
             "topology": args.topology, "tier": tier.value, "tier_reason": why, "num_tokens": args.tokens,
             "tp_size": tp_size, "weight_layout": args.weight_layout, "compiler_options": options,
             "up_proj_dtype": args.up_proj_dtype, "fp8_activations": args.fp8_activations,
-            "shared_output_is_reduced": args.reduced_shared, "report": report.to_dict(),
+            "shared_output_is_reduced": args.reduced_shared,
+            "all_reduce_quantization": config.all_reduce_quantization,
+            "quantized_all_reduce_min_bytes": config.quantized_all_reduce_min_bytes, "report": report.to_dict(),
         }, indent=2))
         return 0
     print(f"tier: {tier.value} ({why}); T={args.tokens}, p={tp_size}, kernel layout {args.weight_layout}")

@@ -47,6 +47,13 @@ The model has two layers.
    (weight-only FP8 multiplies in ``config.dtype``: it saves bytes, not FLOP time), and a collective
    is hidden when its record term runs beside the GEMM (``beside_gemm``).
 
+   A sum that travels quantised (``TailConfig.all_reduce_quantization``, inside its size window:
+   :mod:`k3_tail.tiers.collectives`; ``CollectiveCost.codec``) moves its encoded chunks instead (b/16 +
+   1/32 of a bf16 buffer, padded to whole blocks), pays one latency per shot (two for an all-reduce,
+   one for a reduce-scatter) and adds the codec's memory passes at HBM bandwidth (encode, decode and
+   sum, and for an all-reduce re-encode and decode: 2B + 3Q + Q/p bytes for a buffer of B bytes whose
+   encoded size is Q).
+
 Assumptions a reader must know:
 - Vendor peaks: the presets hold data-sheet peak dense BF16 FLOP/s, HBM and link bandwidth, which
   real kernels reach only in part, so predicted times are optimistic; the crossovers depend on the
@@ -77,6 +84,8 @@ from k3_tail._checks import check_int
 from k3_tail.config import TailConfig, check_config
 from k3_tail.selection.decision import TierDecision
 from k3_tail.selection.hardware import HARDWARE, Hardware, hardware_preset
+from k3_tail.tiers.codecs import CODECS
+from k3_tail.tiers.collectives import quantization_window, quantized_codec
 from k3_tail.tiers.columns import check_weight_layout
 from k3_tail.tiers.record import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER, RING_WIRE_FACTORS, CallShape
 from k3_tail.tiers.registry import Tier
@@ -96,30 +105,43 @@ class CollectiveCost:
     kind: "all-reduce", "reduce-scatter", "all-gather" or "all-to-all". buffer_bytes: the buffer as
     :class:`k3_tail.xla_report.Collective` ``.bytes`` counts it (reduced buffer, reduce-scatter input,
     gathered result, all-to-all send buffer). group_size: ranks taking part (p). hidden: it runs
-    beside the tier's GEMM instead of before or after it.
+    beside the tier's GEMM instead of before or after it. codec: for a sum (all-reduce or
+    reduce-scatter) that travels quantised (:mod:`k3_tail.tiers.collectives`), the codec's name, else
+    None; element_bytes: the bytes of one element of the buffer, from which the encoded size follows.
     """
 
     kind: str
     buffer_bytes: int
     group_size: int
     hidden: bool = False
+    codec: str | None = None
+    element_bytes: int = 2
 
     def __post_init__(self):
         _check_kind(self.kind)
         if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or self.group_size < 1:
             raise ValueError(f"group_size: expected an integer >= 1, got {self.group_size!r}")
+        if self.codec is not None and (self.codec not in CODECS or self.kind not in (ALL_REDUCE, REDUCE_SCATTER)):
+            raise ValueError(f"codec: expected one of {tuple(CODECS)} on an all-reduce or reduce-scatter, got "
+                             f"{self.codec!r} on a {self.kind}")
+
+    @property
+    def payload_bytes(self) -> int:
+        """Bytes of the buffer as it travels: ``buffer_bytes``, or its p encoded chunks when quantised."""
+        return int(_payload_bytes(self.codec, self.buffer_bytes, self.element_bytes, self.group_size))
 
     @property
     def wire_bytes(self) -> float:
-        """Bytes this rank sends on a ring: 2(g-1)/g * B for an all-reduce, (g-1)/g * B otherwise."""
-        return RING_WIRE_FACTORS[self.kind](self.group_size) * self.buffer_bytes
+        """Bytes this rank sends on a ring: 2(g-1)/g * B for an all-reduce, (g-1)/g * B otherwise, with B
+        the payload (a quantised all-reduce's two shots move (g-1)/g of its encoded chunks each)."""
+        return RING_WIRE_FACTORS[self.kind](self.group_size) * self.payload_bytes
 
     def seconds(self, hardware: Hardware | str) -> float:
-        """collective_latency_s + wire_bytes / link_bytes_per_s on ``hardware``; 0 over a group of one rank."""
-        if self.group_size == 1:
-            return 0.0
-        hardware = hardware_preset(hardware)
-        return hardware.collective_latency_s + self.wire_bytes / hardware.link_bytes_per_s
+        """collective_latency_s per collective (two for a quantised all-reduce) + wire_bytes /
+        link_bytes_per_s + the codec's memory passes at HBM bandwidth on ``hardware``; 0 over a group
+        of one rank."""
+        return float(_collective_seconds(self.kind, self.buffer_bytes, self.group_size, self.codec,
+                                         self.element_bytes, hardware_preset(hardware)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,7 +214,8 @@ def tier_cost(
     else:  # FP8 values and one float32 scale per column
         kernel_bytes = config.up_proj_dtype.itemsize * latent * columns + 4 * columns
     collectives = [
-        CollectiveCost(term.kind, element * term.elements, tp_size, hidden=term.beside_gemm)
+        CollectiveCost(term.kind, element * term.elements, tp_size, hidden=term.beside_gemm,
+                       codec=_codec_name(config, term.kind, element * term.elements, tp_size), element_bytes=element)
         for term in tier.record.collectives(shape)
     ]
     if sequence_parallel and not token_sharded:
@@ -347,18 +370,20 @@ def _totals(config, tp_size, hardware, weight_layout, tier, tokens: np.ndarray) 
     So is each of :func:`_time_terms`: two calls p tokens apart give each term's line, taken where the
     GEMM has at least two rows; the GEMM of a single row is computed as two (its compute term doubles).
     """
+    def costs(start: int) -> tuple[TierCost, TierCost]:
+        return tuple(tier_cost(config, n, tp_size, tier=tier, weight_layout=weight_layout)
+                     for n in (start, start + tp_size))
+
     def lines(start: int) -> tuple[np.ndarray, np.ndarray]:
-        first, second = (
-            np.array(_time_terms(tier_cost(config, n, tp_size, tier=tier, weight_layout=weight_layout), hardware))
-            for n in (start, start + tp_size)
-        )
+        first, second = (np.array(_time_terms(cost, hardware)) for cost in costs(start))
         return first - (second - first) / tp_size * start, (second - first) / tp_size  # intercept, slope
 
     intercept, slope = lines(2 * tp_size)
     record = Tier.parse(tier).record
     padded = config.sequence_parallel or record.shards_tokens
     rows = -(-tokens // tp_size) * tp_size if padded else tokens
-    compute, _, serial, hidden = intercept[:, None] + slope[:, None] * rows
+    compute = intercept[0] + slope[0] * rows
+    serial, hidden = _collective_totals(config, hardware, costs(2 * tp_size), rows)
     compute = compute * np.where(record.gemm_rows(rows, tp_size) == 1, gemm_rows(1), 1)
     memory = intercept[1] + slope[1] * tokens
     if config.sequence_parallel and tp_size > 1:  # T not divisible by p: all T rows of y come back
@@ -367,10 +392,71 @@ def _totals(config, tp_size, hardware, weight_layout, tier, tokens: np.ndarray) 
     return serial + np.maximum(np.maximum(compute, memory), hidden)
 
 
+def _collective_totals(config: TailConfig, hardware: Hardware, costs: tuple[TierCost, TierCost],
+                       rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(serial, hidden) collective seconds of a tier for each row count in ``rows``, from ``costs`` at two
+    row counts p apart: each buffer is affine in the rows, and its time follows from its size, through
+    the quantisation window when the config has one (which makes it piecewise)."""
+    first, second = costs
+    tp_size = first.tp_size
+    window = quantization_window(config, tp_size)
+    serial = hidden = np.zeros(rows.shape)
+    for start, later in zip(first.collectives, second.collectives, strict=True):
+        per_row = (later.buffer_bytes - start.buffer_bytes) // tp_size
+        nbytes = start.buffer_bytes + per_row * (rows - 2 * tp_size)
+        seconds = _collective_seconds(start.kind, nbytes, tp_size, None, start.element_bytes, hardware)
+        if window is not None and start.kind in (ALL_REDUCE, REDUCE_SCATTER):
+            codec, smallest, largest = window
+            quantized = _collective_seconds(start.kind, nbytes, tp_size, codec.name, start.element_bytes, hardware)
+            seconds = np.where((smallest <= nbytes) & (nbytes <= largest), quantized, seconds)
+        if start.hidden:
+            hidden = hidden + seconds
+        else:
+            serial = serial + seconds
+    return serial, hidden
+
+
 def _first_fastest(totals: np.ndarray) -> np.ndarray:
     """Per column of ``totals`` [tiers, cases], the first tier (Tier's order) within a relative 1e-9 of
     the fastest: ties go to the earlier tier whichever way rounding tips them."""
     return np.argmax(totals <= totals.min(axis=0) * (1 + 1e-9), axis=0)
+
+
+def _codec_name(config: TailConfig, kind: str, nbytes: int, tp_size: int) -> str | None:
+    """The codec a collective of ``kind`` over ``nbytes`` travels in: sums only, as the tiers decide it."""
+    codec = quantized_codec(config, nbytes, tp_size) if kind in (ALL_REDUCE, REDUCE_SCATTER) else None
+    return None if codec is None else codec.name
+
+
+def _payload_bytes(codec: str | None, buffer_bytes, element_bytes: int, group_size: int):
+    """Bytes of a buffer as it travels (numpy arrays too): as it is, or its p chunks encoded, each
+    chunk 1/p of the elements rounded up and padded to whole blocks."""
+    if codec is None:
+        return buffer_bytes
+    chunk = -(-(buffer_bytes // element_bytes) // group_size)
+    return group_size * CODECS[codec].encoded_bytes(chunk)
+
+
+def _collective_seconds(kind: str, buffer_bytes, group_size: int, codec: str | None, element_bytes: int,
+                        hardware: Hardware):
+    """:meth:`CollectiveCost.seconds`, for ``buffer_bytes`` a number or a numpy array.
+
+    A quantised sum adds the codec's memory passes: encode (read B, write the payload Q), decode and
+    sum the received chunks (read Q), then for an all-reduce re-encode the own chunk (write Q/p) and
+    decode what the all-gather brought (read Q, write B); a reduce-scatter writes its B/p chunk.
+    """
+    if group_size == 1:
+        return 0.0 * buffer_bytes
+    payload = _payload_bytes(codec, buffer_bytes, element_bytes, group_size)
+    wire = RING_WIRE_FACTORS[kind](group_size) * payload
+    if codec is None:
+        return hardware.collective_latency_s + wire / hardware.link_bytes_per_s
+    if kind == ALL_REDUCE:
+        shots, passes = 2, 2 * buffer_bytes + 3 * payload + payload / group_size
+    else:
+        shots, passes = 1, buffer_bytes + buffer_bytes / group_size + 2 * payload
+    return (shots * hardware.collective_latency_s + wire / hardware.link_bytes_per_s
+            + passes / hardware.hbm_bytes_per_s)
 
 
 def _check_kind(kind: str) -> None:

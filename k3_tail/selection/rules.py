@@ -11,7 +11,7 @@ from k3_tail.config import TailConfig, check_config
 from k3_tail.selection import cost_model
 from k3_tail.selection.decision import TierDecision
 from k3_tail.selection.table import SelectionTable
-from k3_tail.tiers.collectives import describe_auto
+from k3_tail.tiers.collectives import describe_auto, describe_quantization, quantization_min_bytes
 from k3_tail.tiers.columns import padded_hidden_size
 from k3_tail.tiers.registry import Tier
 from k3_tail.tiers.tokens import is_token_sharded_output, padded_token_count
@@ -71,6 +71,9 @@ def select_tier(
         reason += f"; {forms}"
     elif config.all_reduce_form != "auto":
         reason += f"; all_reduce_form={config.all_reduce_form!r}"
+    quantization = _quantization_reason(config, decision.tier, num_tokens, tp_size, weight_layout)
+    if quantization is not None:
+        reason += f"; {quantization}"
     if config.shared_output_is_reduced:
         reason += f"; shared output reduced before the tail: {decision.tier.record.shared_reduced_form}"
     if not config.sequence_parallel:
@@ -83,6 +86,22 @@ def select_tier(
             f"{padded_token_count(num_tokens, tp_size)} and the [T, H] result is gathered (replicated)"
         )
     return TierDecision(decision.tier, reason)
+
+
+def _quantization_reason(config: TailConfig, tier: Tier, num_tokens: int, tp_size: int,
+                         weight_layout: str | None) -> str | None:
+    """Which of ``tier``'s sums travel quantised in this call, or None without a codec."""
+    text = describe_quantization(config, tp_size)
+    if text is None or num_tokens == 0 or quantization_min_bytes(config, tp_size) is None:
+        return text
+    # The sums (all-reduces, reduce-scatters) of a tier do not depend on the kernel's layout.
+    layout = weight_layout or ("replicated" if tier.record.needs_whole_kernel else "column")
+    cost = cost_model.tier_cost(config, num_tokens, tp_size, tier=tier, weight_layout=layout)
+    sums = [c for c in cost.collectives if c.kind in (cost_model.ALL_REDUCE, cost_model.REDUCE_SCATTER)]
+    quantized = [f"{c.kind} of {c.buffer_bytes / 1e6:.3g} MB" for c in sums if c.codec is not None]
+    plain = [f"{c.kind} of {c.buffer_bytes / 1e6:.3g} MB" for c in sums if c.codec is None]
+    text += f": quantised here: {', '.join(quantized) or 'none'}"
+    return text + (f"; outside that range, in {config.dtype.name}: {', '.join(plain)}" if plain else "")
 
 
 def _select_replicated(

@@ -9,8 +9,10 @@ one is open-ended.
 
 A table is only valid where it was measured: the same device kind, TP size, weight layout, hidden
 and latent sizes, dtype, up-projection weights (``up_proj_dtype``, ``fp8_activations``; a table
-without those keys was measured with the kernel in dtype) and whether the shared output arrived
-reduced (``shared_output_is_reduced``; absent: it did not). Using it anywhere else raises ValueError
+without those keys was measured with the kernel in dtype), whether the shared output arrived
+reduced (``shared_output_is_reduced``; absent: it did not) and the quantised sums
+(``all_reduce_quantization``, ``quantized_all_reduce_min_bytes``; absent: bf16 sums). Using it
+anywhere else raises ValueError
 naming what differs, since a table measured on other hardware or shapes would pick tiers for the
 wrong reasons.
 
@@ -18,7 +20,8 @@ JSON form (``format`` names the version)::
 
     {"format": "k3_tail.selection_table/1", "device_kind": "NVIDIA H200", "tp_size": 8,
      "weight_layout": "column", "hidden_size": 7168, "latent_size": 3584, "dtype": "bfloat16",
-     "up_proj_dtype": null, "fp8_activations": false, "shared_output_is_reduced": false, "source": "...",
+     "up_proj_dtype": null, "fp8_activations": false, "shared_output_is_reduced": false,
+     "all_reduce_quantization": null, "quantized_all_reduce_min_bytes": null, "source": "...",
      "ranges": [{"first": 1, "last": 255, "tier": "overlap"},
                 {"first": 256, "last": null, "tier": "column_parallel"}]}
 """
@@ -71,6 +74,8 @@ class SelectionTable:
     up_proj_dtype: str | None = None
     fp8_activations: bool = False
     shared_output_is_reduced: bool = False
+    all_reduce_quantization: str | None = None
+    quantized_all_reduce_min_bytes: int | None = None
 
     def __post_init__(self):
         _check_ranges(self.ranges, self.weight_layout)
@@ -82,9 +87,9 @@ class SelectionTable:
     def check_matches(
         self, config: TailConfig, tp_size: int, *, weight_layout: str | None = None, device_kind: str | None = None
     ) -> None:
-        """ValueError naming the first of p, shapes, dtypes, FP8 activations, a reduced shared output, layout
-        or device kind that differs from where the table was measured (``weight_layout`` / ``device_kind``
-        None: not checked)."""
+        """ValueError naming the first of p, shapes, dtypes, FP8 activations, a reduced shared output, the
+        quantised sums, layout or device kind that differs from where the table was measured
+        (``weight_layout`` / ``device_kind`` None: not checked)."""
         expected = {
             "tp_size": tp_size,
             "hidden_size": config.hidden_size,
@@ -93,11 +98,13 @@ class SelectionTable:
             "up_proj_dtype": _up_proj_dtype_name(config),
             "fp8_activations": config.fp8_activations,
             "shared_output_is_reduced": config.shared_output_is_reduced,
+            "all_reduce_quantization": config.all_reduce_quantization,
+            "quantized_all_reduce_min_bytes": config.quantized_all_reduce_min_bytes,
             "weight_layout": weight_layout,
             "device_kind": device_kind,
         }
         for name, value in expected.items():
-            if (value is not None or name == "up_proj_dtype") and getattr(self, name) != value:
+            if (value is not None or name not in _UNCHECKED_WHEN_NONE) and getattr(self, name) != value:
                 raise ValueError(
                     f"selection_table: measured with {name}={getattr(self, name)!r}, but this call has "
                     f"{name}={value!r}; calibrate for this setup (python -m k3_tail calibrate)"
@@ -146,6 +153,11 @@ class SelectionTable:
             values[name] = data.get(name, False)
             if not isinstance(values[name], bool):
                 raise ValueError(f"selection_table.{name}: expected a bool, got {values[name]!r}")
+        # And tables written before quantised sums existed were measured with sums in the dtype.
+        for name, kind in (("all_reduce_quantization", str), ("quantized_all_reduce_min_bytes", int)):
+            values[name] = data.get(name)
+            if not isinstance(values[name], (kind, type(None))) or isinstance(values[name], bool):
+                raise ValueError(f"selection_table.{name}: expected a {kind.__name__} or null, got {values[name]!r}")
         raw_ranges = data.get("ranges")
         if not isinstance(raw_ranges, list) or not raw_ranges:
             raise ValueError(f"selection_table.ranges: expected a non-empty list, got {raw_ranges!r}")
@@ -204,7 +216,13 @@ def table_from_measurements(
         latent_size=config.latent_size, dtype=config.dtype.name, ranges=tuple(ranges), source=source,
         up_proj_dtype=_up_proj_dtype_name(config), fp8_activations=config.fp8_activations,
         shared_output_is_reduced=config.shared_output_is_reduced,
+        all_reduce_quantization=config.all_reduce_quantization,
+        quantized_all_reduce_min_bytes=config.quantized_all_reduce_min_bytes,
     )
+
+
+# check_matches arguments that None leaves unchecked; every other field's None is a value to compare.
+_UNCHECKED_WHEN_NONE = frozenset({"weight_layout", "device_kind"})
 
 
 def _up_proj_dtype_name(config: TailConfig) -> str | None:

@@ -44,8 +44,8 @@ def allreduce_norm_latent_out(
     or the already reduced latent when ``config.fused_output_is_reduced`` (then no collective).
     norm_weight: [L], ignored when ``config.use_latent_norm`` is False.
     Returns [T, L] in ``config.dtype``, identical on every rank.
-    ``platform`` (a device's ``.platform``; None: not known) and ``config.all_reduce_form`` decide
-    the all-reduce's form (:mod:`k3_tail.tiers.collectives`).
+    ``platform`` (a device's ``.platform``; None: not known), ``config.all_reduce_form`` and
+    ``config.all_reduce_quantization`` decide the all-reduce's form (:mod:`k3_tail.tiers.collectives`).
     Cost per rank: one all-reduce of T*L elements in ``config.dtype`` (2(p-1)/p * 2TL bytes on a
     ring for bf16) and O(TL) elementwise work. The norm must see the fully reduced latent: it is
     nonlinear per row, so it cannot be applied to partials.
@@ -57,8 +57,7 @@ def allreduce_norm_latent_out(
         latent = routed_partial
     else:
         with jax.named_scope(LATENT_REDUCTION):
-            latent = all_reduce(routed_partial, axis_name=axis_name, all_reduce_form=config.all_reduce_form,
-                                platform=platform)
+            latent = all_reduce(routed_partial, axis_name=axis_name, config=config, platform=platform)
     weight = norm_weight if config.use_latent_norm else None
     normed = rms_norm(latent, weight, eps=config.rms_norm_eps, scale=config.routed_scaling_factor)
     return normed.astype(config.dtype)

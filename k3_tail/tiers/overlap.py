@@ -14,7 +14,9 @@ Two devices act against that:
 2. Per executable: in a larger program (measured: two chained tails in one ``jit``) XLA still
    combines the all-reduces of different tails and layers. :func:`k3_tail.compiler_options` gives
    the options for such an executable: ``xla_gpu_all_reduce_combine_threshold_bytes=0`` (no
-   all-reduce combining in that executable, which is the price) and async collectives pinned on.
+   all-reduce combining in that executable, which is the price) and async collectives pinned on;
+   likewise no all-gather combining, for a quantised shared sum (:mod:`k3_tail.tiers.collectives`),
+   whose second shot, an all-gather, would otherwise join the latent's before the GEMM.
    :func:`k3_tail.compile_tail` applies them to the tail's own executable.
 
 ``k3_tail.xla_report`` checks the result on the compiled program; the tests check it for a
@@ -100,7 +102,10 @@ RECORD = TierRecord(
     collectives=_collectives,
     # In a program with more than one tail the all-reduce combiner would merge the shared all-reduce
     # with others (nothing would overlap), and a synchronous all-reduce hides behind nothing.
+    # A quantised sum's second shot is an all-gather, which XLA would combine with the latent's (before
+    # the GEMM) for the same reason.
     compiler_options=MappingProxyType({"gpu": MappingProxyType({
-        "xla_gpu_all_reduce_combine_threshold_bytes": 0, "xla_gpu_disable_async_collectives": "",
+        "xla_gpu_all_reduce_combine_threshold_bytes": 0, "xla_gpu_all_gather_combine_threshold_bytes": 0,
+        "xla_gpu_disable_async_collectives": "",
     })}),
 )

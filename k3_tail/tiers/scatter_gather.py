@@ -10,6 +10,7 @@ from jax import lax
 
 from k3_tail._checks import AxisName
 from k3_tail.config import TailConfig
+from k3_tail.tiers.collectives import reduce_scatter
 from k3_tail.tiers.columns import assemble_column_blocks, own_kernel_block, pad_columns
 from k3_tail.tiers.norm import allreduce_norm_latent_out
 from k3_tail.tiers.up_projection import project
@@ -54,7 +55,8 @@ def scatter_gather_tail(
     if shared_partial is not None and not config.shared_output_is_reduced:
         padded = pad_columns(shared_partial, block.shape[1] * lax.axis_size(axis_name))
         with jax.named_scope(SHARED_REDUCTION):
-            own = own + lax.psum_scatter(padded, axis_name, scatter_dimension=1, tiled=True).astype(jnp.float32)
+            shared = reduce_scatter(padded, axis_name=axis_name, config=config, scatter_dimension=1)
+            own = own + shared.astype(jnp.float32)
     y = assemble_column_blocks(own.astype(config.dtype), hidden_size=config.hidden_size,
                                token_sharded=config.sequence_parallel, axis_name=axis_name)
     if config.shared_output_is_reduced:

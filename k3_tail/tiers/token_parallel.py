@@ -17,6 +17,7 @@ from jax import lax
 
 from k3_tail._checks import AxisName
 from k3_tail.config import TailConfig
+from k3_tail.tiers.collectives import reduce_scatter
 from k3_tail.tiers.norm import rms_norm
 from k3_tail.tiers.up_projection import project
 from k3_tail.tiers.record import ALL_GATHER, REDUCE_SCATTER, CallShape, CollectiveTerm, TierRecord
@@ -58,7 +59,7 @@ def token_parallel_tail(
 
     def own_rows(x, scope):
         with jax.named_scope(scope):
-            return lax.psum_scatter(pad_tokens(x, tp_size), axis_name, scatter_dimension=0, tiled=True)
+            return reduce_scatter(pad_tokens(x, tp_size), axis_name=axis_name, config=config, scatter_dimension=0)
 
     weight = norm_weight if config.use_latent_norm else None
     latent = rms_norm(own_rows(routed_partial, LATENT_REDUCTION), weight, eps=config.rms_norm_eps,

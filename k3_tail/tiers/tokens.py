@@ -18,7 +18,7 @@ from jax import lax
 
 from k3_tail._checks import AxisName
 from k3_tail.config import TailConfig
-from k3_tail.tiers.collectives import all_reduce
+from k3_tail.tiers.collectives import all_reduce, reduce_scatter
 from k3_tail.tiers.scopes import OUTPUT_GATHER, SHARED_REDUCTION
 
 
@@ -44,14 +44,14 @@ def is_token_sharded_output(config: TailConfig, num_tokens: int, tp_size: int) -
 
 def reduce_output(x: jax.Array, *, axis_name: AxisName, config: TailConfig, platform: str | None,
                   scope: str) -> jax.Array:
-    """Sum of ``x`` [T, W] over the ranks: all of it ([T, W], an all-reduce in the form
-    ``config.all_reduce_form`` picks on ``platform``) or, for sequence-parallel output, this rank's
-    [T/p, W] rows of it (reduce-scatter over tokens). The collective carries the named scope
-    ``scope`` (:mod:`k3_tail.tiers.scopes`: what it sums)."""
+    """Sum of ``x`` [T, W] over the ranks: all of it ([T, W], an all-reduce in the form ``config``
+    picks on ``platform``) or, for sequence-parallel output, this rank's [T/p, W] rows of it
+    (reduce-scatter over tokens; :mod:`k3_tail.tiers.collectives` for both). The collectives carry
+    the named scope ``scope`` (:mod:`k3_tail.tiers.scopes`: what they sum)."""
     with jax.named_scope(scope):
         if config.sequence_parallel:
-            return lax.psum_scatter(x, axis_name, scatter_dimension=0, tiled=True)
-        return all_reduce(x, axis_name=axis_name, all_reduce_form=config.all_reduce_form, platform=platform)
+            return reduce_scatter(x, axis_name=axis_name, config=config, scatter_dimension=0)
+        return all_reduce(x, axis_name=axis_name, config=config, platform=platform)
 
 
 def shared_output(shared_partial: jax.Array, *, axis_name: AxisName, config: TailConfig,

@@ -12,10 +12,11 @@
 - ``gemms``: each top-level instruction that runs a GEMM, with its FLOPs, schedule position and the
   arrays it reads (``operands``, ``operand_types``: an FP8 kernel read by the GEMM shows as f8e4m3fn).
 - ``collectives``: kind, the full buffer (the gathered result of an all-gather, the input of a
-  reduce-scatter, the reduced buffer of an all-reduce; a combined all-reduce lists all of its
-  buffers), bytes, group size, per-rank wire bytes on a ring (all-reduce 2(g-1)/g * B, reduce-scatter
-  and all-gather (g-1)/g * B), whether it is an async start/done pair, and the compute instructions
-  the schedule puts between its start and done.
+  reduce-scatter, the reduced buffer of an all-reduce, the send buffer of an all-to-all; a collective
+  that XLA combined from several lists all of its buffers), bytes, group size, per-rank wire bytes on
+  a ring (all-reduce 2(g-1)/g * B, the others (g-1)/g * B), whether it is an async start/done pair,
+  the compute instructions the schedule puts between its start and done, and for the two shots of a
+  quantised sum its codec (``quantization``, ``form``) and payload type (``payload_dtypes``: u8).
 - ``shared_reduction``: the first collective whose input derives from the shared partial (program
   argument ``shared_argument``), and ``overlapped``: whether it is async with a GEMM between its start
   and done. On the CPU backend every collective is synchronous, so ``overlapped`` is False there.
@@ -39,6 +40,7 @@ from typing import Any
 
 import jax
 
+from k3_tail.tiers.codecs import CODECS
 from k3_tail.tiers.record import RING_WIRE_FACTORS
 from k3_tail.tiers.scopes import PREFIX as SCOPE_PREFIX
 from k3_tail.tiers.scopes import SCOPES
@@ -85,7 +87,12 @@ class Gemm:
 
 @dataclasses.dataclass(frozen=True)
 class Collective:
-    """One collective of the compiled program (a start/done pair counts once, named by its start)."""
+    """One collective of the compiled program (a start/done pair counts once, named by its start).
+
+    ``quantization``: the codec ("int8", "int6", "int4") when it is one of the two shots of a
+    quantised sum (:mod:`k3_tail.tiers.collectives`: the all-to-all, or the all-gather), else None;
+    its ``arrays`` then are the uint8 payload (values and scales packed), ``payload_dtypes`` says so.
+    """
 
     name: str
     kind: str
@@ -100,6 +107,17 @@ class Collective:
     between_gemms: tuple[str, ...]
     carries_shared: bool
     scopes: tuple[str, ...] = ()
+    quantization: str | None = None
+
+    @property
+    def payload_dtypes(self) -> tuple[str, ...]:
+        """The element types its arrays carry, in order ("bf16"; "u8" for a quantised payload)."""
+        return tuple(dict.fromkeys(array.dtype for array in self.arrays))
+
+    @property
+    def form(self) -> str:
+        """Its form in words: the kind, or for a shot of a quantised sum "int4-quantised all-to-all"."""
+        return self.kind if self.quantization is None else f"{self.quantization}-quantised {self.kind}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,7 +181,7 @@ class XlaReport:
             shared = "  <- shared reduction" if collective is self.shared_reduction else ""
             scopes = f" ({', '.join(collective.scopes)})" if collective.scopes else ""
             lines.append(
-                f"  {collective.kind} {' + '.join(map(str, collective.arrays))}{scopes}: {collective.bytes / 1e3:.1f} "
+                f"  {collective.form} {' + '.join(map(str, collective.arrays))}{scopes}: {collective.bytes / 1e3:.1f} "
                 f"kB, group {collective.group_size}, wire {collective.wire_bytes / 1e3:.1f} kB/rank, {timing}{shared}"
             )
             if collective.between:
@@ -248,11 +266,13 @@ def _collective(module, symbols, position, num_devices, gemm_names, derives_from
              if schedule[index].opcode.endswith("-done") and schedule[index].operands[:1] == (instruction.name,)),
             position,
         )
+    inputs = tuple(array for operand in instruction.operands for array in symbols[operand].arrays)
     if kind == "all-gather":
-        arrays = schedule[done].arrays if is_async else instruction.arrays
-        arrays = arrays[-1:]  # an all-gather-start's result is (input, output)
+        # The gathered results, one per input: an all-gather-start's result is (inputs, outputs), and a
+        # combined all-gather (XLA merges independent ones) has several of each.
+        arrays = (schedule[done].arrays if is_async else instruction.arrays)[-len(inputs):]
     else:
-        arrays = tuple(array for operand in instruction.operands for array in symbols[operand].arrays)
+        arrays = inputs
     size = sum(array.bytes for array in arrays)
     group = replica_group_size(instruction, num_devices)
     factor = RING_WIRE_FACTORS[kind](group) if kind in RING_WIRE_FACTORS else 1.0
@@ -274,7 +294,14 @@ def _collective(module, symbols, position, num_devices, gemm_names, derives_from
         between_gemms=tuple(name for name in between if name in gemm_names),
         carries_shared=any(derives_from_shared(operand) for operand in instruction.operands),
         scopes=_scopes(instruction),
+        quantization=_quantization(instruction),
     )
+
+
+def _quantization(instruction: Instruction) -> str | None:
+    """The codec of a quantised sum whose collective ``instruction`` is (its named scope), or None."""
+    found = re.search(r"quantized_(\w+?)(?:/|$)", instruction.op_name)
+    return found.group(1) if found and found.group(1) in CODECS else None
 
 
 def _scopes(instruction: Instruction) -> tuple[str, ...]:

@@ -1,0 +1,118 @@
+"""Block quantisation of a collective's payload: vLLM ROCm QuickReduce's INT8, INT6 and INT4 codecs.
+
+A codec cuts a float buffer into blocks of ``BLOCK`` = 32 consecutive values and stores each block as
+32 b-bit integers and one scale, packed into bytes so that the wire carries b bits per value:
+
+    scale = bfloat16(-m / 2^(b-1)),   m = max |x| over the block
+    q     = clamp(round(x / scale), -2^(b-1), 2^(b-1) - 1)        (round half to even)
+    x'    = q * scale
+
+This is QuickReduce's symmetric scheme, its negative scale included: the block's largest positive
+value lands exactly on -2^(b-1), the one level without a positive twin, and only a value near -m can
+be clamped (to 2^(b-1) - 1). The codec computes in float32 (QuickReduce in fp16 or bf16 arithmetic)
+and stores the scale as bfloat16, QuickReduce's scale type for bf16 data: unlike fp16 (its type after
+its bf16-to-fp16 cast) it has float32's range, so no finite block overflows its scale or rounds it
+to zero before float32 does; an all-zero block has scale 0 and decodes to zeros.
+
+Error per value (what the tests hold the codec to): |x - x'| <= |scale| / 2 where no clamp applies,
+and at most ``max_error(m)`` = m / 2^(b-1) * (1 + 2^-8) * (1 + 2^(b-9) / (1 - 2^-8)) for any value
+of a block with maximum m: the bf16 scale is within 2^-8 of m / 2^(b-1), so -m can exceed the
+highest level by up to 2^(b-1) * 2^-8 steps, clamped (1.5 steps at INT8, 1.03 at INT4). Decoded
+values are clamped to float32's range, where a scale rounded up would take the largest past it. A
+block whose scale would be subnormal (m < 2^(b-1) * 1.2e-38) may decode to zeros: XLA flushes
+subnormals on CPU and GPU, so there the error is up to m itself.
+
+Wire format of one block: the values in offset binary (q + 2^(b-1)), ``group`` of them little-endian
+in ``group * b / 8`` bytes (INT8 1 value per byte, INT6 4 values in 3 bytes, INT4 2 values per
+byte), then the scale's two bytes: 34, 26 or 18 bytes per 32 values, 0.53, 0.41 or 0.28 of bf16's 64.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from types import MappingProxyType
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+BLOCK = 32
+_SCALE_BYTES = 2  # bfloat16
+
+
+@dataclasses.dataclass(frozen=True)
+class Codec:
+    """One block codec: ``name`` ("int8"), ``bits`` per value, and ``group``: how many values pack
+    into whole bytes (group * bits is a multiple of 8)."""
+
+    name: str
+    bits: int
+    group: int
+
+    @property
+    def lowest(self) -> int:
+        """The smallest level, -2^(b-1)."""
+        return -(1 << (self.bits - 1))
+
+    @property
+    def highest(self) -> int:
+        """The largest level, 2^(b-1) - 1."""
+        return (1 << (self.bits - 1)) - 1
+
+    @property
+    def relative_step(self) -> float:
+        """The step between two levels relative to the block's largest magnitude, 1 / 2^(b-1): the
+        scale of the codec's error (a rounding costs about a third of a step, RMS)."""
+        return 1.0 / -self.lowest
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one encoded block: BLOCK * bits / 8 value bytes and the bfloat16 scale."""
+        return BLOCK * self.bits // 8 + _SCALE_BYTES
+
+    def encoded_bytes(self, elements: int) -> int:
+        """Bytes of ``elements`` values encoded (the last block padded with zeros)."""
+        return -(-elements // BLOCK) * self.block_bytes
+
+    def max_error(self, block_max: float) -> float:
+        """The largest error one encode-decode can put on a value of a block whose largest magnitude
+        is ``block_max`` (module docstring)."""
+        if block_max * self.relative_step < float(jnp.finfo(jnp.float32).tiny):  # a subnormal scale
+            return block_max
+        step = block_max * self.relative_step * (1 + 2**-8)
+        return step * (1 + 2.0 ** (self.bits - 9) / (1 - 2**-8))
+
+    def encode(self, blocks: jax.Array) -> jax.Array:
+        """``blocks`` [..., BLOCK] (float32) as uint8 [..., block_bytes]: packed values, then the scale."""
+        magnitude = jnp.max(jnp.abs(blocks), axis=-1, keepdims=True)
+        scale = (magnitude * (1.0 / self.lowest)).astype(jnp.bfloat16)
+        wide = scale.astype(jnp.float32)
+        inverse = jnp.where(wide == 0, 0.0, 1.0 / jnp.where(wide == 0, 1.0, wide))
+        levels = jnp.clip(jnp.round(blocks * inverse), self.lowest, self.highest)
+        offset = (levels - self.lowest).astype(jnp.uint32)
+        grouped = offset.reshape(*offset.shape[:-1], BLOCK // self.group, self.group)
+        words = sum(grouped[..., j] << (self.bits * j) for j in range(self.group))
+        packed = jnp.stack([(words >> (8 * k)) & 0xFF for k in range(self.group * self.bits // 8)], axis=-1)
+        values = packed.astype(jnp.uint8).reshape(*offset.shape[:-1], BLOCK * self.bits // 8)
+        return jnp.concatenate([values, lax.bitcast_convert_type(scale[..., 0], jnp.uint8)], axis=-1)
+
+    def decode(self, encoded: jax.Array) -> jax.Array:
+        """``encoded`` uint8 [..., block_bytes] back to float32 values [..., BLOCK]."""
+        leading = encoded.shape[:-1]
+        value_bytes = BLOCK * self.bits // 8
+        scale = lax.bitcast_convert_type(encoded[..., value_bytes:], jnp.bfloat16).astype(jnp.float32)
+        packed = encoded[..., :value_bytes].astype(jnp.uint32)
+        packed = packed.reshape(*leading, BLOCK // self.group, self.group * self.bits // 8)
+        words = sum(packed[..., k] << (8 * k) for k in range(self.group * self.bits // 8))
+        mask = (1 << self.bits) - 1
+        offset = jnp.stack([(words >> (self.bits * j)) & mask for j in range(self.group)], axis=-1)
+        levels = offset.reshape(*leading, BLOCK).astype(jnp.int32) + self.lowest
+        limit = float(jnp.finfo(jnp.float32).max)
+        return jnp.clip(levels.astype(jnp.float32) * scale[..., None], -limit, limit)
+
+
+CODECS = MappingProxyType({
+    "int8": Codec("int8", bits=8, group=1),
+    "int6": Codec("int6", bits=6, group=4),
+    "int4": Codec("int4", bits=4, group=2),
+})

@@ -1,0 +1,105 @@
+"""What the cost model predicts quantised sums are worth: the fastest tier's time per codec against bf16 sums.
+
+For each GPU preset (MI355X, MI300X, H200), TP 8, Kimi-K3 shapes, the replicated kernel layout (every tier
+runs on it) and each codec: the gain of the fastest tier's predicted time with quantised sums over the
+fastest with bf16 sums, at a list of token counts, with every sum quantised (minimum size 0) and with
+vLLM's default minimum sizes; the break-even token count from which quantising every sum pays; and the
+tiers' crossovers with int4 sums next to bf16's. A quantised all-reduce moves b/16 + 1/32 of the bytes
+but pays a second collective latency and three memory-bound codec passes
+(:mod:`k3_tail.selection.cost_model`), so it loses at decode and wins at prefill.
+
+    python scripts/quantized_gain.py [--tokens 1 16 256 1024 2048 8192] [--json gains.json]
+
+Pure arithmetic: it runs in seconds and needs no device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from k3_tail import TailConfig
+from k3_tail.cli.common import positive_int_list
+from k3_tail.selection import cost_model
+from k3_tail.tiers.codecs import CODECS
+
+PRESETS = ("mi355x", "mi300x", "h200")
+TP_SIZE = 8
+LAYOUT = "replicated"
+WINDOWS = {"every sum": 0, "vLLM minimum": None}
+
+
+def fastest_seconds(config: TailConfig, num_tokens: int, hardware: str) -> float:
+    """The predicted time of the fastest tier for this call."""
+    tier = cost_model.best_tier(config, num_tokens, TP_SIZE, hardware=hardware, weight_layout=LAYOUT).tier
+    cost = cost_model.tier_cost(config, num_tokens, TP_SIZE, tier=tier, weight_layout=LAYOUT)
+    return cost_model.predict_time(cost, hardware).total_s
+
+
+def gain(codec: str, minimum: int | None, num_tokens: int, hardware: str) -> float:
+    """1 - t(codec) / t(bf16) of the fastest tiers: > 0 where quantising is faster."""
+    quantised = TailConfig.kimi_k3(all_reduce_quantization=codec, quantized_all_reduce_min_bytes=minimum)
+    return 1 - fastest_seconds(quantised, num_tokens, hardware) / fastest_seconds(TailConfig.kimi_k3(), num_tokens,
+                                                                                  hardware)
+
+
+def break_even(codec: str, hardware: str, last: int = 16384) -> int | None:
+    """The smallest T in [1, last] from which quantising every sum is predicted faster (bisection: the
+    gain grows with T, as the bytes it saves do), or None when it never is."""
+    if gain(codec, 0, last, hardware) <= 0:
+        return None
+    low, high = 0, last  # gain(low) <= 0 (or low = 0), gain(high) > 0
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (low, middle) if gain(codec, 0, middle, hardware) > 0 else (middle, high)
+    return high
+
+
+def lasting(changes: tuple[cost_model.Crossover, ...]) -> list[cost_model.Crossover]:
+    """The crossovers whose tier stays fastest for at least p tokens, each from the tier fastest before it."""
+    kept: list[cost_model.Crossover] = []
+    for change, following in zip(changes, [*changes[1:], None], strict=True):
+        if following is None or following.num_tokens - change.num_tokens >= TP_SIZE:
+            before = kept[-1].after if kept else changes[0].before
+            if before is not change.after:
+                kept.append(cost_model.Crossover(change.num_tokens, before, change.after))
+    return kept
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=positive_int_list, default=[1, 16, 256, 1024, 2048, 8192], metavar="T",
+                        help="token counts (default: 1 16 256 1024 2048 8192)")
+    parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    args = parser.parse_args()
+
+    rows = []
+    print(f"fastest tier's predicted gain over bf16 sums, TP{TP_SIZE}, Kimi-K3, {LAYOUT} kernel (%)\n")
+    print("| GPU | codec | sums | " + " | ".join(f"T={t}" for t in args.tokens) + " | break-even T |")
+    print("| --- | --- | --- | " + " | ".join("---" for _ in args.tokens) + " | --- |")
+    for hardware in PRESETS:
+        for codec in CODECS:
+            for window, minimum in WINDOWS.items():
+                gains = [gain(codec, minimum, t, hardware) for t in args.tokens]
+                even = break_even(codec, hardware) if minimum == 0 else None
+                rows.append({"hardware": hardware, "codec": codec, "sums": window, "tokens": args.tokens,
+                             "gain": gains, "break_even_tokens": even})
+                cells = " | ".join(f"{100 * g:+.1f}" for g in gains)
+                print(f"| {hardware} | {codec} | {window} | {cells} | {'-' if minimum is None else even} |")
+    print("\ntier crossovers (from T on, `after` is fastest; changes undone within p tokens, where token_parallel's\n"
+          "rows round up to a multiple of p, left out), bf16 sums vs int4 with vLLM's minimum:")
+    for hardware in PRESETS:
+        for label, codec in (("bf16", None), ("int4", "int4")):
+            config = TailConfig.kimi_k3(all_reduce_quantization=codec)
+            changes = lasting(cost_model.crossovers(config, TP_SIZE, hardware=hardware, weight_layout=LAYOUT))
+            text = ", ".join(f"{c.before.value} -> {c.after.value} at {c.num_tokens}" for c in changes) or "none"
+            print(f"  {hardware} {label}: {text}")
+            rows.append({"hardware": hardware, "crossovers": label,
+                         "changes": [[c.num_tokens, c.before.value, c.after.value] for c in changes]})
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(rows, handle, indent=1)
+
+
+if __name__ == "__main__":
+    main()
