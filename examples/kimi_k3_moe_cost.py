@@ -39,6 +39,7 @@ import dataclasses
 
 import k3_tail
 from k3_tail import cost_model
+from k3_tail.tiers.collectives import quantized_codec
 
 from examples.kimi_k3_moe_layer import LayerConfig
 
@@ -128,12 +129,16 @@ def predict_layer(config: LayerConfig, num_tokens: int, tp_size: int, *, tier: k
 
 def shared_reduction(config: LayerConfig, num_tokens: int, tp_size: int) -> cost_model.CollectiveCost:
     """The early shared reduction as ``k3_tail.reduce_shared`` issues it, per rank: AR(T*H), or for
-    sequence-parallel output a reduce-scatter over tokens of the T'-row padded partial."""
+    sequence-parallel output a reduce-scatter over tokens of the T'-row padded partial; quantised
+    where the tail config's quantisation window holds it."""
     element = config.dtype.itemsize
+    kind, rows = cost_model.ALL_REDUCE, num_tokens
     if config.tail.sequence_parallel:
-        rows = k3_tail.padded_token_count(num_tokens, tp_size)
-        return cost_model.CollectiveCost(cost_model.REDUCE_SCATTER, element * rows * config.hidden_size, tp_size)
-    return cost_model.CollectiveCost(cost_model.ALL_REDUCE, element * num_tokens * config.hidden_size, tp_size)
+        kind, rows = cost_model.REDUCE_SCATTER, k3_tail.padded_token_count(num_tokens, tp_size)
+    nbytes = element * rows * config.hidden_size
+    codec = quantized_codec(config.tail, nbytes, tp_size)
+    return cost_model.CollectiveCost(kind, nbytes, tp_size, codec=None if codec is None else codec.name,
+                                     element_bytes=element)
 
 
 def best_layer(config: LayerConfig, num_tokens: int, tp_size: int, *, hardware: cost_model.Hardware | str,

@@ -15,8 +15,13 @@ import os
 import jax
 import pytest
 
+from helpers import FAST_COMPILE_XLA_FLAGS
+
 if not os.environ.get("JAX_PLATFORMS"):
     jax.config.update("jax_platforms", "cpu")
+    # The programs the tests check compile fast (helpers.FAST_COMPILE_OPTIONS: no HLO changes), before
+    # XLA reads its flags at the backend's start; a GPU run (JAX_PLATFORMS set) compiles as users do.
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE_XLA_FLAGS}".strip()
 # Forced host devices only affect the CPU backend; on a GPU/ROCm host the tests use its devices.
 jax.config.update("jax_num_cpu_devices", 8)
 

@@ -296,6 +296,13 @@ def test_the_early_shared_reduction_is_predicted_to_expose_only_what_the_routed_
     assert saved == pytest.approx(reduction_s - predictions[0].shared_exposed_s)
 
 
+def test_a_quantised_early_shared_reduction_is_priced_quantised():
+    """With int4 sums the early reduction of T = 8192 (112 MiB) travels quantised; at T = 16 (0.2 MiB, below
+    vLLM's 2 MiB minimum) it stays bf16."""
+    config = layer_module.LayerConfig.kimi_k3(num_experts=896, top_k=16, all_reduce_quantization="int4")
+    assert [layer_cost.shared_reduction(config, tokens, 8).codec for tokens in (16, 8192)] == [None, "int4"]
+
+
 @pytest.mark.parametrize(
     ("build", "message"),
     [

@@ -91,9 +91,11 @@ class Codec:
         levels = jnp.clip(jnp.round(blocks * inverse), self.lowest, self.highest)
         offset = (levels - self.lowest).astype(jnp.uint32)
         grouped = offset.reshape(*offset.shape[:-1], BLOCK // self.group, self.group)
-        words = sum(grouped[..., j] << (self.bits * j) for j in range(self.group))
-        packed = jnp.stack([(words >> (8 * k)) & 0xFF for k in range(self.group * self.bits // 8)], axis=-1)
-        values = packed.astype(jnp.uint8).reshape(*offset.shape[:-1], BLOCK * self.bits // 8)
+        # The group's values side by side in one little-endian word (disjoint bits: their sum is their OR),
+        # of which the low group * bits / 8 bytes travel.
+        words = jnp.sum(grouped << self._shifts, axis=-1, dtype=jnp.uint32)
+        packed = lax.bitcast_convert_type(words, jnp.uint8)[..., : self._group_bytes]
+        values = packed.reshape(*offset.shape[:-1], BLOCK * self.bits // 8)
         return jnp.concatenate([values, lax.bitcast_convert_type(scale[..., 0], jnp.uint8)], axis=-1)
 
     def decode(self, encoded: jax.Array) -> jax.Array:
@@ -101,14 +103,22 @@ class Codec:
         leading = encoded.shape[:-1]
         value_bytes = BLOCK * self.bits // 8
         scale = lax.bitcast_convert_type(encoded[..., value_bytes:], jnp.bfloat16).astype(jnp.float32)
-        packed = encoded[..., :value_bytes].astype(jnp.uint32)
-        packed = packed.reshape(*leading, BLOCK // self.group, self.group * self.bits // 8)
-        words = sum(packed[..., k] << (8 * k) for k in range(self.group * self.bits // 8))
-        mask = (1 << self.bits) - 1
-        offset = jnp.stack([(words >> (self.bits * j)) & mask for j in range(self.group)], axis=-1)
+        packed = encoded[..., :value_bytes].reshape(*leading, BLOCK // self.group, self._group_bytes)
+        padding = [(0, 0)] * len(leading) + [(0, 0), (0, 4 - self._group_bytes)]
+        words = lax.bitcast_convert_type(jnp.pad(packed, padding), jnp.uint32)
+        offset = (words[..., None] >> self._shifts) & ((1 << self.bits) - 1)
         levels = offset.reshape(*leading, BLOCK).astype(jnp.int32) + self.lowest
         limit = float(jnp.finfo(jnp.float32).max)
         return jnp.clip(levels.astype(jnp.float32) * scale[..., None], -limit, limit)
+
+    @property
+    def _group_bytes(self) -> int:
+        return self.group * self.bits // 8
+
+    @property
+    def _shifts(self) -> jax.Array:
+        """The bit offset of each value of a group in its word."""
+        return jnp.arange(self.group, dtype=jnp.uint32) * self.bits
 
 
 CODECS = MappingProxyType({
