@@ -23,9 +23,13 @@ from reference import TOLERANCE, make_inputs, reference_latent, relative_error
 # LLVM's optimisation and XLA CPU's newer (MLIR) fusion emitters off: XLA compiles the same HLO programs in
 # about a quarter of the CPU time (measured: 0.25 s instead of 1.0-1.3 s per program), which the suite's
 # time budget needs. For programs and processes whose results the tests check, not their speed; both are
-# XLA DebugOptions (every backend accepts them) and change no HLO and no platform choice. As per-executable
-# compiler options, and as XLA_FLAGS for the processes the tests start.
-FAST_COMPILE_OPTIONS = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
+# XLA DebugOptions (every backend accepts them; the LLVM level is codegen's only) and change no HLO and no
+# platform choice. As per-executable compiler options, and as XLA_FLAGS for the test process on the CPU
+# backend (tests/conftest.py) and the processes the tests start.
+FAST_COMPILE_OPTIONS = {"xla_backend_optimization_level": 0}
+# The XLA of jax 0.12 no longer has the fusion-emitter switch, and XLA aborts on an unknown flag.
+if jax.__version_info__ < (0, 11):
+    FAST_COMPILE_OPTIONS["xla_cpu_use_fusion_emitters"] = False
 FAST_COMPILE_XLA_FLAGS = " ".join(f"--{name}={str(value).lower()}" for name, value in FAST_COMPILE_OPTIONS.items())
 
 
