@@ -131,6 +131,17 @@ def reference_latent(config, routed, norm_weight):
     return x / rms * np.asarray(norm_weight, np.float64)
 
 
+# The tail inputs with one term dropped or misread; each must miss the reference by far more than 1e-2.
+WRONG_TAILS = {
+    "without_shared": lambda config, inputs: (config, dataclasses.replace(inputs, shared=None)),
+    "without_routed": lambda config, inputs: (
+        config, dataclasses.replace(inputs, routed=np.zeros_like(inputs.routed))
+    ),
+    "one_rank_routed": lambda config, inputs: (config, dataclasses.replace(inputs, routed=inputs.routed[:1])),
+    "unscaled": lambda config, inputs: (dataclasses.replace(config, routed_scaling_factor=1.0), inputs),
+}
+
+
 def reference_tail(config, inputs):
     """y [T, H] in float64."""
     latent = reference_latent(config, inputs.routed, inputs.norm_weight)

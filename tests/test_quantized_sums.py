@@ -18,7 +18,7 @@ import k3_tail
 from helpers import make_tp_mesh
 from k3_tail.tiers.codecs import BLOCK, CODECS
 from k3_tail.tiers.collectives import all_reduce, quantization_min_bytes, quantized_codec, reduce_scatter
-from reference import block_maxima, make_inputs, reference_tail, relative_error, tolerance
+from reference import WRONG_TAILS, block_maxima, make_inputs, reference_tail, relative_error, tolerance
 
 MIB = 2**20
 CODEC_NAMES = tuple(CODECS)
@@ -248,17 +248,15 @@ def test_no_policy_quantises_by_itself():
 # --- The tail with quantised sums ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("wrong", ["without_shared", "without_routed", "one_rank_routed"])
+# Under the norm the scale cancels: "unscaled" is no wrong tail there (tests/test_tiers.py).
+@pytest.mark.parametrize("wrong", [name for name in WRONG_TAILS if name != "unscaled"])
 def test_the_int4_tolerance_still_detects_a_wrong_tail(wrong):
     """The allowance for int4's rounding is far below what dropping a term costs."""
     config = k3_tail.TailConfig(hidden_size=96, latent_size=64, all_reduce_quantization="int4",
                                 quantized_all_reduce_min_bytes=0)
     inputs = make_inputs(config, 8, 16)
-    broken = {"without_shared": dataclasses.replace(inputs, shared=None),
-              "without_routed": dataclasses.replace(inputs, routed=np.zeros_like(inputs.routed)),
-              "one_rank_routed": dataclasses.replace(inputs, routed=inputs.routed[:1])}[wrong]
     expected = reference_tail(config, inputs)
-    assert relative_error(reference_tail(config, broken), expected) > 2 * tolerance(config, inputs)
+    assert relative_error(reference_tail(*WRONG_TAILS[wrong](config, inputs)), expected) > 2 * tolerance(config, inputs)
 
 
 def test_a_tail_without_the_codec_builds_the_program_of_before():

@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import k3_tail
 from covering import COLUMN_CASES, DIVISIBLE_HIDDEN_SIZE, INDIVISIBLE_HIDDEN_SIZE, LATENT_SIZE, TAIL_CASES
 from helpers import assert_column_tier_writes_only_its_own_block, layout_for, make_tp_mesh, run_case, tier_layouts
-from reference import TOLERANCE, make_inputs, reference_tail, relative_error, tolerance
+from reference import TOLERANCE, WRONG_TAILS, make_inputs, reference_tail, relative_error, tolerance
 
 SMALL = k3_tail.TailConfig(hidden_size=DIVISIBLE_HIDDEN_SIZE, latent_size=LATENT_SIZE)
 SMALL_ODD = dataclasses.replace(SMALL, hidden_size=INDIVISIBLE_HIDDEN_SIZE)
@@ -56,17 +56,6 @@ def test_tier_matches_the_float64_reference_and_replicates_y(case):
     if case.num_tokens:
         assert y.sharding.is_fully_replicated
         assert relative_error(y, reference_tail(config, inputs)) <= tolerance(config, inputs)
-
-
-# The tail inputs with one term dropped or misread; each must miss the reference by far more than 1e-2.
-WRONG_TAILS = {
-    "without_shared": lambda config, inputs: (config, dataclasses.replace(inputs, shared=None)),
-    "without_routed": lambda config, inputs: (
-        config, dataclasses.replace(inputs, routed=np.zeros_like(inputs.routed))
-    ),
-    "one_rank_routed": lambda config, inputs: (config, dataclasses.replace(inputs, routed=inputs.routed[:1])),
-    "unscaled": lambda config, inputs: (dataclasses.replace(config, routed_scaling_factor=1.0), inputs),
-}
 
 
 @pytest.mark.parametrize(

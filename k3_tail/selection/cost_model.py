@@ -87,7 +87,9 @@ from k3_tail.selection.hardware import HARDWARE, Hardware, hardware_preset
 from k3_tail.tiers.codecs import CODECS
 from k3_tail.tiers.collectives import quantization_window, quantized_codec
 from k3_tail.tiers.columns import check_weight_layout
-from k3_tail.tiers.record import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER, RING_WIRE_FACTORS, CallShape
+from k3_tail.tiers.record import (
+    ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER, RING_WIRE_FACTORS, SUM_KINDS, CallShape,
+)
 from k3_tail.tiers.registry import Tier
 from k3_tail.tiers.tokens import is_token_sharded_output, padded_token_count
 from k3_tail.tiers.up_projection import gemm_rows
@@ -121,7 +123,7 @@ class CollectiveCost:
         _check_kind(self.kind)
         if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or self.group_size < 1:
             raise ValueError(f"group_size: expected an integer >= 1, got {self.group_size!r}")
-        if self.codec is not None and (self.codec not in CODECS or self.kind not in (ALL_REDUCE, REDUCE_SCATTER)):
+        if self.codec is not None and (self.codec not in CODECS or self.kind not in SUM_KINDS):
             raise ValueError(f"codec: expected one of {tuple(CODECS)} on an all-reduce or reduce-scatter, got "
                              f"{self.codec!r} on a {self.kind}")
 
@@ -405,7 +407,7 @@ def _collective_totals(config: TailConfig, hardware: Hardware, costs: tuple[Tier
         per_row = (later.buffer_bytes - start.buffer_bytes) // tp_size
         nbytes = start.buffer_bytes + per_row * (rows - 2 * tp_size)
         seconds = _collective_seconds(start.kind, nbytes, tp_size, None, start.element_bytes, hardware)
-        if window is not None and start.kind in (ALL_REDUCE, REDUCE_SCATTER):
+        if window is not None and start.kind in SUM_KINDS:
             codec, smallest, largest = window
             quantized = _collective_seconds(start.kind, nbytes, tp_size, codec.name, start.element_bytes, hardware)
             seconds = np.where((smallest <= nbytes) & (nbytes <= largest), quantized, seconds)
@@ -424,7 +426,7 @@ def _first_fastest(totals: np.ndarray) -> np.ndarray:
 
 def _codec_name(config: TailConfig, kind: str, nbytes: int, tp_size: int) -> str | None:
     """The codec a collective of ``kind`` over ``nbytes`` travels in: sums only, as the tiers decide it."""
-    codec = quantized_codec(config, nbytes, tp_size) if kind in (ALL_REDUCE, REDUCE_SCATTER) else None
+    codec = quantized_codec(config, nbytes, tp_size) if kind in SUM_KINDS else None
     return None if codec is None else codec.name
 
 

@@ -13,6 +13,7 @@ from k3_tail.selection.decision import TierDecision
 from k3_tail.selection.table import SelectionTable
 from k3_tail.tiers.collectives import describe_auto, describe_quantization, quantization_min_bytes
 from k3_tail.tiers.columns import padded_hidden_size
+from k3_tail.tiers.record import SUM_KINDS
 from k3_tail.tiers.registry import Tier
 from k3_tail.tiers.tokens import is_token_sharded_output, padded_token_count
 
@@ -97,7 +98,7 @@ def _quantization_reason(config: TailConfig, tier: Tier, num_tokens: int, tp_siz
     # The sums (all-reduces, reduce-scatters) of a tier do not depend on the kernel's layout.
     layout = weight_layout or ("replicated" if tier.record.needs_whole_kernel else "column")
     cost = cost_model.tier_cost(config, num_tokens, tp_size, tier=tier, weight_layout=layout)
-    sums = [c for c in cost.collectives if c.kind in (cost_model.ALL_REDUCE, cost_model.REDUCE_SCATTER)]
+    sums = [c for c in cost.collectives if c.kind in SUM_KINDS]
     quantized = [f"{c.kind} of {c.buffer_bytes / 1e6:.3g} MB" for c in sums if c.codec is not None]
     plain = [f"{c.kind} of {c.buffer_bytes / 1e6:.3g} MB" for c in sums if c.codec is None]
     text += f": quantised here: {', '.join(quantized) or 'none'}"

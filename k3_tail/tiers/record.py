@@ -32,6 +32,8 @@ from typing import Any
 from k3_tail.tiers.columns import padded_hidden_size
 
 ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER, ALL_TO_ALL = "all-reduce", "reduce-scatter", "all-gather", "all-to-all"
+# The kinds that sum over the ranks (and so may travel quantised: k3_tail.tiers.collectives).
+SUM_KINDS = (ALL_REDUCE, REDUCE_SCATTER)
 # Per-rank ring wire bytes as a multiple of the buffer's bytes, given the group size g.
 RING_WIRE_FACTORS = MappingProxyType({
     ALL_REDUCE: lambda g: 2 * (g - 1) / g,
