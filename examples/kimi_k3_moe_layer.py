@@ -4,7 +4,7 @@ For hidden states x [T, H], replicated over the p TP ranks as vLLM serves the la
 
     scores  = sigmoid(x @ W_router)                           [T, E]  float32
     chosen  = top_k(scores + correction_bias)                 [T, k]  the bias only chooses
-    weights = scores[chosen] / sum_k scores[chosen]           [T, k]  un-biased, renormalised to sum 1
+    weights = scores[chosen] / sum_k scores[chosen]           [T, k]  un-biased, renormalised to sum 1 when k > 1
     z       = x @ W_down                                      [T, L]  routed down projection H -> L
     r       = sum_k weights_k * SiTU(z @ G_e, z @ U_e) @ D_e  [T, L]  routed experts, e = chosen_k
     s       = SiTU(x @ G_s, x @ U_s) @ D_s                    [T, H]  shared experts
@@ -53,8 +53,9 @@ over dHL; routed experts 6TkLm/p over 3dLm/p per expert read (gather: T*k of the
 once); shared experts 6THF/p over 3dHF/p; then the tail tier's (README tier table).
 
 ``KimiK3MoELayer`` holds the parameters as ``nnx.Param`` (``build_layer``: random stand-ins for a
-checkpoint); :func:`layer_forward` is the jitted pure function it calls, which also compiles from
-abstract parameters (:func:`abstract_parameters`) for a deviceless GPU topology.
+checkpoint; examples/kimi_k3_checkpoint.py: a layer of a Hugging Face checkpoint); :func:`layer_forward`
+is the jitted pure function it calls, which also compiles from abstract parameters
+(:func:`abstract_parameters`) for a deviceless GPU topology.
 """
 
 from __future__ import annotations
@@ -133,7 +134,8 @@ class LayerConfig:
     def kimi_k3(cls, *, num_experts: int = 8, top_k: int = 2, width_divisor: int = 1,
                 routed_experts: str | None = None, early_shared_reduction: bool = True,
                 **tail_overrides: Any) -> LayerConfig:
-        """Kimi-K3's widths (H 7168, L 3584, m 3072, F 6144, bf16), each divided by ``width_divisor`` (a
+        """Kimi-K3's widths (H 7168, L 3584, m 3072, F 6144, bf16; the tail's eps 1e-5 and the rest of
+        ``k3_tail.TailConfig.kimi_k3``), each divided by ``width_divisor`` (a
         smaller layer of the same proportions, for a CPU), with ``num_experts`` experts, ``top_k`` per
         token (small by default; Kimi-K3 routes to KIMI_K3_TOP_K of KIMI_K3_NUM_EXPERTS). ValueError
         naming ``width_divisor`` unless it divides every width."""
@@ -271,12 +273,13 @@ def route(hidden_states: jax.Array, router_kernel: jax.Array, correction_bias: j
     """(chosen [T, k] expert ids, combine weights [T, k] float32) of hidden_states [T, H].
 
     The bias is added to the sigmoid scores only to choose the top k; the combine weights are the
-    chosen experts' un-biased scores, renormalised to sum 1 per token.
+    chosen experts' un-biased scores, renormalised to sum 1 per token when top_k > 1 (at top_k = 1 the
+    one weight is the expert's score itself, as in Kimi-K3's reference, MaxText and tpu-inference).
     """
     scores = jax.nn.sigmoid(_dot(hidden_states, router_kernel))
     _, chosen = jax.lax.top_k(scores + correction_bias, top_k)
     picked = scores[jnp.arange(scores.shape[0])[:, None], chosen]
-    return chosen, picked / picked.sum(axis=1, keepdims=True)
+    return chosen, picked / picked.sum(axis=1, keepdims=True) if top_k > 1 else picked
 
 
 def routed_partial(parameters: Mapping[str, jax.Array], hidden_states: jax.Array, *,
@@ -410,7 +413,8 @@ class KimiK3MoELayer(nnx.Module):
 
     ``checkpoint``: every parameter of :func:`layer_parameters` by name, as numpy or jax arrays of its
     global shape (cast to its dtype); each is placed as :func:`partition_specs` says, so a rank
-    receives only its block, and the Params carry that spec as sharding metadata
+    receives only its block (a jax array already placed so, as examples/kimi_k3_checkpoint.py loads
+    them, stays where it is), and the Params carry that spec as sharding metadata
     (``nnx.get_partition_spec``). ``__call__(hidden_states [T, H], *, tier=None)`` is
     :func:`layer_forward`; ``partials`` is :func:`layer_partials`; ``plan(T)`` is the tail tier a
     call with T tokens takes, and why.
@@ -427,9 +431,13 @@ class KimiK3MoELayer(nnx.Module):
         if set(checkpoint) != set(parameters):
             raise ValueError(f"checkpoint: expected the names {sorted(parameters)}, got {sorted(checkpoint)}")
         for name, parameter in parameters.items():
-            value = np.asarray(checkpoint[name], parameter.dtype)
+            value = checkpoint[name]
+            if not isinstance(value, jax.Array):  # a jax.Array (loaded sharded) stays on its devices
+                value = np.asarray(value, parameter.dtype)
             if value.shape != parameter.shape:
                 raise ValueError(f"checkpoint: expected {name} of shape {parameter.shape}, got {value.shape}")
+            if value.dtype != parameter.dtype:
+                value = value.astype(parameter.dtype)
             placed = jax.device_put(value, NamedSharding(mesh, specs[name]))
             setattr(self, name, nnx.Param(placed, out_sharding=specs[name], mesh=mesh))
 

@@ -1,7 +1,8 @@
 """A float64 numpy reference of the Kimi-K3 latent MoE layer, independent of JAX and of the layer's code.
 
     scores  = sigmoid(x @ W_router)                  chosen = the k largest of scores + correction_bias
-    weights = scores[chosen] / sum scores[chosen]    z = x @ W_down
+    weights = scores[chosen] / sum scores[chosen]    (k > 1; at k = 1 the score itself)
+    z       = x @ W_down
     r       = sum over the chosen experts e of weights_e * SiTU(z @ G_e, z @ U_e) @ D_e
     s       = SiTU(x @ G_s, x @ U_s) @ D_s
     y       = RMSNorm_g(c * r) @ W_up + s,   RMSNorm_g(v) = v / sqrt(mean(v^2) + eps) * g
@@ -43,7 +44,7 @@ def reference_partials(weights: Mapping[str, np.ndarray], hidden_states: np.ndar
     scores = _sigmoid(x @ w["router_kernel"])
     chosen = np.argsort(-(scores + w["router_bias"]), axis=1, kind="stable")[:, :top_k]
     picked = np.take_along_axis(scores, chosen, axis=1)
-    combine = picked / picked.sum(axis=1, keepdims=True)
+    combine = picked / picked.sum(axis=1, keepdims=True) if top_k > 1 else picked  # top 1: the score itself
     routed = reference_routed_experts(x @ w["down_proj"], chosen, combine, w["expert_gate"], w["expert_up"],
                                       w["expert_down"])
     return routed, _situ_mlp(x, w["shared_gate"], w["shared_up"], w["shared_down"])

@@ -7,7 +7,10 @@ different schedules; ``select_tier`` picks one per token count (vLLM's rule, a m
 cost model) and says why. ``latent_moe_tail`` is the per-rank entry point, for a model's own
 ``jax.shard_map``, and ``reduce_shared`` the shared experts' reduction issued before the routed
 experts (for ``TailConfig(shared_output_is_reduced=True)``); ``tail_forward`` runs the tail on global
-arrays; ``LatentMoETail`` is the Flax NNX module. ``quantize_up_proj`` stores the up projection in FP8
+arrays; ``LatentMoETail`` is the Flax NNX module. ``load_tail_weights`` reads a layer's norm weight
+and up projection from a Hugging Face checkpoint, each device its own block (``k3_tail.checkpoint``;
+``TailConfig.from_hf_config`` reads the tail's settings from the model's config.json,
+``k3_tail.hf_config``). ``quantize_up_proj`` stores the up projection in FP8
 (``QuantizedKernel``, for ``TailConfig(up_proj_dtype=...)``). ``compile_tail`` compiles one call
 (also for a deviceless GPU topology, ``topology_mesh``) and ``k3_tail.xla_report`` reads what XLA
 made of it; ``k3_tail.cost_model`` predicts each tier's cost. The benchmark (``k3_tail.benchmark``)
@@ -17,6 +20,8 @@ only the core.
 
 import importlib
 
+from k3_tail import checkpoint, hf_config
+from k3_tail.checkpoint import load_tail_weights
 from k3_tail.config import TailConfig
 from k3_tail.forward import tail_forward
 from k3_tail.module import LatentMoETail
@@ -64,12 +69,15 @@ __all__ = [
     "allreduce_norm_latent_out",
     "benchmark",
     "calibration",
+    "checkpoint",
     "column_parallel_tail",
     "compile_tail",
     "compiler_options",
     "cost_model",
+    "hf_config",
     "is_token_sharded_output",
     "latent_moe_tail",
+    "load_tail_weights",
     "multiprocess",
     "native_tail",
     "one_shot_tail",

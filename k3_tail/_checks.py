@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -49,6 +50,28 @@ def axis_size_in_scope(axis_name: AxisName, function: str) -> int:
         ) from None
 
 
+def varies_over(x: Any, axis_name: AxisName) -> bool | None:
+    """Whether ``x``, inside ``jax.shard_map``, is typed as varying over the TP axis ``axis_name`` (over any
+    of a tuple's axes): True for a per-rank partial, False for a value the same on every rank (a sum
+    over the axis, or a replicated input). None where the type cannot tell: ``check_vma=False`` (JAX then
+    tracks no variation) or an axis of size 1."""
+    names = axis_names(axis_name)
+    probe = lax.pcast(jnp.zeros((), jnp.float32), names, to="varying")
+    if not set(names) & _varying_axes(probe):
+        return None
+    return bool(set(names) & _varying_axes(x))
+
+
+def _varying_axes(x: Any) -> set:
+    """The mesh axes ``x``'s type says it varies over (``jax.typeof(x).vma``; jax 0.10-0.12 keep them
+    in ``.mat.varying``)."""
+    aval = jax.typeof(x)
+    vma = getattr(aval, "vma", None)
+    if vma is None:
+        vma = getattr(getattr(aval, "mat", None), "varying", ())
+    return set(vma)
+
+
 def check_mesh(mesh: Any, axis_name: AxisName) -> int:
     """The TP size p: the size of ``mesh`` along ``axis_name`` (the product over a tuple of axes), or
     ValueError when ``mesh`` is no Mesh with those axes."""
@@ -65,8 +88,17 @@ def check_mesh(mesh: Any, axis_name: AxisName) -> int:
 def expect_rank(x: Any, name: str, layout: str, ndim: int) -> None:
     """ValueError naming ``name`` unless ``x`` is an array with ``ndim`` dimensions (``layout`` says which)."""
     if x is None or not hasattr(x, "shape") or len(x.shape) != ndim:
-        got = "None" if x is None else f"shape {tuple(np.shape(x))}"
-        raise ValueError(f"{name}: expected a {ndim}-d array {layout}, got {got}")
+        raise ValueError(f"{name}: expected a {ndim}-d array {layout}, got {describe(x)}")
+
+
+def describe(x: Any) -> str:
+    """What ``x`` is, for a message: "None", "a bfloat16 array of shape (4, 8)", "a list (not an array:
+    np.asarray makes one)"."""
+    if x is None:
+        return "None"
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+        return f"a {np.dtype(x.dtype).name} array of shape {tuple(x.shape)}"
+    return f"a {type(x).__name__} (not an array: np.asarray makes one)"
 
 
 def expect_array(
@@ -78,8 +110,8 @@ def expect_array(
     ``sizes`` names the sizes the shapes come from ("p=8, L=3584"), and ``dtype_field`` where the dtype
     comes from, for the message.
     """
-    if x is None or not hasattr(x, "shape"):
-        raise ValueError(f"{name}: expected an array of shape {shapes[0]}, got {type(x).__name__}")
+    if x is None or not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise ValueError(f"{name}: expected an array of shape {shapes[0]}, got {describe(x)}")
     if tuple(x.shape) not in shapes:
         wanted = " or ".join(str(s) for s in shapes)
         raise ValueError(f"{name}: expected shape {wanted} ({sizes}), got {tuple(x.shape)}")

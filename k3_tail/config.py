@@ -12,12 +12,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from k3_tail._checks import check_int
+from k3_tail.hf_config import tail_fields
 from k3_tail.selection.hardware import HARDWARE
 from k3_tail.tiers.collectives import ALL_REDUCE_FORMS, SPLIT
+from k3_tail.tiers.norm import norm_is_computable
 from k3_tail.tiers.codecs import CODECS
 from k3_tail.tiers.up_projection import FP8_FORMATS, fp8_format
 
 _FLOAT_DTYPES = tuple(np.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32))
+_FLOAT32_TINY, _FLOAT32_MAX = float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max)
 
 # vLLM's environment variables, honoured by TailConfig.from_env.
 ENV_OVERLAP_TOKEN_THRESHOLD = "VLLM_SHARED_EXPERTS_STREAM_TOKEN_THRESHOLD"
@@ -47,6 +50,8 @@ class TailConfig:
     Numerics: ``y = RMSNorm_g(routed_scaling_factor * sum_i r_i) @ W + sum_i s_i``, the norm in
     float32 with ``rms_norm_eps``, skipped when ``use_latent_norm`` is False. Activations and
     weights are ``dtype``; GEMMs and the norm accumulate in float32; collectives move ``dtype``.
+    ``rms_norm_eps`` (> 0) and ``routed_scaling_factor`` (any sign, or 0) are Python or numpy real
+    numbers that float32 holds as normal numbers (magnitudes 1.2e-38 to 3.4e38), stored as floats.
 
     Up-projection weights (:mod:`k3_tail.tiers.up_projection`):
       up_proj_dtype: None (or ``dtype`` itself): the kernel W is an array of ``dtype``.
@@ -139,12 +144,19 @@ class TailConfig:
                               ("overlap_token_threshold", 0), ("scatter_gather_max_tokens", 0),
                               ("prefill_token_parallel_min_tokens", 0)):
             object.__setattr__(self, name, check_int(name, getattr(self, name), minimum=minimum))
-        eps = self.rms_norm_eps
-        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps <= 0:
-            raise ValueError(f"rms_norm_eps: expected a finite number > 0, got {eps!r}")
-        scale = self.routed_scaling_factor
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
-            raise ValueError(f"routed_scaling_factor: expected a finite number, got {scale!r}")
+        # The norm computes in float32, which flushes subnormal numbers to zero: an eps there would let an
+        # all-zero row (a padding token's) normalise to NaN, and a subnormal scale is zero.
+        object.__setattr__(self, "rms_norm_eps", _float32_normal("rms_norm_eps", self.rms_norm_eps, zero=False))
+        object.__setattr__(self, "routed_scaling_factor",
+                           _float32_normal("routed_scaling_factor", self.routed_scaling_factor, zero=True))
+        if self.routed_scaling_factor != 0 and not norm_is_computable(self.rms_norm_eps, self.routed_scaling_factor,
+                                                                      self.latent_size):
+            raise ValueError(
+                f"routed_scaling_factor: with rms_norm_eps={self.rms_norm_eps!r} and latent_size={self.latent_size}, "
+                f"expected eps / routed_scaling_factor^2 between 2^-252 and about 2^228 / L, where the norm can "
+                f"be computed in float32 (k3_tail.tiers.norm.norm_is_computable), got "
+                f"{self.rms_norm_eps / self.routed_scaling_factor**2:.3g}"
+            )
         for name in ("use_latent_norm", "fp8_activations", "disable_overlap", "use_scatter_gather",
                      "has_shared_experts", "fused_output_is_reduced", "shared_output_is_reduced",
                      "sequence_parallel", "quantized_all_reduce_fp16_sizes_for_bf16"):
@@ -207,8 +219,25 @@ class TailConfig:
 
     @classmethod
     def kimi_k3(cls, **overrides: Any) -> TailConfig:
-        """Kimi-K3's tail: H = 7168, L = 3584, eps 1e-6, scale 1.0, bf16."""
-        return cls(**{"hidden_size": 7168, "latent_size": 3584, **overrides})
+        """Kimi-K3's tail: H = 7168, L = 3584, eps 1e-5 (its released config.json), scale 1.0, bf16.
+
+        The generic default of ``rms_norm_eps`` (a plain ``TailConfig(...)``) stays 1e-6, vLLM's
+        RMSNorm default; this preset and :meth:`from_hf_config` set the model's own value.
+        """
+        return cls(**{"hidden_size": 7168, "latent_size": 3584, "rms_norm_eps": 1e-5, **overrides})
+
+    @classmethod
+    def from_hf_config(cls, config: Any, **overrides: Any) -> TailConfig:
+        """The tail of a Hugging Face model's config: ``config`` a path to its config.json, a checkpoint
+        directory holding one, or the config as a dict (its ``text_config`` read when nested).
+
+        Sets hidden_size, latent_size (``routed_expert_hidden_size``), rms_norm_eps,
+        routed_scaling_factor, use_latent_norm (``latent_moe_use_norm``) and dtype (``torch_dtype``);
+        ``overrides`` set any field as keywords (``up_proj_dtype=...``, ``all_reduce_quantization=...``).
+        ValueError naming the config's field when it has no ``routed_expert_hidden_size`` (no latent
+        MoE), misses a field or holds a value the tail cannot serve (:mod:`k3_tail.hf_config`).
+        """
+        return cls(**{**tail_fields(config), **overrides})
 
     @classmethod
     def from_env(cls, base: TailConfig | None = None, environ: Mapping[str, str] | None = None) -> TailConfig:
@@ -273,6 +302,22 @@ def _quick_reduce_regime(raw: str) -> dict[str, Any]:
         return {"all_reduce_quantization": regime}
     raise ValueError(f"all_reduce_quantization: {ENV_QUICK_REDUCE_QUANTIZATION}={raw!r} is not a QuickReduce "
                      f"regime (expected one of FP, {', '.join(name.upper() for name in CODECS)}, NONE)")
+
+
+def _float32_normal(name: str, value: Any, *, zero: bool) -> float:
+    """``value`` (a Python or numpy real number) as a Python float that float32 holds as a normal number,
+    with either sign and 0 allowed when ``zero``, else > 0; ValueError naming ``name`` otherwise."""
+    expected = "a finite number" if zero else "a finite number > 0"
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise ValueError(f"{name}: expected {expected} (a Python or numpy real number), got {value!r}")
+    number = float(value)
+    if not math.isfinite(number) or (not zero and number <= 0):
+        raise ValueError(f"{name}: expected {expected}, got {value!r}")
+    if number != 0 and not _FLOAT32_TINY <= abs(number) <= _FLOAT32_MAX:
+        raise ValueError(f"{name}: expected {expected} {'of a magnitude ' if zero else ''}that float32 holds as a "
+                         f"normal number ({_FLOAT32_TINY:.8g} to {_FLOAT32_MAX:.8g}: the norm computes in float32, "
+                         f"which flushes smaller numbers to zero and holds no larger one), got {value!r}")
+    return number
 
 
 def check_config(config: Any) -> TailConfig:

@@ -62,7 +62,10 @@ def tail_forward(
     """
     check_config(config)
     axis_name = check_axis_name(axis_name)
-    check_mesh(mesh, axis_name)
+    weight_layout = check_weight_layout(weight_layout)
+    # Checked as given, before jit converts them: a float64 or a list is reported as what it is.
+    _check_global_inputs(routed_partials, shared_partials, norm_weight, up_proj_kernel, config=config,
+                         tp_size=check_mesh(mesh, axis_name), weight_layout=weight_layout)
     parsed_tier = None if tier is None else Tier.parse(tier)
     return _tail_forward_jit(
         routed_partials,
@@ -73,7 +76,7 @@ def tail_forward(
         mesh=mesh,
         axis_name=axis_name,
         tier=parsed_tier,
-        weight_layout=check_weight_layout(weight_layout),
+        weight_layout=weight_layout,
     )
 
 
@@ -81,10 +84,7 @@ def tail_forward(
 def _tail_forward_jit(routed_partials, shared_partials, norm_weight, up_proj_kernel, *, config, mesh, axis_name, tier,
                       weight_layout):
     tp_size = check_mesh(mesh, axis_name)
-    num_tokens = _check_global_inputs(
-        routed_partials, shared_partials, norm_weight, up_proj_kernel,
-        config=config, tp_size=tp_size, weight_layout=weight_layout,
-    )
+    num_tokens = routed_partials.shape[0 if config.fused_output_is_reduced else 1]
     if weight_layout == "column":
         up_proj_kernel = pad_columns(up_proj_kernel, padded_hidden_size(config.hidden_size, tp_size))
 

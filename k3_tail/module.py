@@ -1,5 +1,8 @@
 """The Flax NNX module: a thin shell that owns the tail's weights and calls the tail on them.
 
+Its weights are initialised at random, loaded from a checkpoint's [L, H] kernel (``load_up_proj``) or
+read from a Hugging Face checkpoint (``LatentMoETail.from_checkpoint``).
+
 ``__call__`` takes global arrays (:func:`k3_tail.tail_forward`); ``per_rank`` runs inside a
 caller's shard_map (:func:`k3_tail.latent_moe_tail`), for models that shard the layer themselves.
 """
@@ -12,6 +15,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from k3_tail._checks import AxisName, check_axis_name, check_mesh, expect_array
+from k3_tail.checkpoint import load_tail_weights
 from k3_tail.config import TailConfig, check_config
 from k3_tail.forward import tail_forward
 from k3_tail.per_rank import latent_moe_tail
@@ -49,6 +53,8 @@ class LatentMoETail(nnx.Module):
     ``nnx.StateSharding(nnx.get_partition_spec(nnx.state(module)))`` for the module);
     ``reduce_shared(shared_partial)`` is :func:`k3_tail.reduce_shared` on the module's axis, for
     ``config.shared_output_is_reduced``; ``plan(num_tokens)`` tells which tier a call would take and why.
+    ``LatentMoETail.from_checkpoint(checkpoint, layer, config=..., mesh=...)`` builds the module with the
+    weights of a Hugging Face checkpoint's layer (:func:`k3_tail.load_tail_weights`).
     """
 
     def __init__(
@@ -76,6 +82,32 @@ class LatentMoETail(nnx.Module):
             if config.use_latent_norm
             else None
         )
+
+    @classmethod
+    def from_checkpoint(
+        cls,
+        checkpoint,
+        layer: int,
+        *,
+        config: TailConfig,
+        mesh: Mesh,
+        axis_name: AxisName = "tp",
+        weight_layout: str = "column",
+    ) -> LatentMoETail:
+        """The tail of decoder layer ``layer`` of a Hugging Face checkpoint, its parameters loaded with
+        :func:`k3_tail.load_tail_weights` (same arguments; each device reads only its block of the kernel,
+        quantised at load with an FP8 ``config.up_proj_dtype``). Nothing is initialised at random: the
+        module is built abstractly (``nnx.eval_shape``) and then given the loaded arrays."""
+        norm_weight, kernel = load_tail_weights(checkpoint, layer, config=config, mesh=mesh, axis_name=axis_name,
+                                                weight_layout=weight_layout)
+        module = nnx.eval_shape(lambda: cls(config, mesh, rngs=nnx.Rngs(0), axis_name=axis_name,
+                                            weight_layout=weight_layout))
+        columns = module.axis_name if weight_layout == "column" else None
+        values, scale = (kernel.values, kernel.scale) if isinstance(kernel, QuantizedKernel) else (kernel, None)
+        module.up_proj_kernel = _sharded_param(values, (None, columns), mesh)
+        module.up_proj_scale = None if scale is None else _sharded_param(scale, (columns,), mesh)
+        module.norm_scale = None if norm_weight is None else _sharded_param(norm_weight, (None,), mesh)
+        return module
 
     def load_up_proj(self, kernel) -> None:
         """Set the up projection from a checkpoint's [L, H] kernel (numpy or jax, ``config.dtype``).

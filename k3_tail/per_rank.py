@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import jax
 
-from k3_tail._checks import AxisName, axis_size_in_scope, check_axis_name, expect_array, expect_optional, expect_rank
+from k3_tail._checks import (
+    AxisName, axis_size_in_scope, check_axis_name, expect_array, expect_optional, expect_rank, varies_over,
+)
 from k3_tail.config import TailConfig, check_config
 from k3_tail.selection.rules import select_tier
 from k3_tail.tiers.columns import check_weight_layout, padded_hidden_size
@@ -70,7 +72,16 @@ def latent_moe_tail(
     evenly only, so those come back replicated. Padding columns (H % p != 0) never reach the result.
 
     Bad shapes, dtypes, a tier that cannot run or a missing TP axis raise ValueError naming the
-    argument. Never modifies its inputs. Costs are the selected tier's (README tier table), plus an
+    argument. So does an input whose type contradicts the config: inside a ``jax.shard_map`` with
+    ``check_vma=True`` (its default) JAX types a per-rank partial as varying over the TP axis and a
+    sum over it as the same on every rank, so a ``shared_partial`` that is already reduced without
+    ``config.shared_output_is_reduced`` (it would be added p times), partials with it (they would
+    not be summed), and the same for ``routed_partial`` and ``config.fused_output_is_reduced`` are
+    refused, naming the field. With ``check_vma=False`` JAX tracks no variation and the type cannot
+    tell: the contract is then the caller's (and with ``config.sequence_parallel`` a reduced shared
+    output, this rank's rows of the sum, is checked by its shape only).
+
+    Never modifies its inputs. Costs are the selected tier's (README tier table), plus an
     all-gather of the padded [T', H] rows when sequence-parallel output is gathered.
     """
     check_config(config)
@@ -88,6 +99,7 @@ def latent_moe_tail(
     else:
         tier = Tier.parse(tier)
         tier.record.check_runs(weight_layout, config)
+    _check_reduction_contract(routed_partial, shared_partial, config=config, axis_name=axis_name)
 
     if config.sequence_parallel:
         # Zero token rows up to a multiple of p, so that each rank owns T'/p rows (a reduced shared
@@ -102,6 +114,32 @@ def latent_moe_tail(
     if config.sequence_parallel and not is_token_sharded_output(config, num_tokens, tp_size):
         return gather_tokens(y, num_tokens, axis_name=axis_name)
     return y
+
+
+def _check_reduction_contract(routed_partial, shared_partial, *, config: TailConfig, axis_name: AxisName) -> None:
+    """ValueError naming the config field when the routed or shared input's type contradicts it: a
+    per-rank partial varies over the TP axis, a reduced output does not (:func:`varies_over`)."""
+    contract = [("routed_partial", routed_partial, "fused_output_is_reduced", "the reduced latent")]
+    # A reduced shared output in the token-sharded form is this rank's rows of the sum: it varies too.
+    if shared_partial is not None and not (config.shared_output_is_reduced and config.sequence_parallel):
+        contract.append(("shared_partial", shared_partial, "shared_output_is_reduced",
+                         "the output of k3_tail.reduce_shared"))
+    for name, value, field, reduced_form in contract:
+        varies = varies_over(value, axis_name)
+        reduced = getattr(config, field)
+        if varies is None or varies != reduced:
+            continue
+        if reduced:
+            raise ValueError(
+                f"{name}: config.{field} is True, so expected {reduced_form}, the same on every rank, but its "
+                f"type varies over {axis_name!r}: a per-rank partial (the tail would not sum it). Pass the "
+                f"reduced value, or set TailConfig({field}=False) for partials"
+            )
+        raise ValueError(
+            f"{name}: config.{field} is False, so expected this rank's partial, which varies over {axis_name!r}, "
+            f"but its type is the same on every rank: a reduced value (the tail would add it p times). Pass "
+            f"the partial, or set TailConfig({field}=True) for {reduced_form}"
+        )
 
 
 def _check_per_rank_inputs(routed_partial, shared_partial, norm_weight, up_proj_kernel, *, config, tp_size,

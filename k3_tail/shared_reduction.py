@@ -43,7 +43,8 @@ def reduce_shared(
     ``device``: a device of the mesh (its platform decides the all-reduce's form); None:
     ``jax.devices()[0]``. The collective carries the named scope ``k3_tail/shared_reduction``.
 
-    ValueError naming the argument: a wrong shape or dtype, a config without shared experts, or no
+    ValueError naming the argument: a wrong shape or dtype, a config without shared experts or without
+    ``shared_output_is_reduced`` (the tail it feeds must take a reduced shared output), or no
     ``axis_name`` axis in scope.
     """
     check_config(config)
@@ -51,6 +52,10 @@ def reduce_shared(
     tp_size = axis_size_in_scope(axis_name, "reduce_shared")
     if not config.has_shared_experts:
         raise ValueError("config: has_shared_experts is False, so there is no shared output to reduce")
+    if not config.shared_output_is_reduced:
+        raise ValueError("config: shared_output_is_reduced is False, so the tail takes the shared partials and "
+                         "sums them itself (a reduced shared output would be added p times); use "
+                         "TailConfig(shared_output_is_reduced=True) for the tail that takes this function's result")
     expect_rank(shared_partial, "shared_partial", "[T, H] (this rank's shared-expert partial)", 2)
     hidden = config.hidden_size
     expect_array(shared_partial, "shared_partial", [(shared_partial.shape[0], hidden)], config.dtype, f"H={hidden}")

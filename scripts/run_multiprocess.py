@@ -17,8 +17,13 @@ Every process runs every tier (k3_tail.Tier) with every weight layout it support
 T, on the same random inputs (same --seed), passed as host numpy arrays; a model would pass its
 own global jax.Arrays instead. Every process compares its copy of the replicated output with a
 float64 numpy reference, and process 0 prints the relative errors. The exit status is 0 when every
-error is within the tolerance of the dtype, 1 when one is not or a process failed, 2 for bad
-arguments.
+error is within the tolerance of the dtype; 1 when one is not, a process failed, or the coordinator's
+address cannot serve (process 0 cannot listen on its port; another process finds nothing accepting
+connections there within --connect-timeout), the last two with a one-line message naming the
+address; 2 for bad arguments, a malformed HOST:PORT included. JAX's runtime ends a process itself,
+with SIGABRT (status 134; --local then exits with 1), when a peer dies after joining
+(--heartbeat-timeout) or another program answers on the coordinator's port
+(--initialization-timeout).
 """
 
 from __future__ import annotations
@@ -36,11 +41,15 @@ import jax
 import numpy as np
 
 import k3_tail
-from k3_tail.tools.multiprocess import initialize
+from k3_tail.cli.common import random_seed
+from k3_tail.tools.multiprocess import CoordinatorError, initialize, split_address
 
 LOCAL_HOST = "127.0.0.1"
 DEFAULT_LOCAL_CPU_DEVICES = 4
 DEFAULT_TOKENS = (1, 16, 320)
+# Long enough for process 0 to start its coordinator when all processes start together (--local on a
+# loaded machine takes seconds), short enough to report a wrong address or closed port soon.
+DEFAULT_CONNECT_TIMEOUT_S = 60
 SMALL_SHAPES = {"hidden_size": 99, "latent_size": 64}  # 99: no TP size > 1 divides it, the column tiers pad
 # Relative Frobenius error allowed against float64: bf16 keeps 8 significand bits.
 TOLERANCE = {"bfloat16": 1e-2, "float32": 1e-5}
@@ -52,6 +61,10 @@ def main(argv: list[str] | None = None) -> int:
         return run_local(args)
     try:
         return run_process(args)
+    except CoordinatorError as error:
+        # Raised before JAX's distributed runtime starts: nothing to wait for at exit.
+        print(f"{os.path.basename(__file__)}: error: {error}", file=sys.stderr)
+        return 1
     except Exception:
         # Exit at once: a normal exit would wait in JAX's shutdown barrier for the other processes,
         # which may be waiting for this one in a collective; exiting stops its heartbeats, so they
@@ -70,7 +83,9 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     )
     where = parser.add_mutually_exclusive_group(required=True)
     where.add_argument("--local", type=positive_int, metavar="N", help=f"run N processes on {LOCAL_HOST}")
-    where.add_argument("--coordinator", metavar="HOST:PORT", help="address of process 0's coordinator")
+    where.add_argument(
+        "--coordinator", type=coordinator_address, metavar="HOST:PORT", help="address of process 0's coordinator"
+    )
     parser.add_argument("--num-processes", type=positive_int, metavar="N", help="processes in all (with --coordinator)")
     parser.add_argument("--process-id", type=int, metavar="I", help="this process, 0 <= I < N (with --coordinator)")
     parser.add_argument(
@@ -85,10 +100,18 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
         "--tokens", type=token_counts, default=DEFAULT_TOKENS, metavar="T,T,...",
         help=f"token counts (default: {','.join(map(str, DEFAULT_TOKENS))})",
     )
-    parser.add_argument("--seed", type=int, default=0, help="random seed of the inputs, the same in every process")
+    parser.add_argument(
+        "--seed", type=random_seed, default=0,
+        help="random seed of the inputs, the same in every process, 0 <= SEED < 2**32 (default: 0)",
+    )
     parser.add_argument(
         "--initialization-timeout", type=positive_int, default=300, metavar="SECONDS",
         help="how long to wait for every process to join (default: 300)",
+    )
+    parser.add_argument(
+        "--connect-timeout", type=positive_int, default=DEFAULT_CONNECT_TIMEOUT_S, metavar="SECONDS",
+        help="how long a process I > 0 retries connecting to the coordinator before it gives up with exit "
+        f"status 1; at most --initialization-timeout (default: {DEFAULT_CONNECT_TIMEOUT_S})",
     )
     parser.add_argument(
         "--heartbeat-timeout", type=positive_int, default=100, metavar="SECONDS",
@@ -115,6 +138,17 @@ def positive_int(text: str) -> int:
     return int(text)
 
 
+def coordinator_address(text: str) -> str:
+    """``text`` if it is HOST:PORT with a port in 1..65535 (argparse type)."""
+    try:
+        split_address(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected HOST:PORT with a port in 1..65535 (an IPv6 host in brackets), got {text!r}"
+        ) from None
+    return text
+
+
 def token_counts(text: str) -> tuple[int, ...]:
     """A comma-separated list of token counts, each >= 1 (argparse type)."""
     return tuple(positive_int(item) for item in text.split(","))
@@ -132,7 +166,7 @@ def run_local(args: argparse.Namespace) -> int:
         "--cpu-devices", str(args.cpu_devices or DEFAULT_LOCAL_CPU_DEVICES),
         "--dtype", args.dtype, "--tokens", ",".join(map(str, args.tokens)), "--seed", str(args.seed),
         "--initialization-timeout", str(args.initialization_timeout),
-        "--heartbeat-timeout", str(args.heartbeat_timeout),
+        "--connect-timeout", str(args.connect_timeout), "--heartbeat-timeout", str(args.heartbeat_timeout),
         *(["--small"] if args.small else []),
     ]
     processes = [
@@ -170,6 +204,7 @@ def run_process(args: argparse.Namespace) -> int:
         args.coordinator, args.num_processes, args.process_id,
         local_cpu_devices=args.cpu_devices,
         initialization_timeout=args.initialization_timeout,
+        connect_timeout=args.connect_timeout,
         heartbeat_timeout_seconds=args.heartbeat_timeout,
     )
     shapes = SMALL_SHAPES if args.small else {}

@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import pickle
 import subprocess
 import sys
 
@@ -9,7 +10,9 @@ import pytest
 
 from helpers import command_environment, make_tp_mesh
 from k3_tail import TailConfig, Tier, select_tier, tail_forward
-from k3_tail.selection.table import FORMAT, SelectionTable, TokenRange, table_from_measurements
+from k3_tail.selection.table import (
+    FORMAT, MAX_FILE_BYTES, MAX_RANGES, SelectionTable, TokenRange, table_from_measurements,
+)
 from k3_tail.tools.benchmark import Measurement, Timing
 from reference import TOLERANCE, make_inputs, reference_tail, relative_error
 
@@ -200,3 +203,177 @@ def test_calibrate_writes_a_table_that_tail_forward_follows(tmp_path):
 def test_calibrate_into_a_missing_directory_is_a_one_line_error(tmp_path):
     result = run_cli("calibrate", "--out", str(tmp_path / "missing" / "table.json"))
     assert result.returncode == 2 and result.stderr.startswith("k3-tail calibrate: error: --out")
+
+
+# ---- a strict schema at load: unknown keys, invalid values, duplicates, size ----
+
+
+def write_table(tmp_path, data=None, text=None):
+    """``data`` (default: a valid table's dict) as JSON, or ``text`` as is, in tmp_path/table.json."""
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps(table(TWO_RANGES).to_dict() if data is None else data) if text is None else text)
+    return path
+
+
+@pytest.mark.parametrize("key", ["tp_sizee", "all_reduce_quantisation", "comment"])
+def test_an_unknown_top_level_key_is_refused_naming_it_and_the_file(tmp_path, key):
+    path = write_table(tmp_path, {**table(TWO_RANGES).to_dict(), key: 8})
+    with pytest.raises(ValueError, match=rf"selection_table\.{key}: unknown key.*{path.name}"):
+        SelectionTable.load(path)
+
+
+def test_an_unknown_key_in_a_range_is_refused_naming_it(tmp_path):
+    data = table(TWO_RANGES).to_dict()
+    data["ranges"][1]["tiers"] = "native"
+    with pytest.raises(ValueError, match=r"selection_table\.ranges\[1\]\.tiers: unknown key"):
+        SelectionTable.load(write_table(tmp_path, data))
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("all_reduce_quantization", "int5"),
+        ("all_reduce_quantization", 8),
+        ("up_proj_dtype", "float8_e5m2"),
+        ("up_proj_dtype", "bfloat16"),  # the unquantised kernel is written null; this never matches a config
+        ("dtype", "float64"),
+        ("dtype", "half"),  # numpy's alias of float16: TailConfig's name is "float16"
+        ("weight_layout", "rows"),
+        ("device_kind", ""),
+        ("tp_size", True),
+        ("tp_size", 0),
+        ("hidden_size", 96.0),
+        ("fp8_activations", 1),
+        ("fp8_activations", True),  # without an FP8 up_proj_dtype
+        ("shared_output_is_reduced", "false"),
+        ("quantized_all_reduce_min_bytes", -1),
+        ("quantized_all_reduce_min_bytes", True),
+        ("quantized_all_reduce_min_bytes", 1.5),
+        ("source", None),
+    ],
+)
+def test_an_invalid_value_is_refused_at_load_naming_the_field_and_the_file(tmp_path, name, value):
+    path = write_table(tmp_path, {**table(TWO_RANGES).to_dict(), name: value})
+    with pytest.raises(ValueError, match=rf"selection_table\.{name}: .*{path.name}"):
+        SelectionTable.load(path)
+
+
+@pytest.mark.parametrize(
+    ("item", "field"),
+    [({"first": 64.0, "last": None, "tier": "column_parallel"}, "first"),
+     ({"first": 64, "last": False, "tier": "column_parallel"}, "last"),
+     ({"first": 64, "last": None, "tier": 3}, "tier")],
+)
+def test_an_invalid_range_value_is_refused_naming_the_range(tmp_path, item, field):
+    data = table(TWO_RANGES).to_dict()
+    data["ranges"][1] = item
+    with pytest.raises(ValueError, match=rf"selection_table\.ranges\[1\]\.{field}: "):
+        SelectionTable.load(write_table(tmp_path, data))
+
+
+def test_a_duplicated_top_level_key_is_refused_naming_it_and_the_file(tmp_path):
+    text = json.dumps(table(TWO_RANGES).to_dict())
+    path = write_table(tmp_path, text=text.replace('"tp_size": 8', '"tp_size": 4, "tp_size": 8'))
+    with pytest.raises(ValueError, match=rf"selection_table\.tp_size: duplicate key.*{path.name}"):
+        SelectionTable.load(path)
+
+
+def test_a_duplicated_key_in_a_range_is_refused_naming_the_range(tmp_path):
+    text = json.dumps(table(TWO_RANGES).to_dict())
+    text = text.replace('"tier": "column_parallel"', '"tier": "native", "tier": "column_parallel"')
+    with pytest.raises(ValueError, match=r"selection_table\.ranges\[1\]\.tier: duplicate key"):
+        SelectionTable.load(write_table(tmp_path, text=text))
+
+
+def test_a_file_over_the_size_limit_is_refused_before_it_is_parsed(tmp_path):
+    path = tmp_path / "table.json"
+    path.write_bytes(b" " * (MAX_FILE_BYTES + 1))  # no JSON at all: parsing would fail otherwise
+    with pytest.raises(ValueError, match=rf"more than the {MAX_FILE_BYTES}-byte limit") as error:
+        SelectionTable.load(path)
+    assert path.name in str(error.value)
+
+
+def many_ranges(count):
+    """``count`` ranges of two token counts each, alternating overlap and column_parallel; the last open."""
+    tiers = (Tier.OVERLAP, Tier.COLUMN_PARALLEL)
+    return tuple(TokenRange(1 + 2 * i, None if i == count - 1 else 2 + 2 * i, tiers[i % 2]) for i in range(count))
+
+
+def test_more_ranges_than_the_limit_are_refused(tmp_path):
+    data = table(TWO_RANGES).to_dict()
+    data["ranges"] = [{"first": r.first, "last": r.last, "tier": r.tier.value} for r in many_ranges(MAX_RANGES + 1)]
+    with pytest.raises(ValueError, match=rf"selection_table\.ranges: expected at most {MAX_RANGES} ranges, got "):
+        SelectionTable.load(write_table(tmp_path, data))
+
+
+def test_a_table_with_the_most_ranges_loads_and_selects_each_range(tmp_path):
+    original = table(many_ranges(MAX_RANGES))
+    path = tmp_path / "table.json"
+    original.save(path)
+    loaded = SelectionTable.load(path)
+    assert loaded == original
+    config = dataclasses.replace(CONFIG, selection_policy="measured", selection_table=loaded)
+    for num_tokens, tier in [(1, Tier.OVERLAP), (2, Tier.OVERLAP), (3, Tier.COLUMN_PARALLEL),
+                             (2 * MAX_RANGES - 2, Tier.OVERLAP), (2 * MAX_RANGES - 1, Tier.COLUMN_PARALLEL),
+                             (10**9, Tier.COLUMN_PARALLEL)]:
+        assert select_tier(config, num_tokens, 8).tier == tier, num_tokens
+    assert [loaded.range_for(r.first) for r in loaded.ranges] == list(loaded.ranges)
+    assert [loaded.range_for(r.last) for r in loaded.ranges[:-1]] == list(loaded.ranges[:-1])
+
+
+def test_equal_tables_are_equal_and_hash_alike_as_do_their_configs(tmp_path):
+    loaded = SelectionTable.load(write_table(tmp_path))
+    built = table(tuple(dataclasses.replace(r) for r in TWO_RANGES))
+    assert loaded == built and hash(loaded) == hash(built)
+    assert loaded != table(TWO_RANGES, tp_size=4)
+    assert loaded != table((TokenRange(1, 63, Tier.NATIVE), TWO_RANGES[1]))
+    configs = [dataclasses.replace(CONFIG, selection_policy="measured", selection_table=t) for t in (loaded, built)]
+    assert configs[0] == configs[1] and hash(configs[0]) == hash(configs[1])
+    assert {configs[0]: "jit cache entry"}[configs[1]] == "jit cache entry"
+
+
+class CountingRanges(tuple):
+    """A table's ranges that count the ranges read from them (each one iterated or indexed) and their hashing."""
+
+    calls = 0
+
+    def __iter__(self):
+        for token_range in super().__iter__():
+            CountingRanges.calls += 1
+            yield token_range
+
+    def __getitem__(self, index):
+        CountingRanges.calls += 1
+        return super().__getitem__(index)
+
+    def __hash__(self):
+        CountingRanges.calls += 1
+        return super().__hash__()
+
+
+def with_counting_ranges(measured_table):
+    """``measured_table`` with its ranges swapped for a :class:`CountingRanges` of the same ranges."""
+    object.__setattr__(measured_table, "ranges", CountingRanges(measured_table.ranges))
+    CountingRanges.calls = 0
+    return measured_table
+
+
+def test_hashing_a_table_or_a_config_holding_it_does_not_read_its_ranges():
+    measured_table = table(many_ranges(64))
+    config = dataclasses.replace(CONFIG, selection_policy="measured", selection_table=measured_table)
+    with_counting_ranges(measured_table)
+    hashes = {hash(measured_table) for _ in range(3)} | {hash(config) for _ in range(3)}
+    assert len(hashes) == 2 and CountingRanges.calls == 0
+
+
+def test_range_for_reads_one_range():
+    measured_table = with_counting_ranges(table(many_ranges(64)))
+    assert measured_table.range_for(77) == TokenRange(77, 78, Tier.OVERLAP)
+    assert CountingRanges.calls == 1
+
+
+def test_a_pickled_table_carries_its_fields_only_and_is_equal_after():
+    measured_table = table(TWO_RANGES)
+    copy = pickle.loads(pickle.dumps(measured_table))
+    assert set(measured_table.__getstate__()) == {field.name for field in dataclasses.fields(SelectionTable)}
+    assert copy == measured_table and hash(copy) == hash(measured_table)

@@ -10,7 +10,7 @@ import pytest
 from helpers import command_environment
 from k3_tail.cli import build_parser, main
 from k3_tail.cli.common import (
-    all_reduce_quantization_options, describe_config, measurement_config, up_projection_options,
+    MAX_CPU_DEVICES, all_reduce_quantization_options, describe_config, measurement_config, up_projection_options,
 )
 from k3_tail.config import TailConfig
 from k3_tail.tiers.registry import Tier, tier_table
@@ -42,6 +42,31 @@ def test_bad_arguments_exit_with_usage_error(argv, capsys):
         main(argv)
     assert exit_info.value.code == 2
     assert "usage: k3-tail" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", [["demo"], ["bench"], ["calibrate"], ["hlo", "--topology", "cpu"]],
+                         ids=lambda command: command[0])
+def test_more_cpu_devices_than_the_maximum_is_a_usage_error_naming_devices(command, capsys):
+    """Refused at parsing: JAX would spend minutes, silently, building 100000 CPU devices."""
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args([*command, "--devices", "100000"])
+    assert exit_info.value.code == 2
+    assert f"argument --devices: expected at most {MAX_CPU_DEVICES} CPU devices, got 100000" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("command", "seed"), [("demo", "-1"), ("demo", str(2**32)), ("bench", "-1"),
+                                               ("calibrate", "-1")])
+def test_a_seed_numpy_cannot_take_is_a_usage_error_naming_seed(command, seed, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args([command, "--seed", seed])
+    assert exit_info.value.code == 2
+    assert f"argument --seed: expected an integer in [0, 2**32), got '{seed}'" in capsys.readouterr().err
+
+
+def test_the_largest_device_count_and_the_extreme_seeds_parse():
+    assert build_parser().parse_args(["demo", "--devices", str(MAX_CPU_DEVICES)]).devices == MAX_CPU_DEVICES
+    seeds = [build_parser().parse_args(["demo", "--seed", seed]).seed for seed in ("0", str(2**32 - 1))]
+    assert seeds == [0, 2**32 - 1]
 
 
 def run_cli(*argv):

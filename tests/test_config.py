@@ -24,7 +24,8 @@ def test_defaults_follow_the_spec():
 
 def test_kimi_k3_shapes_and_overrides():
     assert (TailConfig.kimi_k3().hidden_size, TailConfig.kimi_k3().latent_size) == (7168, 3584)
-    assert TailConfig.kimi_k3(rms_norm_eps=1e-5).rms_norm_eps == 1e-5
+    assert TailConfig.kimi_k3().rms_norm_eps == 1e-5  # the released config.json's
+    assert TailConfig.kimi_k3(rms_norm_eps=1e-6).rms_norm_eps == 1e-6
 
 
 def test_equal_configs_hash_equally_whatever_the_dtype_spelling():
@@ -43,7 +44,12 @@ def test_equal_configs_hash_equally_whatever_the_dtype_spelling():
         ("rms_norm_eps", 0.0),
         ("rms_norm_eps", -1e-6),
         ("rms_norm_eps", float("nan")),
+        ("rms_norm_eps", 1e-40),  # float32 flushes it to zero
+        ("rms_norm_eps", 1e39),  # beyond float32
+        ("rms_norm_eps", "1e-5"),
         ("routed_scaling_factor", float("inf")),
+        ("routed_scaling_factor", 1e-40),
+        ("routed_scaling_factor", np.bool_(True)),
         ("overlap_token_threshold", -1),
         ("scatter_gather_max_tokens", -1),
         ("dtype", jnp.int32),
@@ -63,6 +69,20 @@ def test_equal_configs_hash_equally_whatever_the_dtype_spelling():
 def test_invalid_field_raises_value_error_naming_it(field, value):
     with pytest.raises(ValueError, match=f"^{field}: expected"):
         dataclasses.replace(TailConfig.kimi_k3(), **{field: value})
+
+
+def test_an_eps_below_float32s_smallest_normal_is_refused_saying_why():
+    with pytest.raises(ValueError, match=r"^rms_norm_eps: .*normal number .*flushes smaller numbers to zero"):
+        TailConfig(8, 4, rms_norm_eps=1e-40)
+
+
+@pytest.mark.parametrize("number", [np.float32(1e-5), np.float64(1e-5), np.float16(0.001), np.int64(2)],
+                         ids=lambda number: type(number).__name__)
+def test_numpy_real_scalars_are_taken_wherever_python_numbers_are(number):
+    config = TailConfig(8, 4, rms_norm_eps=number, routed_scaling_factor=number)
+    assert config.rms_norm_eps == float(number) and type(config.rms_norm_eps) is float
+    assert config.routed_scaling_factor == float(number) and type(config.routed_scaling_factor) is float
+    assert config == TailConfig(8, 4, rms_norm_eps=float(number), routed_scaling_factor=float(number))
 
 
 def test_from_env_honours_vllm_variables():

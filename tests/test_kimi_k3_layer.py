@@ -164,6 +164,31 @@ def test_layer_with_an_fp8_up_projection_matches_the_reference(up_proj_dtype, fp
     assert relative_error(y, reference) <= tolerance(config.tail)
 
 
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_the_routing_weights_are_renormalised_only_above_top_1(top_k):
+    """At top_k = 1 the weight is the chosen expert's sigmoid score (below 1), as in Kimi-K3's reference;
+    above, the chosen scores divided by their sum."""
+    weights, x = checkpoint("float32"), hidden_states(16, "float32")
+    chosen, combine = layer_module.route(jnp.asarray(x), weights["router_kernel"], weights["router_bias"], top_k=top_k)
+    scores = 1 / (1 + np.exp(-(x.astype(np.float64) @ weights["router_kernel"])))
+    picked = np.take_along_axis(scores, np.asarray(chosen), axis=1)
+    expected = picked / picked.sum(axis=1, keepdims=True) if top_k > 1 else picked
+    np.testing.assert_allclose(np.asarray(combine), expected, rtol=1e-5)
+    assert top_k > 1 or np.all(np.asarray(combine) < 1)
+
+
+def test_the_routed_latent_of_a_layer_routing_to_one_expert_matches_the_reference():
+    """Compared before the tail: the norm divides a row's scale out, so y barely shows a weight of 1 in place
+    of the score."""
+    config = dataclasses.replace(layer_config("float32"), top_k=1)
+    x = hidden_states(16, "float32")
+    assert choice_margin(checkpoint("float32"), x, top_k=1) > MIN_CHOICE_MARGIN
+    layer = layer_module.KimiK3MoELayer(config, make_tp_mesh(2), checkpoint("float32"))
+    routed, _ = layer_partials(layer.parameter_values(), jnp.asarray(x), config=config, mesh=layer.mesh)
+    expected, _ = reference_partials(checkpoint("float32"), x, top_k=1)
+    assert relative_error(np.asarray(routed, np.float64).sum(axis=0), expected) <= 1e-5
+
+
 def test_a_forced_routed_expert_method_runs_at_any_t_and_matches_the_reference():
     """LayerConfig(routed_experts=...) makes every call take that method: ragged_dot, which selection never picks,
     at T = 16, where it would pick capacity (the covering design runs the selected methods)."""

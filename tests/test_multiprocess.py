@@ -242,14 +242,53 @@ def test_the_launcher_runs_every_tier_on_local_processes():
         ["--local", "2", "--process-id", "0"],
         ["--local", "0"],
         ["--local", "2", "--tokens", "16,x"],
+        ["--local", "2", "--seed", "-1"],
     ],
-    ids=["nothing", "no_process_id", "process_id_too_large", "local_with_process_id", "no_processes", "bad_tokens"],
+    ids=["nothing", "no_process_id", "process_id_too_large", "local_with_process_id", "no_processes", "bad_tokens",
+         "negative_seed"],
 )
 def test_the_launcher_rejects_bad_arguments_with_a_usage_error(argv, launcher, capsys):
     with pytest.raises(SystemExit) as exit_info:
         launcher.main(argv)
     assert exit_info.value.code == 2
     assert "usage: run_multiprocess.py" in capsys.readouterr().err
+
+
+def run_launcher(*argv):
+    """scripts/run_multiprocess.py ``argv`` in a fresh process (the timeout only guards against a hang)."""
+    return subprocess.run([sys.executable, str(LAUNCHER), *argv], capture_output=True, text=True,
+                          env=child_environment(), timeout=FAILURE_LIMIT_S, check=False)
+
+
+@pytest.mark.parametrize("address", ["nonsense", "host:99999", ":80"])
+def test_the_launcher_refuses_a_malformed_coordinator_address_as_a_usage_error(address):
+    result = run_launcher("--coordinator", address, "--num-processes", "2", "--process-id", "1", "--cpu-devices", "1")
+    assert result.returncode == 2, result.stderr
+    assert "argument --coordinator: expected HOST:PORT" in result.stderr and repr(address) in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_the_launcher_with_an_unreachable_coordinator_exits_1_naming_it():
+    """Process 1 of 2, no process 0: it gives up after --connect-timeout, exit status 1, no C++ abort."""
+    address = f"127.0.0.1:{free_loopback_port()}"
+    result = run_launcher("--coordinator", address, "--num-processes", "2", "--process-id", "1", "--cpu-devices", "1",
+                          "--connect-timeout", "2")
+    assert result.returncode == 1, result.stderr
+    assert f"run_multiprocess.py: error: coordinator {address}: nothing accepts connections there" in result.stderr
+    assert "Traceback" not in result.stderr and "Check failure" not in result.stderr
+
+
+def test_the_launcher_as_process_0_on_a_port_in_use_exits_1_naming_it():
+    """Process 0 cannot serve the coordinator on a port another program listens on: exit status 1, no crash."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as other_program:
+        other_program.bind(("127.0.0.1", 0))
+        other_program.listen()
+        address = f"127.0.0.1:{other_program.getsockname()[1]}"
+        result = run_launcher("--coordinator", address, "--num-processes", "2", "--process-id", "0",
+                              "--cpu-devices", "1")
+    assert result.returncode == 1, result.stderr
+    assert f"run_multiprocess.py: error: coordinator {address}: process 0 cannot listen on port" in result.stderr
+    assert "Traceback" not in result.stderr
 
 
 @pytest.mark.parametrize(
@@ -263,6 +302,7 @@ def test_the_launcher_rejects_bad_arguments_with_a_usage_error(argv, launcher, c
         {"process_id": 2},
         {"local_cpu_devices": 0},
         {"initialization_timeout": 0},
+        {"connect_timeout": 0},
         {"heartbeat_timeout_seconds": 1.5},
         {"shutdown_timeout_seconds": None},
     ],

@@ -268,3 +268,57 @@ def test_global_api_and_module_take_a_tuple_axis(mesh, weight_layout):
 def test_is_token_sharded_output(sequence_parallel, num_tokens, expected):
     config = dataclasses.replace(CONFIG, sequence_parallel=sequence_parallel)
     assert k3_tail.is_token_sharded_output(config, num_tokens, 8) is expected
+
+
+# --- The reduction contract, from the inputs' types ------------------------------------------------------------
+
+
+def contract_call(config, *, routed_spec, shared_spec, reduce_shared_first=False, check_vma=True):
+    """latent_moe_tail on 4 ranks with the routed and shared inputs placed per their specs (P("tp"): a
+    per-rank partial, typed as varying; P(): one value on every rank), optionally through reduce_shared."""
+    mesh = make_tp_mesh(4, jax.sharding.AxisType.Auto)
+    inputs = make_inputs(CONFIG, 4, 3)
+
+    def per_rank(routed, shared, norm_weight, kernel):
+        routed = routed[0] if routed.ndim == 3 else routed
+        shared = shared[0] if shared.ndim == 3 else shared
+        if reduce_shared_first:
+            shared = k3_tail.reduce_shared(shared, config=dataclasses.replace(CONFIG, shared_output_is_reduced=True))
+        return k3_tail.latent_moe_tail(routed, shared, norm_weight, kernel, config=config)
+
+    routed = inputs.routed if routed_spec == P("tp") else inputs.routed[0]
+    shared = inputs.shared if shared_spec == P("tp") else inputs.shared[0]
+    return jax.shard_map(per_rank, mesh=mesh, in_specs=(routed_spec, shared_spec, P(), P()), out_specs=P(),
+                         check_vma=check_vma)(routed, shared, inputs.norm_weight, inputs.kernel)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "routed_spec", "reduce_shared_first", "message"),
+    [
+        # reduce_shared's result is the same on every rank: the tail would add it p times.
+        ({}, P("tp"), True, r"^shared_partial: config.shared_output_is_reduced is False, so expected this rank's "
+                            r"partial, .*set TailConfig\(shared_output_is_reduced=True\)"),
+        # Partials vary over the TP axis: the tail would add one rank's partial instead of their sum.
+        ({"shared_output_is_reduced": True}, P("tp"), False,
+         r"^shared_partial: config.shared_output_is_reduced is True, so expected the output of "
+         r"k3_tail.reduce_shared, .*varies over 'tp'"),
+        ({}, P(), False, r"^routed_partial: config.fused_output_is_reduced is False"),
+        ({"fused_output_is_reduced": True}, P("tp"), False,
+         r"^routed_partial: config.fused_output_is_reduced is True, so expected the reduced latent"),
+    ],
+    ids=["reduced-shared-unflagged", "shared-partials-flagged", "reduced-routed-unflagged", "routed-partials-flagged"],
+)
+def test_an_input_whose_type_contradicts_its_reduced_flag_is_refused_naming_the_flag(
+    overrides, routed_spec, reduce_shared_first, message
+):
+    config = dataclasses.replace(CONFIG, **overrides)
+    with pytest.raises(ValueError, match=message):
+        contract_call(config, routed_spec=routed_spec, shared_spec=P("tp"), reduce_shared_first=reduce_shared_first)
+
+
+def test_the_contract_holds_with_check_vma_off_where_the_types_no_longer_say_it():
+    """Without variation tracking the tail cannot tell partials from sums; matching inputs still run."""
+    config = dataclasses.replace(CONFIG, shared_output_is_reduced=True)
+    y = contract_call(config, routed_spec=P("tp"), shared_spec=P("tp"), reduce_shared_first=True, check_vma=False)
+    inputs = make_inputs(CONFIG, 4, 3)
+    assert relative_error(y, reference_tail(CONFIG, inputs)) <= TOLERANCE[CONFIG.dtype]

@@ -113,6 +113,47 @@ def test_finite_extremes_never_make_a_nan(codec):
     assert_within_codec_bound(codec, blocks, decoded)
 
 
+def blocks_with_non_finite_values(seed=7):
+    """64 random blocks, 12 of them holding NaN, +-infinity or only non-finite values, at scattered places."""
+    blocks = np.random.default_rng(seed).standard_normal((64, BLOCK)) * np.logspace(-20, 20, 64)[:, None]
+    for row, column, value in [(0, 0, np.nan), (1, 31, np.inf), (2, 5, -np.inf), (3, 7, np.nan), (3, 8, np.inf),
+                               (40, 16, np.nan), (63, 3, -np.inf)]:
+        blocks[row, column] = value
+    blocks[4] = np.nan
+    blocks[5, ::2] = np.inf
+    blocks[6] = 0.0
+    blocks[6, 9] = np.nan
+    return blocks.astype(np.float32)
+
+
+@pytest.mark.parametrize("codec", CODEC_NAMES)
+def test_a_non_finite_value_decodes_to_nan_at_its_own_element_only(codec):
+    """Whatever XLA's max does with NaN: the non-finite mask of the decoded values is the input's."""
+    blocks = blocks_with_non_finite_values()
+    _, decoded = round_trip(codec, blocks)
+    np.testing.assert_array_equal(np.isnan(decoded), ~np.isfinite(blocks))
+
+
+@pytest.mark.parametrize("codec", CODEC_NAMES)
+def test_the_finite_values_beside_a_non_finite_one_keep_the_codec_bound(codec):
+    """A marked block codes its finite values with one level fewer, within max_error of its finite maximum."""
+    blocks = blocks_with_non_finite_values()
+    _, decoded = round_trip(codec, blocks)
+    finite = np.isfinite(blocks)
+    maxima = np.where(finite, np.abs(blocks.astype(np.float64)), 0).max(axis=1)
+    bound = np.array([CODECS[codec].max_error(m) for m in maxima])
+    error = np.abs(np.where(finite, decoded - blocks.astype(np.float64), 0))
+    assert np.all(error <= bound[:, None] * (1 + ARITHMETIC))
+
+
+@pytest.mark.parametrize("codec", CODEC_NAMES)
+def test_only_a_block_with_a_non_finite_value_has_its_scale_sign_bit_clear(codec):
+    blocks = blocks_with_non_finite_values()
+    encoded, _ = round_trip(codec, blocks)
+    sign_bit_clear = (encoded[:, -1] & 0x80) == 0  # the bfloat16 scale's high byte, little-endian
+    np.testing.assert_array_equal(sign_bit_clear, ~np.all(np.isfinite(blocks), axis=1))
+
+
 # --- The two-shot sum ------------------------------------------------------------------------------------------
 
 

@@ -31,15 +31,15 @@ def reduce_on_mesh(config, partials, *, out_spec):
 
 
 def test_reduce_shared_is_the_sum_of_the_partials_on_every_rank():
-    partials = make_inputs(CONFIG, 4, 5).shared
-    summed = reduce_on_mesh(CONFIG, partials, out_spec=P())
+    partials = make_inputs(REDUCED, 4, 5).shared
+    summed = reduce_on_mesh(REDUCED, partials, out_spec=P())
     assert summed.shape == (5, 96) and summed.sharding.is_fully_replicated
-    assert relative_error(summed, partials.astype(np.float64).sum(axis=0)) <= TOLERANCE[CONFIG.dtype]
+    assert relative_error(summed, partials.astype(np.float64).sum(axis=0)) <= TOLERANCE[REDUCED.dtype]
 
 
 def test_reduce_shared_with_sequence_parallel_output_is_each_ranks_rows_of_the_padded_sum():
     """T = 5 on p = 4: the sum padded with zero rows to 8, rank k holding rows [2k, 2k + 2)."""
-    config = dataclasses.replace(CONFIG, sequence_parallel=True)
+    config = dataclasses.replace(REDUCED, sequence_parallel=True)
     partials = make_inputs(config, 4, 5).shared
     rows = reduce_on_mesh(config, partials, out_spec=P("tp"))
     assert {shard.data.shape for shard in rows.addressable_shards} == {(2, 96)}
@@ -115,10 +115,12 @@ def test_the_global_api_takes_the_reduced_shared_output_whole():
     [
         (lambda: k3_tail.reduce_shared(jnp.zeros((3, 96)), config=CONFIG),
          r"^axis_name: 'tp' is not a mesh axis here; call reduce_shared inside jax.shard_map"),
-        (lambda: reduce_on_mesh(CONFIG, np.zeros((4, 3, 95), np.float32), out_spec=P()),
+        (lambda: reduce_on_mesh(REDUCED, np.zeros((4, 3, 95), np.float32), out_spec=P()),
          r"^shared_partial: expected shape \(3, 96\) \(H=96\)"),
-        (lambda: reduce_on_mesh(CONFIG, np.zeros((4, 3, 96), jnp.bfloat16), out_spec=P()),
+        (lambda: reduce_on_mesh(REDUCED, np.zeros((4, 3, 96), jnp.bfloat16), out_spec=P()),
          r"^shared_partial: expected dtype float32"),
+        (lambda: reduce_on_mesh(CONFIG, np.zeros((4, 3, 96), np.float32), out_spec=P()),
+         r"^config: shared_output_is_reduced is False, so the tail takes the shared partials"),
         (lambda: reduce_on_mesh(dataclasses.replace(CONFIG, has_shared_experts=False), np.zeros((4, 3, 96)),
                                 out_spec=P()),
          r"^config: has_shared_experts is False"),
@@ -126,7 +128,7 @@ def test_the_global_api_takes_the_reduced_shared_output_whole():
             make_inputs(REDUCED, 4, 5)), config=REDUCED, mesh=make_tp_mesh(4)),
          r"^shared_partials: expected shape \(5, 96\) \(the reduced shared output"),
     ],
-    ids=["no-axis", "shared-width", "shared-dtype", "no-shared-experts", "global-partials"],
+    ids=["no-axis", "shared-width", "shared-dtype", "unreduced-config", "no-shared-experts", "global-partials"],
 )
 def test_bad_input_is_a_value_error_naming_the_argument(call, message):
     with pytest.raises(ValueError, match=message):

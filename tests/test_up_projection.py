@@ -157,7 +157,8 @@ def kernel_mismatches():
     quantized = k3_tail.quantize_up_proj(plain, "float8_e4m3fn")
     fp8 = dataclasses.replace(CONFIG, up_proj_dtype="float8_e4m3fn")
     return [
-        pytest.param(fp8, plain, "QuantizedKernel", id="plain-kernel-with-fp8-config"),
+        pytest.param(fp8, plain, r"QuantizedKernel .*got a float64 array of shape \(64, 97\)$",
+                     id="plain-kernel-with-fp8-config"),
         pytest.param(CONFIG, quantized, "up_proj_dtype is None", id="quantized-kernel-without-fp8-config"),
         pytest.param(dataclasses.replace(fp8, up_proj_dtype="float8_e4m3fnuz"), quantized, "float8_e4m3fnuz",
                      id="other-format"),
@@ -174,6 +175,13 @@ def test_tail_forward_rejects_a_kernel_that_does_not_match_the_config(config, ke
     with pytest.raises(ValueError, match=f"^up_proj_kernel: .*{message}"):
         k3_tail.tail_forward(inputs.routed, inputs.shared, inputs.norm_weight, kernel, config=config,
                              mesh=make_tp_mesh(2))
+
+
+@pytest.mark.parametrize("kernel", [np.zeros((0, 96), np.float32), np.zeros((64, 0), np.float32), [[1.0, 2.0]]],
+                         ids=["no-rows", "no-columns", "list"])
+def test_quantize_up_proj_refuses_an_empty_kernel_or_a_non_array(kernel):
+    with pytest.raises(ValueError, match=r"^kernel: expected a non-empty 2-d float array \[L, H\], got a"):
+        k3_tail.quantize_up_proj(kernel, "float8_e4m3fn")
 
 
 def test_latent_moe_tail_rejects_a_plain_kernel_with_an_fp8_config():

@@ -2,8 +2,11 @@
 
 Devices: the commands that run the tail build their own 1-d TP mesh (axis ``AXIS_NAME``). With an
 accelerator backend (GPU) they use all of that backend's devices; otherwise they ask JAX for
-``--devices`` CPU devices (8 by default), which must happen before JAX initialises its backend, so
-:func:`demo_devices` does it before anything else touches JAX.
+``--devices`` CPU devices (8 by default, at most ``MAX_CPU_DEVICES`` = 512: JAX builds every forced
+CPU device before the first output, and 100000 of them take minutes and gigabytes in silence), which
+must happen before JAX initialises its backend, so :func:`demo_devices` does it before anything else
+touches JAX. ``--seed`` takes an integer in [0, 2**32), the range every numpy generator takes (numpy
+refuses a negative seed with a traceback).
 
 On a machine without a GPU, with a GPU plugin installed (the ``[aot]`` extra), JAX would print the
 plugin's failed start-up (a cuDNN traceback) before falling back to the CPU. :func:`use_cpu_without_gpu`
@@ -45,6 +48,9 @@ AXIS_NAME = "tp"
 DEFAULT_REPEATS = 5
 DEFAULT_CPU_DEVICES = 8
 DEFAULT_SEED = 0
+# The most CPU devices --devices forces (module docstring); seeds are integers below SEED_LIMIT.
+MAX_CPU_DEVICES = 512
+SEED_LIMIT = 2**32
 CONFIG_DTYPES = ("bfloat16", "float16", "float32")
 # Device nodes whose presence means a GPU backend can start (CUDA, ROCm).
 GPU_DEVICE_NODES = ("/dev/nvidiactl", "/dev/kfd")
@@ -100,9 +106,10 @@ def tp_mesh(devices: Sequence[jax.Device]) -> Mesh:
 
 def add_timing_arguments(parser: argparse.ArgumentParser, *, rounds: int) -> None:
     """A timing script's ``--devices``, ``--rounds`` (default ``rounds``), ``--seed`` and ``--json``."""
-    parser.add_argument("--devices", type=positive_int, default=8, help="CPU devices without a GPU (default: 8)")
+    parser.add_argument("--devices", type=cpu_device_count, default=8,
+                        help=f"CPU devices without a GPU, at most {MAX_CPU_DEVICES} (default: 8)")
     parser.add_argument("--rounds", type=positive_int, default=rounds, help=f"timed rounds (default: {rounds})")
-    parser.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    parser.add_argument("--seed", type=random_seed, default=0, help="random seed, 0 <= SEED < 2**32 (default: 0)")
     parser.add_argument("--json", metavar="FILE", help="also write the machine and every run time as JSON")
 
 
@@ -154,6 +161,25 @@ def bounded_int(text: str, minimum: int) -> int:
     return value
 
 
+def cpu_device_count(text: str) -> int:
+    """``text`` as a count of CPU devices to force, 1 to ``MAX_CPU_DEVICES`` (argparse type)."""
+    value = positive_int(text)
+    if value > MAX_CPU_DEVICES:
+        raise argparse.ArgumentTypeError(f"expected at most {MAX_CPU_DEVICES} CPU devices, got {value}")
+    return value
+
+
+def random_seed(text: str) -> int:
+    """``text`` as a random seed numpy takes, an integer in [0, ``SEED_LIMIT``) (argparse type)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value < SEED_LIMIT:
+        raise argparse.ArgumentTypeError(f"expected an integer in [0, 2**32), got {text!r}")
+    return value
+
+
 def positive_int_list(text: str) -> tuple[int, ...]:
     """A comma-separated list of integers, each >= 1 (argparse type): token counts, TP sizes."""
     return tuple(positive_int(item.strip()) for item in text.split(","))
@@ -197,8 +223,9 @@ def add_weight_layout_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def add_seed_argument(parser: argparse.ArgumentParser) -> None:
-    """``--seed``: of the random inputs."""
-    parser.add_argument("--seed", type=int, default=DEFAULT_SEED, help=f"random seed (default: {DEFAULT_SEED})")
+    """``--seed``: of the random inputs, 0 <= SEED < 2**32."""
+    parser.add_argument("--seed", type=random_seed, default=DEFAULT_SEED,
+                        help=f"random seed, 0 <= SEED < 2**32 (default: {DEFAULT_SEED})")
 
 
 def add_measurement_arguments(parser: argparse.ArgumentParser) -> None:
@@ -214,9 +241,9 @@ def add_measurement_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"tiers to time, comma-separated, of {tier_values()} (default: every tier that runs with --weight-layout)",
     )
     parser.add_argument(
-        "--devices", type=positive_int, default=DEFAULT_CPU_DEVICES, metavar="N",
-        help=f"CPU devices to make without an accelerator (default: {DEFAULT_CPU_DEVICES}); with a GPU all GPUs "
-        "are used",
+        "--devices", type=cpu_device_count, default=DEFAULT_CPU_DEVICES, metavar="N",
+        help=f"CPU devices to make without an accelerator, at most {MAX_CPU_DEVICES} (default: "
+        f"{DEFAULT_CPU_DEVICES}); with a GPU all GPUs are used",
     )
     parser.add_argument(
         "--repeats", type=positive_int, default=DEFAULT_REPEATS, metavar="N",

@@ -1,9 +1,10 @@
 """``k3-tail demo``: the Kimi-K3 tail on every tier, checked against native and timed.
 
-Runs the Kimi-K3 tail (H=7168, L=3584, bf16) on a TP mesh (all GPUs, or ``--devices`` CPU devices:
-:func:`k3_tail.cli.common.demo_devices`) for a few token counts, on every tier that runs with the
-kernel layout, and prints a table: for each token count T the tier :func:`k3_tail.select_tier`
-picks and why, and for each tier its error against the native tier and its median run time.
+Runs the Kimi-K3 tail (H=7168, L=3584, bf16) on a TP mesh (all GPUs, or ``--devices`` CPU devices, at
+most ``MAX_CPU_DEVICES`` = 512: :func:`k3_tail.cli.common.demo_devices`) for a few token counts, on
+every tier that runs with the kernel layout, and prints a table: for each token count T the tier
+:func:`k3_tail.select_tier` picks and why, and for each tier its error against the native tier and
+its median run time.
 
 Inputs are random with a fixed seed and are placed on the mesh once, the weights before the first
 token count and each T's partials before its runs, so the times measure the tail, not host
@@ -24,10 +25,10 @@ import jax
 import numpy as np
 
 from k3_tail.cli.common import (
-    AXIS_NAME, DEFAULT_CPU_DEVICES, DEFAULT_REPEATS, CommandError, add_all_reduce_quantization_arguments,
-    add_seed_argument, add_up_projection_arguments, add_weight_layout_argument, all_reduce_quantization_options,
-    demo_devices, describe_config, mesh_decision, positive_int, positive_int_list, progress, tp_mesh,
-    up_projection_options,
+    AXIS_NAME, DEFAULT_CPU_DEVICES, DEFAULT_REPEATS, MAX_CPU_DEVICES, CommandError,
+    add_all_reduce_quantization_arguments, add_seed_argument, add_up_projection_arguments, add_weight_layout_argument,
+    all_reduce_quantization_options, cpu_device_count, demo_devices, describe_config, mesh_decision, positive_int,
+    positive_int_list, progress, tp_mesh, up_projection_options,
 )
 from k3_tail.config import TailConfig
 from k3_tail.forward import tail_forward
@@ -61,9 +62,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help=f"timed runs per (T, tier) after the warm-up run (default: {DEFAULT_REPEATS})",
     )
     demo.add_argument(
-        "--devices", type=positive_int, default=DEFAULT_CPU_DEVICES, metavar="N",
-        help=f"CPU devices to make, the TP size without an accelerator (default: {DEFAULT_CPU_DEVICES}); "
-        "with a GPU all GPUs are used",
+        "--devices", type=cpu_device_count, default=DEFAULT_CPU_DEVICES, metavar="N",
+        help=f"CPU devices to make, the TP size without an accelerator, at most {MAX_CPU_DEVICES} (default: "
+        f"{DEFAULT_CPU_DEVICES}); with a GPU all GPUs are used",
     )
     add_weight_layout_argument(demo)
     add_seed_argument(demo)

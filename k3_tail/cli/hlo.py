@@ -16,9 +16,10 @@ import jax
 from jax.sharding import Mesh
 
 from k3_tail.cli.common import (
-    AXIS_NAME, DEFAULT_CPU_DEVICES, CommandError, add_all_reduce_quantization_arguments, add_reduced_shared_argument,
-    add_up_projection_arguments, add_weight_layout_argument, all_reduce_quantization_options, demo_devices,
-    describe_config, mesh_decision, non_negative_int, positive_int, tp_mesh, up_projection_options,
+    AXIS_NAME, DEFAULT_CPU_DEVICES, MAX_CPU_DEVICES, CommandError, add_all_reduce_quantization_arguments,
+    add_reduced_shared_argument, add_up_projection_arguments, add_weight_layout_argument,
+    all_reduce_quantization_options, cpu_device_count, demo_devices, describe_config, mesh_decision,
+    non_negative_int, tp_mesh, up_projection_options,
 )
 from k3_tail.config import TailConfig
 from k3_tail.tiers.registry import Tier
@@ -53,8 +54,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         f"local (this machine's accelerators) (default: {DEFAULT_TOPOLOGY})",
     )
     hlo.add_argument(
-        "--devices", type=positive_int, default=DEFAULT_CPU_DEVICES, metavar="N",
-        help=f"CPU devices for --topology cpu (default: {DEFAULT_CPU_DEVICES})",
+        "--devices", type=cpu_device_count, default=DEFAULT_CPU_DEVICES, metavar="N",
+        help=f"CPU devices for --topology cpu, at most {MAX_CPU_DEVICES} (default: {DEFAULT_CPU_DEVICES})",
     )
     add_weight_layout_argument(hlo)
     add_up_projection_arguments(hlo)

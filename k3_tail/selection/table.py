@@ -16,6 +16,17 @@ anywhere else raises ValueError
 naming what differs, since a table measured on other hardware or shapes would pick tiers for the
 wrong reasons.
 
+The schema is strict: :meth:`SelectionTable.load` (and :meth:`SelectionTable.from_dict`, and the
+constructor for every field) refuses with a ValueError naming the field, and the file, a key it does
+not know (at the top level or in a range), a key given twice in one JSON object, and any value that
+no TailConfig, codec, FP8 format, weight layout or tier takes (ints are non-bool integers >= their
+minimum, bools are JSON booleans, dtypes are TailConfig's names). Limits: a file of at most
+``MAX_FILE_BYTES`` (1 MiB, checked before it is parsed) and at most ``MAX_RANGES`` (4096) ranges; a
+table of 4096 ranges written by :meth:`SelectionTable.save` takes about 0.3 MB. ``range_for``
+(what ``select_tier`` asks) bisects the ranges' first token counts, O(log n); a table computes its
+hash once, so a TailConfig holding one hashes (as jit does at every call) in O(1) too. Equality
+stays equality of the fields.
+
 JSON form (``format`` names the version)::
 
     {"format": "k3_tail.selection_table/1", "device_kind": "NVIDIA H200", "tp_size": 8,
@@ -28,17 +39,22 @@ JSON form (``format`` names the version)::
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import json
 import os
 from collections.abc import Sequence
 from typing import Any
 
-from k3_tail.config import TailConfig
+from k3_tail.config import ALL_REDUCE_QUANTIZATIONS, TailConfig
 from k3_tail.tiers.columns import WEIGHT_LAYOUTS
 from k3_tail.tiers.registry import Tier
+from k3_tail.tiers.up_projection import FP8_FORMATS
 
 FORMAT = "k3_tail.selection_table/1"
+# The largest table file load reads (checked before parsing) and the most ranges a table holds.
+MAX_FILE_BYTES = 2**20
+MAX_RANGES = 4096
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +76,9 @@ class TokenRange:
 class SelectionTable:
     """Which tier to use for which token count, measured on ``device_kind`` at ``tp_size`` ranks.
 
-    Frozen and hashable, so a :class:`TailConfig` holding one stays a valid static jit argument.
+    Frozen and hashable, so a :class:`TailConfig` holding one stays a valid static jit argument; the
+    hash is computed once, at construction (equal tables hash alike). Every field is checked here
+    (module docstring), ValueError naming it.
     """
 
     device_kind: str
@@ -78,11 +96,84 @@ class SelectionTable:
     quantized_all_reduce_min_bytes: int | None = None
 
     def __post_init__(self):
+        self._check_fields()
+        if isinstance(self.ranges, list):
+            object.__setattr__(self, "ranges", tuple(self.ranges))
         _check_ranges(self.ranges, self.weight_layout)
+        self._cache()
+
+    def _check_fields(self) -> None:
+        for name in ("device_kind", "weight_layout", "dtype", "source"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"selection_table.{name}: expected a string, got {getattr(self, name)!r}")
+        if not self.device_kind:
+            raise ValueError("selection_table.device_kind: expected a device kind (jax.Device.device_kind), got ''")
+        if self.weight_layout not in WEIGHT_LAYOUTS:
+            raise ValueError(f"selection_table.weight_layout: expected one of {WEIGHT_LAYOUTS}, "
+                             f"got {self.weight_layout!r}")
+        for name in ("tp_size", "hidden_size", "latent_size"):
+            _check_int(name, getattr(self, name), minimum=1)
+        for name in ("fp8_activations", "shared_output_is_reduced"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"selection_table.{name}: expected a bool, got {getattr(self, name)!r}")
+        if self.up_proj_dtype is not None and self.up_proj_dtype not in FP8_FORMATS:
+            # The kernel in the activations' dtype is written null: TailConfig reads that dtype as None too.
+            raise ValueError(f"selection_table.up_proj_dtype: expected null or one of {FP8_FORMATS}, "
+                             f"got {self.up_proj_dtype!r}")
+        if not isinstance(self.all_reduce_quantization, (str, type(None))) or (
+                self.all_reduce_quantization not in ALL_REDUCE_QUANTIZATIONS):
+            names = ", ".join("null" if name is None else repr(name) for name in ALL_REDUCE_QUANTIZATIONS)
+            raise ValueError(f"selection_table.all_reduce_quantization: expected one of {names}, "
+                             f"got {self.all_reduce_quantization!r}")
+        if self.quantized_all_reduce_min_bytes is not None:
+            _check_int("quantized_all_reduce_min_bytes", self.quantized_all_reduce_min_bytes, minimum=0)
+        # The rest as TailConfig itself takes it: the dtype's name, FP8 activations only with FP8 weights.
+        try:
+            config = TailConfig(
+                hidden_size=self.hidden_size, latent_size=self.latent_size, dtype=self.dtype,
+                up_proj_dtype=self.up_proj_dtype, fp8_activations=self.fp8_activations,
+                shared_output_is_reduced=self.shared_output_is_reduced,
+                all_reduce_quantization=self.all_reduce_quantization,
+            )
+        except ValueError as error:  # TailConfig's message starts with the field's name
+            raise ValueError(f"selection_table.{error}") from None
+        if config.dtype.name != self.dtype:
+            raise ValueError(f"selection_table.dtype: expected TailConfig's name {config.dtype.name!r} for it, "
+                             f"got {self.dtype!r}")
+
+    def _cache(self) -> None:
+        """What range_for and hash use, computed once (not fields: equality, repr and pickles skip them)."""
+        object.__setattr__(self, "_firsts", tuple(token_range.first for token_range in self.ranges))
+        object.__setattr__(self, "_hash", hash(self._values()))
+
+    def _values(self) -> tuple:
+        return tuple(getattr(self, field.name) for field in dataclasses.fields(self))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        return self._hash == other._hash and self._values() == other._values()
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Only the fields: a hash computed in one process (its string hash seed) must not travel to another.
+        return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        for name, value in state.items():
+            object.__setattr__(self, name, value)
+        self._cache()
 
     def range_for(self, num_tokens: int) -> TokenRange:
-        """The range that holds ``num_tokens`` (>= 1)."""
-        return next(r for r in self.ranges if num_tokens in r)
+        """The range that holds ``num_tokens`` (>= 1): a bisection over the ranges' first token counts."""
+        index = bisect.bisect_right(self._firsts, num_tokens) - 1
+        if index < 0:
+            raise ValueError(f"num_tokens: expected an integer >= 1, got {num_tokens!r}")
+        return self.ranges[index]
 
     def check_matches(
         self, config: TailConfig, tp_size: int, *, weight_layout: str | None = None, device_kind: str | None = None
@@ -118,69 +209,75 @@ class SelectionTable:
         }
 
     def save(self, path: str | os.PathLike) -> None:
-        """Write the table as JSON to ``path``."""
+        """Write the table as JSON to ``path`` (ValueError, writing nothing, when the JSON would be more
+        than ``MAX_FILE_BYTES``: a long ``source`` can make it so)."""
+        text = json.dumps(self.to_dict(), indent=2) + "\n"
+        if len(text.encode()) > MAX_FILE_BYTES:
+            raise ValueError(f"selection_table: its JSON would be {len(text.encode())} bytes, more than the "
+                             f"{MAX_FILE_BYTES}-byte limit that load reads; shorten source")
         with open(path, "w") as file:
-            json.dump(self.to_dict(), file, indent=2)
-            file.write("\n")
+            file.write(text)
 
     @classmethod
     def from_dict(cls, data: Any) -> SelectionTable:
-        """A table from its JSON data; ValueError naming the field for anything malformed."""
+        """A table from its JSON data; ValueError naming the field for anything malformed, an unknown key
+        or (in data parsed by :meth:`load`) a key given twice."""
         if not isinstance(data, dict):
             raise ValueError(f"selection_table: expected a JSON object, got {type(data).__name__}")
         if data.get("format") != FORMAT:
             raise ValueError(f"selection_table.format: expected {FORMAT!r}, got {data.get('format')!r}")
-        fields = {
-            "device_kind": str, "tp_size": int, "weight_layout": str, "hidden_size": int, "latent_size": int,
-            "dtype": str, "source": str,
-        }
-        values = {}
-        for name, kind in fields.items():
-            value = data.get(name)
-            if not isinstance(value, kind) or isinstance(value, bool):
-                raise ValueError(f"selection_table.{name}: expected a {kind.__name__}, got {value!r}")
-            values[name] = value
-        for name in ("tp_size", "hidden_size", "latent_size"):
-            if values[name] < 1:
-                raise ValueError(f"selection_table.{name}: expected an integer >= 1, got {values[name]!r}")
-        # Tables written before FP8 weights existed have neither key: they were measured with the kernel in dtype.
-        values["up_proj_dtype"] = data.get("up_proj_dtype")
-        if not isinstance(values["up_proj_dtype"], (str, type(None))):
-            raise ValueError(f"selection_table.up_proj_dtype: expected a dtype name or null, "
-                             f"got {values['up_proj_dtype']!r}")
-        # Likewise tables written before a reduced shared output existed were measured with the partials.
-        for name in ("fp8_activations", "shared_output_is_reduced"):
-            values[name] = data.get(name, False)
-            if not isinstance(values[name], bool):
-                raise ValueError(f"selection_table.{name}: expected a bool, got {values[name]!r}")
-        # And tables written before quantised sums existed were measured with sums in the dtype.
-        for name, kind in (("all_reduce_quantization", str), ("quantized_all_reduce_min_bytes", int)):
-            values[name] = data.get(name)
-            if not isinstance(values[name], (kind, type(None))) or isinstance(values[name], bool):
-                raise ValueError(f"selection_table.{name}: expected a {kind.__name__} or null, got {values[name]!r}")
-        raw_ranges = data.get("ranges")
+        _check_keys("selection_table", data, _TABLE_KEYS)
+        for name in _REQUIRED_KEYS:
+            if name not in data:
+                raise ValueError(f"selection_table.{name}: missing")
+        # Tables written before FP8 weights, a reduced shared output or quantised sums existed lack those
+        # keys: they were measured with the kernel in dtype, the shared partials, and sums in dtype.
+        values = {**_OPTIONAL_KEYS, **{name: value for name, value in data.items() if name not in ("format", "ranges")}}
+        raw_ranges = data["ranges"]
         if not isinstance(raw_ranges, list) or not raw_ranges:
             raise ValueError(f"selection_table.ranges: expected a non-empty list, got {raw_ranges!r}")
+        if len(raw_ranges) > MAX_RANGES:
+            raise ValueError(f"selection_table.ranges: expected at most {MAX_RANGES} ranges, got {len(raw_ranges)}")
         ranges = []
         for index, item in enumerate(raw_ranges):
-            if not isinstance(item, dict) or set(item) != {"first", "last", "tier"}:
-                raise ValueError(f"selection_table.ranges[{index}]: expected {{first, last, tier}}, got {item!r}")
-            first, last = item["first"], item["last"]
-            if not _is_int(first) or not (last is None or _is_int(last)):
-                raise ValueError(f"selection_table.ranges[{index}]: first/last must be integers (last may be null)")
-            tier = Tier.parse(item["tier"], argument=f"selection_table.ranges[{index}]")
-            ranges.append(TokenRange(first, last, tier))
+            where = f"selection_table.ranges[{index}]"
+            if not isinstance(item, dict):
+                raise ValueError(f"{where}: expected {{first, last, tier}}, got {item!r}")
+            _check_keys(where, item, _RANGE_KEYS)
+            missing = [name for name in _RANGE_KEYS if name not in item]
+            if missing:
+                raise ValueError(f"{where}.{missing[0]}: missing")
+            if not isinstance(item["tier"], str):
+                raise ValueError(f"{where}.tier: expected a tier name, got {item['tier']!r}")
+            tier = Tier.parse(item["tier"], argument=f"{where}.tier")
+            ranges.append(TokenRange(item["first"], item["last"], tier))
         return cls(ranges=tuple(ranges), **values)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> SelectionTable:
-        """Read a table written by :meth:`save` (``python -m k3_tail calibrate``)."""
+        """Read a table written by :meth:`save` (``python -m k3_tail calibrate``); ValueError naming the
+        field and ``path`` for anything :meth:`from_dict` refuses, a key given twice in one JSON object,
+        or a file of more than ``MAX_FILE_BYTES`` (refused before it is parsed)."""
+        name = os.fspath(path)
         try:
-            with open(path) as file:
-                data = json.load(file)
-        except (OSError, json.JSONDecodeError) as error:
-            raise ValueError(f"selection_table: cannot read {os.fspath(path)!r}: {error}") from None
-        return cls.from_dict(data)
+            size = os.stat(path).st_size
+            if size <= MAX_FILE_BYTES:
+                with open(path, "rb") as file:
+                    raw = file.read(MAX_FILE_BYTES + 1)  # a file that grew, or no regular file: no further
+                size = max(size, len(raw))
+        except OSError as error:
+            raise ValueError(f"selection_table: cannot read {name!r}: {error}") from None
+        if size > MAX_FILE_BYTES:
+            raise ValueError(f"selection_table: {name!r} holds more than the {MAX_FILE_BYTES}-byte limit of a table "
+                             f"file ({size} bytes or more); not read")
+        try:
+            data = json.loads(raw, object_pairs_hook=_JSONObject.from_pairs)
+        except (ValueError, RecursionError) as error:  # not UTF-8, not JSON, an integer of too many digits
+            raise ValueError(f"selection_table: cannot read {name!r}: {error}") from None
+        try:
+            return cls.from_dict(data)
+        except ValueError as error:
+            raise ValueError(f"{error} (in {name!r})") from None
 
 
 def table_from_measurements(
@@ -224,15 +321,58 @@ def table_from_measurements(
 # check_matches arguments that None leaves unchecked; every other field's None is a value to compare.
 _UNCHECKED_WHEN_NONE = frozenset({"weight_layout", "device_kind"})
 
+# The JSON keys: "format", every field, and of a range its three.
+_TABLE_KEYS = ("format", *(field.name for field in dataclasses.fields(SelectionTable)))
+_OPTIONAL_KEYS = {field.name: field.default for field in dataclasses.fields(SelectionTable)
+                  if field.default is not dataclasses.MISSING and field.name != "source"}
+_REQUIRED_KEYS = tuple(name for name in _TABLE_KEYS if name not in _OPTIONAL_KEYS)
+_RANGE_KEYS = ("first", "last", "tier")
+
+
+class _JSONObject(dict):
+    """A JSON object as :meth:`SelectionTable.load` parses it, remembering the keys given more than once
+    (json keeps the last value of each; a table refuses them instead)."""
+
+    duplicates: tuple[str, ...] = ()
+
+    @classmethod
+    def from_pairs(cls, pairs: list[tuple[str, Any]]) -> _JSONObject:
+        """json's ``object_pairs_hook``."""
+        result = cls(pairs)
+        if len(result) != len(pairs):
+            seen: set[str] = set()
+            result.duplicates = tuple(dict.fromkeys(key for key, _ in pairs if key in seen or seen.add(key)))
+        return result
+
+
+def _check_keys(where: str, data: dict, known: Sequence[str]) -> None:
+    """ValueError naming the first key of ``data`` given twice (a :class:`_JSONObject`'s) or not in ``known``."""
+    for key in getattr(data, "duplicates", ()):
+        raise ValueError(f"{where}.{key}: duplicate key (one JSON object gives it more than once)")
+    for key in data:
+        if key not in known:
+            raise ValueError(f"{where}.{key}: unknown key; expected keys among {', '.join(known)}")
+
 
 def _up_proj_dtype_name(config: TailConfig) -> str | None:
     return None if config.up_proj_dtype is None else config.up_proj_dtype.name
 
 
 def _check_ranges(ranges: tuple[TokenRange, ...], weight_layout: str) -> None:
-    """Ranges must start at 1, follow each other without gap or overlap and end open."""
-    if weight_layout not in WEIGHT_LAYOUTS:
-        raise ValueError(f"selection_table.weight_layout: expected one of {WEIGHT_LAYOUTS}, got {weight_layout!r}")
+    """At most MAX_RANGES TokenRanges of integer bounds and a Tier, which start at 1, follow each other
+    without gap or overlap, end open and run with ``weight_layout``."""
+    if not isinstance(ranges, tuple):
+        raise ValueError(f"selection_table.ranges: expected a tuple of TokenRange, got {type(ranges).__name__}")
+    if len(ranges) > MAX_RANGES:
+        raise ValueError(f"selection_table.ranges: expected at most {MAX_RANGES} ranges, got {len(ranges)}")
+    for index, token_range in enumerate(ranges):
+        if not isinstance(token_range, TokenRange):
+            raise ValueError(f"selection_table.ranges[{index}]: expected a TokenRange, got {token_range!r}")
+        _check_int(f"ranges[{index}].first", token_range.first, minimum=1)
+        if token_range.last is not None:
+            _check_int(f"ranges[{index}].last", token_range.last, minimum=1, none="null or ")
+        if not isinstance(token_range.tier, Tier):
+            raise ValueError(f"selection_table.ranges[{index}].tier: expected a k3_tail.Tier, got {token_range.tier!r}")
     if not ranges or ranges[0].first != 1:
         raise ValueError("selection_table.ranges: expected ranges starting at T = 1")
     for index, token_range in enumerate(ranges):
@@ -250,5 +390,7 @@ def _check_ranges(ranges: tuple[TokenRange, ...], weight_layout: str) -> None:
             )
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+def _check_int(name: str, value: Any, *, minimum: int, none: str = "") -> None:
+    """ValueError naming ``selection_table.<name>`` unless ``value`` is an int (no bool) >= ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"selection_table.{name}: expected {none}an integer >= {minimum}, got {value!r}")

@@ -12,15 +12,25 @@ value lands exactly on -2^(b-1), the one level without a positive twin, and only
 be clamped (to 2^(b-1) - 1). The codec computes in float32 (QuickReduce in fp16 or bf16 arithmetic)
 and stores the scale as bfloat16, QuickReduce's scale type for bf16 data: unlike fp16 (its type after
 its bf16-to-fp16 cast) it has float32's range, so no finite block overflows its scale or rounds it
-to zero before float32 does; an all-zero block has scale 0 and decodes to zeros.
+to zero before float32 does; an all-zero block has scale -0 and decodes to zeros.
+
+Non-finite values travel as NaN, at their own elements only (QuickReduce has no rule for them; a
+scale taken over a NaN would spread it over the block, or, where a reduction drops NaN as XLA:CPU's
+max can, hide it). A block holding a NaN or an infinity is marked by a scale with its sign bit clear,
++m / (2^(b-1) - 1) with m the largest finite magnitude: its finite values are coded with the
+symmetric levels [-(2^(b-1) - 1), 2^(b-1) - 1], and the spare level -2^(b-1) marks each non-finite
+element, which decodes to NaN. An infinity therefore arrives as NaN (a sum it enters is non-finite
+there either way); every other element of the block decodes as usual, within the same bound.
 
 Error per value (what the tests hold the codec to): |x - x'| <= |scale| / 2 where no clamp applies,
-and at most ``max_error(m)`` = m / 2^(b-1) * (1 + 2^-8) * (1 + 2^(b-9) / (1 - 2^-8)) for any value
-of a block with maximum m: the bf16 scale is within 2^-8 of m / 2^(b-1), so -m can exceed the
-highest level by up to 2^(b-1) * 2^-8 steps, clamped (1.5 steps at INT8, 1.03 at INT4). Decoded
-values are clamped to float32's range, where a scale rounded up would take the largest past it. A
-block whose scale would be subnormal (m < 2^(b-1) * 1.2e-38) may decode to zeros: XLA flushes
-subnormals on CPU and GPU, so there the error is up to m itself.
+and at most ``max_error(m)`` = m / 2^(b-1) * (1 + 2^-8) * (1 + 2^(b-9) / (1 - 2^-8)) for any finite
+value of a block whose largest finite magnitude is m: the bf16 scale is within 2^-8 of m / 2^(b-1),
+so -m can exceed the highest level by up to 2^(b-1) * 2^-8 steps, clamped (1.5 steps at INT8, 1.03
+at INT4); a marked block's step is 2^(b-1) / (2^(b-1) - 1) times longer and it clamps by at most
+2^(b-9) of a step, which stays within the same bound. Decoded values are clamped to float32's range,
+where a scale rounded up would take the largest past it. A block whose scale would be subnormal
+(m < 2^(b-1) * 1.2e-38) may decode to zeros: XLA flushes subnormals on CPU and GPU, so there the
+error is up to m itself.
 
 Wire format of one block: the values in offset binary (q + 2^(b-1)), ``group`` of them little-endian
 in ``group * b / 8`` bytes (INT8 1 value per byte, INT6 4 values in 3 bytes, INT4 2 values per
@@ -38,6 +48,7 @@ from jax import lax
 
 BLOCK = 32
 _SCALE_BYTES = 2  # bfloat16
+_SIGN_BIT = 0x8000  # of the bfloat16 scale: clear in a block that holds a non-finite value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,11 +95,19 @@ class Codec:
 
     def encode(self, blocks: jax.Array) -> jax.Array:
         """``blocks`` [..., BLOCK] (float32) as uint8 [..., block_bytes]: packed values, then the scale."""
-        magnitude = jnp.max(jnp.abs(blocks), axis=-1, keepdims=True)
-        scale = (magnitude * (1.0 / self.lowest)).astype(jnp.bfloat16)
-        wide = scale.astype(jnp.float32)
-        inverse = jnp.where(wide == 0, 0.0, 1.0 / jnp.where(wide == 0, 1.0, wide))
-        levels = jnp.clip(jnp.round(blocks * inverse), self.lowest, self.highest)
+        finite = jnp.isfinite(blocks)
+        marked = ~jnp.all(finite, axis=-1, keepdims=True)  # the block holds a NaN or an infinity
+        magnitude = jnp.max(jnp.where(finite, jnp.abs(blocks), 0.0), axis=-1, keepdims=True)
+        steps = jnp.where(marked, float(self.highest), float(-self.lowest))
+        # |scale| in bfloat16, its sign bit set for an ordinary block (-m / 2^(b-1), -0 when all zero)
+        # and clear for a marked one: set from the bits, so no rounding or flushing can change the mark.
+        size_bits = lax.bitcast_convert_type((magnitude / steps).astype(jnp.bfloat16), jnp.uint16)
+        scale_bits = jnp.where(marked, size_bits, size_bits | _SIGN_BIT)
+        scale = lax.bitcast_convert_type(scale_bits, jnp.bfloat16).astype(jnp.float32)
+        inverse = jnp.where(scale == 0, 0.0, 1.0 / jnp.where(scale == 0, 1.0, scale))
+        lowest = jnp.where(marked, self.lowest + 1, self.lowest)
+        levels = jnp.clip(jnp.round(jnp.where(finite, blocks, 0.0) * inverse), lowest, self.highest)
+        levels = jnp.where(finite, levels, self.lowest)  # the spare level of a marked block: NaN
         offset = (levels - self.lowest).astype(jnp.uint32)
         grouped = offset.reshape(*offset.shape[:-1], BLOCK // self.group, self.group)
         # The group's values side by side in one little-endian word (disjoint bits: their sum is their OR),
@@ -96,20 +115,24 @@ class Codec:
         words = jnp.sum(grouped << self._shifts, axis=-1, dtype=jnp.uint32)
         packed = lax.bitcast_convert_type(words, jnp.uint8)[..., : self._group_bytes]
         values = packed.reshape(*offset.shape[:-1], BLOCK * self.bits // 8)
-        return jnp.concatenate([values, lax.bitcast_convert_type(scale[..., 0], jnp.uint8)], axis=-1)
+        return jnp.concatenate([values, lax.bitcast_convert_type(scale_bits[..., 0], jnp.uint8)], axis=-1)
 
     def decode(self, encoded: jax.Array) -> jax.Array:
-        """``encoded`` uint8 [..., block_bytes] back to float32 values [..., BLOCK]."""
+        """``encoded`` uint8 [..., block_bytes] back to float32 values [..., BLOCK] (NaN where a marked
+        block holds its spare level: a non-finite value went in there)."""
         leading = encoded.shape[:-1]
         value_bytes = BLOCK * self.bits // 8
-        scale = lax.bitcast_convert_type(encoded[..., value_bytes:], jnp.bfloat16).astype(jnp.float32)
+        scale_bits = lax.bitcast_convert_type(encoded[..., value_bytes:], jnp.uint16)
+        marked = (scale_bits & _SIGN_BIT) == 0
+        scale = lax.bitcast_convert_type(scale_bits, jnp.bfloat16).astype(jnp.float32)
         packed = encoded[..., :value_bytes].reshape(*leading, BLOCK // self.group, self._group_bytes)
         padding = [(0, 0)] * len(leading) + [(0, 0), (0, 4 - self._group_bytes)]
         words = lax.bitcast_convert_type(jnp.pad(packed, padding), jnp.uint32)
         offset = (words[..., None] >> self._shifts) & ((1 << self.bits) - 1)
         levels = offset.reshape(*leading, BLOCK).astype(jnp.int32) + self.lowest
         limit = float(jnp.finfo(jnp.float32).max)
-        return jnp.clip(levels.astype(jnp.float32) * scale[..., None], -limit, limit)
+        values = jnp.clip(levels.astype(jnp.float32) * scale[..., None], -limit, limit)
+        return jnp.where(marked[..., None] & (levels == self.lowest), jnp.nan, values)
 
     @property
     def _group_bytes(self) -> int:

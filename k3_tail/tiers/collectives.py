@@ -24,7 +24,10 @@ gathers all chunks (one all-gather) and decodes them. Both collectives move uint
 B bytes, against 2(p-1)/p * B unquantised, for two collective latencies instead of one and three
 memory-bound codec passes. Every rank decodes the same gathered bytes, so the result is identical on
 every rank. A sum that only scatters (a reduce-scatter) sends the first shot alone: its owner's
-float32 chunk sum, rounded once to the dtype, is the result. The decision is per buffer, at trace
+float32 chunk sum, rounded once to the dtype, is the result. A NaN or an infinity in any rank's
+buffer arrives as NaN at its own elements of the sum, and nowhere else (:mod:`k3_tail.tiers.codecs`):
+non-finite exactly where the unquantised sum is, but for an infinity, which arrives as NaN, and the
+rare finite sum that a codec step takes past the dtype's range. The decision is per buffer, at trace
 time, like the form above; p = 1 sends nothing and quantises nothing. QuickReduce itself runs on 2,
 4 or 8 ranks; this form runs on any p.
 """
@@ -180,7 +183,8 @@ def _quantized_sum(x: jax.Array, codec: Codec, *, axis_name: AxisName, scatter_d
     blocks = jnp.pad(chunks.astype(jnp.float32), [(0, 0), (0, -width % BLOCK)]).reshape(tp_size, -1, BLOCK)
     with jax.named_scope(quantized_scope(codec)):
         received = lax.all_to_all(codec.encode(blocks), axis_name, 0, 0, tiled=True)
-    # Clipped to float32's range: a sum that overflows stays finite, so its scale does too (no NaN).
+    # Clipped to float32's range: a finite sum that overflows stays finite through the second shot and
+    # rounds to the dtype's infinity at the end, as the unquantised sum's; a NaN stays NaN (the clip keeps it).
     limit = float(jnp.finfo(jnp.float32).max)
     own = jnp.clip(jnp.sum(codec.decode(received), axis=0), -limit, limit)
     if scatter_dimension is not None:

@@ -1,40 +1,133 @@
-"""The latent RMSNorm and the all-reduce + RMSNorm helper that every tier starts with."""
+"""The latent RMSNorm and the all-reduce + RMSNorm helper that every tier starts with.
+
+Functions take a k3_tail.TailConfig as ``config`` (typed Any: the config module imports this one, for
+the range of eps and scale that :func:`norm_is_computable` allows).
+"""
 
 from __future__ import annotations
+
+import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from k3_tail._checks import AxisName
-from k3_tail.config import TailConfig
 from k3_tail.tiers.collectives import all_reduce
 from k3_tail.tiers.scopes import LATENT_REDUCTION
 
 
 def rms_norm(x: jax.Array, weight: jax.Array | None, *, eps: float, scale: float = 1.0) -> jax.Array:
-    """``RMSNorm_weight(scale * x)`` over the last axis, in float32; returns float32.
+    """``RMSNorm_weight(scale * x)`` over the last axis, in float32; returns float32, for any finite x.
 
     x: [..., L] any float dtype; weight: [L] or None (no norm: only the scale is applied).
-    ``scale`` multiplies x before the norm (routed_scaling_factor), so with a norm it
-    only matters through eps.
+    ``scale`` multiplies x before the norm (routed_scaling_factor), so with a norm it only matters
+    through eps; it never multiplies x here (scale x may overflow float32 where x does not).
+
+    The plain formula's mean of squares overflows float32 from |x| of about 3e17 at L = 3584 (well
+    inside bfloat16's range), and rsqrt then gives 0. Here each row is divided by its largest magnitude
+    first, as a softmax subtracts its maximum:
+
+        s = clip(max |x|, floor, 2^126),   v = x / s,   RMSNorm = sign(scale) * v * rsqrt(mean(v^2) + eps') * weight
+
+    with floor = :func:`_row_scale_floor` (a power of two about 2^12 sqrt(L eps) / |scale|) and
+    eps' = eps / (scale floor)^2 (about 2^-24 / L). A row below the floor is divided by the floor, which
+    is exact (eps' is its eps / (scale s)^2); a row above it has mean(v^2) >= 1/L, against which
+    eps' <= 2^-24 / L, and its own eps / (scale s)^2 is smaller still: both lie below float32's
+    resolution of the sum. The cap keeps 1/s a normal float32, since XLA divides by multiplying with
+    the reciprocal. Normalised values below about 2^-114 sqrt(L) (3e-33 at L = 3584) flush to zero.
+    s and each reduction's result have one use, so that XLA's GPU backend fuses the two reductions
+    (max, then the sum of squares) with the division and the products into one kernel, as it does a
+    softmax's: the latent is read once, as by the plain formula (docs/design.md, "Extreme values").
+    NaN and infinity propagate as in the plain formula: a NaN makes its row NaN, an infinity NaN at its
+    element and zeros beside it.
     """
-    x = x.astype(jnp.float32) * scale
+    x = x.astype(jnp.float32)
     if weight is None:
-        return x
-    return x * inverse_rms(x, eps=eps) * weight.astype(jnp.float32)
+        return x * scale
+    if scale == 0:
+        return x * 0.0  # keeps NaN and turns infinity into NaN, as 0 * x does
+    floor = _row_scale_floor(eps, scale, x.shape[-1])
+    # Capped at 2^126 too: XLA divides by multiplying with the reciprocal, which float32 must hold.
+    row_scale = jnp.clip(jnp.max(jnp.abs(x), axis=-1, keepdims=True), floor, _LARGEST_ROW_SCALE)
+    normalised = x / row_scale
+    inverse = lax.rsqrt(jnp.mean(jnp.square(normalised), axis=-1, keepdims=True) + eps / (scale * floor) ** 2)
+    sign = 1.0 if scale > 0 else -1.0
+    return normalised * (sign * inverse) * weight.astype(jnp.float32)
 
 
-def inverse_rms(x: jax.Array, *, eps: float) -> jax.Array:
-    """``1 / sqrt(mean(x^2) + eps)`` over the last axis of float32 ``x`` [..., L]: [..., 1]."""
-    return lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+def inverse_rms(x: jax.Array, *, eps: float, scale: float = 1.0) -> jax.Array:
+    """``scale / sqrt(mean((scale * x)^2) + eps)`` over the last axis of float32 ``x`` [..., L]: [..., 1],
+    the row factor that one_shot applies to its projected rows, for any finite x.
+
+    One pass over x gives each row's largest magnitude m and the sum q of (x / m)^2 together (a
+    variadic reduction that rescales its partial sums to the larger maximum as it combines them, as
+    BLAS's nrm2 does), and then, with r = sqrt(eps) / |scale| (``scale`` never multiplies x),
+
+        m >= r:  sign(scale) / m * rsqrt(q / L + (r / m)^2)      m < r:  sign(scale) / r * rsqrt(1 + (m / r)^2 q / L).
+
+    Nothing overflows; the factor itself is below float32's normal range only for rows whose RMS
+    (times ``scale``) exceeds 2^126, where one_shot's projected rows, (x g) @ W, near float32's largest
+    value themselves. NaN or infinity in a row make its factor NaN.
+    """
+    if scale == 0:
+        return jnp.zeros(x.shape[:-1] + (1,), jnp.float32) * jnp.sum(x, axis=-1, keepdims=True)  # NaN stays
+    magnitude, scaled_squares = _max_and_scaled_sum_of_squares(x)
+    mean = scaled_squares[..., None] / x.shape[-1]
+    magnitude = magnitude[..., None]
+    root_eps = math.sqrt(eps) / abs(scale)
+    large = magnitude >= root_eps
+    ratio = jnp.where(large, root_eps / jnp.where(large, magnitude, 1.0), magnitude / root_eps)
+    inner = jnp.where(large, mean + jnp.square(ratio), 1.0 + jnp.square(ratio) * mean)
+    first = jnp.where(large, 1.0 / jnp.where(large, magnitude, 1.0), 1.0 / root_eps)
+    sign = 1.0 if scale > 0 else -1.0
+    return (sign * first) * lax.rsqrt(inner)
+
+
+def _max_and_scaled_sum_of_squares(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(m, q) over the last axis of float32 ``x``: m = max |x|, q = sum (x / m)^2 (0 for a zero row), in
+    one pass (NaN propagates into both)."""
+    magnitude = jnp.abs(x)
+
+    def combine(left, right):
+        (m_left, q_left), (m_right, q_right) = left, right
+        m = jnp.maximum(m_left, m_right)
+        divisor = jnp.where(m > 0, m, 1.0)
+        return m, q_left * jnp.square(m_left / divisor) + q_right * jnp.square(m_right / divisor)
+
+    ones = jnp.where(magnitude > 0, 1.0, 0.0)
+    return lax.reduce((magnitude, ones), (jnp.float32(0), jnp.float32(0)), combine, (x.ndim - 1,))
+
+
+_LARGEST_ROW_SCALE = 2.0**126
+_SMALLEST_NORMAL = 2.0**-126
+
+
+def norm_is_computable(eps: float, scale: float, width: int) -> bool:
+    """Whether float32 computes the norm of rows of ``width`` values with ``eps`` and a nonzero ``scale``:
+    sqrt(eps) / |scale| a normal float32 (:func:`inverse_rms`) and a row scale floor (:func:`rms_norm`)
+    within float32's normal range. eps / scale^2 from 2^-252 to about 2^228 / width."""
+    root_eps = math.sqrt(eps) / abs(scale)
+    return _SMALLEST_NORMAL <= root_eps <= 2.0**127 and _row_scale_floor(eps, scale, width) is not None
+
+
+def _row_scale_floor(eps: float, scale: float, width: int) -> float | None:
+    """:func:`rms_norm`'s floor of the row scale: the power of two at or above 2^12 sqrt(width eps) /
+    |scale|, at least float32's smallest normal; None above 2^126, or where eps / (scale floor)^2 would
+    be below float32's smallest normal."""
+    relative_eps = eps / (scale * scale)
+    exponent = max(math.ceil(0.5 * math.log2(width * relative_eps)) + 12, -126)
+    if exponent > 126 or relative_eps * 4.0**-exponent < _SMALLEST_NORMAL:
+        return None
+    return 2.0**exponent
 
 
 def allreduce_norm_latent_out(
     routed_partial: jax.Array,
     norm_weight: jax.Array | None,
     *,
-    config: TailConfig,
+    config: Any,
     axis_name: AxisName,
     platform: str | None = None,
 ) -> jax.Array:

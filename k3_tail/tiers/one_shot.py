@@ -1,10 +1,12 @@
 """The one-collective tier: the norm is a per-row scale, so it can be applied after the GEMM.
 
-    y = sum_i s_i + rsqrt(mean(x^2) + eps) * sum_i ((c * r_i * g) @ W),   x = c * sum_i r_i
+    y = sum_i s_i + c * rsqrt(mean((c x)^2) + eps) * sum_i ((r_i * g) @ W),   x = sum_i r_i
 
 Each rank projects its own routed partial, and ONE all-reduce of
-the packed [(c r_i g) @ W | s_i | c r_i] buffer replaces the two serial collectives of the other
-tiers; the per-row RMS factor is computed from the reduced x and applied afterwards. Not in vLLM.
+the packed [(r_i g) @ W | s_i | r_i] buffer replaces the two serial collectives of the other
+tiers; the per-row RMS factor is computed from the reduced x and applied afterwards
+(:func:`k3_tail.tiers.norm.inverse_rms`, which takes c as its scale: c x may overflow float32
+where x does not). Without a norm the partials are scaled, (c r_i) @ W, and x is not sent. Not in vLLM.
 """
 
 from __future__ import annotations
@@ -50,8 +52,12 @@ def one_shot_tail(
     and it is added after the collective.
     """
     RECORD.check_runs(weight_layout, config)
-    scaled = config.routed_scaling_factor * routed_partial.astype(jnp.float32)
-    weighted = scaled * norm_weight.astype(jnp.float32) if config.use_latent_norm else scaled
+    routed = routed_partial.astype(jnp.float32)
+    # With the norm, c enters through the row factor (inverse_rms); without it, through the partials.
+    if config.use_latent_norm:
+        weighted = routed * norm_weight.astype(jnp.float32)
+    else:
+        weighted = config.routed_scaling_factor * routed
     projected = project(weighted.astype(config.dtype), up_proj_kernel, fp8_activations=config.fp8_activations)
     hidden = config.hidden_size
     sums_shared = shared_partial is not None and not config.shared_output_is_reduced
@@ -59,13 +65,13 @@ def one_shot_tail(
     if sums_shared:
         parts.append(shared_partial)
     if config.use_latent_norm:
-        parts.append(scaled.astype(config.dtype))
+        parts.append(routed_partial)
     packed = reduce_output(jnp.concatenate(parts, axis=1), axis_name=axis_name, config=config, platform=platform,
                            scope=PACKED_REDUCTION).astype(jnp.float32)
     y = packed[:, :hidden]
     if config.use_latent_norm:
-        latent = packed[:, -config.latent_size:]
-        y = y * inverse_rms(latent, eps=config.rms_norm_eps)
+        y = y * inverse_rms(packed[:, -config.latent_size:], eps=config.rms_norm_eps,
+                            scale=config.routed_scaling_factor)
     if sums_shared:
         y = y + packed[:, hidden:2 * hidden]
     elif shared_partial is not None:  # the reduced shared output, in this rank's form
@@ -83,7 +89,7 @@ RECORD = TierRecord(
     name="one_shot",
     function=one_shot_tail,
     summary="not in vLLM: the norm applied after the GEMM as a row scale, so one all-reduce replaces two",
-    schedule="own (c r g) projected; ONE AR of the packed [(c r g) @ W | s | c r]; row RMS factor applied after",
+    schedule="own (r g) projected; ONE AR of the packed [(r g) @ W | s | r]; row RMS factor (with c) applied after",
     collectives_text="AR(T(2H+L)): one collective instead of two serial ones",
     projects_all_columns=True,
     token_sharded_form="the packed all-reduce becomes a reduce-scatter over tokens",

@@ -35,7 +35,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from k3_tail._checks import expect_array
+from k3_tail._checks import describe, expect_array
 from k3_tail.tiers.scopes import UP_PROJECTION
 
 FP8_FORMATS = ("float8_e4m3fn", "float8_e4m3fnuz")
@@ -95,11 +95,9 @@ def quantize_up_proj(kernel: Any, dtype: Any) -> QuantizedKernel:
     be inspected, and its column's scale becomes non-finite.
     """
     fp8 = fp8_format(dtype, "dtype")
-    if not hasattr(kernel, "shape") or len(kernel.shape) != 2 or not jnp.issubdtype(kernel.dtype, jnp.floating):
-        got = type(kernel).__name__
-        if hasattr(kernel, "shape"):
-            got = f"shape {tuple(kernel.shape)}, dtype {kernel.dtype}"
-        raise ValueError(f"kernel: expected a 2-d float array [L, H], got {got}")
+    if (not hasattr(kernel, "shape") or not hasattr(kernel, "dtype") or len(kernel.shape) != 2
+            or not jnp.issubdtype(kernel.dtype, jnp.floating) or 0 in kernel.shape):
+        raise ValueError(f"kernel: expected a non-empty 2-d float array [L, H], got {describe(kernel)}")
     if not isinstance(kernel, jax.core.Tracer) and not bool(jnp.all(jnp.isfinite(kernel))):
         raise ValueError("kernel: expected finite values, got NaN or infinity")
     return _quantize_columns(kernel, fp8)
@@ -210,7 +208,7 @@ def check_up_proj_kernel(
     if not isinstance(kernel, QuantizedKernel):
         raise ValueError(
             f"up_proj_kernel: config.up_proj_dtype is {up_proj_dtype.name}, so expected a k3_tail.QuantizedKernel "
-            f"(k3_tail.quantize_up_proj(kernel, {up_proj_dtype.name!r})), got {type(kernel).__name__}"
+            f"(k3_tail.quantize_up_proj(kernel, {up_proj_dtype.name!r})), got {describe(kernel)}"
         )
     expect_array(kernel.values, "up_proj_kernel", shapes, up_proj_dtype, f"values: {sizes}",
                  dtype_field="config.up_proj_dtype")

@@ -1,0 +1,444 @@
+"""The tail's weights from a Hugging Face checkpoint, read so that each device reads only its own block.
+
+A checkpoint in the Hugging Face layout is a set of safetensors files: a directory with
+``model.safetensors.index.json`` (its ``weight_map`` names the shard holding each tensor), a directory
+with one ``model.safetensors``, or one ``.safetensors`` file. Kimi-K3 keeps its text model under
+``language_model.`` (``language_model.model.layers.N....``, beside the vision tower's tensors); other
+models of the family store the same stack unprefixed (``model.layers.N....``). :class:`Checkpoint`
+detects which. A MoE layer's block is ``block_sparse_moe`` (a dense layer's is ``mlp``); the tail's
+two tensors there are
+
+    block_sparse_moe.routed_expert_up_proj.weight   [H, L]  torch's [out, in]: the tail's kernel W [L, H]
+                                                            is its transpose
+    block_sparse_moe.routed_expert_norm.weight      [L]     the RMSNorm scale g (with latent_moe_use_norm)
+
+:func:`load_tail_weights` returns them as arrays placed on a mesh, made with
+``jax.make_array_from_callback``: the callback of each device block reads that block alone. Column
+k of the kernel is row k of the stored tensor, so a column block [L, Hb] is one contiguous run of
+Hb stored rows, and each device maps exactly those bytes of the file; the whole kernel is never in
+one place (on Kimi-K3 at p = 8: 6.4 MB per device instead of 51 MB). With an FP8
+``TailConfig.up_proj_dtype`` each block is quantised as it is read: a column's scale needs that
+column's largest value over its L rows, which its own block holds.
+
+The safetensors format is read here directly (an 8-byte little-endian header length, a JSON header
+giving each tensor's dtype, shape and byte range, then the raw little-endian data) with numpy memory
+maps; bfloat16 and the FP8 formats are jax's numpy dtypes (``ml_dtypes``). No other package is
+needed.
+
+Checks: a layer that is dense, past the last one or absent, a missing tensor, a tensor of another
+shape or dtype than the config says (no silent cast): ValueError naming the layer, the tensor and what
+was expected. A tensor stored quantised (compressed-tensors' ``weight_packed`` / ``weight_scale`` in
+place of ``weight``) is named as such, never guessed at.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from k3_tail._checks import AxisName, check_axis_name, check_mesh
+from k3_tail.config import TailConfig, check_config
+from k3_tail.tiers.columns import check_weight_layout, padded_hidden_size
+from k3_tail.tiers.up_projection import QuantizedKernel, quantize_up_proj
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+# Kimi-K3's multimodal wrapper puts the text model's tensors under this prefix.
+WRAPPER_PREFIX = "language_model."
+LAYERS = "model.layers."
+MOE_BLOCK, DENSE_BLOCK = "block_sparse_moe", "mlp"
+UP_PROJ, NORM = "routed_expert_up_proj.weight", "routed_expert_norm.weight"
+
+# safetensors' dtype names -> numpy dtypes (little-endian, as the format stores them).
+SAFETENSORS_DTYPES = {
+    "BOOL": np.dtype(np.bool_),
+    "U8": np.dtype("<u1"), "I8": np.dtype("<i1"), "U16": np.dtype("<u2"), "I16": np.dtype("<i2"),
+    "U32": np.dtype("<u4"), "I32": np.dtype("<i4"), "U64": np.dtype("<u8"), "I64": np.dtype("<i8"),
+    "F16": np.dtype("<f2"), "F32": np.dtype("<f4"), "F64": np.dtype("<f8"),
+    "BF16": np.dtype(jnp.bfloat16),
+    "F8_E4M3": np.dtype(jnp.float8_e4m3fn), "F8_E5M2": np.dtype(jnp.float8_e5m2),
+}
+_HEADER_LENGTH_BYTES = 8
+# A header larger than this is not a safetensors header (the format's own limit is 100 MB).
+_MAX_HEADER_BYTES = 100_000_000
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorInfo:
+    """Where one stored tensor lies: its name, safetensors dtype name ("BF16"), shape, file and the byte
+    offset of its data in that file."""
+
+    name: str
+    dtype_name: str
+    shape: tuple[int, ...]
+    path: Path
+    offset: int
+
+    @property
+    def dtype(self) -> np.dtype | None:
+        """The numpy dtype of the stored values, or None for a dtype this reader does not know."""
+        return SAFETENSORS_DTYPES.get(self.dtype_name)
+
+    @property
+    def dtype_label(self) -> str:
+        """The dtype as a numpy name ("bfloat16"), or the stored name when numpy has none."""
+        return self.dtype_name if self.dtype is None else self.dtype.name
+
+
+class Checkpoint:
+    """A safetensors checkpoint opened for reading (module docstring): its tensor names, where each lies,
+    and reads of blocks of them. Holds no open file: each read maps the bytes it needs and copies them.
+
+    ``path``: a directory with ``model.safetensors.index.json``, a directory with ``model.safetensors``, or
+    a ``.safetensors`` file. ValueError when it is none of them or an index or header is malformed.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        path = Path(path)
+        self.path = path
+        self._headers: dict[Path, dict[str, TensorInfo]] = {}
+        if path.is_dir() and (path / INDEX_FILE).is_file():
+            self._files = _read_index(path / INDEX_FILE)
+        elif path.is_dir() and (path / SINGLE_FILE).is_file():
+            self._files = dict.fromkeys(self._header(path / SINGLE_FILE), path / SINGLE_FILE)
+        elif path.is_file():
+            self._files = dict.fromkeys(self._header(path), path)
+        else:
+            raise ValueError(f"checkpoint: expected a directory with {INDEX_FILE} or {SINGLE_FILE}, or a "
+                             f".safetensors file, got {str(path)!r}")
+        self.prefix = _text_prefix(self._files)
+        pattern = re.compile(rf"^{re.escape(self.prefix + LAYERS)}(\d+)\.")
+        self._layers: dict[int, list[str]] = {}
+        for name in self._files:
+            match = pattern.match(name)
+            if match:
+                self._layers.setdefault(int(match.group(1)), []).append(name)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Every tensor name in the checkpoint (vision tensors included), in stored order."""
+        return tuple(self._files)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._files
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        """The decoder layers the checkpoint holds tensors for, in order."""
+        return tuple(sorted(self._layers))
+
+    def layer_prefix(self, layer: int) -> str:
+        """The names' prefix of decoder layer ``layer``: "language_model.model.layers.N." or "model.layers.N."."""
+        return f"{self.prefix}{LAYERS}{layer}."
+
+    def moe_layers(self) -> tuple[int, ...]:
+        """The layers whose tensors include a ``block_sparse_moe`` block."""
+        return tuple(layer for layer in self.layers if _has_block(self._layers[layer], self.layer_prefix(layer)))
+
+    def moe_block(self, layer: int) -> str:
+        """The names' prefix of layer ``layer``'s MoE block ("...layers.N.block_sparse_moe."). ValueError
+        naming the layer when it is not an integer >= 0, is past the last layer, has no tensors, or is a
+        dense layer."""
+        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or layer < 0:
+            raise ValueError(f"layer: expected an integer >= 0, got {layer!r}")
+        layer = int(layer)
+        layers = self.layers
+        if layer not in self._layers:
+            if not layers or layer > layers[-1]:
+                last = f"layers 0..{layers[-1]}" if layers else "no decoder layers"
+                raise ValueError(f"layer {layer}: past the last layer: the checkpoint has {last}")
+            raise ValueError(f"layer {layer}: the checkpoint has no tensors under {self.layer_prefix(layer)!r}")
+        if not _has_block(self._layers[layer], self.layer_prefix(layer)):
+            raise ValueError(f"layer {layer}: a dense layer (its feed-forward block is {DENSE_BLOCK!r}, not "
+                             f"{MOE_BLOCK!r}): it has no latent MoE tail; the MoE layers here are "
+                             f"{_ranges(self.moe_layers())}")
+        return f"{self.layer_prefix(layer)}{MOE_BLOCK}."
+
+    def info(self, name: str) -> TensorInfo:
+        """Where tensor ``name`` lies. ValueError when the checkpoint has no such tensor."""
+        if name not in self._files:
+            raise ValueError(f"{name}: missing from the checkpoint")
+        return self._header(self._files[name])[name]
+
+    def expect(self, name: str, shape: Sequence[int], dtype: Any, *, layer: int, what: str,
+               dtype_source: str = "config.dtype") -> TensorInfo:
+        """:meth:`info` of ``name``, or ValueError naming ``layer``, the tensor and what was expected
+        (``what`` says what the tensor is, ``dtype_source`` where ``dtype`` comes from) when it is missing
+        or has another shape or dtype. ``dtype``: one dtype or a tuple of accepted ones. A ``X.weight`` that
+        is missing beside ``X.weight_packed``, ``X.weight_scale`` etc. is named as stored quantised."""
+        shape = tuple(shape)
+        dtypes = tuple(np.dtype(d) for d in (dtype if isinstance(dtype, tuple) else (dtype,)))
+        wanted = f"shape {shape} ({what}) of {' or '.join(d.name for d in dtypes)} ({dtype_source})"
+        if name not in self._files:
+            found = [other for other in self._files if other.startswith(f"{name}_")]  # X.weight_packed, ...
+            if found:
+                raise ValueError(f"layer {layer}: {name}: missing; the checkpoint holds {found} instead: the "
+                                 f"tensor is stored quantised, which this loader does not dequantise (expected "
+                                 f"{wanted})")
+            raise ValueError(f"layer {layer}: {name}: missing from the checkpoint (expected {wanted})")
+        info = self.info(name)
+        if info.shape != shape or info.dtype not in dtypes:
+            raise ValueError(f"layer {layer}: {name}: expected {wanted}, got shape {info.shape} of "
+                             f"{info.dtype_label}")
+        return info
+
+    def read(self, name: str, index: Sequence[slice] = ()) -> np.ndarray:
+        """A copy of block ``index`` (one slice per leading axis, step 1; missing axes whole) of tensor
+        ``name``, in its stored dtype. Maps only the stored rows the block's first axis spans, so a block
+        of rows reads exactly its bytes."""
+        info = self.info(name)
+        if info.dtype is None:
+            raise ValueError(f"{name}: stored as {info.dtype_name}, a dtype this reader does not know "
+                             f"(it knows {', '.join(SAFETENSORS_DTYPES)})")
+        index = _full_index(name, index, info.shape)
+        if not info.shape:
+            return np.fromfile(info.path, info.dtype, count=1, offset=info.offset).reshape(())
+        start, stop = index[0].start, index[0].stop
+        rows = (stop - start,) + info.shape[1:]
+        if math.prod(rows) == 0:
+            return np.zeros(rows, info.dtype)[(slice(None),) + index[1:]]
+        row_bytes = math.prod(info.shape[1:]) * info.dtype.itemsize
+        mapped = np.memmap(info.path, info.dtype, mode="r", offset=info.offset + start * row_bytes, shape=rows)
+        block = np.array(mapped[(slice(None),) + index[1:]])
+        del mapped  # unmapped now: a block is all that stays
+        return block
+
+    def read_transposed(self, name: str, index: Sequence[slice] = ()) -> np.ndarray:
+        """Block ``index`` [rows, columns] of the transpose of the 2-d tensor ``name``: a torch Linear's
+        [out, in] weight read as the Flax kernel [in, out] (y = x @ W). Reads only the block."""
+        info = self.info(name)
+        if len(info.shape) != 2:
+            raise ValueError(f"{name}: expected a 2-d tensor, got shape {info.shape}")
+        rows, columns = _full_index(name, index, info.shape[::-1])
+        return np.ascontiguousarray(self.read(name, (columns, rows)).T)
+
+    def _header(self, path: Path) -> dict[str, TensorInfo]:
+        if path not in self._headers:
+            self._headers[path] = _read_header(path)
+        return self._headers[path]
+
+
+def open_checkpoint(checkpoint: str | os.PathLike | Checkpoint) -> Checkpoint:
+    """``checkpoint`` when it already is a :class:`Checkpoint`, else the checkpoint at that path."""
+    return checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint(checkpoint)
+
+
+def load_tail_weights(
+    checkpoint: str | os.PathLike | Checkpoint,
+    layer: int,
+    *,
+    config: TailConfig,
+    mesh: Mesh,
+    axis_name: AxisName = "tp",
+    weight_layout: str = "column",
+) -> tuple[jax.Array | None, jax.Array | QuantizedKernel]:
+    """(norm_weight, up_proj_kernel) of decoder layer ``layer`` of ``checkpoint``, placed on ``mesh``.
+
+    checkpoint: a path (module docstring) or an opened :class:`Checkpoint` (to load many layers from
+      one parse of its index). config: the tail's :class:`k3_tail.TailConfig` (e.g.
+      ``TailConfig.from_hf_config(directory)``); H, L, ``use_latent_norm``, ``dtype`` and
+      ``up_proj_dtype`` say what the tensors must be and how the kernel is stored.
+    Returns, for ``k3_tail.latent_moe_tail`` / ``tail_forward`` / ``LatentMoETail``:
+      norm_weight: [L] of ``config.dtype``, replicated (``P()``); None when ``config.use_latent_norm``
+        is False.
+      up_proj_kernel: the transpose [L, H] of the stored [H, L] weight.
+        weight_layout="column": stored [L, padded_hidden_size(H, p)] with zero padding columns, sharded
+          ``P(None, axis_name)``: each device holds and reads its [L, Hb] block only.
+        weight_layout="replicated": [L, H] on every device (``P()``), read once.
+        With an FP8 ``config.up_proj_dtype``: a :class:`k3_tail.QuantizedKernel`, each block quantised at
+          load as :func:`k3_tail.quantize_up_proj` quantises it (per-column scales, padding columns' values
+          and scales zero), its values and scales sharded alike.
+    ValueError naming the layer and the tensor: a dense layer, a layer past the last, a missing tensor,
+    another shape or dtype than the config's, a norm weight present while ``use_latent_norm`` is False,
+    non-finite values in a kernel to quantise. ValueError naming the argument for a bad config, mesh,
+    axis or layout.
+    """
+    check_config(config)
+    axis_name = check_axis_name(axis_name)
+    tp_size = check_mesh(mesh, axis_name)
+    weight_layout = check_weight_layout(weight_layout)
+    checkpoint = open_checkpoint(checkpoint)
+    block = checkpoint.moe_block(layer)
+    hidden, latent, dtype = config.hidden_size, config.latent_size, config.dtype
+    up_name, norm_name = block + UP_PROJ, block + NORM
+    checkpoint.expect(up_name, (hidden, latent), dtype, layer=layer,
+                      what=f"[H, L] = [{hidden}, {latent}]: torch's [out, in] of the up projection")
+    norm_weight = None
+    if config.use_latent_norm:
+        checkpoint.expect(norm_name, (latent,), dtype, layer=layer, what=f"[L] = [{latent}]: the latent RMSNorm scale")
+        norm_weight = jax.make_array_from_callback((latent,), NamedSharding(mesh, P()),
+                                                   lambda index: checkpoint.read(norm_name, index))
+    elif norm_name in checkpoint:
+        raise ValueError(f"layer {layer}: {norm_name}: the checkpoint has the latent norm's scale but "
+                         "config.use_latent_norm is False (latent_moe_use_norm in the model's config)")
+    kernel = _up_projection(checkpoint, up_name, layer=layer, config=config, mesh=mesh,
+                            columns=axis_name if weight_layout == "column" else None, tp_size=tp_size)
+    return norm_weight, kernel
+
+
+def _up_projection(checkpoint: Checkpoint, name: str, *, layer: int, config: TailConfig, mesh: Mesh,
+                   columns: AxisName | None, tp_size: int) -> jax.Array | QuantizedKernel:
+    """The kernel [L, width] (the column layout's padded width, or H) from the stored [H, L] weight, each
+    device's block read (and quantised) by its own callback; sharded by columns over ``columns`` or
+    replicated when that is None."""
+    hidden, latent = config.hidden_size, config.latent_size
+    width = hidden if columns is None else padded_hidden_size(hidden, tp_size)
+    values_sharding = NamedSharding(mesh, P() if columns is None else P(None, columns))
+    fp8 = config.up_proj_dtype
+    scales: dict[tuple[int, int], np.ndarray] = {}
+
+    def real_columns(start: int, stop: int) -> np.ndarray:
+        """Columns [start, stop) of the kernel that are not padding: [L, n] (nothing read when n = 0)."""
+        stop = min(stop, hidden)
+        if stop <= start:
+            return np.zeros((latent, 0), config.dtype)
+        return checkpoint.read_transposed(name, (slice(None), slice(start, stop)))
+
+    def values_block(index) -> np.ndarray:
+        start, stop, _ = index[1].indices(width)
+        real = real_columns(start, stop)
+        values = np.zeros((latent, stop - start), config.dtype if fp8 is None else fp8)
+        if fp8 is None:
+            values[:, :real.shape[1]] = real
+            return values
+        scale = np.zeros(stop - start, np.float32)
+        if real.shape[1]:
+            try:
+                quantized = quantize_up_proj(real, fp8)
+            except ValueError as error:
+                raise ValueError(f"layer {layer}: {name}: {error}") from None
+            values[:, :real.shape[1]] = np.asarray(quantized.values)
+            scale[:real.shape[1]] = np.asarray(quantized.scale)
+        scales[(start, stop)] = scale
+        return values
+
+    values = jax.make_array_from_callback((latent, width), values_sharding, values_block)
+    if fp8 is None:
+        return values
+
+    def scale_block(index) -> np.ndarray:
+        start, stop, _ = index[0].indices(width)
+        if (start, stop) not in scales:  # every values block was read above; only a differing split lands here
+            values_block((slice(None), slice(start, stop)))
+        return scales[(start, stop)]
+
+    scale_sharding = NamedSharding(mesh, P() if columns is None else P(columns))
+    return QuantizedKernel(values, jax.make_array_from_callback((width,), scale_sharding, scale_block))
+
+
+def sharded_array(shape: Sequence[int], sharding: NamedSharding, read_block: Callable[[tuple[slice, ...]], np.ndarray],
+                  dtype: Any) -> jax.Array:
+    """A global array of ``shape`` placed with ``sharding`` whose every device block is
+    ``read_block(index)`` (a tuple of one slice per axis, steps 1, bounds resolved), cast to ``dtype``
+    where it differs: ``jax.make_array_from_callback`` with the index made explicit."""
+    shape = tuple(shape)
+    dtype = np.dtype(dtype)
+
+    def block(index):
+        resolved = tuple(slice(*axis.indices(size)[:2]) for axis, size in zip(index, shape, strict=True))
+        value = read_block(resolved)
+        return value if value.dtype == dtype else value.astype(dtype)
+
+    return jax.make_array_from_callback(shape, sharding, block, dtype=dtype)
+
+
+def _read_index(path: Path) -> dict[str, Path]:
+    """tensor name -> shard file, from a ``model.safetensors.index.json``."""
+    try:
+        index = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"checkpoint: {str(path)!r} is not JSON ({error})") from None
+    weight_map = index.get("weight_map") if isinstance(index, Mapping) else None
+    if not isinstance(weight_map, Mapping) or not all(
+            isinstance(name, str) and isinstance(shard, str) for name, shard in weight_map.items()):
+        raise ValueError(f"checkpoint: {str(path)!r} has no weight_map of tensor names to shard files")
+    return {name: path.parent / shard for name, shard in weight_map.items()}
+
+
+def _read_header(path: Path) -> dict[str, TensorInfo]:
+    """Every tensor of the safetensors file at ``path``, from its header. ValueError when it is not one."""
+    if not path.is_file():
+        raise ValueError(f"checkpoint: the shard {str(path)!r} is missing")
+    size = path.stat().st_size
+    with path.open("rb") as file:
+        prefix = file.read(_HEADER_LENGTH_BYTES)
+        length = int.from_bytes(prefix, "little") if len(prefix) == _HEADER_LENGTH_BYTES else -1
+        if not 0 < length <= min(_MAX_HEADER_BYTES, size - _HEADER_LENGTH_BYTES):
+            raise ValueError(f"checkpoint: {str(path)!r} is not a safetensors file (no header)")
+        try:
+            header = json.loads(file.read(length))
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise ValueError(f"checkpoint: {str(path)!r}: its safetensors header is not JSON ({error})") from None
+    if not isinstance(header, Mapping):
+        raise ValueError(f"checkpoint: {str(path)!r}: its safetensors header is not a JSON object")
+    data_start = _HEADER_LENGTH_BYTES + length
+    tensors = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype_name, shape = entry["dtype"], tuple(entry["shape"])
+            begin, end = entry["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"checkpoint: {str(path)!r}: {name}: a malformed header entry {entry!r}") from None
+        info = TensorInfo(name, dtype_name, shape, path, data_start + begin)
+        dtype = info.dtype
+        if dtype is not None and (end - begin != math.prod(shape) * dtype.itemsize or data_start + end > size):
+            raise ValueError(f"checkpoint: {str(path)!r}: {name}: its byte range [{begin}, {end}) does not hold "
+                             f"shape {shape} of {dtype.name} within the file")
+        tensors[name] = info
+    return tensors
+
+
+def _text_prefix(names: Mapping[str, Any]) -> str:
+    """"language_model." when the text model's layers are stored under Kimi-K3's wrapper, else ""."""
+    if any(name.startswith(WRAPPER_PREFIX + LAYERS) for name in names):
+        return WRAPPER_PREFIX
+    if any(name.startswith(LAYERS) for name in names):
+        return ""
+    raise ValueError(f"checkpoint: no decoder layers: no tensor named {LAYERS}N.* or {WRAPPER_PREFIX}{LAYERS}N.*")
+
+
+def _has_block(names: Sequence[str], layer_prefix: str) -> bool:
+    return any(name.startswith(f"{layer_prefix}{MOE_BLOCK}.") for name in names)
+
+
+def _full_index(name: str, index: Sequence[slice], shape: tuple[int, ...]) -> tuple[slice, ...]:
+    """``index`` with one resolved slice (start, stop) per axis; ValueError unless each is a slice of step 1."""
+    index = tuple(index)
+    if len(index) > len(shape) or not all(isinstance(axis, slice) for axis in index):
+        raise ValueError(f"{name}: expected at most {len(shape)} slices, got {index!r}")
+    resolved = []
+    for axis, size in zip(index + (slice(None),) * (len(shape) - len(index)), shape, strict=True):
+        start, stop, step = axis.indices(size)
+        if step != 1:
+            raise ValueError(f"{name}: expected slices of step 1, got {axis!r}")
+        resolved.append(slice(start, max(start, stop)))
+    return tuple(resolved)
+
+
+def _ranges(layers: Sequence[int]) -> str:
+    """"1..5, 7" for layers 1, 2, 3, 4, 5, 7 ("none" when empty)."""
+    if not layers:
+        return "none"
+    runs, first, last = [], layers[0], layers[0]
+    for layer in layers[1:]:
+        if layer == last + 1:
+            last = layer
+            continue
+        runs.append((first, last))
+        first = last = layer
+    runs.append((first, last))
+    return ", ".join(str(a) if a == b else f"{a}..{b}" for a, b in runs)

@@ -1,0 +1,127 @@
+"""Extreme values through every tier: NaN and infinity in the partials, and latents whose squares overflow float32.
+
+**Non-finite values**, through every sum, quantised or not, at Kimi-K3's widths (L = 3584, H = 7168). The
+float64 reference sums the partials as the bf16 sums do: a NaN anywhere in a row's routed partials makes
+the whole row NaN (the norm's mean sees it), an infinity there too (the norm divides it by an infinite RMS);
+a NaN or an infinity in a shared partial reaches y at its own element only. A tier must be non-finite
+exactly where the reference is (an infinity may arrive as NaN: a quantised sum codes every non-finite
+value as NaN) and within its tolerance everywhere else. T = 4 rows on 8 ranks, one case per row:
+
+    row 0: NaN in rank 3's routed partial      row 2: NaN in rank 5's shared partial
+    row 1: +inf in rank 6's routed partial     row 3: -inf in rank 0's shared partial
+
+Every sum is quantised from 0 bytes on, so each buffer's blocks span [8, >= 28, 32]: large enough for
+XLA:CPU's max reduction to drop a NaN, which a codec must not rely on.
+
+**Large finite latents**: the mean of squares of a row of 1e18s overflows float32 (and the routed term
+would vanish); every tier, one_shot's row scale included, must still match the reference.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import k3_tail
+from helpers import make_tp_mesh
+from reference import make_inputs, reference_tail, relative_error, tolerance
+
+CODECS = (None, "int8", "int6", "int4")
+TP_SIZE, NUM_TOKENS = 8, 4
+KIMI_K3 = k3_tail.TailConfig.kimi_k3()
+NON_FINITE = {  # (term, rank, row, column): value
+    ("routed", 3, 0, 100): np.nan,
+    ("routed", 6, 1, 2000): np.inf,
+    ("shared", 5, 2, 5): np.nan,
+    ("shared", 0, 3, 7000): -np.inf,
+}
+
+
+def quantised(codec):
+    """Kimi-K3's tail with every sum in ``codec`` (None: bf16 sums)."""
+    if codec is None:
+        return KIMI_K3
+    return dataclasses.replace(KIMI_K3, all_reduce_quantization=codec, quantized_all_reduce_min_bytes=0)
+
+
+@pytest.fixture(scope="module")
+def inputs():
+    """(finite inputs, the same with NON_FINITE written in)."""
+    clean = make_inputs(KIMI_K3, TP_SIZE, NUM_TOKENS)
+    routed, shared = clean.routed.copy(), clean.shared.copy()
+    for (term, rank, row, column), value in NON_FINITE.items():
+        (routed if term == "routed" else shared)[rank, row, column] = value
+    return clean, dataclasses.replace(clean, routed=routed, shared=shared)
+
+
+def assert_non_finite_where_the_reference_is(y, expected):
+    """NaN where the reference is NaN, the same infinity or NaN where it is infinite, finite elsewhere."""
+    y = np.asarray(y, np.float64)
+    assert np.array_equal(np.isnan(expected), np.isnan(y) & np.isnan(expected))
+    infinite = np.isinf(expected)
+    assert np.all(np.isnan(y[infinite]) | (y[infinite] == expected[infinite]))
+    assert np.array_equal(np.isfinite(y), np.isfinite(expected))
+
+
+@pytest.mark.parametrize("codec", CODECS, ids=lambda codec: codec or "bf16")
+@pytest.mark.parametrize("tier", list(k3_tail.Tier), ids=lambda tier: tier.value)
+def test_a_non_finite_partial_is_non_finite_in_y_exactly_where_the_reference_is(inputs, tier, codec):
+    clean, poisoned = inputs
+    config = quantised(codec)
+    with np.errstate(invalid="ignore"):  # the reference's own NaN rows
+        expected = reference_tail(config, poisoned)
+    assert np.isnan(expected[0]).all() and np.isnan(expected[1]).all()  # the cases above, as the reference has them
+    assert np.isnan(expected[2, 5]) and expected[3, 7000] == -np.inf and np.isfinite(expected[2:]).sum() == 2 * 7168 - 2
+    y = k3_tail.tail_forward(poisoned.routed, poisoned.shared, poisoned.norm_weight, poisoned.kernel, config=config,
+                             mesh=make_tp_mesh(TP_SIZE), tier=tier)
+    assert_non_finite_where_the_reference_is(y, expected)
+    finite = np.isfinite(expected)
+    assert relative_error(np.asarray(y, np.float64)[finite], expected[finite]) <= tolerance(config, clean)
+
+
+@pytest.mark.parametrize("codec", CODECS, ids=lambda codec: codec or "bf16")
+def test_reduce_shared_keeps_each_non_finite_value_at_its_own_element(inputs, codec):
+    _, poisoned = inputs
+    config = dataclasses.replace(quantised(codec), shared_output_is_reduced=True)
+    mesh = make_tp_mesh(TP_SIZE)
+    reduce = jax.jit(jax.shard_map(lambda x: k3_tail.reduce_shared(x[0], config=config), mesh=mesh,
+                                   in_specs=P("tp"), out_specs=P()))
+    summed = reduce(jax.device_put(jnp.asarray(poisoned.shared), NamedSharding(mesh, P("tp"))))
+    expected = np.asarray(poisoned.shared, np.float64).sum(axis=0)
+    assert_non_finite_where_the_reference_is(summed, expected)
+    assert np.isfinite(expected).sum() == NUM_TOKENS * 7168 - 2
+
+
+SMALL = k3_tail.TailConfig(hidden_size=96, latent_size=64)
+
+
+@pytest.mark.parametrize(("magnitude", "scale"), [(1e18, 1.0), (1e37, 1.0), (1.0, 1e20), (1e20, -1e20), (1e-30, 1.0)],
+                         ids=["1e18", "1e37", "scale-1e20", "1e20-scale--1e20", "1e-30"])
+@pytest.mark.parametrize("tier", list(k3_tail.Tier), ids=lambda tier: tier.value)
+def test_a_latent_whose_squares_overflow_float32_is_still_normalised(tier, magnitude, scale):
+    """Rows of about ``magnitude`` (bf16 holds them; their squares' mean overflows float32 from about 3e17 at
+    L = 3584, or once the scale multiplies them) keep the routed term: y matches the reference."""
+    config = dataclasses.replace(SMALL, routed_scaling_factor=scale)
+    inputs = make_inputs(config, 4, 5)
+    routed = np.asarray(jnp.asarray(inputs.routed.astype(np.float64) * magnitude, config.dtype))
+    inputs = dataclasses.replace(inputs, routed=routed)
+    y = k3_tail.tail_forward(inputs.routed, inputs.shared, inputs.norm_weight, inputs.kernel, config=config,
+                             mesh=make_tp_mesh(4), tier=tier)
+    assert relative_error(y, reference_tail(config, inputs)) <= tolerance(config, inputs)
+
+
+@pytest.mark.parametrize("tier", list(k3_tail.Tier), ids=lambda tier: tier.value)
+def test_a_zero_latent_row_with_the_smallest_eps_normalises_to_zeros(tier):
+    """A padding token's row is all zeros; eps as small as float32's smallest normal must keep it finite."""
+    config = dataclasses.replace(SMALL, rms_norm_eps=float(np.finfo(np.float32).tiny))
+    inputs = make_inputs(config, 4, 5)
+    routed = inputs.routed.copy()
+    routed[:, 2] = 0
+    inputs = dataclasses.replace(inputs, routed=routed)
+    y = k3_tail.tail_forward(inputs.routed, inputs.shared, inputs.norm_weight, inputs.kernel, config=config,
+                             mesh=make_tp_mesh(4), tier=tier)
+    assert np.all(np.isfinite(np.asarray(y, np.float32)))
+    assert relative_error(y, reference_tail(config, inputs)) <= tolerance(config, inputs)
