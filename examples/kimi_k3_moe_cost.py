@@ -12,6 +12,9 @@ experts in MXFP4, ``MXFP4_BYTES`` = 4.25 bits: 4-bit values and one 8-bit scale 
 | routed experts | 6TkLm/p | 3 d_e L m/p per expert read + d Tk(2L + 3m/p) |
 | shared experts | 6THF/p | 3dHF/p + dT(2H + 3F/p) |
 
+At T = 1 the router, down projection and shared-expert FLOPs are those of two rows, as the layer
+multiplies them (examples/kimi_k3_gemm.py; the tail's cost model counts its up projection alike).
+
 Each kernel takes max(FLOPs / peak_flops, bytes / hbm_bytes_per_s) of the ``k3_tail.cost_model``
 hardware preset, one after the other (no overlap between them, none of them hidden behind a
 collective); they issue no collective. The experts read are those some token chose: with uniform
@@ -40,6 +43,7 @@ import dataclasses
 import k3_tail
 from k3_tail import cost_model
 from k3_tail.tiers.collectives import quantized_codec
+from k3_tail.tiers.up_projection import gemm_rows
 
 from examples.kimi_k3_moe_layer import LayerConfig
 
@@ -72,12 +76,13 @@ def layer_kernels(config: LayerConfig, num_tokens: int, tp_size: int, *,
     m, f = config.expert_intermediate_size / tp_size, config.shared_intermediate_size / tp_size
     d = config.dtype.itemsize
     d_e = d if expert_weight_bytes is None else expert_weight_bytes
+    rows = gemm_rows(t)  # the rows the router, down projection and shared experts multiply
     return (
-        KernelCost("router", 2 * t * h * e, d * (h * e + t * h) + 4 * t * e),
-        KernelCost("routed down projection", 2 * t * h * lat, d * (h * lat + t * h + t * lat)),
+        KernelCost("router", 2 * rows * h * e, d * (h * e + t * h) + 4 * t * e),
+        KernelCost("routed down projection", 2 * rows * h * lat, d * (h * lat + t * h + t * lat)),
         KernelCost("routed experts", 6 * t * k * lat * m,
                    3 * d_e * lat * m * experts_read(config, t) + d * t * k * (2 * lat + 3 * m)),
-        KernelCost("shared experts", 6 * t * h * f, 3 * d * h * f + d * t * (2 * h + 3 * f)),
+        KernelCost("shared experts", 6 * rows * h * f, 3 * d * h * f + d * t * (2 * h + 3 * f)),
     )
 
 

@@ -46,7 +46,9 @@ by :func:`routed_expert_method` with its reason:
 
 Numerics: weights and activations in ``config.tail.dtype`` (Kimi-K3: bf16), every GEMM accumulating
 in float32, the router, SiTU and the weighted sum in float32; activations are rounded to the dtype
-where they enter a GEMM (z, the SiTU outputs) and where the partials enter the tail.
+where they enter a GEMM (z, the SiTU outputs) and where the partials enter the tail. Every GEMM is
+``examples/kimi_k3_gemm.matmul``, which multiplies a single row (T = 1) as two, so that XLA's GPU
+pipeline keeps it a GEMM that reads its kernel in place (docs/design.md, "One-row GEMMs").
 
 Per-rank cost, d bytes per element: router 2THE FLOPs over dHE weight bytes; down projection 2THL
 over dHL; routed experts 6TkLm/p over 3dLm/p per expert read (gather: T*k of them; capacity: all E,
@@ -55,7 +57,8 @@ once); shared experts 6THF/p over 3dHF/p; then the tail tier's (README tier tabl
 ``KimiK3MoELayer`` holds the parameters as ``nnx.Param`` (``build_layer``: random stand-ins for a
 checkpoint; examples/kimi_k3_checkpoint.py: a layer of a Hugging Face checkpoint); :func:`layer_forward`
 is the jitted pure function it calls, which also compiles from abstract parameters
-(:func:`abstract_parameters`) for a deviceless GPU topology.
+(:func:`abstract_parameters`) for a deviceless GPU topology: :func:`compile_layer`, with the
+per-executable XLA options of :func:`layer_compiler_options`.
 """
 
 from __future__ import annotations
@@ -73,6 +76,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import k3_tail
+from examples.kimi_k3_gemm import matmul
 from examples.kimi_k3_routed_experts import ROUTED_EXPERTS, routed_expert_method
 from examples.kimi_k3_situ import situ
 
@@ -81,6 +85,11 @@ KIMI_K3_EXPERT_INTERMEDIATE_SIZE, KIMI_K3_SHARED_INTERMEDIATE_SIZE = 3072, 6144
 # The stand-in checkpoint's correction bias and norm scale: spread enough that the bias changes some
 # top-k choices and the scale is not all ones, as in a trained layer.
 ROUTER_BIAS_STDDEV, NORM_SCALE_STDDEV = 0.1, 0.1
+# XLA options of every GPU compile of the layer (layer_compiler_options), beside the tail tier's own. XLA's
+# latency-hiding scheduler is what keeps the early shared reduction in flight over the routed experts, and
+# jax 0.10.2's ROCm pipeline runs it only when asked: without it, a prefill's reduction (T = 2048, 8192) starts
+# after all routed work on MI300X and MI355X.
+GPU_COMPILER_OPTIONS = {"xla_gpu_enable_latency_hiding_scheduler": True}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -276,7 +285,7 @@ def route(hidden_states: jax.Array, router_kernel: jax.Array, correction_bias: j
     chosen experts' un-biased scores, renormalised to sum 1 per token when top_k > 1 (at top_k = 1 the
     one weight is the expert's score itself, as in Kimi-K3's reference, MaxText and tpu-inference).
     """
-    scores = jax.nn.sigmoid(_dot(hidden_states, router_kernel))
+    scores = jax.nn.sigmoid(matmul(hidden_states, router_kernel))
     _, chosen = jax.lax.top_k(scores + correction_bias, top_k)
     picked = scores[jnp.arange(scores.shape[0])[:, None], chosen]
     return chosen, picked / picked.sum(axis=1, keepdims=True) if top_k > 1 else picked
@@ -289,7 +298,7 @@ def routed_partial(parameters: Mapping[str, jax.Array], hidden_states: jax.Array
     ``hidden_states`` [T, H] the whole (replicated) input. No collective."""
     chosen, combine = route(hidden_states, parameters["router_kernel"], parameters["router_bias"],
                             top_k=config.top_k)
-    latent = _dot(hidden_states, parameters["down_proj"]).astype(config.dtype)
+    latent = matmul(hidden_states, parameters["down_proj"]).astype(config.dtype)
     experts = ROUTED_EXPERTS[routed_expert_method(config, hidden_states.shape[0]).method]
     routed = experts(latent, chosen, combine, parameters["expert_gate"], parameters["expert_up"],
                      parameters["expert_down"])
@@ -300,9 +309,9 @@ def shared_partial(parameters: Mapping[str, jax.Array], hidden_states: jax.Array
                    config: LayerConfig) -> jax.Array:
     """This rank's shared-expert partial s_i [T, H] in the config's dtype (arguments as
     :func:`routed_partial`). No collective."""
-    activation = situ(_dot(hidden_states, parameters["shared_gate"]),
-                      _dot(hidden_states, parameters["shared_up"])).astype(config.dtype)
-    return _dot(activation, parameters["shared_down"]).astype(config.dtype)
+    activation = situ(matmul(hidden_states, parameters["shared_gate"]),
+                      matmul(hidden_states, parameters["shared_up"])).astype(config.dtype)
+    return matmul(activation, parameters["shared_down"]).astype(config.dtype)
 
 
 def rank_partials(parameters: Mapping[str, jax.Array], hidden_states: jax.Array, *,
@@ -369,6 +378,33 @@ def layer_forward(parameters: Mapping[str, jax.Array], hidden_states: jax.Array,
                       weight_layout=weight_layout, out_specs=P(axis_name) if token_sharded else P())
 
 
+def layer_compiler_options(config: LayerConfig, mesh: Mesh, num_tokens: int, *, axis_name: str = "tp",
+                           weight_layout: str = "replicated", tier: k3_tail.Tier | str | None = None) -> dict[str, Any]:
+    """The per-executable XLA options of a :func:`layer_forward` compile for T tokens on ``mesh``: those of the
+    tail tier the call takes (``tier``, or the one ``k3_tail.select_tier`` picks for the mesh's devices, as the
+    tail does; ``k3_tail.compiler_options``) and, on a GPU, :data:`GPU_COMPILER_OPTIONS`."""
+    device = mesh.devices.flat[0]
+    if tier is None:
+        tier = k3_tail.select_tier(config.tail, num_tokens, mesh.shape[axis_name], weight_layout=weight_layout,
+                                   device_kind=device.device_kind, platform=device.platform).tier
+    options = dict(k3_tail.compiler_options(tier, device.platform))
+    if device.platform == "gpu":
+        options.update(GPU_COMPILER_OPTIONS)
+    return options
+
+
+def compile_layer(config: LayerConfig, mesh: Mesh, num_tokens: int, *, axis_name: str = "tp",
+                  weight_layout: str = "replicated", tier: k3_tail.Tier | str | None = None) -> jax.stages.Compiled:
+    """:func:`layer_forward` for T tokens compiled from :func:`abstract_parameters` (no values: also for a
+    deviceless GPU topology, ``k3_tail.topology_mesh``) with :func:`layer_compiler_options`."""
+    hidden = jax.ShapeDtypeStruct((num_tokens, config.hidden_size), config.dtype, sharding=NamedSharding(mesh, P()))
+    parameters = abstract_parameters(config, mesh, axis_name=axis_name, weight_layout=weight_layout)
+    lowered = layer_forward.lower(parameters, hidden, config=config, mesh=mesh, axis_name=axis_name,
+                                  weight_layout=weight_layout, tier=tier)
+    return lowered.compile(compiler_options=layer_compiler_options(config, mesh, num_tokens, axis_name=axis_name,
+                                                                   weight_layout=weight_layout, tier=tier))
+
+
 @functools.partial(jax.jit, static_argnames=("config", "mesh", "axis_name", "weight_layout"))
 def layer_partials(parameters: Mapping[str, jax.Array], hidden_states: jax.Array, *, config: LayerConfig,
                    mesh: Mesh, axis_name: str = "tp", weight_layout: str = "replicated") -> tuple[jax.Array, jax.Array]:
@@ -401,11 +437,6 @@ def _check_hidden_states(config: LayerConfig, hidden_states) -> int:
         raise ValueError(f"hidden_states: expected a [T, {config.hidden_size}] array of {config.dtype.name}, "
                          f"got shape {shape} of {dtype.name}")
     return shape[0]
-
-
-def _dot(a: jax.Array, b: jax.Array) -> jax.Array:
-    """a @ b accumulated and returned in float32."""
-    return jnp.dot(a, b, preferred_element_type=jnp.float32)
 
 
 class KimiK3MoELayer(nnx.Module):

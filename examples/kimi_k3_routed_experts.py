@@ -7,8 +7,10 @@ Every method computes this rank's routed latent partial
 for latent [T, L] (the layer's dtype), chosen [T, k] expert ids, combine [T, k] float32, and this rank's
 blocks gate, up [E, L, m/p] and down [E, m/p, L] (each expert's intermediate width m split over the p
 ranks), exactly: every (token, expert) pair, for any routing. Each returns float32 [T, L]; GEMMs take
-the dtype's operands and accumulate in float32, the SiTU output is rounded to the dtype where it enters
-the down GEMM. No method issues a collective.
+the dtype's operands and accumulate in float32 (the capacity method's are examples/kimi_k3_gemm.matmul,
+which multiplies a capacity of one row as two), the SiTU output is rounded to the dtype where it enters
+the down GEMM, and the k slots' outputs are summed with their weights as a multiply and a reduce. No
+method issues a collective.
 
 - "gather" (decode, T * k <= E): for each (token, slot) the chosen expert's blocks are read where they
   lie and applied as a multiply and a reduce over the gathered block, which XLA fuses into one loop:
@@ -65,6 +67,7 @@ from typing import TYPE_CHECKING
 import jax
 import jax.numpy as jnp
 
+from examples.kimi_k3_gemm import matmul
 from examples.kimi_k3_situ import situ
 
 if TYPE_CHECKING:
@@ -127,7 +130,7 @@ def experts_by_gather(latent, chosen, combine, gate, up, down) -> jax.Array:
     up_in = (rows * up[chosen].astype(jnp.float32)).sum(axis=2)
     activation = situ(gate_in, up_in).astype(latent.dtype).astype(jnp.float32)
     out = (activation[..., None] * down[chosen].astype(jnp.float32)).sum(axis=2)  # [T, k, L]
-    return jnp.einsum("tk,tkl->tl", combine, out)
+    return _weighted_sum(combine, out)
 
 
 def experts_by_capacity(latent, chosen, combine, gate, up, down) -> jax.Array:
@@ -194,7 +197,7 @@ def experts_by_ragged_dot(latent, chosen, combine, gate, up, down) -> jax.Array:
     activation = situ(gate_in, up_in).astype(latent.dtype)
     out = jax.lax.ragged_dot(activation, down, group_sizes, preferred_element_type=jnp.float32)
     out = out[jnp.argsort(order)].reshape(num_tokens, top_k, latent.shape[1])  # back to (token, slot) order
-    return jnp.einsum("tk,tkl->tl", combine, out)
+    return _weighted_sum(combine, out)
 
 
 # The methods by name, each (latent, chosen, combine, gate, up, down) -> this rank's partial [T, L] float32.
@@ -208,10 +211,14 @@ def _sort_pairs(chosen: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Arr
     return order, jnp.bincount(expert_of_pair, length=num_experts).astype(jnp.int32)
 
 
+def _weighted_sum(combine: jax.Array, out: jax.Array) -> jax.Array:
+    """sum_j combine[t, j] * out[t, j]: combine [T, k] float32, out [T, k, L] float32 -> [T, L], as a multiply
+    and a reduce over the k slots (what XLA makes of it as a dot too: one side has no free dimension)."""
+    return (combine[..., None] * out).sum(axis=1)
+
+
 def _expert_mlp(rows: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array) -> jax.Array:
     """SiTU(rows @ gate, rows @ up) @ down per expert: rows [S, C, L], gate and up [S, L, m/p], down
     [S, m/p, L] -> [S, C, L] float32."""
-    gate_in = jnp.einsum("scl,slm->scm", rows, gate, preferred_element_type=jnp.float32)
-    up_in = jnp.einsum("scl,slm->scm", rows, up, preferred_element_type=jnp.float32)
-    activation = situ(gate_in, up_in).astype(rows.dtype)
-    return jnp.einsum("scm,sml->scl", activation, down, preferred_element_type=jnp.float32)
+    activation = situ(matmul(rows, gate), matmul(rows, up)).astype(rows.dtype)
+    return matmul(activation, down)

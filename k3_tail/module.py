@@ -24,7 +24,7 @@ from k3_tail.selection.rules import select_tier
 from k3_tail.shared_reduction import reduce_shared
 from k3_tail.tiers.columns import check_weight_layout, pad_columns, padded_hidden_size
 from k3_tail.tiers.registry import Tier
-from k3_tail.tiers.up_projection import QuantizedKernel, quantize_up_proj
+from k3_tail.tiers.up_projection import QuantizedKernel, check_fp8_activations, quantize_up_proj
 
 _LECUN_NORMAL = nnx.initializers.lecun_normal()
 
@@ -70,6 +70,8 @@ class LatentMoETail(nnx.Module):
         check_config(config)
         axis_name = check_axis_name(axis_name)
         check_mesh(mesh, axis_name)
+        # FP8 activations in a format the mesh's GPUs do not multiply are refused here, before any weight is made.
+        check_fp8_activations(config.up_proj_dtype, config.fp8_activations, mesh.devices.flat[0])
         self.config = config
         self.mesh = mesh
         self.axis_name = axis_name

@@ -16,11 +16,12 @@ from k3_tail._checks import (
     AxisName, axis_size_in_scope, check_axis_name, expect_array, expect_optional, expect_rank, varies_over,
 )
 from k3_tail.config import TailConfig, check_config
+from k3_tail.selection.hardware import device_platform
 from k3_tail.selection.rules import select_tier
 from k3_tail.tiers.columns import check_weight_layout, padded_hidden_size
 from k3_tail.tiers.registry import Tier
 from k3_tail.tiers.tokens import gather_tokens, is_token_sharded_output, pad_tokens, padded_token_count
-from k3_tail.tiers.up_projection import QuantizedKernel, check_up_proj_kernel
+from k3_tail.tiers.up_projection import QuantizedKernel, check_fp8_activations, check_up_proj_kernel
 
 
 def latent_moe_tail(
@@ -55,9 +56,12 @@ def latent_moe_tail(
         (``padded_hidden_size(H, p) // p``; in a shard_map that is in_spec ``P(None, axis_name)``).
       tier: a :class:`Tier` (or its value) to force, or None to select.
       device: a device of the mesh the call runs on: its ``device_kind`` is what the "measured"
-        selection policy checks its table against, its ``platform`` decides the form of the
-        all-reduces (``config.all_reduce_form``). None: ``jax.devices()[0]``, the default backend's,
-        which is right unless the shard_map's mesh is made of other devices (a deviceless topology).
+        selection policy checks its table against and what FP8 activations are checked against
+        (:func:`k3_tail.tiers.up_projection.check_fp8_activations`), its ``platform`` decides the form of
+        the all-reduces (``config.all_reduce_form``), and on ROCm no GEMM adds into a C operand
+        (:func:`k3_tail.tiers.up_projection.outside_gemm`). None: ``jax.devices()[0]``, the default
+        backend's, which is right unless the shard_map's mesh is made of other devices (a deviceless
+        topology).
 
     Selection: ``tier=None`` runs ``select_tier(config, T, p, weight_layout=weight_layout,
     device_kind=device.device_kind, platform=device.platform)`` at trace time (ask it for the tier
@@ -72,9 +76,11 @@ def latent_moe_tail(
     evenly only, so those come back replicated. Padding columns (H % p != 0) never reach the result.
 
     Bad shapes, dtypes, a tier that cannot run or a missing TP axis raise ValueError naming the
-    argument. So does an input whose type contradicts the config: inside a ``jax.shard_map`` with
-    ``check_vma=True`` (its default) JAX types a per-rank partial as varying over the TP axis and a
-    sum over it as the same on every rank, so a ``shared_partial`` that is already reduced without
+    argument, and so does ``config.fp8_activations`` with a kernel format that ``device``'s GPU does not
+    multiply natively (it would run at the f16 rate). So does an input whose type contradicts the
+    config: inside a ``jax.shard_map`` with ``check_vma=True`` (its default) JAX types a per-rank
+    partial as varying over the TP axis and a sum over it as the same on every rank, so a
+    ``shared_partial`` that is already reduced without
     ``config.shared_output_is_reduced`` (it would be added p times), partials with it (they would
     not be summed), and the same for ``routed_partial`` and ``config.fused_output_is_reduced`` are
     refused, naming the field. With ``check_vma=False`` JAX tracks no variation and the type cannot
@@ -93,6 +99,7 @@ def latent_moe_tail(
         config=config, tp_size=tp_size, weight_layout=weight_layout,
     )
     device = jax.devices()[0] if device is None else device
+    check_fp8_activations(config.up_proj_dtype, config.fp8_activations, device)
     if tier is None:
         tier = select_tier(config, num_tokens, tp_size, weight_layout=weight_layout, device_kind=device.device_kind,
                            platform=device.platform).tier
@@ -109,7 +116,7 @@ def latent_moe_tail(
             shared_partial = pad_tokens(shared_partial, tp_size)
     y = tier.record.function(
         routed_partial, shared_partial, norm_weight, up_proj_kernel,
-        config=config, axis_name=axis_name, weight_layout=weight_layout, platform=device.platform,
+        config=config, axis_name=axis_name, weight_layout=weight_layout, platform=device_platform(device),
     )
     if config.sequence_parallel and not is_token_sharded_output(config, num_tokens, tp_size):
         return gather_tokens(y, num_tokens, axis_name=axis_name)

@@ -3,7 +3,7 @@
     python scripts/layer_share.py [--parts cpu,h100,early,cost,model] [--tokens 1,4,16,64,256,1024] [--repeats 3]
                                   [--width-divisor 4] [--experts 8] [--top-k 2] [--compile-tokens 1,16,256]
                                   [--cost-tokens 1,16,256,2048,8192] [--model-tokens 1,16,64,256,1024,8192]
-                                  [--weight-layout replicated] [--json FILE]
+                                  [--weight-layout replicated] [--topology h100x8] [--json FILE]
 
 Five parts, each a table (progress on stderr):
 
@@ -20,8 +20,9 @@ cpu    The whole layer and the tail alone, per tier, on an 8-device CPU mesh. Th
        host's cores: this ranks tiers on this machine only.
 
 h100   The whole layer at Kimi-K3's shapes (896 experts, top 16, bf16) compiled per tier for a
-       deviceless 8 x H100 (``k3_tail.topology_mesh("h100x8")``, XLA's CUDA pipeline, the tier's
-       ``k3_tail.compiler_options(tier, "gpu")``), at each --compile-tokens, with the shared reduction
+       deviceless 8 x H100 (``k3_tail.topology_mesh("h100x8")``, XLA's CUDA pipeline; ``compile_layer``
+       of examples/kimi_k3_moe_layer.py: the tier's ``k3_tail.compiler_options(tier, "gpu")`` and the
+       layer's own ``GPU_COMPILER_OPTIONS``), at each --compile-tokens, with the shared reduction
        inside the tail (``early_shared_reduction=False``: where the tiers differ). The tail's
        collectives carry named scopes, so the shared reduction is the first collective named
        ``k3_tail/shared_reduction`` or ``k3_tail/packed_reduction`` (``XlaReport.in_scope``), or where
@@ -59,6 +60,9 @@ model  The cost model's layer-level gain of each tier over native on the MI355X 
        shared reduction early (``layer_cost.early_reduction_gain``: each way with its fastest tier) on
        MI355X and H200.
 
+--topology (default h100x8) is the deviceless topology the h100, early and cost parts compile for
+(``k3_tail.topology_mesh``: h100x8, mi300xx8 and mi355xx8 among them; a ROCm one needs the [rocm-aot] extra).
+
 --parts picks parts; --json FILE also writes the machine, the settings and every row. Exit status 0,
 or 2 for bad arguments.
 """
@@ -94,9 +98,8 @@ from examples.kimi_k3_moe_layer import (
     KIMI_K3_NUM_EXPERTS,
     KIMI_K3_TOP_K,
     LayerConfig,
-    abstract_parameters,
     build_layer,
-    layer_forward,
+    compile_layer,
     partition_specs,
     up_projection,
 )
@@ -112,6 +115,7 @@ from k3_tail.cli.common import (
     positive_int_list,
     progress,
 )
+from k3_tail.xla.topologies import parse_topology
 
 PARTS = ("cpu", "h100", "early", "cost", "model")
 CPU_DEVICES = 8
@@ -149,12 +153,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--weight-layout", choices=k3_tail.WEIGHT_LAYOUTS, default="replicated",
                         help="where the up projection lives (default: replicated, as vLLM serves it)")
     parser.add_argument("--seed", type=int, default=0, help="cpu: seed of the stand-in weights and inputs")
+    parser.add_argument("--topology", default="h100x8", metavar="NAME",
+                        help="h100, early, cost: the deviceless GPU topology to compile for (default h100x8)")
     parser.add_argument("--json", metavar="FILE", help="also write the machine, the settings and every row")
     args = parser.parse_args(argv)
     try:
         partition_specs(cpu_config(args), CPU_DEVICES)  # every width the CPU mesh splits must divide by it
     except ValueError as error:
         parser.error(f"--width-divisor, --experts, --top-k: {error}")
+    try:
+        parse_topology(args.topology)
+    except ValueError as error:
+        parser.error(f"--topology: {error}")
     return args
 
 
@@ -263,19 +273,15 @@ def spread(timing: dict[str, float]) -> str:
 def compile_h100(args: argparse.Namespace) -> tuple[LayerConfig, list[dict[str, Any]]]:
     """One row per (T, tier): the shared reduction of the compiled 8 x H100 layer (module docstring)."""
     config = LayerConfig.kimi_k3(num_experts=KIMI_K3_NUM_EXPERTS, top_k=KIMI_K3_TOP_K, early_shared_reduction=False)
-    mesh = k3_tail.topology_mesh("h100x8")
+    mesh = k3_tail.topology_mesh(args.topology)
     tp_size = mesh.shape["tp"]
-    parameters = abstract_parameters(config, mesh, weight_layout=args.weight_layout)
     tiers = layer_tiers(args.weight_layout)
     bar = ProgressBar(len(args.compile_tokens) * len(tiers))
     rows = []
     for num_tokens in args.compile_tokens:
-        hidden = jax.ShapeDtypeStruct((num_tokens, config.hidden_size), config.dtype, sharding=NamedSharding(mesh, P()))
         for tier in tiers:
             bar.step(f"h100 T={num_tokens} {tier.value}: compile")
-            lowered = layer_forward.lower(parameters, hidden, config=config, mesh=mesh,
-                                          weight_layout=args.weight_layout, tier=tier)
-            compiled = lowered.compile(compiler_options=k3_tail.compiler_options(tier, "gpu"))
+            compiled = compile_layer(config, mesh, num_tokens, weight_layout=args.weight_layout, tier=tier)
             report = xla_report.report(compiled, shared_argument=None)
             rows.append({"num_tokens": num_tokens, "tier": tier.value, **shared_reduction_schedule(report),
                          "compiled_gemm_flops": report.gemm_flops,
@@ -310,7 +316,7 @@ def shared_reduction_schedule(report: k3_tail.XlaReport) -> dict[str, Any]:
 
 def compile_early(args: argparse.Namespace) -> tuple[LayerConfig, list[dict[str, Any]]]:
     """One row per (T, early or not): where the shared reduction runs in the compiled layer (module docstring)."""
-    mesh = k3_tail.topology_mesh("h100x8")
+    mesh = k3_tail.topology_mesh(args.topology)
     bar = ProgressBar(2 * len(args.compile_tokens))
     rows = []
     for num_tokens in args.compile_tokens:
@@ -320,12 +326,8 @@ def compile_early(args: argparse.Namespace) -> tuple[LayerConfig, list[dict[str,
             bar.step(f"early T={num_tokens} {'early' if early else 'in the tail'}: compile")
             tier = k3_tail.select_tier(config.tail, num_tokens, mesh.shape["tp"], weight_layout=args.weight_layout,
                                        platform="gpu").tier
-            hidden = jax.ShapeDtypeStruct((num_tokens, config.hidden_size), config.dtype,
-                                          sharding=NamedSharding(mesh, P()))
-            lowered = layer_forward.lower(abstract_parameters(config, mesh, weight_layout=args.weight_layout), hidden,
-                                          config=config, mesh=mesh, weight_layout=args.weight_layout)
-            placement = shared_reduction_placement(lowered.compile(compiler_options=k3_tail.compiler_options(tier,
-                                                                                                              "gpu")))
+            placement = shared_reduction_placement(compile_layer(config, mesh, num_tokens,
+                                                                 weight_layout=args.weight_layout))
             rows.append({"num_tokens": num_tokens, "early_shared_reduction": early, "tier": tier.value,
                          **dataclasses.asdict(placement),
                          "starts_before_the_routed_experts": placement.starts_before_the_routed_experts,
@@ -337,8 +339,8 @@ def compile_early(args: argparse.Namespace) -> tuple[LayerConfig, list[dict[str,
 
 def format_early(config: LayerConfig, rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
     lines = [
-        "early: where the shared reduction runs in the layer compiled for a deviceless 8 x H100 (Kimi-K3: 896 experts,"
-        f" top 16, bf16, {args.weight_layout} up projection), the tier it selects; schedule positions",
+        f"early: where the shared reduction runs in the layer compiled for a deviceless {args.topology} (Kimi-K3: 896 "
+        f"experts, top 16, bf16, {args.weight_layout} up projection), the tier it selects; schedule positions",
         f"{'T':>6}  {'shared reduction':<18}{'tier':<17}{'start..done':>13}{'routed reads from':>19}"
         f"{'last routed':>13}{'routed inside':>15}{'starts before':>15}{'ends after':>12}",
     ]
@@ -354,8 +356,8 @@ def format_early(config: LayerConfig, rows: list[dict[str, Any]], args: argparse
 
 def format_h100(config: LayerConfig, rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
     lines = [
-        f"h100: the layer compiled for a deviceless 8 x H100 (Kimi-K3: {config.num_experts} experts, top "
-        f"{config.top_k}, bf16, {args.weight_layout} up projection), each tier with compiler_options(tier, 'gpu')",
+        f"h100: the layer compiled for a deviceless {args.topology} (Kimi-K3: {config.num_experts} experts, top "
+        f"{config.top_k}, bf16, {args.weight_layout} up projection), each tier with its compiler options",
         f"{'T':>6}  {'tier':<17}{'shared reduction':<48}{'async':<7}{'GEMMs inside (GFLOP)':>21}"
         f"{'up projection inside':>22}{'overlapped':>12}{'GEMM GFLOP/rank: compiled / useful':>37}",
     ]
@@ -381,9 +383,8 @@ def format_h100(config: LayerConfig, rows: list[dict[str, Any]], args: argparse.
 def compile_cost(args: argparse.Namespace) -> tuple[LayerConfig, list[dict[str, Any]]]:
     """One row per T: the cost of the layer compiled for 8 x H100 with the tier it selects (module docstring)."""
     config = LayerConfig.kimi_k3(num_experts=KIMI_K3_NUM_EXPERTS, top_k=KIMI_K3_TOP_K)
-    mesh = k3_tail.topology_mesh("h100x8")
+    mesh = k3_tail.topology_mesh(args.topology)
     tp_size = mesh.shape["tp"]
-    parameters = abstract_parameters(config, mesh, weight_layout=args.weight_layout)
     expert_bytes = 3 * config.latent_size * config.expert_intermediate_size // tp_size * config.dtype.itemsize
     bar = ProgressBar(len(args.cost_tokens))
     rows = []
@@ -391,9 +392,7 @@ def compile_cost(args: argparse.Namespace) -> tuple[LayerConfig, list[dict[str, 
         bar.step(f"cost T={num_tokens}: compile")
         tier = k3_tail.select_tier(config.tail, num_tokens, tp_size, weight_layout=args.weight_layout,
                                    platform="gpu").tier
-        hidden = jax.ShapeDtypeStruct((num_tokens, config.hidden_size), config.dtype, sharding=NamedSharding(mesh, P()))
-        lowered = layer_forward.lower(parameters, hidden, config=config, mesh=mesh, weight_layout=args.weight_layout)
-        compiled = lowered.compile(compiler_options=k3_tail.compiler_options(tier, "gpu"))
+        compiled = compile_layer(config, mesh, num_tokens, weight_layout=args.weight_layout)
         report = xla_report.report(compiled, shared_argument=None)
         rows.append({
             "num_tokens": num_tokens, "tier": tier.value,
@@ -410,7 +409,7 @@ def compile_cost(args: argparse.Namespace) -> tuple[LayerConfig, list[dict[str, 
 
 def format_cost(config: LayerConfig, rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
     lines = [
-        f"cost: the layer compiled for a deviceless 8 x H100 (Kimi-K3: {config.num_experts} experts, top "
+        f"cost: the layer compiled for a deviceless {args.topology} (Kimi-K3: {config.num_experts} experts, top "
         f"{config.top_k}, bf16, {args.weight_layout} up projection) with the tier and routed-expert method it selects",
         f"{'T':>6}  {'tier':<17}{'method':<10}{'GEMM GFLOP compiled / useful':>30}{'ratio':>8}{'GB accessed':>13}"
         f"{'temp MB':>11}{'temp / routed weights read':>28}",

@@ -17,6 +17,12 @@
 # design (every codec), tests/test_quantized_sums.py (codecs, the two-shot sum on the GPUs, the size
 # window) and the schedule checks (wire bytes of the quantised shots, the unquantised decode program).
 #
+# Then the compiled-program tests (pytest -m compiled: schedules, one-token bytes, FP8 GEMMs, quantised wire
+# bytes, the cost model's agreement, the layer's cost and placement), which CI runs for deviceless MI300X and
+# MI355X topologies with stand-in ROCm libraries, here against this host's own plugin and libraries (a ROCm host
+# never gets stand-ins): for the deviceless 8 x MI300X and 8 x MI355X topologies and for the host's real mesh
+# ("rocm"); K3_TAIL_TEST_TOPOLOGIES overrides that list (e.g. h100x8 too, with the [aot] extra).
+#
 # XLA options: none are needed from the environment. k3_tail.compile_tail applies its own per
 # executable (k3_tail.compiler_options: for the overlap tier xla_gpu_all_reduce_combine_threshold_bytes=0,
 # xla_gpu_all_gather_combine_threshold_bytes=0 and xla_gpu_disable_async_collectives=""), and these
@@ -30,4 +36,5 @@ python -c 'import jax; d = jax.devices(); print(f"jax {jax.__version__}: {len(d)
 python -m pytest tests/test_tiers.py tests/test_sequence_parallel.py tests/test_per_rank.py tests/test_forward.py \
     tests/test_collectives.py tests/test_rocm_watch.py tests/test_up_projection.py \
     tests/test_module.py tests/test_schedule.py tests/test_shared_reduction.py tests/test_quantized_sums.py \
-    -m "rocm or not rocm" "$@"
+    -m "(rocm or not rocm) and not compiled" "$@"
+python -m pytest tests -m compiled --topologies "${K3_TAIL_TEST_TOPOLOGIES:-mi300xx8,mi355xx8,rocm}" "$@"

@@ -6,7 +6,12 @@ without a GPU. ``JAX_PLATFORMS=rocm`` (scripts/rocm_check.sh) or ``=cuda`` runs 
 
 Markers: ``rocm`` tests are skipped unless the default backend is a ROCm GPU; ``slow`` tests (the
 full Cartesian products of tests/test_exhaustive.py) are left out (deselected) unless the ``-m``
-expression names them: ``pytest -m slow`` (scripts/rocm_check.sh's ``-m "rocm or not rocm"`` leaves them out).
+expression names them: ``pytest -m slow`` (scripts/rocm_check.sh's ``-m "(rocm or not rocm) and not compiled"``
+and ``-m compiled`` leave them out);
+``compiled`` tests compile for a deviceless GPU topology (``helpers.topology_params``) or the host's ROCm mesh.
+``--topologies h100x8,mi300xx8`` (or ``K3_TAIL_TEST_TOPOLOGIES``) names the topologies they must compile for
+(helpers.gpu_mesh_for); .ci/run's ROCm environments run ``-m compiled`` for h100x8, mi300xx8 and mi355xx8 (jax
+0.12) and for mi300xx8 and mi355xx8 (jax 0.10.2).
 The helpers the test modules share live in ``helpers.py``.
 """
 
@@ -15,7 +20,7 @@ import os
 import jax
 import pytest
 
-from helpers import FAST_COMPILE_XLA_FLAGS
+from helpers import FAST_COMPILE_XLA_FLAGS, GPU_TOPOLOGIES, TOPOLOGIES_VARIABLE, named_topologies
 
 if not os.environ.get("JAX_PLATFORMS"):
     jax.config.update("jax_platforms", "cpu")
@@ -26,18 +31,42 @@ if not os.environ.get("JAX_PLATFORMS"):
 jax.config.update("jax_num_cpu_devices", 8)
 
 
+def pytest_addoption(parser):
+    parser.addoption("--topologies", default=None,
+                     help=f"comma-separated GPU topologies the compiled tests must compile for ({TOPOLOGIES_VARIABLE})")
+
+
+def pytest_configure(config):
+    if config.getoption("--topologies"):
+        os.environ[TOPOLOGIES_VARIABLE] = config.getoption("--topologies")  # pytest-xdist workers inherit it
+
+
 def pytest_collection_modifyitems(config, items):
-    """Leave out the ``slow`` tests unless -m names them; skip the ``rocm`` ones unless on a ROCm GPU."""
+    """Leave out the ``slow`` tests unless -m names them, and the compiled tests of topologies not named when
+    K3_TAIL_TEST_TOPOLOGIES names some; skip the ``rocm`` ones unless on a ROCm GPU."""
     if "slow" not in (config.option.markexpr or ""):
         slow = [item for item in items if item.get_closest_marker("slow") is not None]
         if slow:
             config.hook.pytest_deselected(items=slow)
             items[:] = [item for item in items if item.get_closest_marker("slow") is None]
+    named = named_topologies()
+    if named is not None:  # compiled tests for the topologies not named are left out
+        left_out = [item for item in items if _topology(item) not in (None, *named)]
+        if left_out:
+            config.hook.pytest_deselected(items=left_out)
+            items[:] = [item for item in items if _topology(item) in (None, *named)]
     if not _on_rocm():
         skip = pytest.mark.skip(reason="needs a ROCm GPU mesh: run scripts/rocm_check.sh on a ROCm host")
         for item in items:
             if item.get_closest_marker("rocm") is not None:
                 item.add_marker(skip)
+
+
+def _topology(item):
+    """The GPU topology a ``compiled`` test compiles for (a param from helpers.topology_params), or None."""
+    if item.get_closest_marker("compiled") is None or not hasattr(item, "callspec"):
+        return None
+    return next((value for value in item.callspec.params.values() if value in (*GPU_TOPOLOGIES, "rocm")), None)
 
 
 def _on_rocm():

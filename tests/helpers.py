@@ -1,10 +1,12 @@
-"""Helpers shared by the test modules: meshes, the (tier, weight layout) pairs, once-per-session results,
-running one case of the covering design (tests/covering.py), and the column tier's contract check.
+"""Helpers shared by the test modules: meshes (deviceless GPU topologies among them), the (tier, weight
+layout) pairs, once-per-session results, running one case of the covering design (tests/covering.py), and
+the column tier's contract check.
 
 Import them with ``from helpers import ...`` (``conftest.py`` only sets up the platform and the hooks).
 """
 
 import functools
+import importlib.util
 import json
 import os
 import time
@@ -38,6 +40,65 @@ def command_environment():
     script): no JAX_PLATFORMS and no forced device count (the command chooses), compiled fast."""
     environment = {key: value for key, value in os.environ.items() if key not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     return {**environment, "XLA_FLAGS": FAST_COMPILE_XLA_FLAGS}
+
+
+# The deviceless GPU topologies the compiled-program tests compile for (k3_tail.topology_mesh), and "rocm": the
+# real ROCm mesh of the host (scripts/rocm_check.sh). K3_TAIL_TEST_TOPOLOGIES (or pytest's --topologies, which
+# sets it) names the ones to run, comma-separated: a named topology that cannot compile here is a failure, one
+# not named is skipped. Unset, every topology runs where it can and skips (with the reason) where it cannot:
+# the ROCm ones need the [rocm-aot] extra, which .ci/run installs in an environment of its own (.venv-rocm).
+GPU_TOPOLOGIES = ("h100x8", "mi300xx8", "mi355xx8")
+TOPOLOGIES_VARIABLE = "K3_TAIL_TEST_TOPOLOGIES"
+
+
+def named_topologies():
+    """The topologies K3_TAIL_TEST_TOPOLOGIES names, or None when it is unset (every one where it can)."""
+    value = os.environ.get(TOPOLOGIES_VARIABLE, "").strip()
+    return None if not value else tuple(name.strip().lower() for name in value.split(",") if name.strip())
+
+
+def topology_params(*topologies, slow=()):
+    """pytest params for the ``topology`` of a compiled-program test: each marked ``compiled`` (and ``rocm`` for
+    the host's ROCm mesh, ``slow`` for those in ``slow``: the full cross)."""
+    params = []
+    for topology in topologies:
+        marks = [pytest.mark.compiled]
+        if topology == "rocm":
+            marks.append(pytest.mark.rocm)
+        if topology in slow:
+            marks.append(pytest.mark.slow)
+        params.append(pytest.param(topology, marks=marks, id=topology))
+    return params
+
+
+def gpu_mesh_for(topology, tp_size=8):
+    """The mesh of a ``topology`` param: the host's ROCm devices for "rocm", else ``k3_tail.topology_mesh``;
+    skipped when K3_TAIL_TEST_TOPOLOGIES leaves it out, or (when that is unset) when it cannot compile here."""
+    named = named_topologies()
+    if named is not None and topology not in named:
+        pytest.skip(f"{topology}: not in {TOPOLOGIES_VARIABLE}={','.join(named)}")
+    if topology == "rocm":
+        return jax.make_mesh((tp_size,), ("tp",), devices=jax.devices()[:tp_size])
+    try:
+        return k3_tail.topology_mesh(topology)
+    except k3_tail.TopologyUnavailable as error:
+        if named is not None:
+            pytest.fail(f"{topology} is named in {TOPOLOGIES_VARIABLE} but cannot compile here: {error}", pytrace=False)
+        if k3_tail.xla.topologies.parse_topology(topology)[0].platform == "rocm" and not ROCM_WHEELS:
+            pytest.skip(f"{topology}: needs the [rocm-aot] extra (.ci/run runs it in .venv-rocm)")
+        pytest.skip(str(error))
+
+
+ROCM_WHEELS = importlib.util.find_spec("jax_plugins.xla_rocm7") is not None
+
+
+def topology_available(topology):
+    """Whether ``k3_tail.topology_mesh(topology)`` works here (for tests that compile in another process)."""
+    try:
+        k3_tail.topology_mesh(topology)
+    except k3_tail.TopologyUnavailable:
+        return False
+    return True
 
 
 @functools.cache

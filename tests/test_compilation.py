@@ -1,11 +1,26 @@
-"""compile_tail, its abstract arguments, the library's compiler options and the shipped GPU targets."""
+"""compile_tail, its abstract arguments, the library's compiler options, the shipped GPU targets, and the
+deviceless ROCm topologies' stand-in runtime libraries (k3_tail.xla.rocm_stand_ins)."""
 
+import ctypes
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
 import pytest
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from helpers import make_tp_mesh
+from helpers import gpu_mesh_for, make_tp_mesh
 from k3_tail import GPU_TARGETS, Tier, TailConfig, compile_tail, compiler_options, select_tier, tail_arguments
+from k3_tail.xla import rocm_stand_ins
 from k3_tail.xla.hlo_text import parse_module
+from k3_tail.xla.report import report
 from k3_tail.xla.topologies import TopologyUnavailable, parse_topology, topology_mesh
 
 CONFIG = TailConfig(hidden_size=99, latent_size=64)
@@ -82,10 +97,230 @@ def test_every_target_ships_a_record_for_its_platform(target):
     assert ("cuda_compute_capability" if platform == "cuda" else "gcn_arch_name") in text
 
 
-def test_rocm_topologies_say_why_they_cannot_compile_without_rocm():
+ROCM_WHEELS = importlib.util.find_spec(rocm_stand_ins.PLUGIN_MODULE) is not None
+
+
+def needs_rocm_wheels(test):
+    """A test of the deviceless ROCm mechanism: it runs where the ROCm wheels are (``-m compiled`` there) and no
+    AMD GPU is (a ROCm host keeps its own libraries: scripts/rocm_check.sh)."""
+    skip = pytest.mark.skipif(not ROCM_WHEELS, reason="needs the [rocm-aot] extra (.ci/run's .venv-rocm)")
+    real_host = pytest.mark.skipif(ROCM_WHEELS and rocm_stand_ins.real_rocm_host(),
+                                   reason="a ROCm host uses its own ROCm libraries, no stand-ins")
+    return pytest.mark.compiled(real_host(skip(test)))
+
+
+needs_tools = pytest.mark.skipif(shutil.which("gcc") is None or shutil.which("readelf") is None,
+                                 reason="needs gcc and readelf")
+
+
+@pytest.mark.skipif(ROCM_WHEELS, reason="the ROCm plugin is installed here")
+@pytest.mark.parametrize("topology", ["mi300xx8", "mi355xx8"])
+def test_rocm_topologies_without_the_plugin_name_the_extra_that_brings_it(topology):
+    with pytest.raises(TopologyUnavailable, match=r"jax-rocm7-pjrt and jax-rocm7-plugin not installed.*\[rocm-aot\]"):
+        topology_mesh(topology)
+
+
+@pytest.mark.parametrize(("topology", "kind"), [("mi300xx8", "AMD MI300X"), ("mi355xx8", "AMD MI355X")])
+@pytest.mark.compiled
+def test_rocm_meshes_have_eight_devices_of_their_kind_and_compile_an_async_all_reduce(topology, kind):
+    mesh = gpu_mesh_for(topology)
+    assert mesh.size == 8 and {device.device_kind for device in mesh.devices.flat} == {kind}
+    assert topology_mesh(topology) == mesh  # one topology's devices are made once per process
+
+    def body(shared, x, w):
+        return jax.lax.psum(shared, "tp"), x @ w  # an all-reduce and a GEMM that does not wait for it
+
+    program = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P(), P()), out_specs=(P(), P())))
+    arguments = [jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=NamedSharding(mesh, spec))
+                 for shape, spec in (((8 * 64, 4096), P("tp")), ((64, 1024), P()), ((1024, 2048), P()))]
+    lowered = program.lower(*arguments)
+    result = report(lowered.compile(), shared_argument=0)
+    assert [(c.kind, c.is_async) for c in result.collectives] == [("all-reduce", True)]
+    assert result.gemm_flops == 2 * 64 * 1024 * 2048
+    # XLA's latency hiding scheduler puts the GEMM inside the all-reduce (on jax 0.10 it is on by default for
+    # CUDA only, so it is asked for here; jax 0.12 runs it for ROCm too).
+    scheduled = report(lowered.compile(compiler_options={"xla_gpu_enable_latency_hiding_scheduler": True}),
+                       shared_argument=0)
+    assert scheduled.overlapped is True
+
+
+def run_python(script, **environment):
+    """Run ``script`` in a fresh interpreter (JAX_PLATFORMS=cpu unless given) and return the completed process."""
+    environment = {"JAX_PLATFORMS": "cpu", **{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, **environment}
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True,
+                          env={k: v for k, v in environment.items() if v is not None}, timeout=300, check=False)
+
+
+MAPPED_STAND_INS = """
+    def mapped_stand_ins():
+        with open("/proc/self/maps") as maps:
+            return sorted({line.split()[-1] for line in maps if "rocm-stand-ins" in line})
+"""
+
+
+@pytest.mark.compiled  # run in the ROCm environments too, where the ROCm wheels are installed
+def test_importing_k3_tail_prints_nothing_and_loads_no_stand_in():
+    result = run_python(MAPPED_STAND_INS + """
+    import k3_tail
+    print(mapped_stand_ins())
+    """, JAX_PLATFORMS=None)
+    assert result.returncode == 0 and result.stderr == "" and result.stdout == "[]\n", result
+
+
+@needs_rocm_wheels
+@pytest.mark.compiled
+def test_a_rocm_topology_in_a_fresh_process_prints_nothing_and_maps_the_stand_ins():
+    """The stand-ins are loaded when a ROCm topology is asked for, not before, and nothing is logged: not the
+    plugin's "No AMD GPUs were found" (its discovery is held back) nor a missing extension module."""
+    result = run_python(MAPPED_STAND_INS + """
+    import k3_tail
+    before = mapped_stand_ins()
+    mesh = k3_tail.topology_mesh("mi300xx8")
+    print(before, len(mapped_stand_ins()), mesh.devices.flat[0].device_kind)
+    """)
+    assert result.returncode == 0 and result.stderr == "", result
+    assert result.stdout.startswith("[] ") and result.stdout.endswith(" AMD MI300X\n")
+    assert int(result.stdout.split()[1]) >= 10  # libamdhip64, libhsa-runtime64, hipBLASLt, ... (jax 0.12: 16)
+
+
+@needs_rocm_wheels
+@needs_tools
+def test_the_plugins_stand_ins_build_into_the_cache_and_are_reused(tmp_path):
+    first = rocm_stand_ins.stand_ins(root=tmp_path)
+    assert first.built and first.directory.parent == tmp_path
+    assert first.directory.name.startswith(rocm_stand_ins.installed_plugin().version + "-")
+    assert first.libraries[0] == "libamdhip64.so.7"  # the one every other stand-in links: loaded first
+    assert {"libhipblaslt.so.1", "librocblas.so.5", "librccl.so.1", "libMIOpen.so.1"} <= set(first.libraries)
+    plugin = rocm_stand_ins.installed_plugin()
+    for path in plugin.elf_files:  # every library a plugin file needs: a stand-in, or one this machine has
+        for soname in rocm_stand_ins.read_elf(path, shutil.which("readelf")).needed:
+            assert soname in first.libraries or ctypes.CDLL(soname), (path.name, soname)
+    assert first.symbols > 300
+    times = {path.name: path.stat().st_mtime_ns for path in first.directory.iterdir()}
+    second = rocm_stand_ins.stand_ins(root=tmp_path)
+    assert (second.built, second.directory, second.libraries) == (False, first.directory, first.libraries)
+    assert {path.name: path.stat().st_mtime_ns for path in second.directory.iterdir()} == times
+    assert not [path for path in tmp_path.iterdir() if path.name.startswith(".building-")]
+
+
+@needs_rocm_wheels
+@needs_tools
+def test_processes_building_the_stand_ins_at_once_share_one_directory(tmp_path):
+    script = f"""
+    import json
+    from k3_tail.xla import rocm_stand_ins
+    built = rocm_stand_ins.stand_ins(root={str(tmp_path)!r})
+    print(json.dumps([str(built.directory), built.built]))
+    """
+    environment = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    processes = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(script)], stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True, env=environment) for _ in range(2)]
+    results = [json.loads(process.communicate(timeout=300)[0]) for process in processes]
+    assert len({directory for directory, _ in results}) == 1
+    assert [built for _, built in results].count(True) <= 1
+    assert [path.name for path in tmp_path.iterdir()] == [os.path.basename(results[0][0])]
+
+
+@needs_rocm_wheels
+def test_a_missing_compiler_or_readelf_is_named(tmp_path):
+    """In a fresh process with an empty cache and neither gcc nor readelf on PATH (nor $CC)."""
+    result = run_python("""
+    import k3_tail
     try:
-        topology_mesh("mi355xx8")
-    except TopologyUnavailable as error:
-        assert "ROCm" in str(error)
-    else:
-        pytest.skip("the ROCm plugin loads on this host")
+        k3_tail.topology_mesh("mi300xx8")
+    except k3_tail.TopologyUnavailable as error:
+        print(error)
+    """, PATH=str(tmp_path), CC=None, XDG_CACHE_HOME=str(tmp_path / "cache"))
+    assert result.returncode == 0 and result.stderr == "", result
+    assert "a C compiler (gcc, or $CC) and readelf (GNU binutils)" in result.stdout
+    assert "apt-get install gcc binutils" in result.stdout
+
+
+def test_the_tools_are_found_on_path_or_named(monkeypatch, tmp_path):
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(rocm_stand_ins.RocmUnavailable, match=r"gcc, or \$CC\) and readelf"):
+        rocm_stand_ins.find_tools()
+    readelf = tmp_path / "readelf"
+    readelf.write_text("#!/bin/sh\n")
+    readelf.chmod(0o755)
+    with pytest.raises(rocm_stand_ins.RocmUnavailable, match=r"needs a C compiler \(gcc, or \$CC\), not found"):
+        rocm_stand_ins.find_tools()
+
+
+def test_a_rocm_host_keeps_its_own_libraries(monkeypatch):
+    """With /dev/kfd and a GPU in the KFD topology, nothing is built or loaded: jax's discovery registers the real
+    plugin with the host's ROCm."""
+    from jax._src import hardware_utils
+
+    real_exists = os.path.exists
+    monkeypatch.setattr(os.path, "exists", lambda path: path == "/dev/kfd" or real_exists(path))
+    monkeypatch.setattr(hardware_utils, "num_available_amd_gpus", lambda stop_at=None: 8)
+    monkeypatch.setattr(rocm_stand_ins, "plugin_registered", lambda: False)
+    monkeypatch.setattr(rocm_stand_ins, "stand_ins", lambda *a, **k: pytest.fail("built stand-ins on a ROCm host"))
+    assert rocm_stand_ins.real_rocm_host() and rocm_stand_ins.ensure_rocm_plugin() is None
+
+
+FAKE_RUNTIME = {
+    # soname: (C source, version script or None)
+    "libk3fake.so.1": ("int k3fake_add(int a, int b) { return a + b; }\nint k3fake_new(void) { return 0; }\n",
+                       "K3FAKE_1.0 { global: k3fake_add; local: *; };\n"
+                       "K3FAKE_2.0 { global: k3fake_new; } K3FAKE_1.0;\n"),
+    "libk3plain.so.2": ("int k3plain_hello(void) { return 7; }\n", None),
+}
+FAKE_PLUGIN = """
+extern int k3fake_add(int, int);
+extern int k3fake_new(void);
+extern int k3plain_hello(void);
+int fake_plugin_call(void) { return k3fake_add(2, 3) + 10 * k3fake_new() + 100 * k3plain_hello(); }
+"""
+
+
+def build_fake_plugin(directory):
+    """A "plugin" ELF that links two libraries (one with symbol versions) that are then removed, as a machine
+    without ROCm lacks the plugin's runtime."""
+    runtime = directory / "runtime"
+    runtime.mkdir()
+    for soname, (source, script) in FAKE_RUNTIME.items():
+        (runtime / f"{soname}.c").write_text(source)
+        command = ["gcc", "-shared", "-fPIC", "-o", str(runtime / soname), str(runtime / f"{soname}.c"),
+                   f"-Wl,-soname,{soname}"]
+        if script:
+            (runtime / f"{soname}.map").write_text(script)
+            command.append(f"-Wl,--version-script={runtime / f'{soname}.map'}")
+        subprocess.run(command, check=True)
+    (directory / "plugin.c").write_text(FAKE_PLUGIN)
+    plugin = directory / "fake_plugin.so"
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(plugin), str(directory / "plugin.c"), f"-L{runtime}",
+                    "-l:libk3fake.so.1", "-l:libk3plain.so.2"], check=True)
+    shutil.rmtree(runtime)
+    return rocm_stand_ins.Plugin("0.0.test", plugin, ())
+
+
+@needs_tools
+def test_stand_ins_meet_an_elfs_needs_at_the_symbol_versions_it_asks_for(tmp_path):
+    plugin = build_fake_plugin(tmp_path)
+    with pytest.raises(OSError):
+        ctypes.CDLL(str(plugin.library))  # its libraries are missing here
+    built = rocm_stand_ins.stand_ins(plugin, root=tmp_path / "cache")
+    assert built.built and built.libraries == ("libk3fake.so.1", "libk3plain.so.2") and built.symbols == 3
+    symbols = subprocess.run(["readelf", "-W", "--dyn-syms", str(built.directory / "libk3fake.so.1")],
+                             capture_output=True, text=True, check=True).stdout
+    assert "k3fake_add@@K3FAKE_1.0" in symbols and "k3fake_new@@K3FAKE_2.0" in symbols
+    plain = subprocess.run(["readelf", "-W", "--dyn-syms", str(built.directory / "libk3plain.so.2")],
+                           capture_output=True, text=True, check=True).stdout
+    assert " k3plain_hello" in plain  # an unversioned symbol goes to the library whose name it starts with
+    rocm_stand_ins.preload(built)
+    # Every stand-in function fails with 1: 1 + 10 * 1 + 100 * 1.
+    assert ctypes.CDLL(str(plugin.library)).fake_plugin_call() == 111
+
+
+@needs_tools
+def test_a_changed_plugin_gets_stand_ins_of_its_own(tmp_path):
+    plugin = build_fake_plugin(tmp_path)
+    first = rocm_stand_ins.stand_ins(plugin, root=tmp_path / "cache")
+    assert rocm_stand_ins.stand_ins(plugin, root=tmp_path / "cache").directory == first.directory
+    os.utime(plugin.library, ns=(0, plugin.library.stat().st_mtime_ns + 10**9))  # a reinstalled plugin
+    second = rocm_stand_ins.stand_ins(plugin, root=tmp_path / "cache")
+    assert second.built and second.directory != first.directory
+    assert second.directory.name.startswith("0.0.test-")

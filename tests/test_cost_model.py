@@ -1,21 +1,21 @@
 """k3_tail.cost_model: per-rank counts that agree with the compiled programs, the time model, crossovers.
 
 The agreement tests compile every tier with :func:`k3_tail.compile_tail` and read the result with
-:func:`k3_tail.xla_report.report` and the program's HLO: on the deviceless 8 x H100 topology
-(XLA's real GPU pipeline; needs the ``[aot]`` extra), where collectives move bf16 as the tiers issue
-them, they compare bytes; on the 8-device CPU mesh, which moves bf16 collectives as float32, they
+:func:`k3_tail.xla_report.report` and the program's HLO: on the deviceless 8 x H100 and 8 x MI300X
+topologies (XLA's real CUDA and AMDGPU pipelines; the ``[aot]`` and ``[rocm-aot]`` extras, each skipped
+where it cannot compile; 8 x MI355X is the full cross, ``slow``), where collectives move bf16 as the tiers
+issue them, they compare bytes; on the 8-device CPU mesh, which moves bf16 collectives as float32, they
 compare element counts.
 """
 
 import dataclasses
-import importlib.util
 import math
 
 import jax
 import pytest
 
-from helpers import compiled_tail, make_tp_mesh, tier_layouts
-from k3_tail import TailConfig, Tier, tail_arguments, topology_mesh
+from helpers import compiled_tail, gpu_mesh_for, make_tp_mesh, tier_layouts, topology_params
+from k3_tail import TailConfig, Tier, tail_arguments
 from k3_tail.selection.cost_model import (
     ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, HARDWARE, REDUCE_SCATTER, CollectiveCost, Crossover, Hardware,
     TierCost, best_tier, crossovers, predict_time, tier_cost,
@@ -25,7 +25,6 @@ from k3_tail.xla.report import report
 
 K3 = TailConfig.kimi_k3()
 L, H, P = K3.latent_size, K3.hidden_size, 8
-AOT_MISSING = importlib.util.find_spec("jax_plugins.xla_cuda13") is None
 KINDS = (ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER, ALL_TO_ALL)
 TOLERANCE = 0.05
 # H not divisible by p (padded column blocks), and the switches that change what a tier moves.
@@ -39,11 +38,9 @@ VARIANTS = {
 }
 
 
-@pytest.fixture(scope="module")
-def gpu_mesh():
-    if AOT_MISSING:
-        pytest.skip("needs the [aot] extra (jax-cuda13-plugin and -pjrt of the installed jax) for h100x8")
-    return topology_mesh("h100x8")
+@pytest.fixture(scope="module", params=topology_params("h100x8", "mi300xx8", "mi355xx8", slow=("mi355xx8",)))
+def gpu_mesh(request):
+    return gpu_mesh_for(request.param, P)
 
 
 def compiled_figures(config, mesh, num_tokens, tier, weight_layout, *, elements=False):

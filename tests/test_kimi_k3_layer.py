@@ -15,11 +15,17 @@ the choice between them: tests/test_kimi_k3_routed_experts.py); 300 is above the
 Tolerance, relative Frobenius error ||y - ref|| / ||ref||: bf16 <= 1e-2 (measured up to 6.3e-3 over
 the full product: z, the SiTU outputs, both partials, the tail's collectives and y are each rounded
 to bf16), float32 <= 1e-5 (measured up to 3.4e-7).
+
+Structure: at T = 1 every product of the lowered layer multiplies at least two rows
+(examples/kimi_k3_gemm.py), so XLA's GPU pipeline does not strength-reduce one into a multiply that copies
+its kernel in float32 (what it cost on ROCm: tests/test_kimi_k3_routed_experts.py's decode temp memory).
 """
 
 import dataclasses
 import functools
 import itertools
+import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +38,8 @@ import covering
 import k3_tail
 from examples import kimi_k3_moe_cost as layer_cost
 from examples import kimi_k3_moe_layer as layer_module
-from examples.kimi_k3_routed_experts import routed_expert_method
+from examples.kimi_k3_gemm import matmul
+from examples.kimi_k3_routed_experts import ROUTED_EXPERTS, routed_expert_method
 from examples.kimi_k3_moe_reference import choice_margin, reference_layer, reference_partials
 from helpers import FAST_COMPILE_OPTIONS, make_tp_mesh
 from reference import TOLERANCE, relative_error, tolerance
@@ -281,6 +288,54 @@ def test_the_layer_lowers_from_abstract_parameters():
     lowered = layer_module.layer_forward.lower(layer_module.abstract_parameters(config, mesh), x, config=config,
                                                mesh=mesh, tier="overlap")
     assert lowered.out_info.shape == (3, HIDDEN)
+
+
+# A StableHLO dot_general: its batch and contracting dimensions per side and its operand types.
+DOT_GENERAL = re.compile(r"stablehlo\.dot_general .*?(?:batching_dims = \[([\d, ]*)\] x \[([\d, ]*)\], )?"
+                         r"contracting_dims = \[([\d, ]*)\] x \[([\d, ]*)\].*?: \(tensor<([^>]*)>, tensor<([^>]*)>\)")
+
+
+def dot_sides(text):
+    """Per dot_general of a lowered program: the (lhs, rhs) sizes of the dimensions that are neither batch nor
+    contracting (its free dimensions: rows of one side, columns of the other)."""
+    def free(shape, batch, contracting):
+        dims = [int(size) for size in shape.split("x")[:-1]]
+        taken = {int(i) for i in f"{batch},{contracting}".split(",") if i.strip()}
+        return tuple(size for i, size in enumerate(dims) if i not in taken)
+
+    return [(free(lhs, lb or "", lc), free(rhs, rb or "", rc))
+            for lb, rb, lc, rc, lhs, rhs in DOT_GENERAL.findall(text)]
+
+
+@pytest.mark.parametrize("early_shared_reduction", [True, False], ids=["early", "intail"])
+@pytest.mark.parametrize("method", ROUTED_EXPERTS)
+def test_no_product_of_the_layer_has_a_single_row_at_one_token(method, early_shared_reduction):
+    """XLA's GPU pipeline rewrites a dot with a vector side (one row: [1, K] x [K, N]) into a multiply that writes
+    a float32 copy of the kernel and a reduce; every product of the layer (router, down projection, shared experts,
+    each method's expert products, the tail's up projection) multiplies at least two rows (examples/kimi_k3_gemm.py).
+    Checked in the lowered program at T = 1, as the GPU compiler receives it."""
+    config = dataclasses.replace(layer_config("bfloat16", early_shared_reduction), routed_experts=method)
+    mesh = make_tp_mesh(2)
+    x = jax.ShapeDtypeStruct((1, HIDDEN), config.dtype, sharding=NamedSharding(mesh, P()))
+    text = layer_module.layer_forward.lower(layer_module.abstract_parameters(config, mesh), x, config=config,
+                                            mesh=mesh).as_text()
+    sides = dot_sides(text)
+    assert len(sides) == text.count("stablehlo.dot_general") >= 6  # router, down, 3 shared, up projection at least
+    vector_sides = [dot for dot in sides if any(math.prod(side) <= 1 for side in dot)]
+    assert not vector_sides
+
+
+@pytest.mark.parametrize(("a_shape", "b_shape"),
+                         [((1, 6), (6, 5)), ((3, 6), (6, 5)), ((4, 1, 6), (4, 6, 5)), ((0, 6), (6, 5))],
+                         ids=["one-row", "rows", "batched-one-row", "empty"])
+def test_the_layer_product_is_the_float32_matrix_product(a_shape, b_shape):
+    """examples/kimi_k3_gemm.matmul: a @ b in float32, its shape, also for one row (padded to two, then sliced)."""
+    rng = np.random.default_rng(3)
+    a, b = (jnp.asarray(rng.standard_normal(shape), jnp.bfloat16) for shape in (a_shape, b_shape))
+    product = matmul(a, b)
+    assert product.dtype == jnp.float32 and product.shape == (*a_shape[:-1], b_shape[-1])
+    expected = np.matmul(np.asarray(a, np.float64), np.asarray(b, np.float64))
+    np.testing.assert_allclose(np.asarray(product), expected, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize(("num_tokens", "expected_experts"), [(1, 16), (1 << 20, 896)])

@@ -3,9 +3,11 @@
 vLLM's ROCm runner stopped using a GEMM that accumulates into C (``addmm_``) in this tail because
 hipBLASLt faulted at some row counts: 23393-23405 rows of [rows, 3584] x [3584, 896] (the column
 tier's GEMM at TP8) and 2914-2925 rows of [rows, 3584] x [3584, 7168] (the full projection; the
-token-parallel tier's GEMM at TP8 has T/8 rows). XLA may fuse "dot + add" into such a GEMM too, so
-``scripts/rocm_check.sh`` runs these tiers at those row counts against the float64 reference (on a
-sample of rows: every row is independent, and the whole reference would take minutes on the host).
+token-parallel tier's GEMM at TP8 has T/8 rows). XLA's library GEMM path folds "dot + add" into such a
+GEMM (beta = 1, output aliased to C); on ROCm the tiers keep the add out of it, which
+tests/test_rocm_gemms.py asserts on the compiled programs. ``scripts/rocm_check.sh`` still runs these
+tiers at those row counts against the float64 reference on the host (on a sample of rows: every row is
+independent, and the whole reference would take minutes on the host).
 """
 
 import jax

@@ -1,10 +1,12 @@
 """What XLA's GPU pipeline makes of every tier, at Kimi-K3 shapes on an 8-GPU mesh.
 
-The mesh is a deviceless H100 x 8 topology (needs the ``[aot]`` extra; the tests skip only when
-its plugin is not installed) or, under scripts/rocm_check.sh, the real ROCm mesh of the host.
+The meshes are deviceless topologies (``helpers.gpu_mesh_for``): 8 x H100 (XLA's CUDA pipeline; the
+``[aot]`` extra), 8 x MI300X and, where the target matters (the FP8 formats, the one-token GEMMs and their
+temporaries), 8 x MI355X (XLA's AMDGPU pipeline; the ``[rocm-aot]`` extra, which .ci/run's ROCm
+environment has); each is skipped where it cannot compile. The MI355X params of the other tests are the
+full cross (``slow``). Under scripts/rocm_check.sh the real ROCm mesh of the host joins them ("rocm").
 """
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -13,8 +15,8 @@ import sys
 import jax
 import pytest
 
-from helpers import compiled_tail
-from k3_tail import Tier, TailConfig, compiler_options, tail_arguments, tail_forward, topology_mesh
+from helpers import compiled_tail, gpu_mesh_for, topology_params
+from k3_tail import Tier, TailConfig, compiler_options, tail_arguments, tail_forward
 from k3_tail.tiers.codecs import CODECS
 from k3_tail.tiers.up_projection import gemm_rows
 from k3_tail.xla.hlo_text import parse_module
@@ -24,16 +26,17 @@ CONFIG = TailConfig.kimi_k3()
 L, H, P = CONFIG.latent_size, CONFIG.hidden_size, 8
 TOKEN_COUNTS = [1, 16, 256]
 LAYOUTS = ["column", "replicated"]
-AOT_MISSING = importlib.util.find_spec("jax_plugins.xla_cuda13") is None
 
 
-@pytest.fixture(scope="module", params=["h100x8", pytest.param("rocm", marks=pytest.mark.rocm)])
+@pytest.fixture(scope="module", params=topology_params("h100x8", "mi300xx8", "mi355xx8", "rocm", slow=("mi355xx8",)))
 def gpu_mesh(request):
-    if request.param == "rocm":
-        return jax.make_mesh((P,), ("tp",), devices=jax.devices()[:P])
-    if AOT_MISSING:
-        pytest.skip("needs the [aot] extra (jax-cuda13-plugin and -pjrt of the installed jax) for h100x8")
-    return topology_mesh(request.param)
+    return gpu_mesh_for(request.param, P)
+
+
+@pytest.fixture(scope="module", params=topology_params("h100x8", "mi300xx8", "mi355xx8", "rocm"))
+def target_mesh(request):
+    """For the tests where the GPU target matters: MI355X (gfx950) as well as MI300X (gfx942), always."""
+    return gpu_mesh_for(request.param, P)
 
 
 def compiled_report(mesh, tier, num_tokens, weight_layout):
@@ -121,21 +124,22 @@ def test_scatter_gather_tier_is_a_latent_all_reduce_then_reduce_scatter_and_all_
     assert result.gemm_flops == 2 * gemm_rows(num_tokens) * L * (H // P)
 
 
-@pytest.mark.skipif(AOT_MISSING, reason="needs the [aot] extra (jax-cuda13-plugin and -pjrt of the installed jax)")
-def test_library_options_override_user_xla_flags_that_make_all_reduce_synchronous():
+@pytest.mark.parametrize("topology", topology_params("h100x8", "mi300xx8"))
+def test_library_options_override_user_xla_flags_that_make_all_reduce_synchronous(topology):
+    gpu_mesh_for(topology)  # skips here when the topology cannot compile (and builds ROCm's stand-ins once)
     script = (
-        "import jax, json; jax.config.update('jax_platforms', 'cpu');"
+        "import jax, json, sys; jax.config.update('jax_platforms', 'cpu');"
         "from k3_tail import TailConfig, compile_tail, tail_arguments, tail_forward, topology_mesh;"
         "from k3_tail.xla.report import report;"
-        "mesh = topology_mesh('h100x8'); config = TailConfig.kimi_k3();"
+        "mesh = topology_mesh(sys.argv[1]); config = TailConfig.kimi_k3();"
         "plain = jax.jit(lambda *a: tail_forward(*a, config=config, mesh=mesh, tier='overlap'))"
         ".lower(*tail_arguments(config, mesh, 16)).compile();"
         "print(json.dumps([report(plain).overlapped,"
         " report(compile_tail(config, mesh, 16, tier='overlap')).overlapped]))"
     )
     environment = dict(os.environ, XLA_FLAGS="--xla_gpu_disable_async_collectives=ALLREDUCE", JAX_PLATFORMS="cpu")
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=environment,
-                            timeout=300, check=False)
+    result = subprocess.run([sys.executable, "-c", script, topology], capture_output=True, text=True,
+                            env=environment, timeout=300, check=False)
     assert result.returncode == 0, result.stderr
     without_options, with_options = json.loads(result.stdout.splitlines()[-1])
     assert (without_options, with_options) == (False, True)
@@ -237,26 +241,26 @@ def assert_kernel_reaches_gemms_only_as_fp8(module, result):
 
 
 @pytest.mark.parametrize(("tier", "weight_layout", "num_tokens"), fp8_params(FP8_WEIGHT_ONLY_CASES))
-def test_fp8_weights_are_read_by_the_gemm_without_a_copy_in_another_dtype(gpu_mesh, tier, weight_layout, num_tokens):
-    module, result = fp8_program(gpu_mesh, tier, weight_layout, num_tokens, fp8_activations=False)
+def test_fp8_weights_are_read_by_the_gemm_without_a_copy_in_another_dtype(target_mesh, tier, weight_layout, num_tokens):
+    module, result = fp8_program(target_mesh, tier, weight_layout, num_tokens, fp8_activations=False)
     assert_kernel_reaches_gemms_only_as_fp8(module, result)
 
 
 @pytest.mark.parametrize(("tier", "weight_layout", "num_tokens"), fp8_params(FP8_ACTIVATIONS_CASES))
-def test_fp8_activations_make_both_gemm_operands_fp8(gpu_mesh, tier, weight_layout, num_tokens):
+def test_fp8_activations_make_both_gemm_operands_fp8(target_mesh, tier, weight_layout, num_tokens):
     """The normalised latent is quantised before the GEMM, which then reads two FP8 operands (and at most
     float32 scales): no bf16 operand, and the kernel stays FP8."""
-    module, result = fp8_program(gpu_mesh, tier, weight_layout, num_tokens, fp8_activations=True)
+    module, result = fp8_program(target_mesh, tier, weight_layout, num_tokens, fp8_activations=True)
     assert_kernel_reaches_gemms_only_as_fp8(module, result)
     for gemm in result.gemms:
         fp8 = [t for t in gemm.operand_types if t.startswith("f8")]
         assert len(fp8) >= 2 and set(gemm.operand_types) <= {*fp8, "f32"}, (gemm.name, gemm.operand_types)
 
 
-def test_fp8_weights_halve_the_kernel_bytes_each_device_holds(gpu_mesh):
+def test_fp8_weights_halve_the_kernel_bytes_each_device_holds(target_mesh):
     """Per device: the column block [L, H/p] in FP8 plus float32 scales, against bf16 (half, plus 4H/p)."""
-    bf16 = report(compiled_tail(CONFIG, gpu_mesh, 16, Tier.COLUMN_PARALLEL, "column"))
-    _, fp8 = fp8_program(gpu_mesh, Tier.COLUMN_PARALLEL, "column", 16, fp8_activations=False)
+    bf16 = report(compiled_tail(CONFIG, target_mesh, 16, Tier.COLUMN_PARALLEL, "column"))
+    _, fp8 = fp8_program(target_mesh, Tier.COLUMN_PARALLEL, "column", 16, fp8_activations=False)
     assert sum(a.bytes for a in fp8.arguments) - sum(a.bytes for a in bf16.arguments) == -L * H // P + 4 * H // P
 
 
@@ -279,16 +283,16 @@ def temporary_limit(tier, weight_layout, up_proj_dtype):
 @pytest.mark.parametrize(("tier", "weight_layout", "fp8"), [
     pytest.param(tier, layout, fp8, id=f"{tier.value}-{layout}-{'fp8' if fp8 else 'bf16'}")
     for tier in Tier for layout in LAYOUTS if tier.supports(layout) for fp8 in (False, True)])
-def test_a_one_token_call_reads_its_kernel_once_without_a_kernel_sized_intermediate(gpu_mesh, tier, weight_layout,
+def test_a_one_token_call_reads_its_kernel_once_without_a_kernel_sized_intermediate(target_mesh, tier, weight_layout,
                                                                                       fp8):
     """Per device: bytes accessed at T = 1 at most 1.15x those at T = 2, temporary memory at most 2 MB at both
     (a column tier on the replicated kernel: its block's copy), and the product is one GEMM, not a multiply
     and a reduce; with the kernel in bf16 and in the FP8 format the mesh's GPUs multiply."""
-    up_proj_dtype = fp8_format_for(gpu_mesh) if fp8 else None
+    up_proj_dtype = fp8_format_for(target_mesh) if fp8 else None
     config = TailConfig.kimi_k3(up_proj_dtype=up_proj_dtype)
     programs = {}
     for num_tokens in (1, 2):
-        compiled = compiled_tail(config, gpu_mesh, num_tokens, tier, weight_layout)
+        compiled = compiled_tail(config, target_mesh, num_tokens, tier, weight_layout)
         programs[num_tokens] = report(compiled), compiled.memory_analysis().temp_size_in_bytes
     (one, one_temporary), (two, two_temporary) = programs[1], programs[2]
     assert [gemm.scopes for gemm in one.gemms] == [("up_projection",)]

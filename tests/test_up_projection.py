@@ -2,7 +2,8 @@
 
 The tiers' parity with FP8 kernels (every tier, layout, p and T class, with and without FP8
 activations) is in the covering design of tests/test_tiers.py; the compiled GPU programs in
-tests/test_schedule.py; the cost model's counts in tests/test_cost_model.py.
+tests/test_schedule.py; the cost model's counts in tests/test_cost_model.py; which format a device
+multiplies, and the refusal of FP8 activations in the other one, in tests/test_rocm_gemms.py.
 """
 
 import dataclasses

@@ -1,6 +1,5 @@
 """k3_tail.xla_report and its HLO reader on the CPU mesh, where cost_analysis gives per-device cost."""
 
-import importlib.util
 import json
 
 import jax
@@ -8,8 +7,8 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from helpers import make_tp_mesh
-from k3_tail import Tier, TailConfig, compile_tail, topology_mesh
+from helpers import gpu_mesh_for, make_tp_mesh, topology_params
+from k3_tail import Tier, TailConfig, compile_tail
 from k3_tail.xla.hlo_text import dot_flops, parse_module, replica_group_size
 from k3_tail.xla.report import report
 
@@ -103,12 +102,12 @@ def test_text_without_an_entry_is_a_value_error():
         parse_module("HloModule m\n")
 
 
-@pytest.mark.skipif(importlib.util.find_spec("jax_plugins.xla_cuda13") is None,
-                    reason="needs the [aot] extra (jax-cuda13-plugin and -pjrt of the installed jax)")
-def test_a_combined_all_gather_counts_every_array_it_gathers():
-    """XLA's GPU pipeline combines independent all-gathers (here a uint8 payload and its bf16 scales) into one
-    whose async result is ((inputs), (outputs)): every gathered array counts, not the last one alone."""
-    mesh = topology_mesh("h100x8")
+@pytest.mark.parametrize("topology", topology_params("h100x8", "mi300xx8"))
+def test_a_combined_all_gather_counts_every_array_it_gathers(topology):
+    """XLA's GPU pipeline (CUDA and AMDGPU) combines independent all-gathers (here a uint8 payload and its bf16
+    scales) into one whose async result is ((inputs), (outputs)): every gathered array counts, not the last one
+    alone."""
+    mesh = gpu_mesh_for(topology)
 
     def gather_both(payload, scales):
         return tuple(jax.lax.all_gather(x, "tp", tiled=True, to="invarying") for x in (payload, scales))

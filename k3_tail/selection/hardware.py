@@ -2,12 +2,18 @@
 
 Data only (no dependency on the rest of the library), so that :class:`k3_tail.TailConfig` can check a
 ``hardware`` preset name and :mod:`k3_tail.selection.cost_model` can price a call with it.
+
+The presets' ``fp8_formats`` are also what the tail checks FP8 activations against on a device
+(:func:`native_fp8_formats`: a device kind, as ``jax.Device.device_kind`` spells it, maps to the preset
+of its GPU architecture), and :func:`device_platform` tells a ROCm GPU from a CUDA one (JAX calls
+both "gpu").
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from types import MappingProxyType
 
 
@@ -115,6 +121,52 @@ HARDWARE = MappingProxyType({
         fp8_formats=("float8_e4m3fn",),
     ),
 })
+
+
+# GPU architectures by the names in their device kinds (``jax.Device.device_kind``: "AMD MI300X" for the
+# deviceless topology, "AMD Instinct MI300X" on a ROCm host, "NVIDIA H100 80GB HBM3"; matched
+# case-insensitively as words), each with the preset whose matrix units it shares: the FP8 formats it
+# multiplies natively are that preset's ``fp8_formats``.
+FP8_ARCHITECTURES = MappingProxyType({
+    # CDNA 3 (gfx942): MI300X, MI300A, MI308X, MI325X multiply the FNUZ formats.
+    ("mi300x", "mi300a", "mi308x", "mi325x"): "mi300x",
+    # CDNA 4 (gfx950): MI350X and MI355X multiply the OCP formats.
+    ("mi350x", "mi355x"): "mi355x",
+    # Hopper (sm_90): H100, H800, H200, GH200 and H20 multiply the OCP formats.
+    ("h100", "h800", "h200", "gh200", "h20"): "h200",
+})
+
+
+def native_fp8_formats(device_kind: str) -> tuple[str, ...] | None:
+    """The FP8 formats (dtype names) that the matrix units of a ``device_kind`` GPU multiply natively:
+    the ``fp8_formats`` of its architecture's preset (:data:`FP8_ARCHITECTURES`), or None when the kind
+    names none of those GPUs (not known here: neither format can be vouched for)."""
+    words = set(re.findall(r"[a-z0-9]+", str(device_kind).lower()))
+    for names, preset in FP8_ARCHITECTURES.items():
+        if words & set(names):
+            return HARDWARE[preset].fp8_formats
+    return None
+
+
+def device_platform(device) -> str:
+    """The platform a ``jax.Device`` compiles for: "rocm" or "cuda" for a GPU (whose ``.platform`` JAX
+    reports as "gpu" for both vendors, on a host and on a deviceless topology alike), else its
+    ``.platform`` ("cpu", "tpu", ...). Read from the client's platform name, then its platform
+    version ("rocm ..." on a ROCm host), then the device kind's vendor ("AMD ...", "NVIDIA ...")."""
+    platform = getattr(device, "platform", None)
+    if platform != "gpu":
+        return platform
+    client = getattr(device, "client", None)
+    raw = getattr(client, "_raw_platform", None)  # "rocm" / "cuda" (JAX keeps the PJRT name here)
+    if raw in ("rocm", "cuda"):
+        return raw
+    version = str(getattr(client, "platform_version", "")).lower()
+    kind = str(getattr(device, "device_kind", "")).lower()
+    if "rocm" in version or "hip" in version.split() or kind.startswith("amd"):
+        return "rocm"
+    if "cuda" in version or kind.startswith("nvidia"):
+        return "cuda"
+    return platform
 
 
 def hardware_preset(hardware: Hardware | str) -> Hardware:

@@ -14,7 +14,8 @@ Two devices act against that:
 2. Per executable: in a larger program (measured: two chained tails in one ``jit``) XLA still
    combines the all-reduces of different tails and layers. :func:`k3_tail.compiler_options` gives
    the options for such an executable: ``xla_gpu_all_reduce_combine_threshold_bytes=0`` (no
-   all-reduce combining in that executable, which is the price) and async collectives pinned on;
+   all-reduce combining in that executable, which is the price), async collectives pinned on and
+   the latency-hiding scheduler on (XLA's default for CUDA, not for ROCm before jax 0.12);
    likewise no all-gather combining, for a quantised shared sum (:mod:`k3_tail.tiers.collectives`),
    whose second shot, an all-gather, would otherwise join the latent's before the GEMM.
    :func:`k3_tail.compile_tail` applies them to the tail's own executable.
@@ -36,6 +37,7 @@ from k3_tail.tiers.columns import gather_columns, project_own_columns
 from k3_tail.tiers.norm import allreduce_norm_latent_out
 from k3_tail.tiers.record import CallShape, CollectiveTerm, TierRecord
 from k3_tail.tiers.tokens import add_shared, own_tokens, shared_output
+from k3_tail.tiers.up_projection import outside_gemm
 
 
 def overlap_tail(
@@ -69,6 +71,10 @@ def overlap_tail(
     shared = None
     if shared_partial is not None and config.shared_output_is_reduced:
         shared = shared_partial  # reduced before the tail: nothing is left to overlap
+        if weight_layout == "replicated":
+            # It meets the GEMM's result directly: on ROCm not added inside the GEMM (outside_gemm; the
+            # other branch's barrier does the same, and the column layout's all-gather comes between).
+            projected = outside_gemm(projected, platform=platform)
     elif shared_partial is not None:
         # The shared partial waits for the normalised latent, so the two all-reduces cannot be combined.
         _, shared_partial = lax.optimization_barrier((latent, shared_partial))
@@ -103,9 +109,11 @@ RECORD = TierRecord(
     # In a program with more than one tail the all-reduce combiner would merge the shared all-reduce
     # with others (nothing would overlap), and a synchronous all-reduce hides behind nothing.
     # A quantised sum's second shot is an all-gather, which XLA would combine with the latent's (before
-    # the GEMM) for the same reason.
+    # the GEMM) for the same reason. The latency-hiding scheduler is what moves the GEMM inside the pair:
+    # XLA turns it on by itself for CUDA, and for ROCm only from jax 0.12 on (measured: without it, jax
+    # 0.10.2's MI300X and MI355X programs put no GEMM inside the async all-reduce or all-gather).
     compiler_options=MappingProxyType({"gpu": MappingProxyType({
         "xla_gpu_all_reduce_combine_threshold_bytes": 0, "xla_gpu_all_gather_combine_threshold_bytes": 0,
-        "xla_gpu_disable_async_collectives": "",
+        "xla_gpu_disable_async_collectives": "", "xla_gpu_enable_latency_hiding_scheduler": True,
     })}),
 )

@@ -19,7 +19,7 @@ from k3_tail._checks import AxisName
 from k3_tail.config import TailConfig
 from k3_tail.tiers.collectives import reduce_scatter
 from k3_tail.tiers.norm import rms_norm
-from k3_tail.tiers.up_projection import project
+from k3_tail.tiers.up_projection import outside_gemm, project
 from k3_tail.tiers.record import ALL_GATHER, REDUCE_SCATTER, CallShape, CollectiveTerm, TierRecord
 from k3_tail.tiers.scopes import LATENT_REDUCTION, SHARED_REDUCTION
 from k3_tail.tiers.tokens import gather_tokens, own_tokens, pad_tokens
@@ -44,8 +44,9 @@ def token_parallel_tail(
     zeros to T' = a multiple of p (zero rows stay zero through the norm) and sliced off again.
 
     Returns y [T, H] in ``config.dtype``, identical on every rank; for sequence-parallel output this
-    rank's [T/p, H] rows (then T % p == 0), with no all-gather at all. ``platform`` is accepted for
-    the tiers' common signature: this tier issues no all-reduce whose form it could choose.
+    rank's [T/p, H] rows (then T % p == 0), with no all-gather at all. ``platform``: this tier
+    issues no all-reduce whose form it could choose; on "rocm" the shared rows are added after the
+    GEMM, never in it (:func:`k3_tail.tiers.up_projection.outside_gemm`).
 
     Cost per rank: 2(T'/p)LH GEMM FLOPs, 2LH weight bytes, RS(T'*L), RS(T'*H) and, for replicated
     output, AG(T'*H). With ``config.shared_output_is_reduced`` shared_partial is the reduced shared
@@ -72,7 +73,7 @@ def token_parallel_tail(
             shared = shared_partial  # already this rank's rows
         else:
             shared = own_tokens(pad_tokens(shared_partial, tp_size), axis_name=axis_name)
-        y = y + shared.astype(jnp.float32)
+        y = outside_gemm(y, platform=platform) + shared.astype(jnp.float32)  # on ROCm not added inside the GEMM
     y = y.astype(config.dtype)
     if config.sequence_parallel:
         return y

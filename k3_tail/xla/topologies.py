@@ -2,32 +2,42 @@
 
 ``jax.experimental.topologies.get_topology_desc`` builds the devices of a GPU topology from an XLA
 ``TargetConfig`` record; a program lowered on a mesh of them compiles with that GPU's XLA pipeline
-(fusion, GEMM rewriting, async collectives, the latency hiding scheduler) but cannot run. The
-package ships records for 8-GPU nodes:
+(fusion, GEMM rewriting, async collectives, the latency hiding scheduler, code generation for the GPU)
+but cannot run. The package ships records for 8-GPU nodes:
 
-=========  ========  ============================================================================
-name       platform  needs
-=========  ========  ============================================================================
-h100       cuda      the ``[aot]`` extra: jax-cuda13-plugin and -pjrt of the installed jax version
-h200       cuda      the same (no NVIDIA libraries: compiling needs only the plugin)
-mi300x     rocm      a loadable ROCm plugin, i.e. the ROCm runtime libraries: only on a ROCm host
-mi355x     rocm      the same
-=========  ========  ============================================================================
+=========  ========  =====================  ===========================================================
+name       platform  device kind            needs
+=========  ========  =====================  ===========================================================
+h100       cuda      NVIDIA H100 80GB HBM3  the ``[aot]`` extra: jax-cuda13-plugin and -pjrt of the
+                                            installed jax version
+h200       cuda      NVIDIA H200            the same (no NVIDIA libraries: compiling needs only the plugin)
+mi300x     rocm      AMD MI300X             the ``[rocm-aot]`` extra (jax-rocm7-pjrt and -plugin of the
+                                            installed jax), and gcc and readelf: without ROCm, stand-in
+                                            runtime libraries are built on first use
+                                            (``k3_tail.xla.rocm_stand_ins``); a ROCm host uses its own
+mi355x     rocm      AMD MI355X             the same
+=========  ========  =====================  ===========================================================
 
 A topology is named ``<target>x<count>`` (``h100x8``, ``mi355xx8``; ``mi355x8`` reads the same).
-The process must not have initialised a CUDA backend it cannot use: set ``JAX_PLATFORMS=cpu``
-(or ``jax.config.update("jax_platforms", "cpu")``) on a machine without a GPU.
+The process must not have initialised a GPU backend it cannot use: set ``JAX_PLATFORMS=cpu``
+(or ``jax.config.update("jax_platforms", "cpu")``) on a machine without a GPU. A ROCm topology on a
+machine without an AMD GPU also starts JAX's backends (as compiling would) before it registers the
+plugin, so that the plugin is never a backend JAX tries to start; compiles there run XLA's whole AMDGPU
+pipeline without autotuning (GEMM tiles and GEMM backends are XLA's defaults).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.resources
 import re
 
 import numpy as np
 from jax.experimental import topologies
 from jax.sharding import Mesh
+
+from k3_tail.xla import rocm_stand_ins
 
 
 class TopologyUnavailable(RuntimeError):
@@ -73,10 +83,24 @@ def parse_topology(topology: str) -> tuple[GpuTarget, int]:
 def topology_mesh(topology: str, *, axis_name: str = "tp") -> Mesh:
     """A 1-d mesh with axis ``axis_name`` over the devices of a deviceless GPU topology.
 
-    Programs lowered on it compile (``.lower(...).compile()``) but cannot execute. Raises
-    TopologyUnavailable with the install hint when the platform's plugin cannot be loaded.
+    Programs lowered on it compile (``.lower(...).compile()``) but cannot execute. The devices of one
+    topology are made once per process, so meshes of the same topology compare equal. For a ROCm target
+    on a machine without an AMD GPU, the ROCm plugin is made to load first (stand-in runtime libraries,
+    built once into a cache, and the plugin registered without a GPU: ``k3_tail.xla.rocm_stand_ins``).
+    Raises TopologyUnavailable naming what is missing and how to install it.
     """
     target, count = parse_topology(topology)
+    return Mesh(np.array(_topology_devices(target, count)), (axis_name,))
+
+
+@functools.cache
+def _topology_devices(target: GpuTarget, count: int) -> tuple:
+    topology = f"{target.name}x{count}"
+    if target.platform == "rocm":
+        try:
+            rocm_stand_ins.ensure_rocm_plugin()
+        except rocm_stand_ins.RocmUnavailable as error:
+            raise TopologyUnavailable(f"cannot compile for {topology!r} here: {error}") from error
     try:
         description = topologies.get_topology_desc(
             f"k3_tail_{target.name}", target.platform, target_config=target.config_text(), topology=f"1x1x{count}"
@@ -85,10 +109,11 @@ def topology_mesh(topology: str, *, axis_name: str = "tp") -> Mesh:
         raise TopologyUnavailable(
             f"cannot compile for {topology!r} here: {_unavailable_hint(target)} ({error})"
         ) from error
-    return Mesh(np.array(description.devices), (axis_name,))
+    return tuple(description.devices)
 
 
 def _unavailable_hint(target: GpuTarget) -> str:
     if target.platform == "cuda":
         return "install the k3_tail[aot] extra (jax-cuda13-plugin and jax-cuda13-pjrt of the installed jax version)"
-    return "the ROCm plugin needs the ROCm runtime libraries, so ROCm topologies compile only on a ROCm host"
+    return (f"the ROCm plugin did not load: {rocm_stand_ins.INSTALL_HINT}; on a ROCm host, the k3_tail[rocm] extra "
+            "and the host's ROCm 7 runtime")

@@ -1,0 +1,536 @@
+"""Deviceless ROCm compiles: stand-in ROCm runtime libraries for JAX's ROCm plugin, and its registration
+without a GPU.
+
+JAX's ROCm 7 PJRT plugin (the wheels ``jax-rocm7-pjrt`` and ``jax-rocm7-plugin`` of the installed jax)
+contains XLA's whole AMDGPU compiler, but its shared libraries link the ROCm runtime (libamdhip64,
+libhsa-runtime64, hipBLASLt, rocBLAS, MIOpen, RCCL, ...), and its ``initialize()`` refuses to register
+when the KFD driver lists no GPU. Compiling for a deviceless topology calls none of those libraries
+beyond the kernel registration functions the plugin runs when it loads, so on a machine without ROCm:
+
+1. :func:`stand_ins` builds, once per plugin build, one stand-in library for every library that the
+   plugin (``xla_rocm_plugin.so``) and its extension modules (``jax_rocm7_plugin/*.so``) need and this
+   machine's loader cannot find. Everything comes from the plugin's own ELF files (``readelf``): their
+   NEEDED sonames, the symbol versions they need from each (``.gnu.version_r``; a symbol's version index
+   says which library it must come from) and their undefined functions and data that nothing already
+   loadable defines. Each stand-in is one C file and one linker version script (``gcc -shared``) with
+   that soname, every symbol at the version asked for, and every function failing (an error code; a
+   static message for the ones that return strings; a handle for ``__hipRegisterFatBinary``). They are
+   cached under ``$XDG_CACHE_HOME/k3_tail/rocm-stand-ins/<plugin version>-<digest>/`` (``~/.cache``
+   without XDG_CACHE_HOME), keyed by the plugin's version, its files' sizes and times and this module's
+   generator version, and written to a temporary directory renamed into place, so that processes
+   building at once do not race (the first rename wins, the others use it).
+2. :func:`preload` loads them by absolute path with ``RTLD_GLOBAL``, the library the others link first.
+   The dynamic loader then finds each soname already loaded when the plugin and its extension modules
+   are opened. (``LD_LIBRARY_PATH`` set after the process started does not reach ``dlopen``.)
+3. :func:`register_plugin` imports the plugin module now (again, if jax's plugin discovery imported it
+   before the stand-ins were there: its extension module failed to load then), lets jax's plugin
+   discovery and backends start with the plugin's ``initialize`` held back (so the plugin neither
+   logs "No AMD GPUs were found" nor becomes a backend that jax would try to start), and then calls
+   ``initialize()`` with jax's GPU-presence check (``jax._src.hardware_utils.num_available_amd_gpus``)
+   reporting one GPU, for that call only. No ROCm client is ever created: the plugin serves
+   ``jax.experimental.topologies.get_topology_desc(..., "rocm", ...)``, which is all
+   :func:`k3_tail.topology_mesh` needs.
+
+:func:`ensure_rocm_plugin` does all three, only when asked for a ROCm topology and only on a machine
+without an AMD GPU (:func:`real_rocm_host`): a ROCm host keeps its real libraries, which jax's plugin
+discovery registers as usual. Nothing here runs at import time.
+
+What this can and cannot do: compile only (a stand-in runtime runs nothing); no autotuning, so GEMM
+tiles and the choice between Triton and hipBLASLt GEMMs are XLA's defaults; kernels that jax's own ROCm
+extension modules register when jax is imported (linear algebra, sparse, PRNG, RNN, Pallas's Triton
+calls) are missing when jax was imported before the stand-ins were loaded, which is the usual order.
+``K3_TAIL_ROCM_STAND_IN_TRACE=1`` makes every stand-in function log its name to stderr when called.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import hashlib
+import importlib
+import importlib.metadata
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+# Bump when what the generator writes changes: the cache key includes it.
+GENERATOR_VERSION = 1
+PLUGIN_MODULE = "jax_plugins.xla_rocm7"
+EXTENSION_PACKAGE = "jax_rocm7_plugin"
+PLUGIN_DISTRIBUTIONS = ("jax-rocm7-pjrt", "jax-rocm7-plugin")
+MANIFEST = "stand-ins.json"
+TRACE_VARIABLE = "K3_TAIL_ROCM_STAND_IN_TRACE"
+INSTALL_HINT = ("install k3_tail's [rocm-aot] extra (jax[rocm7-local]: jax-rocm7-pjrt and jax-rocm7-plugin of the "
+                "installed jax)")
+
+_lock = threading.RLock()
+_loaded: dict[str, ctypes.CDLL] = {}  # soname -> the preloaded stand-in (kept: never unloaded)
+
+
+class RocmUnavailable(RuntimeError):
+    """The ROCm plugin cannot be made to compile here; the message names what is missing and how to get it."""
+
+
+# --- the plugin's ELF files ------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Plugin:
+    """The installed ROCm plugin: its version and the ELF files whose needs the stand-ins meet."""
+
+    version: str
+    library: Path  # xla_rocm_plugin.so
+    extensions: tuple[Path, ...]  # jax_rocm7_plugin/*.so
+
+    @property
+    def elf_files(self) -> tuple[Path, ...]:
+        return (self.library, *self.extensions)
+
+    def digest(self) -> str:
+        """What the cache is keyed by: the plugin's files (name, size, modification time) and the generator."""
+        key = hashlib.sha256(f"generator {GENERATOR_VERSION}\nplugin {self.version}\n".encode())
+        for path in self.elf_files:
+            status = path.stat()
+            key.update(f"{path.name} {status.st_size} {status.st_mtime_ns}\n".encode())
+        return key.hexdigest()[:16]
+
+
+def installed_plugin() -> Plugin:
+    """The ROCm plugin installed beside jax; RocmUnavailable naming what is missing or mismatched."""
+    versions = {}
+    for distribution in PLUGIN_DISTRIBUTIONS:
+        try:
+            versions[distribution] = importlib.metadata.version(distribution)
+        except importlib.metadata.PackageNotFoundError:
+            versions[distribution] = None
+    missing = [name for name, version in versions.items() if version is None]
+    if missing:
+        raise RocmUnavailable(f"{' and '.join(missing)} not installed: {INSTALL_HINT}")
+    jaxlib_version = importlib.metadata.version("jaxlib")
+    if set(versions.values()) != {jaxlib_version}:
+        found = ", ".join(f"{name} {version}" for name, version in versions.items())
+        raise RocmUnavailable(
+            f"the ROCm plugin ({found}) is not the version of jaxlib {jaxlib_version}: {INSTALL_HINT}")
+    library_spec = importlib.util.find_spec(PLUGIN_MODULE)
+    extension_spec = importlib.util.find_spec(EXTENSION_PACKAGE)
+    if library_spec is None or extension_spec is None or not library_spec.submodule_search_locations:
+        raise RocmUnavailable(f"{PLUGIN_MODULE} or {EXTENSION_PACKAGE} cannot be imported: {INSTALL_HINT}")
+    library = Path(next(iter(library_spec.submodule_search_locations))) / "xla_rocm_plugin.so"
+    if not library.exists():
+        raise RocmUnavailable(f"{library} is missing: reinstall jax-rocm7-pjrt ({INSTALL_HINT})")
+    extensions = tuple(sorted(Path(next(iter(extension_spec.submodule_search_locations))).glob("*.so")))
+    return Plugin(versions["jax-rocm7-plugin"], library, extensions)
+
+
+@dataclasses.dataclass(frozen=True)
+class ElfNeeds:
+    """What one ELF file asks of the libraries it links, as ``readelf`` shows it."""
+
+    path: Path
+    needed: tuple[str, ...]  # NEEDED sonames, in order
+    versions: dict[int, tuple[str, str]]  # version index -> (soname, version name), from .gnu.version_r
+    undefined: tuple[tuple[str, str, int | None], ...]  # (name, type, version index or None), GLOBAL only
+
+
+_SYMBOL_KINDS = ("FUNC", "NOTYPE", "OBJECT")
+
+
+def read_elf(path: Path, readelf: str) -> ElfNeeds:
+    """Parse ``readelf -d``, ``-V`` and ``--dyn-syms`` of ``path``."""
+
+    def run(*flags):
+        return subprocess.run([readelf, "-W", *flags, str(path)], capture_output=True, text=True, check=True).stdout
+
+    needed = tuple(re.findall(r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]", run("-d")))
+    versions: dict[int, tuple[str, str]] = {}
+    requirements = run("-V")
+    soname = None
+    for line in requirements[requirements.find("Version needs section"):].splitlines():
+        if match := re.search(r"\bFile: (\S+)", line):
+            soname = match.group(1)
+        elif (match := re.search(r"\bName: (\S+)\s+Flags: \S+\s+Version: (\d+)", line)) and soname:
+            versions[int(match.group(2))] = (soname, match.group(1))
+    undefined = []
+    for line in run("--dyn-syms").splitlines():
+        fields = line.split()
+        # Num: Value Size Type Bind Vis Ndx Name [(version index)]
+        if len(fields) < 8 or fields[6] != "UND" or fields[4] != "GLOBAL" or fields[3] not in _SYMBOL_KINDS:
+            continue
+        name = fields[7].split("@", 1)[0]
+        index = None
+        if len(fields) > 8 and (match := re.fullmatch(r"\((\d+)\)", fields[8])):
+            index = int(match.group(1))
+        undefined.append((name, fields[3], index))
+    return ElfNeeds(path, needed, versions, tuple(undefined))
+
+
+# --- what the stand-ins define ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class StandInLibrary:
+    """One stand-in: its soname, the version nodes it defines and the symbols in each ("" for none)."""
+
+    soname: str
+    symbols: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)  # version -> name -> kind
+
+    def add(self, name: str, kind: str, version: str = "") -> None:
+        self.symbols.setdefault(version, {})[name] = kind
+
+    @property
+    def count(self) -> int:
+        return len({name for names in self.symbols.values() for name in names})
+
+
+def _loadable(soname: str) -> bool:
+    """Whether this process's loader finds ``soname`` (a stand-in this process loaded does not count)."""
+    if soname in _loaded:
+        return False
+    try:
+        ctypes.CDLL(soname)
+    except OSError:
+        return False
+    return True
+
+
+class _DlInfo(ctypes.Structure):
+    _fields_ = [("dli_fname", ctypes.c_char_p), ("dli_fbase", ctypes.c_void_p), ("dli_sname", ctypes.c_char_p),
+                ("dli_saddr", ctypes.c_void_p)]
+
+
+def _defined_by_other_than_stand_ins(handle: ctypes.CDLL, name: str) -> bool:
+    """Whether ``name`` resolves through ``handle`` to a library that is not one of this process's stand-ins."""
+    try:
+        address = ctypes.cast(getattr(handle, name), ctypes.c_void_p).value
+    except AttributeError:
+        return False
+    if not _loaded:
+        return True
+    info = _DlInfo()
+    if not ctypes.CDLL("libdl.so.2").dladdr(ctypes.c_void_p(address), ctypes.byref(info)) or not info.dli_fname:
+        return True
+    return os.path.basename(os.fsdecode(info.dli_fname)) not in _loaded
+
+
+def _stem(soname: str) -> str:
+    return re.sub(r"[^a-z0-9]", "", re.sub(r"\.so(\..*)?$", "", soname.removeprefix("lib")).lower())
+
+
+def plan_stand_ins(needs: Sequence[ElfNeeds]) -> tuple[list[StandInLibrary], str]:
+    """The stand-in libraries that ``needs`` call for, and the hub (the one the others link, loaded first).
+
+    A library gets a stand-in when some file needs it and this process's loader cannot load it. A versioned
+    undefined symbol belongs to the library its version index names; an unversioned one that nothing
+    loadable defines goes to the missing library of the referencing file whose name its own begins with
+    (``hipblasLtCreate`` -> libhipblaslt), else to the hub, which every stand-in links.
+    """
+    needed = list(dict.fromkeys(soname for need in needs for soname in need.needed))
+    missing = [soname for soname in needed if not _loadable(soname)]
+    if not missing:
+        return [], ""
+    hub = max(missing, key=lambda soname: sum(soname in need.needed for need in needs))
+    libraries = {soname: StandInLibrary(soname) for soname in missing}
+    present = [ctypes.CDLL(None)] + [ctypes.CDLL(soname) for soname in needed if soname not in libraries]
+
+    def defined_elsewhere(name):
+        return any(_defined_by_other_than_stand_ins(handle, name) for handle in present)
+
+    for need in needs:
+        for soname, version in need.versions.values():  # every version node a file needs must exist
+            if soname in libraries:
+                libraries[soname].symbols.setdefault(version, {})
+        own_missing = [soname for soname in need.needed if soname in libraries]
+        for name, kind, index in need.undefined:
+            if index is not None and index in need.versions:
+                soname, version = need.versions[index]
+                if soname in libraries:
+                    libraries[soname].add(name, kind, version)
+                continue
+            if not own_missing or defined_elsewhere(name):
+                continue
+            lowered = name.lower().lstrip("_")
+            matching = [soname for soname in own_missing if lowered.startswith(_stem(soname))]
+            home = max(matching, key=lambda soname: len(_stem(soname))) if matching else hub
+            if not any(name in names for names in libraries[home].symbols.values()):
+                libraries[home].add(name, kind)
+    order = [libraries[hub]] + [libraries[soname] for soname in sorted(libraries) if soname != hub]
+    return order, hub
+
+
+_C_PRELUDE = """\
+/* A k3_tail stand-in for {soname}: compile-only use of JAX's ROCm plugin without ROCm. Every function fails. */
+#include <stdio.h>
+#include <stdlib.h>
+
+static const char k3_message[] = "k3_tail ROCm stand-in: no ROCm runtime here (compile only)";
+static void *k3_handle[64];
+static int k3_trace = -1;
+
+static void k3_called(const char *name) {{
+  if (k3_trace < 0) k3_trace = getenv("{trace}") != NULL;
+  if (k3_trace) fprintf(stderr, "k3_tail ROCm stand-in called: %s ({soname})\\n", name);
+}}
+"""
+
+
+def _returns_text(name: str) -> bool:
+    lowered = name.lower()
+    return "string" in lowered or lowered.endswith("name")
+
+
+def c_source(library: StandInLibrary) -> str:
+    """The C file of one stand-in: each symbol under its exact name (an asm label: any ELF name works)."""
+    lines = [_C_PRELUDE.format(soname=library.soname, trace=TRACE_VARIABLE)]
+    names = sorted({(name, kind) for names in library.symbols.values() for name, kind in names.items()})
+    for number, (name, kind) in enumerate(names):
+        label = f'__asm__("{name}")'
+        if kind == "OBJECT":
+            lines.append(f"char k3_data_{number}[256] {label};")
+            continue
+        if name.startswith("__hipRegisterFatBinary"):
+            value = "(long)k3_handle"
+        elif _returns_text(name):
+            value = "(long)k3_message"
+        else:
+            value = "1"
+        lines.append(f'long k3_function_{number}(void) {label};\n'
+                     f'long k3_function_{number}(void) {{ k3_called("{name}"); return {value}; }}')
+    return "\n".join(lines) + "\n"
+
+
+def version_script(library: StandInLibrary) -> str | None:
+    """The linker version script of one stand-in (None when it defines no version): each node with its
+    symbols; unversioned ones join the first node, so that unversioned references find a default version."""
+    versions = sorted(version for version in library.symbols if version)
+    if not versions:
+        return None
+    nodes = []
+    for position, version in enumerate(versions):
+        names = sorted(library.symbols[version])
+        if position == 0:
+            names = sorted(set(names) | set(library.symbols.get("", {})))
+        body = f" global: {' '.join(f'{name};' for name in names)}" if names else ""
+        nodes.append(f"{version} {{{body} }};")
+    return "\n".join(nodes) + "\n"
+
+
+# --- building and caching --------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class StandIns:
+    """A built set of stand-ins: where, which libraries in load order, and whether this call built them."""
+
+    directory: Path
+    libraries: tuple[str, ...]
+    symbols: int
+    built: bool
+    seconds: float
+
+
+def cache_root() -> Path:
+    """``$XDG_CACHE_HOME/k3_tail/rocm-stand-ins`` (``~/.cache/k3_tail/rocm-stand-ins`` by default)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "k3_tail" / "rocm-stand-ins"
+
+
+def find_tools() -> tuple[str, str]:
+    """(C compiler, readelf): ``$CC`` or gcc or cc, and readelf; RocmUnavailable naming what is missing."""
+    compiler = next((shutil.which(name) for name in (os.environ.get("CC"), "gcc", "cc") if name and shutil.which(name)),
+                    None)
+    readelf = shutil.which("readelf")
+    missing = [what for what, tool in (("a C compiler (gcc, or $CC)", compiler), ("readelf (GNU binutils)", readelf))
+               if tool is None]
+    if missing:
+        raise RocmUnavailable(
+            f"building the stand-in ROCm libraries needs {' and '.join(missing)}, not found on PATH: install them "
+            "(Debian/Ubuntu: apt-get install gcc binutils)")
+    return compiler, readelf
+
+
+def _read_manifest(directory: Path) -> dict | None:
+    try:
+        return json.loads((directory / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def stand_ins(plugin: Plugin | None = None, *, root: Path | None = None) -> StandIns:
+    """The stand-ins for ``plugin`` (the installed one by default): from the cache, or built into it now."""
+    started = time.perf_counter()
+    plugin = plugin or installed_plugin()
+    root = Path(root) if root is not None else cache_root()
+    directory = root / f"{plugin.version}-{plugin.digest()}"
+    manifest = _read_manifest(directory)
+    built = False
+    if manifest is None:
+        compiler, readelf = find_tools()
+        root.mkdir(parents=True, exist_ok=True)
+        work = Path(tempfile.mkdtemp(prefix=".building-", dir=root))
+        try:
+            _build(plugin, work, compiler, readelf)
+            try:
+                os.rename(work, directory)  # atomic: a complete directory or none
+                built = True
+            except OSError as error:
+                if _read_manifest(directory) is None:  # not another process's finished build: a real failure
+                    raise RocmUnavailable(f"cannot put the stand-in ROCm libraries into {directory}: {error} "
+                                          "(remove that directory if it is left from something else)") from error
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        manifest = _read_manifest(directory)
+        if manifest is None:
+            raise RocmUnavailable(f"the stand-in ROCm libraries in {directory} are incomplete: remove the directory")
+    return StandIns(directory, tuple(manifest["libraries"]), int(manifest["symbols"]), built,
+                    time.perf_counter() - started)
+
+
+def _build(plugin: Plugin, work: Path, compiler: str, readelf: str) -> None:
+    try:
+        needs = [read_elf(path, readelf) for path in plugin.elf_files]
+    except subprocess.CalledProcessError as error:
+        raise RocmUnavailable(f"readelf failed on the ROCm plugin: {error.stderr.strip()}") from error
+    libraries, hub = plan_stand_ins(needs)
+    for library in libraries:
+        stem = re.sub(r"[^A-Za-z0-9]", "_", library.soname)
+        (work / f"{stem}.c").write_text(c_source(library))
+        command = [compiler, "-shared", "-fPIC", "-O1", "-w", "-fno-builtin", "-o", str(work / library.soname),
+                   str(work / f"{stem}.c"), f"-Wl,-soname,{library.soname}"]
+        script = version_script(library)
+        if script is not None:
+            (work / f"{stem}.map").write_text(script)
+            command.append(f"-Wl,--version-script={work / f'{stem}.map'}")
+        if library.soname != hub:  # as the real ones do; and RTLD_LOCAL users then see the hub's symbols too
+            command += [f"-L{work}", "-Wl,--no-as-needed", f"-l:{hub}", "-Wl,-rpath,$ORIGIN"]
+        result = subprocess.run(command, capture_output=True, text=True, check=False)
+        if result.returncode != 0:
+            raise RocmUnavailable(
+                f"building the stand-in {library.soname} failed ({compiler}): {result.stderr.strip()}")
+    manifest = {
+        "plugin": plugin.version,
+        "files": [str(path) for path in plugin.elf_files],
+        "libraries": [library.soname for library in libraries],
+        "symbols": sum(library.count for library in libraries),
+        "per_library": {library.soname: library.count for library in libraries},
+        "generator": GENERATOR_VERSION,
+    }
+    (work / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+
+
+# --- loading and registering -----------------------------------------------------------------------------------
+
+
+def preload(built: StandIns) -> None:
+    """Load the stand-ins by absolute path, ``RTLD_GLOBAL``, the hub first, so that the plugin's NEEDED
+    sonames resolve to them; once per process (a soname already loaded is left alone)."""
+    with _lock:
+        for soname in built.libraries:
+            if soname not in _loaded:
+                try:
+                    _loaded[soname] = ctypes.CDLL(str(built.directory / soname), mode=os.RTLD_GLOBAL)
+                except OSError as error:
+                    raise RocmUnavailable(
+                        f"cannot load the stand-in {soname} from {built.directory}: {error}") from error
+
+
+def real_rocm_host() -> bool:
+    """Whether this machine has an AMD GPU for ROCm: the KFD device node and a GPU among its topology nodes."""
+    from jax._src import hardware_utils
+
+    return os.path.exists("/dev/kfd") and hardware_utils.num_available_amd_gpus(stop_at=1) > 0
+
+
+def plugin_registered() -> bool:
+    """Whether jax has the ROCm plugin registered (as a backend factory that can make topologies)."""
+    from jax._src import xla_bridge
+
+    return "rocm" in getattr(xla_bridge, "_topology_factories", {})
+
+
+class _held_back:
+    """Within the block, the plugin module's ``initialize`` does nothing (jax's plugin discovery calls it)."""
+
+    def __init__(self, module):
+        self.module = module
+
+    def __enter__(self):
+        self.initialize = self.module.initialize
+        self.module.initialize = lambda: None
+
+    def __exit__(self, *exc):
+        self.module.initialize = self.initialize
+
+
+class _one_gpu:
+    """Within the block, jax's GPU-presence check reports one AMD GPU."""
+
+    def __enter__(self):
+        from jax._src import hardware_utils
+
+        self.hardware_utils = hardware_utils
+        self.check = hardware_utils.num_available_amd_gpus
+        hardware_utils.num_available_amd_gpus = lambda stop_at=None: 1
+
+    def __exit__(self, *exc):
+        self.hardware_utils.num_available_amd_gpus = self.check
+
+
+def register_plugin() -> None:
+    """Register the ROCm plugin without a GPU, once the stand-ins are loaded (see the module docstring)."""
+    import jax
+
+    with _lock:
+        if plugin_registered():
+            return
+        module = sys.modules.get(PLUGIN_MODULE)
+        with warnings.catch_warnings():
+            # jax 0.10's ROCm and CUDA plugin extensions both bind one C++ type; nanobind keeps the first binding
+            # and warns about the second, whichever plugin loads later (on a ROCm host too).
+            warnings.filterwarnings("ignore", r"nanobind: type '\w+' was already registered", RuntimeWarning)
+            if module is not None and getattr(module, "rocm_plugin_extension", None) is None:
+                module = importlib.reload(module)  # imported before the stand-ins: its extension had failed to load
+            elif module is None:
+                module = importlib.import_module(PLUGIN_MODULE)
+        if getattr(module, "rocm_plugin_extension", None) is None:
+            raise RocmUnavailable(f"{EXTENSION_PACKAGE}.rocm_plugin_extension does not load with the stand-ins")
+        with _held_back(module):
+            try:
+                jax.devices()  # plugin discovery and the backends of JAX_PLATFORMS, without the ROCm plugin
+            except RuntimeError as error:
+                raise RocmUnavailable(f"jax's backends do not start ({error}): set JAX_PLATFORMS=cpu") from error
+        with _one_gpu():
+            try:
+                module.initialize()
+            except Exception as error:  # whatever the plugin raises, say it
+                raise RocmUnavailable(f"the ROCm plugin does not register with the stand-ins: {error}") from error
+        if not plugin_registered():
+            raise RocmUnavailable("the ROCm plugin's initialize() did not register it")
+
+
+def ensure_rocm_plugin() -> StandIns | None:
+    """Make ``get_topology_desc(..., "rocm", ...)`` work here: nothing on a ROCm host or when the plugin is
+    registered already; elsewhere the stand-ins built (or reused), preloaded and the plugin registered.
+    Returns the stand-ins used (None when none were needed); RocmUnavailable says what is missing."""
+    with _lock:
+        if plugin_registered() or real_rocm_host():
+            return None
+        plugin = installed_plugin()
+        built = stand_ins(plugin)
+        preload(built)
+        register_plugin()
+        return built
+
+
+def loaded_stand_ins() -> Iterator[str]:
+    """The sonames of the stand-ins this process has loaded."""
+    return iter(tuple(_loaded))
