@@ -10,7 +10,7 @@ from k3_tail._checks import AxisName
 from k3_tail.config import TailConfig
 from k3_tail.tiers.columns import assemble_column_blocks, own_kernel_block, pad_columns
 from k3_tail.tiers.norm import allreduce_norm_latent_out
-from k3_tail.tiers.up_projection import outside_gemm, project
+from k3_tail.tiers.up_projection import project
 from k3_tail.tiers.record import CallShape, CollectiveTerm, TierRecord
 from k3_tail.tiers.scopes import SHARED_REDUCTION
 from k3_tail.tiers.tokens import add_shared, reduce_output
@@ -49,7 +49,7 @@ def column_parallel_tail(
     Cost per rank, either layout: 2TLH/p GEMM FLOPs, 2LH/p weight bytes, AR(T*L) then AR(T*H),
     serial. The replicated layout slices its block out of the whole kernel (which it keeps in memory).
     On ``platform`` "rocm" the GEMM's result is added to the shared block after the GEMM, never in it
-    (:func:`k3_tail.tiers.up_projection.outside_gemm`); CUDA lets XLA fold the add into the GEMM.
+    (:func:`k3_tail.tiers.tokens.add_shared`); CUDA lets XLA fold the add into the GEMM.
     """
     if defer_all_reduce and config.shared_output_is_reduced:
         raise ValueError("defer_all_reduce: with shared_output_is_reduced the tier ends in an all-gather of the "
@@ -64,16 +64,15 @@ def column_parallel_tail(
         own = project(latent, block, fp8_activations=config.fp8_activations).astype(config.dtype)
         projected = assemble_column_blocks(own, hidden_size=config.hidden_size,
                                            token_sharded=config.sequence_parallel, axis_name=axis_name)
-        return add_shared(projected, shared_partial, config=config)
+        return add_shared(projected, shared_partial, config=config, platform=platform)
     block_width = block.shape[1]
     start = lax.axis_index(axis_name) * block_width
     if shared_partial is None:
         shared_partial = jnp.zeros((latent.shape[0], config.hidden_size), config.dtype)
     buffer = pad_columns(shared_partial, block_width * lax.axis_size(axis_name))
-    own = lax.dynamic_slice_in_dim(buffer, start, block_width, axis=1).astype(jnp.float32)
-    # On ROCm the add stays out of the GEMM: no hipBLASLt GEMM accumulating into C (up_projection.outside_gemm).
-    own = own + outside_gemm(project(latent, block, fp8_activations=config.fp8_activations), platform=platform)
-    buffer = lax.dynamic_update_slice_in_dim(buffer, own.astype(config.dtype), start, axis=1)
+    own = add_shared(project(latent, block, fp8_activations=config.fp8_activations),
+                     lax.dynamic_slice_in_dim(buffer, start, block_width, axis=1), config=config, platform=platform)
+    buffer = lax.dynamic_update_slice_in_dim(buffer, own, start, axis=1)
     # Padding columns are sliced off before the collective, so it moves T*H, not T*p*Hb.
     buffer = buffer[:, : config.hidden_size]
     if defer_all_reduce:

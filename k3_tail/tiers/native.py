@@ -10,7 +10,6 @@ from k3_tail.tiers.columns import project_all_columns
 from k3_tail.tiers.norm import allreduce_norm_latent_out
 from k3_tail.tiers.record import CallShape, CollectiveTerm, TierRecord
 from k3_tail.tiers.tokens import add_shared, own_tokens, shared_output
-from k3_tail.tiers.up_projection import outside_gemm
 
 
 def native_tail(
@@ -37,7 +36,7 @@ def native_tail(
     Column layout: 2TLH/p FLOPs and 2LH/p weight bytes, plus an all-gather of the [T, H/p] output
     blocks. The collectives are issued serially; XLA's scheduler may still reorder or combine them.
     On ``platform`` "rocm" the shared output is added after the GEMM, never in it
-    (:func:`k3_tail.tiers.up_projection.outside_gemm`).
+    (:func:`k3_tail.tiers.tokens.add_shared`).
     """
     latent = allreduce_norm_latent_out(routed_partial, norm_weight, config=config, axis_name=axis_name,
                                        platform=platform)
@@ -45,16 +44,12 @@ def native_tail(
         latent, up_proj_kernel, hidden_size=config.hidden_size, weight_layout=weight_layout, axis_name=axis_name,
         fp8_activations=config.fp8_activations,
     )
-    if shared_partial is not None and weight_layout == "replicated":
-        # The GEMM's result meets the shared output directly (the column layout's goes through an
-        # all-gather first): on ROCm the add must not become a GEMM accumulating into C (outside_gemm).
-        projected = outside_gemm(projected, platform=platform)
     if config.sequence_parallel:
         projected = own_tokens(projected, axis_name=axis_name)
     shared = None
     if shared_partial is not None:
         shared = shared_output(shared_partial, axis_name=axis_name, config=config, platform=platform)
-    return add_shared(projected, shared, config=config)
+    return add_shared(projected, shared, config=config, platform=platform)
 
 
 def _collectives(shape: CallShape) -> tuple[CollectiveTerm, ...]:

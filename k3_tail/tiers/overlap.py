@@ -37,7 +37,6 @@ from k3_tail.tiers.columns import gather_columns, project_own_columns
 from k3_tail.tiers.norm import allreduce_norm_latent_out
 from k3_tail.tiers.record import CallShape, CollectiveTerm, TierRecord
 from k3_tail.tiers.tokens import add_shared, own_tokens, shared_output
-from k3_tail.tiers.up_projection import outside_gemm
 
 
 def overlap_tail(
@@ -71,10 +70,6 @@ def overlap_tail(
     shared = None
     if shared_partial is not None and config.shared_output_is_reduced:
         shared = shared_partial  # reduced before the tail: nothing is left to overlap
-        if weight_layout == "replicated":
-            # It meets the GEMM's result directly: on ROCm not added inside the GEMM (outside_gemm; the
-            # other branch's barrier does the same, and the column layout's all-gather comes between).
-            projected = outside_gemm(projected, platform=platform)
     elif shared_partial is not None:
         # The shared partial waits for the normalised latent, so the two all-reduces cannot be combined.
         _, shared_partial = lax.optimization_barrier((latent, shared_partial))
@@ -86,7 +81,7 @@ def overlap_tail(
                                axis_name=axis_name)
     if config.sequence_parallel:
         projected = own_tokens(projected, axis_name=axis_name)
-    return add_shared(projected, shared, config=config)
+    return add_shared(projected, shared, config=config, platform=platform)
 
 
 def _collectives(shape: CallShape) -> tuple[CollectiveTerm, ...]:

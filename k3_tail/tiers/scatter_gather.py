@@ -5,7 +5,6 @@ from __future__ import annotations
 from types import MappingProxyType
 
 import jax
-import jax.numpy as jnp
 from jax import lax
 
 from k3_tail._checks import AxisName
@@ -13,7 +12,7 @@ from k3_tail.config import TailConfig
 from k3_tail.tiers.collectives import reduce_scatter
 from k3_tail.tiers.columns import assemble_column_blocks, own_kernel_block, pad_columns
 from k3_tail.tiers.norm import allreduce_norm_latent_out
-from k3_tail.tiers.up_projection import outside_gemm, project
+from k3_tail.tiers.up_projection import project
 from k3_tail.tiers.record import REDUCE_SCATTER, CallShape, CollectiveTerm, TierRecord
 from k3_tail.tiers.scopes import SHARED_REDUCTION
 from k3_tail.tiers.tokens import add_shared
@@ -45,7 +44,7 @@ def scatter_gather_tail(
     as soon as the latent is ready. With ``config.shared_output_is_reduced`` shared_partial is the
     reduced shared output (:func:`k3_tail.reduce_shared`'s form): no RS, and it is added to the
     assembled rows. On ``platform`` "rocm" the reduced block is added after the GEMM, never in it
-    (:func:`k3_tail.tiers.up_projection.outside_gemm`).
+    (:func:`k3_tail.tiers.tokens.add_shared`).
     """
     latent = allreduce_norm_latent_out(routed_partial, norm_weight, config=config, axis_name=axis_name,
                                        platform=platform)
@@ -57,11 +56,11 @@ def scatter_gather_tail(
         padded = pad_columns(shared_partial, block.shape[1] * lax.axis_size(axis_name))
         with jax.named_scope(SHARED_REDUCTION):
             shared = reduce_scatter(padded, axis_name=axis_name, config=config, scatter_dimension=1)
-            own = outside_gemm(own, platform=platform) + shared.astype(jnp.float32)  # ROCm: not inside the GEMM
+            own = add_shared(own, shared, config=config, platform=platform)
     y = assemble_column_blocks(own.astype(config.dtype), hidden_size=config.hidden_size,
                                token_sharded=config.sequence_parallel, axis_name=axis_name)
     if config.shared_output_is_reduced:
-        y = add_shared(y, shared_partial, config=config)
+        y = add_shared(y, shared_partial, config=config, platform=platform)
     return y
 
 

@@ -19,10 +19,10 @@ from k3_tail._checks import AxisName
 from k3_tail.config import TailConfig
 from k3_tail.tiers.collectives import reduce_scatter
 from k3_tail.tiers.norm import rms_norm
-from k3_tail.tiers.up_projection import outside_gemm, project
+from k3_tail.tiers.up_projection import project
 from k3_tail.tiers.record import ALL_GATHER, REDUCE_SCATTER, CallShape, CollectiveTerm, TierRecord
 from k3_tail.tiers.scopes import LATENT_REDUCTION, SHARED_REDUCTION
-from k3_tail.tiers.tokens import gather_tokens, own_tokens, pad_tokens
+from k3_tail.tiers.tokens import add_shared, gather_tokens, own_tokens, pad_tokens
 
 
 def token_parallel_tail(
@@ -46,7 +46,7 @@ def token_parallel_tail(
     Returns y [T, H] in ``config.dtype``, identical on every rank; for sequence-parallel output this
     rank's [T/p, H] rows (then T % p == 0), with no all-gather at all. ``platform``: this tier
     issues no all-reduce whose form it could choose; on "rocm" the shared rows are added after the
-    GEMM, never in it (:func:`k3_tail.tiers.up_projection.outside_gemm`).
+    GEMM, never in it (:func:`k3_tail.tiers.tokens.add_shared`).
 
     Cost per rank: 2(T'/p)LH GEMM FLOPs, 2LH weight bytes, RS(T'*L), RS(T'*H) and, for replicated
     output, AG(T'*H). With ``config.shared_output_is_reduced`` shared_partial is the reduced shared
@@ -66,6 +66,7 @@ def token_parallel_tail(
     latent = rms_norm(own_rows(routed_partial, LATENT_REDUCTION), weight, eps=config.rms_norm_eps,
                       scale=config.routed_scaling_factor)
     y = project(latent.astype(config.dtype), up_proj_kernel, fp8_activations=config.fp8_activations)
+    shared = None
     if shared_partial is not None:
         if not config.shared_output_is_reduced:
             shared = own_rows(shared_partial, SHARED_REDUCTION)
@@ -73,8 +74,7 @@ def token_parallel_tail(
             shared = shared_partial  # already this rank's rows
         else:
             shared = own_tokens(pad_tokens(shared_partial, tp_size), axis_name=axis_name)
-        y = outside_gemm(y, platform=platform) + shared.astype(jnp.float32)  # on ROCm not added inside the GEMM
-    y = y.astype(config.dtype)
+    y = add_shared(y, shared, config=config, platform=platform)
     if config.sequence_parallel:
         return y
     return gather_tokens(y, num_tokens, axis_name=axis_name)

@@ -20,6 +20,7 @@ from k3_tail._checks import AxisName
 from k3_tail.config import TailConfig
 from k3_tail.tiers.collectives import all_reduce, reduce_scatter
 from k3_tail.tiers.scopes import OUTPUT_GATHER, SHARED_REDUCTION
+from k3_tail.tiers.up_projection import outside_gemm
 
 
 def padded_token_count(num_tokens: int, tp_size: int) -> int:
@@ -69,11 +70,14 @@ def shared_output(shared_partial: jax.Array, *, axis_name: AxisName, config: Tai
                          scope=SHARED_REDUCTION)
 
 
-def add_shared(projected: jax.Array, shared: jax.Array | None, *, config: TailConfig) -> jax.Array:
+def add_shared(projected: jax.Array, shared: jax.Array | None, *, config: TailConfig,
+               platform: str | None) -> jax.Array:
     """y = projected + shared, added in float32 and rounded once to ``config.dtype`` (``projected`` alone,
-    rounded, when there is no shared output)."""
+    rounded, when there is no shared output). The one place where a tier's projection meets the shared
+    output: on ``platform`` "rocm" the add never goes inside the GEMM (:func:`outside_gemm`)."""
     if shared is None:
         return projected.astype(config.dtype)
+    projected = outside_gemm(projected, platform=platform)
     return (projected.astype(jnp.float32) + shared.astype(jnp.float32)).astype(config.dtype)
 
 
