@@ -42,8 +42,8 @@ import dataclasses
 
 import k3_tail
 from k3_tail import cost_model
-from k3_tail.tiers.collectives import quantized_codec
-from k3_tail.tiers.up_projection import gemm_rows
+from k3_tail.ops.collectives import quantized_codec
+from k3_tail.ops.up_projection import gemm_rows
 
 from examples.kimi_k3_moe_layer import LayerConfig
 

@@ -33,17 +33,17 @@ from k3_tail.selection.rules import select_tier
 from k3_tail.selection.table import SelectionTable, TokenRange
 from k3_tail.shared_reduction import reduce_shared
 from k3_tail.tiers.column_parallel import column_parallel_tail
-from k3_tail.tiers.columns import WEIGHT_LAYOUTS, padded_hidden_size
+from k3_tail.ops.columns import WEIGHT_LAYOUTS, padded_hidden_size
 from k3_tail.tiers.native import native_tail
-from k3_tail.tiers.norm import allreduce_norm_latent_out, rms_norm
+from k3_tail.ops.norm import allreduce_norm_latent_out, rms_norm
 from k3_tail.tiers.one_shot import one_shot_tail
 from k3_tail.tiers.overlap import overlap_tail
 from k3_tail.tiers.record import TierRecord
 from k3_tail.tiers.registry import Tier
 from k3_tail.tiers.scatter_gather import scatter_gather_tail
 from k3_tail.tiers.token_parallel import token_parallel_tail
-from k3_tail.tiers.tokens import is_token_sharded_output, padded_token_count
-from k3_tail.tiers.up_projection import FP8_FORMATS, QuantizedKernel, quantize_up_proj
+from k3_tail.ops.tokens import is_token_sharded_output, padded_token_count
+from k3_tail.ops.up_projection import FP8_FORMATS, QuantizedKernel, quantize_up_proj
 from k3_tail.xla import report as xla_report
 from k3_tail.xla.compilation import compile_tail, compiler_options, tail_arguments
 from k3_tail.xla.report import XlaReport

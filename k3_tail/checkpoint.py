@@ -50,8 +50,8 @@ from jax.sharding import PartitionSpec as P
 
 from k3_tail._checks import AxisName, check_axis_name, check_mesh
 from k3_tail.config import TailConfig, check_config
-from k3_tail.tiers.columns import check_weight_layout, padded_hidden_size
-from k3_tail.tiers.up_projection import QuantizedKernel, quantize_up_proj
+from k3_tail.ops.columns import check_weight_layout, padded_hidden_size
+from k3_tail.ops.up_projection import QuantizedKernel, quantize_up_proj
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"

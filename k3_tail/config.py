@@ -13,11 +13,11 @@ import numpy as np
 
 from k3_tail._checks import check_int
 from k3_tail.hf_config import tail_fields
-from k3_tail.selection.hardware import HARDWARE
-from k3_tail.tiers.collectives import ALL_REDUCE_FORMS, SPLIT
-from k3_tail.tiers.norm import norm_is_computable
-from k3_tail.tiers.codecs import CODECS
-from k3_tail.tiers.up_projection import FP8_FORMATS, fp8_format
+from k3_tail.hardware import HARDWARE
+from k3_tail.ops.collectives import ALL_REDUCE_FORMS, SPLIT
+from k3_tail.ops.norm import norm_is_computable
+from k3_tail.ops.codecs import CODECS
+from k3_tail.ops.up_projection import FP8_FORMATS, fp8_format
 
 _FLOAT_DTYPES = tuple(np.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32))
 _FLOAT32_TINY, _FLOAT32_MAX = float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max)
@@ -53,7 +53,7 @@ class TailConfig:
     ``rms_norm_eps`` (> 0) and ``routed_scaling_factor`` (any sign, or 0) are Python or numpy real
     numbers that float32 holds as normal numbers (magnitudes 1.2e-38 to 3.4e38), stored as floats.
 
-    Up-projection weights (:mod:`k3_tail.tiers.up_projection`):
+    Up-projection weights (:mod:`k3_tail.ops.up_projection`):
       up_proj_dtype: None (or ``dtype`` itself): the kernel W is an array of ``dtype``.
         "float8_e4m3fn" or "float8_e4m3fnuz" (names or jnp dtypes): W is a
         :class:`k3_tail.QuantizedKernel` of that format with per-column float32 scales
@@ -80,24 +80,24 @@ class TailConfig:
         the form :func:`k3_tail.reduce_shared` returns. Needs ``has_shared_experts``. Each tier's
         record says how its schedule changes (``Tier.X.record.shared_reduced_form``).
       sequence_parallel: the surrounding model shards tokens over the TP axis: every tier returns
-        y token-sharded ([T/p, H] per rank; see :mod:`k3_tail.tiers.tokens`).
+        y token-sharded ([T/p, H] per rank; see :mod:`k3_tail.ops.tokens`).
       prefill_token_parallel_min_tokens: with sequence-parallel output, pick the token_parallel
         tier from this many tokens on (vLLM's VLLM_KIMI_K3_AMD_PREFILL_SP_MIN_TOKENS); 0: never.
       all_reduce_form: how a sum over the ranks travels: "auto" (one all-reduce, or a reduce-scatter
-        + all-gather where that was measured faster: :mod:`k3_tail.tiers.collectives`),
+        + all-gather where that was measured faster: :mod:`k3_tail.ops.collectives`),
         "all-reduce" or "reduce-scatter+all-gather".
 
-    Quantised sums (vLLM ROCm's QuickReduce, :mod:`k3_tail.tiers.collectives`):
+    Quantised sums (vLLM ROCm's QuickReduce, :mod:`k3_tail.ops.collectives`):
       all_reduce_quantization: None (default: sums travel in ``dtype``) or "int8", "int6", "int4":
         every sum the tail sends over the TP axis whose buffer holds between the two sizes below
-        travels block-quantised (:mod:`k3_tail.tiers.codecs`) as a two-shot all-reduce (all-to-all of
+        travels block-quantised (:mod:`k3_tail.ops.codecs`) as a two-shot all-reduce (all-to-all of
         each rank's chunks, float32 sum by the chunk's owner, re-quantised all-gather); a sum that
         only scatters sends the first shot alone. It changes the result (each value by at most about
         one codec step of its 32-value block per shot), so no selection policy turns it on; the
         selection reason says which of the tier's sums it quantises.
       quantized_all_reduce_min_bytes: the smallest buffer (bytes, in ``dtype``) that is quantised;
         None (default): vLLM's minimum-size table for the codec, ``dtype`` and p
-        (:func:`k3_tail.tiers.collectives.quantization_min_bytes`).
+        (:func:`k3_tail.ops.collectives.quantization_min_bytes`).
       quantized_all_reduce_max_bytes: the largest buffer that is quantised (default 2 GiB, as
         QuickReduce's).
       quantized_all_reduce_fp16_sizes_for_bf16: with the default minimum, bfloat16 buffers follow
@@ -154,7 +154,7 @@ class TailConfig:
             raise ValueError(
                 f"routed_scaling_factor: with rms_norm_eps={self.rms_norm_eps!r} and latent_size={self.latent_size}, "
                 f"expected eps / routed_scaling_factor^2 between 2^-252 and about 2^228 / L, where the norm can "
-                f"be computed in float32 (k3_tail.tiers.norm.norm_is_computable), got "
+                f"be computed in float32 (k3_tail.ops.norm.norm_is_computable), got "
                 f"{self.rms_norm_eps / self.routed_scaling_factor**2:.3g}"
             )
         for name in ("use_latent_norm", "fp8_activations", "disable_overlap", "use_scatter_gather",

@@ -12,10 +12,10 @@ from jax.sharding import PartitionSpec as P
 from k3_tail._checks import AxisName, check_axis_name, check_mesh, expect_array, expect_optional, expect_rank
 from k3_tail.config import TailConfig, check_config
 from k3_tail.per_rank import latent_moe_tail
-from k3_tail.tiers.columns import check_weight_layout, pad_columns, padded_hidden_size
+from k3_tail.ops.columns import check_weight_layout, pad_columns, padded_hidden_size
 from k3_tail.tiers.registry import Tier
-from k3_tail.tiers.tokens import is_token_sharded_output, pad_tokens
-from k3_tail.tiers.up_projection import check_up_proj_kernel, column_sharding, column_spec
+from k3_tail.ops.tokens import is_token_sharded_output, pad_tokens
+from k3_tail.ops.up_projection import check_up_proj_kernel, column_sharding, column_spec
 
 
 def tail_forward(
@@ -48,7 +48,7 @@ def tail_forward(
       tier: a :class:`Tier` (or its value) to force, or None to let :func:`select_tier` decide at
         trace time.
       weight_layout: where the kernel lives during the call: "replicated" (whole on every rank) or
-        "column" (P(None, axis_name): each rank holds [L, H/p]); see :mod:`k3_tail.tiers.columns`.
+        "column" (P(None, axis_name): each rank holds [L, H/p]); see :mod:`k3_tail.ops.columns`.
         The one_shot tier needs "replicated".
 
     Returns y: [T, H] in ``config.dtype``, replicated over the mesh; with ``config.sequence_parallel``

@@ -22,9 +22,9 @@ from k3_tail.per_rank import latent_moe_tail
 from k3_tail.selection.decision import TierDecision
 from k3_tail.selection.rules import select_tier
 from k3_tail.shared_reduction import reduce_shared
-from k3_tail.tiers.columns import check_weight_layout, pad_columns, padded_hidden_size
+from k3_tail.ops.columns import check_weight_layout, pad_columns, padded_hidden_size
 from k3_tail.tiers.registry import Tier
-from k3_tail.tiers.up_projection import QuantizedKernel, check_fp8_activations, quantize_up_proj
+from k3_tail.ops.up_projection import QuantizedKernel, check_fp8_activations, quantize_up_proj
 
 _LECUN_NORMAL = nnx.initializers.lecun_normal()
 

@@ -16,12 +16,12 @@ from k3_tail._checks import (
     AxisName, axis_size_in_scope, check_axis_name, expect_array, expect_optional, expect_rank, varies_over,
 )
 from k3_tail.config import TailConfig, check_config
-from k3_tail.selection.hardware import device_platform
+from k3_tail.hardware import device_platform
 from k3_tail.selection.rules import select_tier
-from k3_tail.tiers.columns import check_weight_layout, padded_hidden_size
+from k3_tail.ops.columns import check_weight_layout, padded_hidden_size
 from k3_tail.tiers.registry import Tier
-from k3_tail.tiers.tokens import gather_tokens, is_token_sharded_output, pad_tokens, padded_token_count
-from k3_tail.tiers.up_projection import QuantizedKernel, check_fp8_activations, check_up_proj_kernel
+from k3_tail.ops.tokens import gather_tokens, is_token_sharded_output, pad_tokens, padded_token_count
+from k3_tail.ops.up_projection import QuantizedKernel, check_fp8_activations, check_up_proj_kernel
 
 
 def latent_moe_tail(
@@ -57,9 +57,9 @@ def latent_moe_tail(
       tier: a :class:`Tier` (or its value) to force, or None to select.
       device: a device of the mesh the call runs on: its ``device_kind`` is what the "measured"
         selection policy checks its table against and what FP8 activations are checked against
-        (:func:`k3_tail.tiers.up_projection.check_fp8_activations`), its ``platform`` decides the form of
+        (:func:`k3_tail.ops.up_projection.check_fp8_activations`), its ``platform`` decides the form of
         the all-reduces (``config.all_reduce_form``), and on ROCm no GEMM adds into a C operand
-        (:func:`k3_tail.tiers.up_projection.outside_gemm`). None: ``jax.devices()[0]``, the default
+        (:func:`k3_tail.ops.up_projection.outside_gemm`). None: ``jax.devices()[0]``, the default
         backend's, which is right unless the shard_map's mesh is made of other devices (a deviceless
         topology).
 

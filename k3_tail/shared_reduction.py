@@ -14,8 +14,8 @@ import jax
 
 from k3_tail._checks import AxisName, axis_size_in_scope, check_axis_name, expect_array, expect_rank
 from k3_tail.config import TailConfig, check_config
-from k3_tail.tiers.scopes import SHARED_REDUCTION
-from k3_tail.tiers.tokens import pad_tokens, reduce_output
+from k3_tail.ops.scopes import SHARED_REDUCTION
+from k3_tail.ops.tokens import pad_tokens, reduce_output
 
 
 def reduce_shared(

@@ -24,10 +24,10 @@ whole [rows, width] sum:
   and, for a dtype narrower than float32, both forms again with the buffer cast to float32 before the
   collective and back to its dtype after ("moved float32"; they move twice the bytes).
   With --quantized CODEC,...: for each codec (int8, int6, int4) the tail's own sum,
-  ``k3_tail.tiers.collectives.all_reduce`` with a Kimi-K3 TailConfig of the buffer's dtype,
+  ``k3_tail.ops.collectives.all_reduce`` with a Kimi-K3 TailConfig of the buffer's dtype,
   ``all_reduce_quantization=CODEC`` and ``quantized_all_reduce_min_bytes=0`` (so every buffer is
   quantised): block-encode, all-to-all, float32 sum of the own chunk, re-encode, all-gather, decode
-  ("CODEC two-shot"; :mod:`k3_tail.tiers.collectives`).
+  ("CODEC two-shot"; :mod:`k3_tail.ops.collectives`).
 
 Timing: per buffer, each form is compiled and run --warmup times untimed, then --repeats rounds,
 each round running every form once (round robin, the starting form rotating from round to round),
@@ -77,8 +77,8 @@ from k3_tail.cli.common import (
     CommandError, choice_list, demo_devices, format_ms, positive_int, positive_int_list, progress, use_cpu_without_gpu,
 )
 from k3_tail.config import TailConfig
-from k3_tail.tiers.codecs import CODECS
-from k3_tail.tiers.collectives import all_reduce as tail_all_reduce
+from k3_tail.ops.codecs import CODECS
+from k3_tail.ops.collectives import all_reduce as tail_all_reduce
 from k3_tail.tools.benchmark import machine_info
 
 AXIS_NAME = "tp"
@@ -113,7 +113,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "those narrower than float32 are also timed cast to float32 around the collective")
     parser.add_argument("--quantized", type=choice_list(tuple(CODECS), "codecs"), default=(), metavar="C,C,...",
                         help=f"also time the tail's quantised two-shot sum with each codec among {', '.join(CODECS)} "
-                        "(k3_tail.tiers.collectives.all_reduce, every buffer quantised; default: none)")
+                        "(k3_tail.ops.collectives.all_reduce, every buffer quantised; default: none)")
     parser.add_argument("--repeats", type=positive_int, default=7, metavar="N",
                         help="timed rounds per buffer, each running every form once (default: 7)")
     parser.add_argument("--warmup", type=positive_int, default=1, metavar="N",
@@ -326,7 +326,7 @@ def format_quantized_table(buffers: list[dict[str, Any]]) -> str:
                 f"{entry['vs_float64_sum']:>9.1e}{reference:>10.1e}{flag}")
     lines += [
         "",
-        "two-shot: k3_tail.tiers.collectives.all_reduce with the codec, every buffer quantised. all-reduce: lax.psum",
+        "two-shot: k3_tail.ops.collectives.all_reduce with the codec, every buffer quantised. all-reduce: lax.psum",
         "of the buffer as is. Q/AR: ratio of medians; per-round: quartiles of two-shot/all-reduce within each round;",
         "sep as above. Q/RS+AG: ratio of medians to RS+AG moving the buffer as is. vs AR, vs f64: max |two-shot - b|",
         "/ max |b| with b the all-reduce's result and the float64 sum; AR vs f64: the all-reduce's own.",

@@ -3,7 +3,7 @@
     python scripts/decode_time.py [--tokens 1,2,16] [--devices 8] [--rounds 7] [--json FILE]
 
 A one-row GEMM should cost no more than a two-row one. The library multiplies a single row as two
-(:func:`k3_tail.tiers.up_projection.project`); this script checks that where it matters, and shows
+(:func:`k3_tail.ops.up_projection.project`); this script checks that where it matters, and shows
 the cliff it avoids:
 
 tiers    ``k3_tail.tail_forward`` of the Kimi-K3 tail (bf16) by every tier with each weight layout
@@ -37,7 +37,7 @@ from k3_tail import TailConfig, Tier, tail_forward
 from k3_tail.cli.common import (
     AXIS_NAME, CommandError, add_timing_arguments, format_ms, positive_int_list, progress, timing_mesh,
 )
-from k3_tail.tiers.up_projection import project
+from k3_tail.ops.up_projection import project
 from k3_tail.tools.benchmark import Timing, machine_info, place_partials, place_weights, time_round_robin
 
 

@@ -14,7 +14,7 @@ kernel only with "replicated"):
   columns      record.gemm_columns(H, p, layout): H for a tier that projects all columns with the
                replicated kernel, else its column block padded_hidden_size(H, p) / p;
   work         latent [rows, L] in config.dtype -> RMSNorm in float32 with the norm weight [L]
-               (k3_tail.tiers.norm.rms_norm, config's eps and scale) -> cast to config.dtype -> dot
+               (k3_tail.ops.norm.rms_norm, config's eps and scale) -> cast to config.dtype -> dot
                with the kernel block [L, columns] (preferred_element_type float32) -> + the shared
                partial's rows [rows, columns] in float32 -> cast to config.dtype.
 
@@ -38,7 +38,7 @@ Reported per (p, T, tier, layout): median and quartiles (s); GEMM FLOPs 2 * rows
 (the norm's and the add's few FLOPs not counted); bytes moved, the sizes of the arrays read and
 written: kernel block, norm weight, latent and shared rows in, the output out; achieved TFLOP/s
 and GB/s (over the median), and their fractions of the hardware preset's peak_flops (dense BF16,
-whatever --dtype is) and hbm_bytes_per_s. The preset (k3_tail.selection.hardware.HARDWARE) is
+whatever --dtype is) and hbm_bytes_per_s. The preset (k3_tail.hardware.HARDWARE) is
 --hardware, or by default the one of the device kind: "H200" -> h200, "MI300X" -> mi300x,
 "MI325X" -> mi325x, "MI355X" -> mi355x; on another GPU --hardware is required. On the CPU any
 preset may be given and the fractions are then meaningless (a GPU's peaks against the host's
@@ -68,11 +68,11 @@ from k3_tail import WEIGHT_LAYOUTS, TailConfig
 from k3_tail.cli.common import (
     ProgressBar, add_shape_arguments, format_ms, positive_int, positive_int_list, progress, use_cpu_without_gpu,
 )
-from k3_tail.selection.hardware import HARDWARE, Hardware
-from k3_tail.tiers.norm import rms_norm
+from k3_tail.hardware import HARDWARE, Hardware
+from k3_tail.ops.norm import rms_norm
 from k3_tail.tiers.record import TierRecord
 from k3_tail.tiers.registry import TIER_RECORDS
-from k3_tail.tiers.tokens import padded_token_count
+from k3_tail.ops.tokens import padded_token_count
 from k3_tail.tools.benchmark import Timing, config_dict, default_token_counts, machine_info, time_runs
 
 PROG = "gpu_profile.py"

@@ -27,7 +27,7 @@ Reported: the relative Frobenius error ||y - y_ref|| / ||y_ref|| (computed in fl
 (T, tier, codec), and its ratio to the bf16 baseline of the same (T, tier). A markdown table, then a
 second one: with vLLM's DEFAULT minimum sizes (``quantized_all_reduce_min_bytes=None``, the float16
 table that bf16 follows by default, for the mesh's p) which of the tail's sums
-``k3_tail.tiers.collectives.quantized_codec`` quantises at each T: the [T, L] latent sum, a [T, H]
+``k3_tail.ops.collectives.quantized_codec`` quantises at each T: the [T, L] latent sum, a [T, H]
 sum (the shared partials, or column_parallel's output) and one_shot's packed [T, 2H + L] sum.
 Progress goes to stderr; --json FILE writes the machine, the settings and the rows. Exit status 0,
 or 2 for bad arguments.
@@ -50,8 +50,8 @@ from k3_tail import TailConfig, Tier, tail_forward
 from k3_tail.cli.common import (
     AXIS_NAME, CommandError, ProgressBar, choice_list, positive_int, positive_int_list, tier_list, timing_mesh,
 )
-from k3_tail.tiers.codecs import CODECS
-from k3_tail.tiers.collectives import quantization_min_bytes, quantized_codec
+from k3_tail.ops.codecs import CODECS
+from k3_tail.ops.collectives import quantization_min_bytes, quantized_codec
 
 BASELINE = "bf16"
 CODEC_CHOICES = (BASELINE, *CODECS)

@@ -21,7 +21,7 @@ import json
 from k3_tail import TailConfig
 from k3_tail.cli.common import positive_int_list
 from k3_tail.selection import cost_model
-from k3_tail.tiers.codecs import CODECS
+from k3_tail.ops.codecs import CODECS
 
 PRESETS = ("mi355x", "mi300x", "h200")
 TP_SIZE = 8

@@ -32,7 +32,7 @@ def main() -> int:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # a deviceless compile; keeps the CUDA plugin quiet
 
     import k3_tail
-    from k3_tail.tiers.codecs import CODECS
+    from k3_tail.ops.codecs import CODECS
 
     mesh = k3_tail.topology_mesh(args.topology)
     variants = [("bf16", None, None)] + [(codec, codec, minimum) for codec in CODECS for minimum in _MINIMA.values()]

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import k3_tail
-import k3_tail.tiers.codecs
+import k3_tail.ops.codecs
 
 # Relative Frobenius error allowed against the float64 reference, per activation dtype.
 # bf16 rounds each of the ~5 steps (two reductions, norm, GEMM output, add) to 2^-9 relative;
@@ -51,7 +51,7 @@ def sum_rounding_noise(codec, partials):
     uniform over a step, so each rounding adds step^2 / 12 of variance, independently:
         ||e||^2 = sum over blocks of 32 * (sum_i step_i^2 + step_sum^2) / 12.
     """
-    step = k3_tail.tiers.codecs.CODECS[codec].relative_step
+    step = k3_tail.ops.codecs.CODECS[codec].relative_step
     partials = np.asarray(partials, np.float64)
     squares = sum(np.sum(block_maxima(partial) ** 2) for partial in partials)
     squares += np.sum(block_maxima(partials.sum(axis=0)) ** 2)

@@ -8,7 +8,7 @@ import pytest
 
 import k3_tail
 from helpers import make_tp_mesh, tier_layouts
-from k3_tail.tiers.collectives import ALL_REDUCE, SPLIT, resolved_form
+from k3_tail.ops.collectives import ALL_REDUCE, SPLIT, resolved_form
 from reference import TOLERANCE, make_inputs, reference_tail, relative_error
 
 MIB = 2**20

@@ -16,7 +16,7 @@ import pytest
 
 from helpers import command_environment
 from k3_tail import WEIGHT_LAYOUTS, Tier
-from k3_tail.selection.hardware import HARDWARE
+from k3_tail.hardware import HARDWARE
 
 SCRIPT = Path(__file__).parent.parent / "scripts" / "gpu_profile.py"
 HIDDEN, LATENT, ITEM_BYTES = 64, 32, 2  # bfloat16

@@ -8,7 +8,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import k3_tail
-import k3_tail.tiers.norm
+import k3_tail.ops.norm
 from helpers import make_tp_mesh
 from reference import TOLERANCE, make_inputs, reference_latent, relative_error
 
@@ -32,7 +32,7 @@ SMALLEST_NORMAL = float(np.finfo(np.float32).tiny)
 # The (eps, scale) pairs among these that TailConfig accepts at L = 64 (all but eps 1e30 with scale 1e-30 and
 # the smallest eps with scale 1e20, whose sqrt(eps) / scale float32 cannot hold).
 NORM_SETTINGS = [(eps, scale) for eps in (SMALLEST_NORMAL, 1e-5, 0.1, 1e30) for scale in (1.0, -3.0, 1e20, 1e-30)
-                 if k3_tail.tiers.norm.norm_is_computable(eps, scale, 64)]
+                 if k3_tail.ops.norm.norm_is_computable(eps, scale, 64)]
 
 
 @pytest.mark.parametrize(("eps", "scale"), NORM_SETTINGS)
@@ -66,7 +66,7 @@ def test_one_shots_row_factor_of_any_finite_row_is_accurate(eps, scale):
     x = (values * magnitudes[:, None]).astype(np.float32)
     scaled = scale * x.astype(np.float64)
     expected = scale / np.sqrt(np.mean(scaled**2, axis=-1, keepdims=True) + eps)
-    actual = np.asarray(jax.jit(lambda v: k3_tail.tiers.norm.inverse_rms(v, eps=eps, scale=scale))(x), np.float64)
+    actual = np.asarray(jax.jit(lambda v: k3_tail.ops.norm.inverse_rms(v, eps=eps, scale=scale))(x), np.float64)
     normal = np.abs(expected) >= SMALLEST_NORMAL
     np.testing.assert_allclose(actual[normal], expected[normal], rtol=1e-6)
 

@@ -16,8 +16,8 @@ from jax.sharding import PartitionSpec as P
 
 import k3_tail
 from helpers import make_tp_mesh
-from k3_tail.tiers.codecs import BLOCK, CODECS
-from k3_tail.tiers.collectives import all_reduce, quantization_min_bytes, quantized_codec, reduce_scatter
+from k3_tail.ops.codecs import BLOCK, CODECS
+from k3_tail.ops.collectives import all_reduce, quantization_min_bytes, quantized_codec, reduce_scatter
 from reference import WRONG_TAILS, block_maxima, make_inputs, reference_tail, relative_error, tolerance
 
 MIB = 2**20

@@ -28,8 +28,8 @@ from flax import nnx
 import covering
 import k3_tail
 from helpers import gpu_mesh_for, make_tp_mesh, topology_params
-from k3_tail.selection.hardware import HARDWARE, device_platform, native_fp8_formats
-from k3_tail.tiers.up_projection import check_fp8_activations, native_fp8_format, outside_gemm
+from k3_tail.hardware import HARDWARE, device_platform, native_fp8_formats
+from k3_tail.ops.up_projection import check_fp8_activations, native_fp8_format, outside_gemm
 from k3_tail.xla.hlo_text import is_gemm_custom_call, parse_module
 
 KIMI = k3_tail.TailConfig.kimi_k3()

@@ -17,8 +17,8 @@ import pytest
 
 from helpers import compiled_tail, gpu_mesh_for, topology_params
 from k3_tail import Tier, TailConfig, compiler_options, tail_arguments, tail_forward
-from k3_tail.tiers.codecs import CODECS
-from k3_tail.tiers.up_projection import gemm_rows
+from k3_tail.ops.codecs import CODECS
+from k3_tail.ops.up_projection import gemm_rows
 from k3_tail.xla.hlo_text import parse_module
 from k3_tail.xla.report import report
 

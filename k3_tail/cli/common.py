@@ -34,10 +34,10 @@ from jax.sharding import Mesh
 from k3_tail.config import ALL_REDUCE_QUANTIZATIONS, TailConfig
 from k3_tail.selection.decision import TierDecision
 from k3_tail.selection.rules import select_tier
-from k3_tail.tiers.collectives import ALL_REDUCE_FORMS
-from k3_tail.tiers.columns import WEIGHT_LAYOUTS
+from k3_tail.ops.collectives import ALL_REDUCE_FORMS
+from k3_tail.ops.columns import WEIGHT_LAYOUTS
 from k3_tail.tiers.registry import Tier
-from k3_tail.tiers.up_projection import FP8_FORMATS
+from k3_tail.ops.up_projection import FP8_FORMATS
 from k3_tail.tools.benchmark import (
     CPU_MAX_TOKENS, DEFAULT_MAX_TOKENS, Measurement, check_tiers, machine_info, measure_tiers,
 )
@@ -298,13 +298,13 @@ def up_projection_options(args: argparse.Namespace) -> dict[str, object]:
     return {"up_proj_dtype": args.up_proj_dtype, "fp8_activations": args.fp8_activations}
 
 
-# --all-reduce-quantization's choices: "none" (no codec) and the codecs (k3_tail.tiers.codecs.CODECS).
+# --all-reduce-quantization's choices: "none" (no codec) and the codecs (k3_tail.ops.codecs.CODECS).
 QUANTIZATION_CHOICES = tuple("none" if name is None else name for name in ALL_REDUCE_QUANTIZATIONS)
 
 
 def add_all_reduce_quantization_arguments(group: argparse._ArgumentGroup | argparse.ArgumentParser) -> None:
     """``--all-reduce-quantization`` and ``--quantized-all-reduce-min-bytes``: quantised TP sums
-    (vLLM ROCm's QuickReduce, :mod:`k3_tail.tiers.collectives`)."""
+    (vLLM ROCm's QuickReduce, :mod:`k3_tail.ops.collectives`)."""
     group.add_argument("--all-reduce-quantization", choices=QUANTIZATION_CHOICES, default="none",
                        help="send the TP sums block-quantised in this codec, as two-shot all-reduces like vLLM "
                        "ROCm's QuickReduce; changes the numerics (default: none)")

@@ -33,7 +33,7 @@ from k3_tail.cli.common import (
 from k3_tail.config import TailConfig
 from k3_tail.forward import tail_forward
 from k3_tail.selection.decision import TierDecision
-from k3_tail.tiers.codecs import CODECS
+from k3_tail.ops.codecs import CODECS
 from k3_tail.tiers.registry import Tier
 from k3_tail.tools.benchmark import place_partials, place_weights, tiers_for, time_runs
 

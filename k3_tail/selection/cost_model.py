@@ -48,7 +48,7 @@ The model has two layers.
    is hidden when its record term runs beside the GEMM (``beside_gemm``).
 
    A sum that travels quantised (``TailConfig.all_reduce_quantization``, inside its size window:
-   :mod:`k3_tail.tiers.collectives`; ``CollectiveCost.codec``) moves its encoded chunks instead (b/16 +
+   :mod:`k3_tail.ops.collectives`; ``CollectiveCost.codec``) moves its encoded chunks instead (b/16 +
    1/32 of a bf16 buffer, padded to whole blocks), pays one latency per shot (two for an all-reduce,
    one for a reduce-scatter) and adds the codec's memory passes at HBM bandwidth (encode, decode and
    sum, and for an all-reduce re-encode and decode: 2B + 3Q + Q/p bytes for a buffer of B bytes whose
@@ -83,16 +83,16 @@ import numpy as np
 from k3_tail._checks import check_int
 from k3_tail.config import TailConfig, check_config
 from k3_tail.selection.decision import TierDecision
-from k3_tail.selection.hardware import HARDWARE, Hardware, hardware_preset
-from k3_tail.tiers.codecs import CODECS
-from k3_tail.tiers.collectives import quantization_window, quantized_codec
-from k3_tail.tiers.columns import check_weight_layout
+from k3_tail.hardware import HARDWARE, Hardware, hardware_preset
+from k3_tail.ops.codecs import CODECS
+from k3_tail.ops.collectives import quantization_window, quantized_codec
+from k3_tail.ops.columns import check_weight_layout
 from k3_tail.tiers.record import (
     ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER, RING_WIRE_FACTORS, SUM_KINDS, CallShape,
 )
 from k3_tail.tiers.registry import Tier
-from k3_tail.tiers.tokens import is_token_sharded_output, padded_token_count
-from k3_tail.tiers.up_projection import gemm_rows
+from k3_tail.ops.tokens import is_token_sharded_output, padded_token_count
+from k3_tail.ops.up_projection import gemm_rows
 
 __all__ = [
     "ALL_GATHER", "ALL_REDUCE", "ALL_TO_ALL", "HARDWARE", "REDUCE_SCATTER", "CollectiveCost", "Crossover", "Hardware",
@@ -108,7 +108,7 @@ class CollectiveCost:
     :class:`k3_tail.xla_report.Collective` ``.bytes`` counts it (reduced buffer, reduce-scatter input,
     gathered result, all-to-all send buffer). group_size: ranks taking part (p). hidden: it runs
     beside the tier's GEMM instead of before or after it. codec: for a sum (all-reduce or
-    reduce-scatter) that travels quantised (:mod:`k3_tail.tiers.collectives`), the codec's name, else
+    reduce-scatter) that travels quantised (:mod:`k3_tail.ops.collectives`), the codec's name, else
     None; element_bytes: the bytes of one element of the buffer, from which the encoded size follows.
     """
 

@@ -11,11 +11,11 @@ from k3_tail.config import TailConfig, check_config
 from k3_tail.selection import cost_model
 from k3_tail.selection.decision import TierDecision
 from k3_tail.selection.table import SelectionTable
-from k3_tail.tiers.collectives import describe_auto, describe_quantization, quantization_min_bytes
-from k3_tail.tiers.columns import padded_hidden_size
+from k3_tail.ops.collectives import describe_auto, describe_quantization, quantization_min_bytes
+from k3_tail.ops.columns import padded_hidden_size
 from k3_tail.tiers.record import SUM_KINDS
 from k3_tail.tiers.registry import Tier
-from k3_tail.tiers.tokens import is_token_sharded_output, padded_token_count
+from k3_tail.ops.tokens import is_token_sharded_output, padded_token_count
 
 
 def select_tier(
@@ -33,7 +33,7 @@ def select_tier(
     ``.platform``) describe the call where the caller knows them: the "measured" and "model"
     policies need the first two to check or price the call, the token_parallel rule needs the
     layout, and with the platform the reason also says how the all-reduces travel there
-    (``config.all_reduce_form``, :mod:`k3_tail.tiers.collectives`).
+    (``config.all_reduce_form``, :mod:`k3_tail.ops.collectives`).
 
     Rule 1 below holds for every ``config.selection_policy``; rules 2-4 are the "vllm" policy. The
     "measured" policy replaces them by the range of ``config.selection_table`` that holds T (the

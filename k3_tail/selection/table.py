@@ -47,9 +47,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from k3_tail.config import ALL_REDUCE_QUANTIZATIONS, TailConfig
-from k3_tail.tiers.columns import WEIGHT_LAYOUTS
+from k3_tail.ops.columns import WEIGHT_LAYOUTS
 from k3_tail.tiers.registry import Tier
-from k3_tail.tiers.up_projection import FP8_FORMATS
+from k3_tail.ops.up_projection import FP8_FORMATS
 
 FORMAT = "k3_tail.selection_table/1"
 # The largest table file load reads (checked before parsing) and the most ranges a table holds.

@@ -8,12 +8,12 @@ from jax import lax
 
 from k3_tail._checks import AxisName
 from k3_tail.config import TailConfig
-from k3_tail.tiers.columns import assemble_column_blocks, own_kernel_block, pad_columns
-from k3_tail.tiers.norm import allreduce_norm_latent_out
-from k3_tail.tiers.up_projection import project
+from k3_tail.ops.columns import assemble_column_blocks, own_kernel_block, pad_columns
+from k3_tail.ops.norm import allreduce_norm_latent_out
+from k3_tail.ops.up_projection import project
 from k3_tail.tiers.record import CallShape, CollectiveTerm, TierRecord
-from k3_tail.tiers.scopes import SHARED_REDUCTION
-from k3_tail.tiers.tokens import add_shared, reduce_output
+from k3_tail.ops.scopes import SHARED_REDUCTION
+from k3_tail.ops.tokens import add_shared, reduce_output
 
 
 def column_parallel_tail(
@@ -49,7 +49,7 @@ def column_parallel_tail(
     Cost per rank, either layout: 2TLH/p GEMM FLOPs, 2LH/p weight bytes, AR(T*L) then AR(T*H),
     serial. The replicated layout slices its block out of the whole kernel (which it keeps in memory).
     On ``platform`` "rocm" the GEMM's result is added to the shared block after the GEMM, never in it
-    (:func:`k3_tail.tiers.tokens.add_shared`); CUDA lets XLA fold the add into the GEMM.
+    (:func:`k3_tail.ops.tokens.add_shared`); CUDA lets XLA fold the add into the GEMM.
     """
     if defer_all_reduce and config.shared_output_is_reduced:
         raise ValueError("defer_all_reduce: with shared_output_is_reduced the tier ends in an all-gather of the "

@@ -6,10 +6,10 @@ import jax
 
 from k3_tail._checks import AxisName
 from k3_tail.config import TailConfig
-from k3_tail.tiers.columns import project_all_columns
-from k3_tail.tiers.norm import allreduce_norm_latent_out
+from k3_tail.ops.columns import project_all_columns
+from k3_tail.ops.norm import allreduce_norm_latent_out
 from k3_tail.tiers.record import CallShape, CollectiveTerm, TierRecord
-from k3_tail.tiers.tokens import add_shared, own_tokens, shared_output
+from k3_tail.ops.tokens import add_shared, own_tokens, shared_output
 
 
 def native_tail(
@@ -36,7 +36,7 @@ def native_tail(
     Column layout: 2TLH/p FLOPs and 2LH/p weight bytes, plus an all-gather of the [T, H/p] output
     blocks. The collectives are issued serially; XLA's scheduler may still reorder or combine them.
     On ``platform`` "rocm" the shared output is added after the GEMM, never in it
-    (:func:`k3_tail.tiers.tokens.add_shared`).
+    (:func:`k3_tail.ops.tokens.add_shared`).
     """
     latent = allreduce_norm_latent_out(routed_partial, norm_weight, config=config, axis_name=axis_name,
                                        platform=platform)

@@ -5,7 +5,7 @@
 Each rank projects its own routed partial, and ONE all-reduce of
 the packed [(r_i g) @ W | s_i | r_i] buffer replaces the two serial collectives of the other
 tiers; the per-row RMS factor is computed from the reduced x and applied afterwards
-(:func:`k3_tail.tiers.norm.inverse_rms`, which takes c as its scale: c x may overflow float32
+(:func:`k3_tail.ops.norm.inverse_rms`, which takes c as its scale: c x may overflow float32
 where x does not). Without a norm the partials are scaled, (c r_i) @ W, and x is not sent. Not in vLLM.
 """
 
@@ -16,11 +16,11 @@ import jax.numpy as jnp
 
 from k3_tail._checks import AxisName
 from k3_tail.config import TailConfig
-from k3_tail.tiers.norm import inverse_rms
-from k3_tail.tiers.up_projection import project
+from k3_tail.ops.norm import inverse_rms
+from k3_tail.ops.up_projection import project
 from k3_tail.tiers.record import CallShape, CollectiveTerm, TierRecord
-from k3_tail.tiers.scopes import PACKED_REDUCTION
-from k3_tail.tiers.tokens import reduce_output
+from k3_tail.ops.scopes import PACKED_REDUCTION
+from k3_tail.ops.tokens import reduce_output
 
 
 def one_shot_tail(

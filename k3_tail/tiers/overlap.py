@@ -16,7 +16,7 @@ Two devices act against that:
    the options for such an executable: ``xla_gpu_all_reduce_combine_threshold_bytes=0`` (no
    all-reduce combining in that executable, which is the price), async collectives pinned on and
    the latency-hiding scheduler on (XLA's default for CUDA, not for ROCm before jax 0.12);
-   likewise no all-gather combining, for a quantised shared sum (:mod:`k3_tail.tiers.collectives`),
+   likewise no all-gather combining, for a quantised shared sum (:mod:`k3_tail.ops.collectives`),
    whose second shot, an all-gather, would otherwise join the latent's before the GEMM.
    :func:`k3_tail.compile_tail` applies them to the tail's own executable.
 
@@ -33,10 +33,10 @@ from jax import lax
 
 from k3_tail._checks import AxisName
 from k3_tail.config import TailConfig
-from k3_tail.tiers.columns import gather_columns, project_own_columns
-from k3_tail.tiers.norm import allreduce_norm_latent_out
+from k3_tail.ops.columns import gather_columns, project_own_columns
+from k3_tail.ops.norm import allreduce_norm_latent_out
 from k3_tail.tiers.record import CallShape, CollectiveTerm, TierRecord
-from k3_tail.tiers.tokens import add_shared, own_tokens, shared_output
+from k3_tail.ops.tokens import add_shared, own_tokens, shared_output
 
 
 def overlap_tail(

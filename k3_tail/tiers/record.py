@@ -29,10 +29,10 @@ from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
 
-from k3_tail.tiers.columns import padded_hidden_size
+from k3_tail.ops.columns import padded_hidden_size
 
 ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER, ALL_TO_ALL = "all-reduce", "reduce-scatter", "all-gather", "all-to-all"
-# The kinds that sum over the ranks (and so may travel quantised: k3_tail.tiers.collectives).
+# The kinds that sum over the ranks (and so may travel quantised: k3_tail.ops.collectives).
 SUM_KINDS = (ALL_REDUCE, REDUCE_SCATTER)
 # Per-rank ring wire bytes as a multiple of the buffer's bytes, given the group size g.
 RING_WIRE_FACTORS = MappingProxyType({
@@ -103,7 +103,7 @@ class CallShape:
 
     def block_assembly(self) -> CollectiveTerm:
         """How a column tier assembles y from the ranks' [T, Hb] blocks
-        (:func:`k3_tail.tiers.columns.assemble_column_blocks`): AG(T*p*Hb), or for token-sharded output
+        (:func:`k3_tail.ops.columns.assemble_column_blocks`): AG(T*p*Hb), or for token-sharded output
         an all-to-all whose per-rank send buffer is T*Hb."""
         if self.token_sharded:
             return CollectiveTerm(ALL_TO_ALL, self.rows * self.block_width)

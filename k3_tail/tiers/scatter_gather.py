@@ -9,13 +9,13 @@ from jax import lax
 
 from k3_tail._checks import AxisName
 from k3_tail.config import TailConfig
-from k3_tail.tiers.collectives import reduce_scatter
-from k3_tail.tiers.columns import assemble_column_blocks, own_kernel_block, pad_columns
-from k3_tail.tiers.norm import allreduce_norm_latent_out
-from k3_tail.tiers.up_projection import project
+from k3_tail.ops.collectives import reduce_scatter
+from k3_tail.ops.columns import assemble_column_blocks, own_kernel_block, pad_columns
+from k3_tail.ops.norm import allreduce_norm_latent_out
+from k3_tail.ops.up_projection import project
 from k3_tail.tiers.record import REDUCE_SCATTER, CallShape, CollectiveTerm, TierRecord
-from k3_tail.tiers.scopes import SHARED_REDUCTION
-from k3_tail.tiers.tokens import add_shared
+from k3_tail.ops.scopes import SHARED_REDUCTION
+from k3_tail.ops.tokens import add_shared
 
 
 def scatter_gather_tail(
@@ -44,7 +44,7 @@ def scatter_gather_tail(
     as soon as the latent is ready. With ``config.shared_output_is_reduced`` shared_partial is the
     reduced shared output (:func:`k3_tail.reduce_shared`'s form): no RS, and it is added to the
     assembled rows. On ``platform`` "rocm" the reduced block is added after the GEMM, never in it
-    (:func:`k3_tail.tiers.tokens.add_shared`).
+    (:func:`k3_tail.ops.tokens.add_shared`).
     """
     latent = allreduce_norm_latent_out(routed_partial, norm_weight, config=config, axis_name=axis_name,
                                        platform=platform)

@@ -17,12 +17,12 @@ from jax import lax
 
 from k3_tail._checks import AxisName
 from k3_tail.config import TailConfig
-from k3_tail.tiers.collectives import reduce_scatter
-from k3_tail.tiers.norm import rms_norm
-from k3_tail.tiers.up_projection import project
+from k3_tail.ops.collectives import reduce_scatter
+from k3_tail.ops.norm import rms_norm
+from k3_tail.ops.up_projection import project
 from k3_tail.tiers.record import ALL_GATHER, REDUCE_SCATTER, CallShape, CollectiveTerm, TierRecord
-from k3_tail.tiers.scopes import LATENT_REDUCTION, SHARED_REDUCTION
-from k3_tail.tiers.tokens import add_shared, gather_tokens, own_tokens, pad_tokens
+from k3_tail.ops.scopes import LATENT_REDUCTION, SHARED_REDUCTION
+from k3_tail.ops.tokens import add_shared, gather_tokens, own_tokens, pad_tokens
 
 
 def token_parallel_tail(
@@ -46,7 +46,7 @@ def token_parallel_tail(
     Returns y [T, H] in ``config.dtype``, identical on every rank; for sequence-parallel output this
     rank's [T/p, H] rows (then T % p == 0), with no all-gather at all. ``platform``: this tier
     issues no all-reduce whose form it could choose; on "rocm" the shared rows are added after the
-    GEMM, never in it (:func:`k3_tail.tiers.tokens.add_shared`).
+    GEMM, never in it (:func:`k3_tail.ops.tokens.add_shared`).
 
     Cost per rank: 2(T'/p)LH GEMM FLOPs, 2LH weight bytes, RS(T'*L), RS(T'*H) and, for replicated
     output, AG(T'*H). With ``config.shared_output_is_reduced`` shared_partial is the reduced shared

@@ -41,9 +41,9 @@ from jax.sharding import PartitionSpec as P
 from k3_tail._checks import AxisName, check_int, check_mesh
 from k3_tail.config import TailConfig
 from k3_tail.forward import tail_forward
-from k3_tail.tiers.columns import check_weight_layout, pad_columns, padded_hidden_size
+from k3_tail.ops.columns import check_weight_layout, pad_columns, padded_hidden_size
 from k3_tail.tiers.registry import Tier
-from k3_tail.tiers.up_projection import column_sharding, quantize_up_proj
+from k3_tail.ops.up_projection import column_sharding, quantize_up_proj
 
 DEFAULT_MAX_TOKENS = 8192
 CPU_MAX_TOKENS = 1024
@@ -173,7 +173,7 @@ def measure_tiers(
       token_counts: T values, each >= 1, measured in this order.
       tiers: the tiers to time, in this order; None: every tier that runs with ``weight_layout`` and
         ``config`` (:func:`tiers_for`).
-      weight_layout: "column" or "replicated" kernel (see :mod:`k3_tail.tiers.columns`).
+      weight_layout: "column" or "replicated" kernel (see :mod:`k3_tail.ops.columns`).
       repeats: timed runs per (T, tier), >= 1. warmup: untimed runs before them, >= 1 (the first
         compiles).
       seed: of the random inputs. on_progress: called with a label ("p=8 T=64 overlap") as each

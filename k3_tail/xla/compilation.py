@@ -23,10 +23,10 @@ from k3_tail._checks import AxisName, check_int, check_mesh
 from k3_tail.config import TailConfig, check_config
 from k3_tail.forward import tail_forward
 from k3_tail.selection.rules import select_tier
-from k3_tail.tiers.columns import check_weight_layout, padded_hidden_size
+from k3_tail.ops.columns import check_weight_layout, padded_hidden_size
 from k3_tail.tiers.registry import Tier
-from k3_tail.tiers.tokens import is_token_sharded_output
-from k3_tail.tiers.up_projection import QuantizedKernel, column_sharding
+from k3_tail.ops.tokens import is_token_sharded_output
+from k3_tail.ops.up_projection import QuantizedKernel, column_sharding
 
 
 def compiler_options(tier: Tier | str, platform: str) -> dict[str, Any]:

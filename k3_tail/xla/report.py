@@ -20,7 +20,7 @@
 - ``shared_reduction``: the first collective whose input derives from the shared partial (program
   argument ``shared_argument``), and ``overlapped``: whether it is async with a GEMM between its start
   and done. On the CPU backend every collective is synchronous, so ``overlapped`` is False there.
-- ``scopes`` of each collective and GEMM: the tail's named scopes (:mod:`k3_tail.tiers.scopes`:
+- ``scopes`` of each collective and GEMM: the tail's named scopes (:mod:`k3_tail.ops.scopes`:
   "latent_reduction", "shared_reduction", "packed_reduction", "output_gather", "up_projection") its
   ``op_name`` carries; several when XLA combined reduce-scatters of different scopes, none for an
   all-reduce that XLA's GPU all-reduce combiner merged from others (it drops their metadata).
@@ -40,10 +40,10 @@ from typing import Any
 
 import jax
 
-from k3_tail.tiers.codecs import CODECS
+from k3_tail.ops.codecs import CODECS
 from k3_tail.tiers.record import RING_WIRE_FACTORS
-from k3_tail.tiers.scopes import PREFIX as SCOPE_PREFIX
-from k3_tail.tiers.scopes import SCOPES
+from k3_tail.ops.scopes import PREFIX as SCOPE_PREFIX
+from k3_tail.ops.scopes import SCOPES
 from k3_tail.xla.hlo_text import (
     ArrayShape,
     Instruction,
@@ -90,7 +90,7 @@ class Collective:
     """One collective of the compiled program (a start/done pair counts once, named by its start).
 
     ``quantization``: the codec ("int8", "int6", "int4") when it is one of the two shots of a
-    quantised sum (:mod:`k3_tail.tiers.collectives`: the all-to-all, or the all-gather), else None;
+    quantised sum (:mod:`k3_tail.ops.collectives`: the all-to-all, or the all-gather), else None;
     its ``arrays`` then are the uint8 payload (values and scales packed), ``payload_dtypes`` says so.
     """
 

@@ -14,8 +14,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from k3_tail._checks import AxisName
-from k3_tail.tiers.collectives import all_reduce
-from k3_tail.tiers.scopes import LATENT_REDUCTION
+from k3_tail.ops.collectives import all_reduce
+from k3_tail.ops.scopes import LATENT_REDUCTION
 
 
 def rms_norm(x: jax.Array, weight: jax.Array | None, *, eps: float, scale: float = 1.0) -> jax.Array:
@@ -138,7 +138,7 @@ def allreduce_norm_latent_out(
     norm_weight: [L], ignored when ``config.use_latent_norm`` is False.
     Returns [T, L] in ``config.dtype``, identical on every rank.
     ``platform`` (a device's ``.platform``; None: not known), ``config.all_reduce_form`` and
-    ``config.all_reduce_quantization`` decide the all-reduce's form (:mod:`k3_tail.tiers.collectives`).
+    ``config.all_reduce_quantization`` decide the all-reduce's form (:mod:`k3_tail.ops.collectives`).
     Cost per rank: one all-reduce of T*L elements in ``config.dtype`` (2(p-1)/p * 2TL bytes on a
     ring for bf16) and O(TL) elementwise work. The norm must see the fully reduced latent: it is
     nonlinear per row, so it cannot be applied to partials.

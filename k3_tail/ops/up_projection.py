@@ -45,8 +45,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from k3_tail._checks import describe, expect_array
-from k3_tail.selection.hardware import FP8_ARCHITECTURES, device_platform, native_fp8_formats
-from k3_tail.tiers.scopes import UP_PROJECTION
+from k3_tail.hardware import FP8_ARCHITECTURES, device_platform, native_fp8_formats
+from k3_tail.ops.scopes import UP_PROJECTION
 
 FP8_FORMATS = ("float8_e4m3fn", "float8_e4m3fnuz")
 
@@ -103,7 +103,7 @@ def native_fp8_format(device: Any) -> str:
     """The FP8 format (dtype name) to store the up projection in for ``device`` (a ``jax.Device``):
     the one its GPU multiplies natively ("float8_e4m3fnuz" on MI300X / MI325X, gfx942;
     "float8_e4m3fn" on MI355X, gfx950, and H100 / H200), from the hardware presets' ``fp8_formats``
-    (:func:`k3_tail.selection.hardware.native_fp8_formats`). A CPU device multiplies neither natively
+    (:func:`k3_tail.hardware.native_fp8_formats`). A CPU device multiplies neither natively
     (it computes in float32): "float8_e4m3fn". A GPU whose device kind is not known there is a
     ValueError naming it."""
     platform = device_platform(device)
@@ -127,7 +127,7 @@ def check_fp8_activations(up_proj_dtype: np.dtype | None, fp8_activations: bool,
     float16 for the GEMM (inside its fusion on ROCm, in fusions before a cuBLASLt call on H100): FP8
     bytes at the f16 rate, which nothing would say. The message names
     the format, the device kind and the format it multiplies. So does a GPU whose device kind is not
-    known (:func:`k3_tail.selection.hardware.native_fp8_formats`): the format cannot be vouched for there.
+    known (:func:`k3_tail.hardware.native_fp8_formats`): the format cannot be vouched for there.
     Weight-only FP8 (``fp8_activations`` False) multiplies in the activation dtype and takes either
     format anywhere; on the CPU (no FP8 matrix units: XLA:CPU computes in float32) both are taken.
     """
@@ -257,7 +257,7 @@ def outside_gemm(projected: jax.Array, *, platform: str | None) -> jax.Array:
     (beta = 1, the output aliased to C: ``__cublas$lt$matmul`` with ``output_to_operand_aliasing``),
     the form vLLM ROCm removed from this tail because hipBLASLt's C-accumulating GEMM faults at some
     row counts (docs/design.md, "No C-accumulating GEMM on ROCm"). On ``platform`` "rocm"
-    (:func:`k3_tail.selection.hardware.device_platform`) the result passes an optimisation barrier,
+    (:func:`k3_tail.hardware.device_platform`) the result passes an optimisation barrier,
     which the rewriter cannot see through, so the add stays a fusion of its own after the GEMM; the
     barrier emits no kernel. Elsewhere (CUDA keeps its fused form) ``projected`` is returned as is.
     """

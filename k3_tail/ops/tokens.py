@@ -18,9 +18,9 @@ from jax import lax
 
 from k3_tail._checks import AxisName
 from k3_tail.config import TailConfig
-from k3_tail.tiers.collectives import all_reduce, reduce_scatter
-from k3_tail.tiers.scopes import OUTPUT_GATHER, SHARED_REDUCTION
-from k3_tail.tiers.up_projection import outside_gemm
+from k3_tail.ops.collectives import all_reduce, reduce_scatter
+from k3_tail.ops.scopes import OUTPUT_GATHER, SHARED_REDUCTION
+from k3_tail.ops.up_projection import outside_gemm
 
 
 def padded_token_count(num_tokens: int, tp_size: int) -> int:
@@ -47,8 +47,8 @@ def reduce_output(x: jax.Array, *, axis_name: AxisName, config: TailConfig, plat
                   scope: str) -> jax.Array:
     """Sum of ``x`` [T, W] over the ranks: all of it ([T, W], an all-reduce in the form ``config``
     picks on ``platform``) or, for sequence-parallel output, this rank's [T/p, W] rows of it
-    (reduce-scatter over tokens; :mod:`k3_tail.tiers.collectives` for both). The collectives carry
-    the named scope ``scope`` (:mod:`k3_tail.tiers.scopes`: what they sum)."""
+    (reduce-scatter over tokens; :mod:`k3_tail.ops.collectives` for both). The collectives carry
+    the named scope ``scope`` (:mod:`k3_tail.ops.scopes`: what they sum)."""
     with jax.named_scope(scope):
         if config.sequence_parallel:
             return reduce_scatter(x, axis_name=axis_name, config=config, scatter_dimension=0)

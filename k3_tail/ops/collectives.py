@@ -15,7 +15,7 @@ size, decided at trace time), "all-reduce" (always one all-reduce: XLA's default
 platform.
 
 **Quantised sums** (vLLM ROCm's QuickReduce). With ``TailConfig.all_reduce_quantization`` a codec
-of :mod:`k3_tail.tiers.codecs`, a sum whose buffer holds between ``quantization_min_bytes`` and
+of :mod:`k3_tail.ops.codecs`, a sum whose buffer holds between ``quantization_min_bytes`` and
 ``quantized_all_reduce_max_bytes`` bytes travels block-quantised in two shots: each rank cuts the
 flattened buffer into p chunks, encodes them and sends chunk j to rank j (one all-to-all); rank j
 decodes the p versions of its chunk and sums them in float32, re-encodes the sum and every rank
@@ -25,7 +25,7 @@ B bytes, against 2(p-1)/p * B unquantised, for two collective latencies instead 
 memory-bound codec passes. Every rank decodes the same gathered bytes, so the result is identical on
 every rank. A sum that only scatters (a reduce-scatter) sends the first shot alone: its owner's
 float32 chunk sum, rounded once to the dtype, is the result. A NaN or an infinity in any rank's
-buffer arrives as NaN at its own elements of the sum, and nowhere else (:mod:`k3_tail.tiers.codecs`):
+buffer arrives as NaN at its own elements of the sum, and nowhere else (:mod:`k3_tail.ops.codecs`):
 non-finite exactly where the unquantised sum is, but for an infinity, which arrives as NaN, and the
 rare finite sum that a codec step takes past the dtype's range. The decision is per buffer, at trace
 time, like the form above; p = 1 sends nothing and quantises nothing. QuickReduce itself runs on 2,
@@ -42,7 +42,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from k3_tail._checks import AxisName
-from k3_tail.tiers.codecs import BLOCK, CODECS, Codec
+from k3_tail.ops.codecs import BLOCK, CODECS, Codec
 
 # Functions below take a k3_tail.TailConfig as ``config`` (typed Any: the config module imports this one).
 

@@ -19,8 +19,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from k3_tail._checks import AxisName
-from k3_tail.tiers.scopes import OUTPUT_GATHER
-from k3_tail.tiers.up_projection import QuantizedKernel, map_columns, project
+from k3_tail.ops.scopes import OUTPUT_GATHER
+from k3_tail.ops.up_projection import QuantizedKernel, map_columns, project
 
 Kernel = jax.Array | QuantizedKernel
 
@@ -88,7 +88,7 @@ def project_own_columns(
 ) -> jax.Array:
     """This rank's GEMM: [T, L] x [L, H] -> float32 [T, H] ("replicated": 2TLH FLOPs, 2LH weight bytes),
     or [T, L] x [L, Hb] -> [T, Hb] in the latent's dtype ("column": 2TLH/p FLOPs, 2LH/p weight bytes).
-    The GEMM is :func:`k3_tail.tiers.up_projection.project` (FP8 kernels: half the weight bytes)."""
+    The GEMM is :func:`k3_tail.ops.up_projection.project` (FP8 kernels: half the weight bytes)."""
     projected = project(latent, up_proj_kernel, fp8_activations=fp8_activations)
     return projected if weight_layout == "replicated" else projected.astype(latent.dtype)
 
