@@ -14,9 +14,9 @@ import numpy as np
 from k3_tail._checks import check_int
 from k3_tail.hf_config import tail_fields
 from k3_tail.hardware import HARDWARE
-from k3_tail.ops.collectives import ALL_REDUCE_FORMS, SPLIT
-from k3_tail.ops.norm import norm_is_computable
 from k3_tail.ops.codecs import CODECS
+from k3_tail.ops.collectives import ALL_REDUCE_FORMS, QUICK_REDUCE_MIN_MIB, SPLIT, SumPlan
+from k3_tail.ops.norm import norm_is_computable
 from k3_tail.ops.up_projection import FP8_FORMATS, fp8_format
 
 _FLOAT_DTYPES = tuple(np.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32))
@@ -97,7 +97,7 @@ class TailConfig:
         selection reason says which of the tier's sums it quantises.
       quantized_all_reduce_min_bytes: the smallest buffer (bytes, in ``dtype``) that is quantised;
         None (default): vLLM's minimum-size table for the codec, ``dtype`` and p
-        (:func:`k3_tail.ops.collectives.quantization_min_bytes`).
+        (:meth:`TailConfig.quantization_min_bytes`).
       quantized_all_reduce_max_bytes: the largest buffer that is quantised (default 2 GiB, as
         QuickReduce's).
       quantized_all_reduce_fp16_sizes_for_bf16: with the default minimum, bfloat16 buffers follow
@@ -105,11 +105,11 @@ class TailConfig:
         larger bfloat16 one (False). The codec itself computes in float32 either way.
       selection_policy: how the tier is chosen for a token count. "vllm" (default): the rules above
         (vLLM's fixed threshold). "measured": the ``selection_table`` measured on this hardware
-        (:mod:`k3_tail.selection.table`). "model": the tier :mod:`k3_tail.cost_model` predicts fastest
+        (:mod:`k3_tail.selection.table`). "model": the tier :mod:`k3_tail.selection.cost_model` predicts fastest
         on the ``hardware`` preset.
       selection_table: a :class:`k3_tail.SelectionTable`; required by, and only allowed
         with, the "measured" policy.
-      hardware: a :data:`k3_tail.cost_model.HARDWARE` preset name; required by, and only allowed
+      hardware: a :data:`k3_tail.selection.cost_model.HARDWARE` preset name; required by, and only allowed
         with, the "model" policy.
     """
 
@@ -238,6 +238,31 @@ class TailConfig:
         MoE), misses a field or holds a value the tail cannot serve (:mod:`k3_tail.hf_config`).
         """
         return cls(**{**tail_fields(config), **overrides})
+
+    def quantization_min_bytes(self, tp_size: int) -> int | None:
+        """The smallest buffer (bytes) sent quantised over ``tp_size`` ranks, or None when nothing is: no
+        codec, p = 1, or a dtype without a vLLM table (float32) and no ``quantized_all_reduce_min_bytes``."""
+        if self.all_reduce_quantization is None or tp_size == 1:
+            return None
+        if self.quantized_all_reduce_min_bytes is not None:
+            return self.quantized_all_reduce_min_bytes
+        dtype = self.dtype.name
+        if dtype == "bfloat16" and self.quantized_all_reduce_fp16_sizes_for_bf16:
+            dtype = "float16"
+        rows = [size for (name, size) in QUICK_REDUCE_MIN_MIB if name == dtype and size <= tp_size]
+        if not rows:
+            return None
+        return QUICK_REDUCE_MIN_MIB[dtype, max(rows)][self.all_reduce_quantization] * 2**20
+
+    def sum_plan(self, tp_size: int, platform: str | None = None) -> SumPlan:
+        """How this config's sums travel over ``tp_size`` ranks of ``platform`` (a device's ``.platform``;
+        None: not known): the all-reduce form, and the codec with the buffer sizes it quantises (an empty
+        buffer never is: nothing travels)."""
+        minimum = self.quantization_min_bytes(tp_size)
+        if minimum is None:
+            return SumPlan(self.all_reduce_form, platform)
+        return SumPlan(self.all_reduce_form, platform, CODECS[self.all_reduce_quantization],
+                       (max(minimum, 1), self.quantized_all_reduce_max_bytes))
 
     @classmethod
     def from_env(cls, base: TailConfig | None = None, environ: Mapping[str, str] | None = None) -> TailConfig:

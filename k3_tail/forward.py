@@ -14,7 +14,8 @@ from k3_tail.config import TailConfig, check_config
 from k3_tail.per_rank import latent_moe_tail
 from k3_tail.ops.columns import check_weight_layout, pad_columns, padded_hidden_size
 from k3_tail.tiers.registry import Tier
-from k3_tail.ops.tokens import is_token_sharded_output, pad_tokens
+from k3_tail.ops.tokens import pad_tokens
+from k3_tail.tiers.context import is_token_sharded_output
 from k3_tail.ops.up_projection import check_up_proj_kernel, column_sharding, column_spec
 
 

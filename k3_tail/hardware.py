@@ -19,7 +19,7 @@ from types import MappingProxyType
 
 @dataclasses.dataclass(frozen=True)
 class Hardware:
-    """One GPU of a TP group, for :func:`k3_tail.cost_model.predict_time`.
+    """One GPU of a TP group, for :func:`k3_tail.selection.cost_model.predict_time`.
 
     peak_flops: dense BF16 FLOP/s of one GPU. hbm_bytes_per_s: its HBM bandwidth (bytes/s).
     link_bytes_per_s: its collective bandwidth, one direction, all links to its TP peers together
@@ -176,5 +176,5 @@ def hardware_preset(hardware: Hardware | str) -> Hardware:
     if isinstance(hardware, str) and hardware.strip().lower() in HARDWARE:
         return HARDWARE[hardware.strip().lower()]
     raise ValueError(
-        f"hardware: expected a k3_tail.cost_model.Hardware or one of {sorted(HARDWARE)}, got {hardware!r}"
+        f"hardware: expected a k3_tail.selection.cost_model.Hardware or one of {sorted(HARDWARE)}, got {hardware!r}"
     )

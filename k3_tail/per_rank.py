@@ -20,7 +20,8 @@ from k3_tail.hardware import device_platform
 from k3_tail.selection.rules import select_tier
 from k3_tail.ops.columns import check_weight_layout, padded_hidden_size
 from k3_tail.tiers.registry import Tier
-from k3_tail.ops.tokens import gather_tokens, is_token_sharded_output, pad_tokens, padded_token_count
+from k3_tail.ops.tokens import gather_tokens, pad_tokens, padded_token_count
+from k3_tail.tiers.context import TailCall, is_token_sharded_output
 from k3_tail.ops.up_projection import QuantizedKernel, check_fp8_activations, check_up_proj_kernel
 
 
@@ -114,10 +115,9 @@ def latent_moe_tail(
         routed_partial = pad_tokens(routed_partial, tp_size)
         if shared_partial is not None and not config.shared_output_is_reduced:
             shared_partial = pad_tokens(shared_partial, tp_size)
-    y = tier.record.function(
-        routed_partial, shared_partial, norm_weight, up_proj_kernel,
-        config=config, axis_name=axis_name, weight_layout=weight_layout, platform=device_platform(device),
-    )
+    call = TailCall.inside_shard_map(config, axis_name=axis_name, weight_layout=weight_layout,
+                                     platform=device_platform(device))
+    y = tier.record.function(routed_partial, shared_partial, norm_weight, up_proj_kernel, call)
     if config.sequence_parallel and not is_token_sharded_output(config, num_tokens, tp_size):
         return gather_tokens(y, num_tokens, axis_name=axis_name)
     return y

@@ -15,7 +15,8 @@ import jax
 from k3_tail._checks import AxisName, axis_size_in_scope, check_axis_name, expect_array, expect_rank
 from k3_tail.config import TailConfig, check_config
 from k3_tail.ops.scopes import SHARED_REDUCTION
-from k3_tail.ops.tokens import pad_tokens, reduce_output
+from k3_tail.ops.tokens import pad_tokens
+from k3_tail.tiers.context import TailCall
 
 
 def reduce_shared(
@@ -62,5 +63,6 @@ def reduce_shared(
     platform = (jax.devices()[0] if device is None else device).platform
     if config.sequence_parallel:
         shared_partial = pad_tokens(shared_partial, tp_size)
-    return reduce_output(shared_partial, axis_name=axis_name, config=config, platform=platform,
-                         scope=SHARED_REDUCTION)
+    # The layout is not read: the sum involves no kernel.
+    call = TailCall.inside_shard_map(config, axis_name=axis_name, weight_layout="replicated", platform=platform)
+    return call.reduce_output(shared_partial, scope=SHARED_REDUCTION)

@@ -222,7 +222,7 @@ TOKEN_COUNTS = (0, 1, 5, 24, 65, OVERLAP_TOKEN_THRESHOLD + 1)
 DTYPES = ("bfloat16", "float32")
 WEIGHT_LAYOUTS = ("column", "replicated")
 # The up projection's weights: in the activations' dtype (None) or quantised to an FP8 format.
-UP_PROJ_DTYPES = (None, *k3_tail.FP8_FORMATS)
+UP_PROJ_DTYPES = (None, *k3_tail.ops.up_projection.FP8_FORMATS)
 ALL_REDUCE_QUANTIZATIONS = (None, "int8", "int6", "int4")
 
 TAIL_FACTORS = {

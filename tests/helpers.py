@@ -19,6 +19,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import covering
 import k3_tail
+from k3_tail.tiers.column_parallel import stitched_buffer
+from k3_tail.tiers.context import TailCall
 from reference import TOLERANCE, make_inputs, reference_latent, relative_error
 
 
@@ -120,7 +122,7 @@ def tier_layouts():
     return [
         pytest.param(tier, layout, id=f"{tier.value}-{layout}")
         for tier in k3_tail.Tier
-        for layout in k3_tail.WEIGHT_LAYOUTS
+        for layout in k3_tail.ops.columns.WEIGHT_LAYOUTS
         if tier.supports(layout)
     ]
 
@@ -222,11 +224,12 @@ def column_buffers(config, inputs, mesh, weight_layout):
         width = k3_tail.padded_hidden_size(config.hidden_size, tp_size)
         kernel = np.pad(kernel, [(0, 0), (0, width - config.hidden_size)])
         kernel_spec = P(None, "tp")
-    tier = functools.partial(
-        k3_tail.column_parallel_tail, config=config, axis_name="tp", weight_layout=weight_layout, defer_all_reduce=True
-    )
+    def buffer(r, s, g, w):
+        call = TailCall.inside_shard_map(config, axis_name="tp", weight_layout=weight_layout, platform=None)
+        return stitched_buffer(r[0], s[0], g, w, call)[None]
+
     buffers = jax.jit(jax.shard_map(
-        lambda r, s, g, w: tier(r[0], s[0], g, w)[None],
+        buffer,
         mesh=mesh,
         in_specs=(P("tp"), P("tp"), P(), kernel_spec),
         out_specs=P("tp"),

@@ -37,7 +37,7 @@ LARGE = k3_tail.TailConfig(hidden_size=4096, latent_size=64)
 
 def collective_kinds(config, tier, weight_layout="column"):
     compiled = k3_tail.compile_tail(config, make_tp_mesh(8), 1024, tier=tier, weight_layout=weight_layout)
-    return [(c.kind, [a.dims for a in c.arrays]) for c in k3_tail.xla_report.report(compiled).collectives]
+    return [(c.kind, [a.dims for a in c.arrays]) for c in k3_tail.xla.report.report(compiled).collectives]
 
 
 def test_on_cpu_a_large_bf16_sum_runs_as_reduce_scatter_and_all_gather():
@@ -68,7 +68,7 @@ def test_at_decode_sizes_auto_builds_the_program_of_before(tier, weight_layout):
 
     def lowered(form):
         config = k3_tail.TailConfig.kimi_k3(all_reduce_form=form)
-        arguments = k3_tail.tail_arguments(config, mesh, 16, weight_layout=weight_layout)
+        arguments = k3_tail.xla.compilation.tail_arguments(config, mesh, 16, weight_layout=weight_layout)
         call = jax.jit(lambda *a: k3_tail.tail_forward(*a, config=config, mesh=mesh, tier=tier,
                                                        weight_layout=weight_layout))
         return call.lower(*arguments).as_text()

@@ -17,7 +17,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from helpers import gpu_mesh_for, make_tp_mesh
-from k3_tail import GPU_TARGETS, Tier, TailConfig, compile_tail, compiler_options, select_tier, tail_arguments
+from k3_tail import Tier, TailConfig, compile_tail, select_tier
+from k3_tail.xla.compilation import compiler_options, tail_arguments
+from k3_tail.xla.topologies import GPU_TARGETS
 from k3_tail.xla import rocm_stand_ins
 from k3_tail.xla.hlo_text import parse_module
 from k3_tail.xla.report import report

@@ -1,7 +1,7 @@
-"""k3_tail.cost_model: per-rank counts that agree with the compiled programs, the time model, crossovers.
+"""k3_tail.selection.cost_model: per-rank counts that agree with the compiled programs, the time model, crossovers.
 
 The agreement tests compile every tier with :func:`k3_tail.compile_tail` and read the result with
-:func:`k3_tail.xla_report.report` and the program's HLO: on the deviceless 8 x H100 and 8 x MI300X
+:func:`k3_tail.xla.report.report` and the program's HLO: on the deviceless 8 x H100 and 8 x MI300X
 topologies (XLA's real CUDA and AMDGPU pipelines; the ``[aot]`` and ``[rocm-aot]`` extras, each skipped
 where it cannot compile; 8 x MI355X is the full cross, ``slow``), where collectives move bf16 as the tiers
 issue them, they compare bytes; on the 8-device CPU mesh, which moves bf16 collectives as float32, they
@@ -15,7 +15,8 @@ import jax
 import pytest
 
 from helpers import compiled_tail, gpu_mesh_for, make_tp_mesh, tier_layouts, topology_params
-from k3_tail import TailConfig, Tier, tail_arguments
+from k3_tail import TailConfig, Tier
+from k3_tail.xla.compilation import tail_arguments
 from k3_tail.selection.cost_model import (
     ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, HARDWARE, REDUCE_SCATTER, CollectiveCost, Crossover, Hardware,
     TierCost, best_tier, crossovers, predict_time, tier_cost,

@@ -55,7 +55,7 @@ def test_every_tier_layout_p_t_h_and_dtype_matches_the_reference(tier, weight_la
 
 
 @pytest.mark.parametrize("fp8_activations", [False, True], ids=["weights", "activations"])
-@pytest.mark.parametrize("up_proj_dtype", k3_tail.FP8_FORMATS)
+@pytest.mark.parametrize("up_proj_dtype", k3_tail.ops.up_projection.FP8_FORMATS)
 @pytest.mark.parametrize("base", SIZES)
 @pytest.mark.parametrize("num_tokens", [1, 16, 257])
 @pytest.mark.parametrize("tp_size", [1, 2, 8])
@@ -121,7 +121,7 @@ def test_every_tier_takes_a_reduced_shared_output(tier, weight_layout, tp_size, 
     assert relative_error(y, reference_tail(config, inputs)) <= TOLERANCE[config.dtype]
 
 
-@pytest.mark.parametrize("weight_layout", list(k3_tail.WEIGHT_LAYOUTS))
+@pytest.mark.parametrize("weight_layout", list(k3_tail.ops.columns.WEIGHT_LAYOUTS))
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("base", SIZES)
 @pytest.mark.parametrize("num_tokens", [1, 16, 257])

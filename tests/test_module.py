@@ -45,7 +45,7 @@ def test_replicated_layout_stores_the_whole_kernel_on_every_device():
     assert {shard.data.shape for shard in kernel.addressable_shards} == {(64, 96)}
 
 
-@pytest.mark.parametrize("weight_layout", k3_tail.WEIGHT_LAYOUTS)
+@pytest.mark.parametrize("weight_layout", k3_tail.ops.columns.WEIGHT_LAYOUTS)
 def test_parameters_carry_sharding_metadata(weight_layout):
     module = k3_tail.LatentMoETail(CONFIG, make_tp_mesh(8), rngs=nnx.Rngs(0), weight_layout=weight_layout)
     specs = nnx.get_partition_spec(nnx.state(module, nnx.Param))

@@ -8,6 +8,8 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import k3_tail
+from k3_tail.ops.norm import rms_norm
+from k3_tail.tiers.context import TailCall
 import k3_tail.ops.norm
 from helpers import make_tp_mesh
 from reference import TOLERANCE, make_inputs, reference_latent, relative_error
@@ -21,7 +23,7 @@ def test_rms_norm_matches_numpy(eps, scale):
     weight = (1 + 0.1 * rng.standard_normal(64)).astype(np.float32)
     scaled = scale * x.astype(np.float64)
     expected = scaled / np.sqrt(np.mean(scaled**2, axis=-1, keepdims=True) + eps) * weight
-    actual = k3_tail.rms_norm(jnp.asarray(x), jnp.asarray(weight), eps=eps, scale=scale)
+    actual = rms_norm(jnp.asarray(x), jnp.asarray(weight), eps=eps, scale=scale)
     assert actual.dtype == jnp.float32
     assert relative_error(actual, expected) <= 1e-6
 
@@ -48,7 +50,7 @@ def test_rms_norm_of_any_finite_row_is_accurate(eps, scale):
     x = x.astype(np.float32)
     scaled = scale * x.astype(np.float64)
     expected = scaled / np.sqrt(np.mean(scaled**2, axis=-1, keepdims=True) + eps)
-    actual = np.asarray(jax.jit(lambda v: k3_tail.rms_norm(v, jnp.ones(64), eps=eps, scale=scale))(x), np.float64)
+    actual = np.asarray(jax.jit(lambda v: rms_norm(v, jnp.ones(64), eps=eps, scale=scale))(x), np.float64)
     row_error = np.linalg.norm(actual - expected, axis=1) / np.maximum(np.linalg.norm(expected, axis=1), 1e-300)
     assert np.all(np.isfinite(actual))
     # A row whose normalised values fall below float32's normal range (x / sqrt(eps) < 1.2e-38) is flushed.
@@ -83,21 +85,21 @@ def test_the_config_refuses_an_eps_and_scale_the_float32_norm_cannot_resolve(eps
 
 def test_a_zero_row_normalises_to_zeros_with_the_smallest_eps():
     x = jnp.zeros((2, 64), jnp.float32)
-    np.testing.assert_array_equal(k3_tail.rms_norm(x, jnp.ones(64), eps=SMALLEST_NORMAL), np.zeros((2, 64)))
+    np.testing.assert_array_equal(rms_norm(x, jnp.ones(64), eps=SMALLEST_NORMAL), np.zeros((2, 64)))
 
 
 def test_rms_norm_propagates_nan_and_infinity_as_the_plain_formula():
     """A NaN makes its row NaN; an infinity NaN at its element and zeros beside it (x / inf)."""
     x = np.ones((3, 64), np.float32)
     x[0, 3], x[1, 5] = np.nan, np.inf
-    actual = np.asarray(jax.jit(lambda v: k3_tail.rms_norm(v, jnp.ones(64), eps=1e-5))(x))
+    actual = np.asarray(jax.jit(lambda v: rms_norm(v, jnp.ones(64), eps=1e-5))(x))
     assert np.isnan(actual[0]).all() and np.isfinite(actual[2]).all()
     assert np.isnan(actual[1, 5]) and np.all(np.delete(actual[1], 5) == 0)
 
 
 def test_rms_norm_without_weight_only_scales():
     x = jnp.arange(6.0).reshape(2, 3)
-    np.testing.assert_array_equal(k3_tail.rms_norm(x, None, eps=1e-6, scale=2.0), 2 * np.asarray(x))
+    np.testing.assert_array_equal(rms_norm(x, None, eps=1e-6, scale=2.0), 2 * np.asarray(x))
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=lambda d: np.dtype(d).name)
@@ -108,7 +110,8 @@ def test_allreduce_norm_sees_the_fully_reduced_latent(tp_size, use_latent_norm, 
     inputs = make_inputs(config, tp_size, 16)
     mesh = make_tp_mesh(tp_size)
     helper = jax.jit(jax.shard_map(
-        lambda r, g: k3_tail.allreduce_norm_latent_out(r[0], g, config=config, axis_name="tp"),
+        lambda r, g: TailCall.inside_shard_map(config, axis_name="tp", weight_layout="replicated",
+                                               platform=None).normalised_latent(r[0], g),
         mesh=mesh, in_specs=(P("tp"), P()), out_specs=P(),
     ))
     latent = helper(

@@ -1,11 +1,13 @@
 """The package's shape: what `import k3_tail` loads, no import cycles, the public names, no outside citations."""
 
 import ast
+import importlib
 import json
 import os
 import re
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -66,11 +68,19 @@ def test_every_public_name_resolves(name):
     assert getattr(k3_tail, name) is not None
 
 
-@pytest.mark.parametrize(("name", "attribute"), [("benchmark", "measure_tiers"), ("calibration", "SelectionTable"),
-                                                 ("cost_model", "tier_cost"), ("multiprocess", "initialize"),
-                                                 ("xla_report", "report")])
-def test_the_earlier_module_names_still_work(name, attribute):
-    assert callable(getattr(getattr(k3_tail, name), attribute))
+def test_the_public_surface_is_a_short_list_without_module_aliases():
+    assert len(k3_tail.__all__) <= 20
+    assert not [name for name in k3_tail.__all__ if isinstance(getattr(k3_tail, name), types.ModuleType)]
+
+
+@pytest.mark.parametrize(("module", "attribute"), [
+    ("k3_tail.tools.benchmark", "measure_tiers"), ("k3_tail.selection.table", "SelectionTable"),
+    ("k3_tail.selection.cost_model", "tier_cost"), ("k3_tail.tools.multiprocess", "initialize"),
+    ("k3_tail.xla.report", "report"), ("k3_tail.xla.compilation", "compiler_options"),
+    ("k3_tail.tiers.registry", "tier_table"), ("k3_tail.checkpoint", "open_checkpoint"),
+])
+def test_the_public_modules_go_by_their_real_names(module, attribute):
+    assert callable(getattr(importlib.import_module(module), attribute))
 
 
 def test_nothing_cites_a_file_outside_the_repository():

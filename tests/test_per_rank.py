@@ -251,7 +251,7 @@ def test_module_per_rank_call_in_an_nnx_shard_map(mesh, up_proj_dtype, shared_ou
     assert_close(config, y, expected)
 
 
-@pytest.mark.parametrize("weight_layout", k3_tail.WEIGHT_LAYOUTS)
+@pytest.mark.parametrize("weight_layout", k3_tail.ops.columns.WEIGHT_LAYOUTS)
 def test_global_api_and_module_take_a_tuple_axis(mesh, weight_layout):
     inputs = make_inputs(CONFIG, P_SIZE, 5)
     y = k3_tail.tail_forward(inputs.routed, inputs.shared, inputs.norm_weight, inputs.kernel, config=CONFIG,

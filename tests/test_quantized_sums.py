@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 import k3_tail
 from helpers import make_tp_mesh
 from k3_tail.ops.codecs import BLOCK, CODECS
-from k3_tail.ops.collectives import all_reduce, quantization_min_bytes, quantized_codec, reduce_scatter
+from k3_tail.ops.collectives import all_reduce, reduce_scatter
 from reference import WRONG_TAILS, block_maxima, make_inputs, reference_tail, relative_error, tolerance
 
 MIB = 2**20
@@ -205,7 +205,7 @@ def test_a_quantised_all_reduce_is_within_the_codec_bound_of_the_exact_sum(codec
     rng = np.random.default_rng(1)
     partials = (rng.standard_normal((tp_size, *shape)) * rng.uniform(0.1, 10, (tp_size, *shape))).astype(np.float32)
     config = quantised_config(codec)
-    result = per_rank(lambda x: all_reduce(x, axis_name="tp", config=config, platform=None),
+    result = per_rank(lambda x: all_reduce(x, axis_name="tp", sums=config.sum_plan(tp_size)),
                       make_tp_mesh(tp_size), partials)
     assert_all_reduce_within_bound(codec, partials, result)
 
@@ -213,7 +213,7 @@ def test_a_quantised_all_reduce_is_within_the_codec_bound_of_the_exact_sum(codec
 def test_every_rank_decodes_the_same_quantised_sum():
     rng = np.random.default_rng(2)
     partials = rng.standard_normal((8, 4, 96)).astype(np.float32)
-    result = per_rank(lambda x: all_reduce(x, axis_name="tp", config=quantised_config("int4"), platform=None),
+    result = per_rank(lambda x: all_reduce(x, axis_name="tp", sums=quantised_config("int4").sum_plan(8)),
                       make_tp_mesh(8), partials)
     assert np.all(result == result[0])
 
@@ -224,7 +224,7 @@ def test_a_quantised_reduce_scatter_rounds_once_and_keeps_the_own_block(codec, s
     tp_size, shape = 4, (8, 12)
     rng = np.random.default_rng(3)
     partials = rng.standard_normal((tp_size, *shape)).astype(np.float32)
-    result = per_rank(lambda x: reduce_scatter(x, axis_name="tp", config=quantised_config(codec),
+    result = per_rank(lambda x: reduce_scatter(x, axis_name="tp", sums=quantised_config(codec).sum_plan(tp_size),
                                                scatter_dimension=scatter_dimension),
                       make_tp_mesh(tp_size), partials)
     exact = np.split(partials.astype(np.float64).sum(axis=0), tp_size, axis=scatter_dimension)
@@ -241,7 +241,7 @@ def test_a_sum_that_overflows_float32_saturates_instead_of_making_a_nan():
     partials = np.full((4, 2, 32), big, np.float32)
     partials[:, 1] = -big
     result = per_rank(lambda x: all_reduce(x.astype(jnp.bfloat16), axis_name="tp",
-                                           config=quantised_config("int4", jnp.bfloat16), platform=None),
+                                           sums=quantised_config("int4", jnp.bfloat16).sum_plan(4)),
                       make_tp_mesh(4), partials)
     assert not np.any(np.isnan(result))
 
@@ -264,14 +264,14 @@ def test_a_sum_that_overflows_float32_saturates_instead_of_making_a_nan():
 ], ids=["int4-tp8", "int8-tp4", "int8-bf16-table", "fp16-tp2", "tp3", "tp16", "explicit-0", "p1", "f32",
         "f32-explicit", "off"])
 def test_the_smallest_quantised_buffer_follows_vllms_table(overrides, tp_size, expected):
-    assert quantization_min_bytes(k3_tail.TailConfig.kimi_k3(**overrides), tp_size) == expected
+    assert k3_tail.TailConfig.kimi_k3(**overrides).quantization_min_bytes(tp_size) == expected
 
 
 def test_a_buffer_is_quantised_inside_the_size_window_only():
     config = k3_tail.TailConfig.kimi_k3(all_reduce_quantization="int4", quantized_all_reduce_max_bytes=4 * MIB)
-    assert [quantized_codec(config, nbytes, 8) for nbytes in (2 * MIB - 1, 2 * MIB, 4 * MIB, 4 * MIB + 1)] == [
+    assert [config.sum_plan(8).codec_for(nbytes) for nbytes in (2 * MIB - 1, 2 * MIB, 4 * MIB, 4 * MIB + 1)] == [
         None, CODECS["int4"], CODECS["int4"], None]
-    assert quantized_codec(dataclasses.replace(config, quantized_all_reduce_min_bytes=0), 0, 8) is None  # empty
+    assert dataclasses.replace(config, quantized_all_reduce_min_bytes=0).sum_plan(8).codec_for(0) is None  # empty
 
 
 def test_the_selection_reason_says_which_sums_are_quantised():
@@ -305,7 +305,7 @@ def test_a_tail_without_the_codec_builds_the_program_of_before():
     mesh = make_tp_mesh(8)
 
     def lowered(config):
-        arguments = k3_tail.tail_arguments(config, mesh, 16)
+        arguments = k3_tail.xla.compilation.tail_arguments(config, mesh, 16)
         return jax.jit(lambda *a: k3_tail.tail_forward(*a, config=config, mesh=mesh, tier="overlap")).lower(
             *arguments).as_text()
 
@@ -328,7 +328,7 @@ def test_a_measured_table_refuses_other_quantised_sums():
     config = k3_tail.TailConfig(hidden_size=96, latent_size=64)
     table = k3_tail.SelectionTable(device_kind="cpu", tp_size=8, weight_layout="column", hidden_size=96,
                                    latent_size=64, dtype="bfloat16",
-                                   ranges=(k3_tail.TokenRange(1, None, k3_tail.Tier.OVERLAP),))
+                                   ranges=(k3_tail.selection.table.TokenRange(1, None, k3_tail.Tier.OVERLAP),))
     table.check_matches(config, 8)
     with pytest.raises(ValueError, match=r"^selection_table: measured with all_reduce_quantization=None"):
         table.check_matches(dataclasses.replace(config, all_reduce_quantization="int4"), 8)

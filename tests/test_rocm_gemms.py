@@ -171,7 +171,7 @@ def gemm_operand_types(text):
 
 
 def lowered_tail(config, mesh, num_tokens, tier, weight_layout):
-    arguments = k3_tail.tail_arguments(config, mesh, num_tokens, weight_layout=weight_layout)
+    arguments = k3_tail.xla.compilation.tail_arguments(config, mesh, num_tokens, weight_layout=weight_layout)
     return jax.jit(lambda *a: k3_tail.tail_forward(*a, config=config, mesh=mesh, tier=tier,
                                                    weight_layout=weight_layout)).lower(*arguments)
 
@@ -187,7 +187,7 @@ def test_fp8_activations_in_the_gpus_format_compile_to_an_fp8_by_fp8_dot(topolog
     native = native_fp8_format(mesh.devices.flat[0])
     assert native == NATIVE[topology]
     config = dataclasses.replace(KIMI, up_proj_dtype=native, fp8_activations=True)
-    options = k3_tail.compiler_options(tier, mesh.devices.flat[0].platform)
+    options = k3_tail.xla.compilation.compiler_options(tier, mesh.devices.flat[0].platform)
     text = lowered_tail(config, mesh, num_tokens, tier, weight_layout).compile(compiler_options=options).as_text()
     dtype = {FN: "f8e4m3fn", FNUZ: "f8e4m3fnuz"}[native]
     assert gemm_operand_types(text) and set(gemm_operand_types(text)) == {(dtype, dtype)}
@@ -240,7 +240,7 @@ def c_accumulating_gemms(text):
 
 
 def compiled_text(config, mesh, num_tokens, tier, weight_layout, *, library_gemms):
-    options = dict(k3_tail.compiler_options(tier, mesh.devices.flat[0].platform))
+    options = dict(k3_tail.xla.compilation.compiler_options(tier, mesh.devices.flat[0].platform))
     if library_gemms:
         options.update(LIBRARY_GEMMS)
     return lowered_tail(config, mesh, num_tokens, tier, weight_layout).compile(compiler_options=options).as_text()
@@ -282,7 +282,7 @@ def gemm_cases():
     result: the shared output (partials, reduced before the tail, none), token-sharded output, the kernel
     (bf16, FP8 weights, FP8 activations), T (one row, decode, prefill) and the GEMM path; every pair on the
     library path with shared partials and with a reduced shared output."""
-    pairs = [(tier.value, layout) for tier in k3_tail.Tier for layout in k3_tail.WEIGHT_LAYOUTS
+    pairs = [(tier.value, layout) for tier in k3_tail.Tier for layout in k3_tail.ops.columns.WEIGHT_LAYOUTS
              if tier.supports(layout)]
     factors = {"pair": pairs, "shared": ["partials", "reduced", "none"], "sequence_parallel": [False, True],
                "kernel": ["bf16", "fp8", "fp8-activations"], "num_tokens": [1, 16, 2048],

@@ -16,7 +16,8 @@ import jax
 import pytest
 
 from helpers import compiled_tail, gpu_mesh_for, topology_params
-from k3_tail import Tier, TailConfig, compiler_options, tail_arguments, tail_forward
+from k3_tail import Tier, TailConfig, tail_forward
+from k3_tail.xla.compilation import compiler_options, tail_arguments
 from k3_tail.ops.codecs import CODECS
 from k3_tail.ops.up_projection import gemm_rows
 from k3_tail.xla.hlo_text import parse_module
@@ -129,8 +130,8 @@ def test_library_options_override_user_xla_flags_that_make_all_reduce_synchronou
     gpu_mesh_for(topology)  # skips here when the topology cannot compile (and builds ROCm's stand-ins once)
     script = (
         "import jax, json, sys; jax.config.update('jax_platforms', 'cpu');"
-        "from k3_tail import TailConfig, compile_tail, tail_arguments, tail_forward, topology_mesh;"
-        "from k3_tail.xla.report import report;"
+        "from k3_tail import TailConfig, compile_tail, tail_forward, topology_mesh;"
+        "from k3_tail.xla.compilation import tail_arguments; from k3_tail.xla.report import report;"
         "mesh = topology_mesh(sys.argv[1]); config = TailConfig.kimi_k3();"
         "plain = jax.jit(lambda *a: tail_forward(*a, config=config, mesh=mesh, tier='overlap'))"
         ".lower(*tail_arguments(config, mesh, 16)).compile();"

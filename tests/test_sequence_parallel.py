@@ -79,7 +79,7 @@ def test_module_returns_token_sharded_output():
 def test_sequence_parallel_column_tier_reduce_scatters_instead_of_all_reducing():
     """The column tier's final [T, H] all-reduce becomes a reduce-scatter; the latent all-reduce stays."""
     compiled = k3_tail.compile_tail(SP, make_tp_mesh(8), 16, tier=k3_tail.Tier.COLUMN_PARALLEL, weight_layout="column")
-    result = k3_tail.xla_report.report(compiled)
+    result = k3_tail.xla.report.report(compiled)
     kinds = [(c.kind, sum(a.elements for a in c.arrays)) for c in result.collectives]
     assert kinds == [("all-reduce", 16 * 64), ("reduce-scatter", 16 * 96)]
 

@@ -53,7 +53,7 @@ def test_the_tail_puts_no_collective_on_a_reduced_shared_output():
     inputs = make_inputs(REDUCED, 4, 5)
     compiled = jax.jit(lambda *a: k3_tail.tail_forward(*a, config=REDUCED, mesh=mesh, tier="overlap")).lower(
         inputs.routed, reduced_shared(REDUCED, inputs.shared), inputs.norm_weight, inputs.kernel).compile()
-    result = k3_tail.xla_report.report(compiled)
+    result = k3_tail.xla.report.report(compiled)
     assert [(c.kind, c.scopes) for c in result.collectives] == [("all-reduce", ("latent_reduction",))]
 
 
@@ -61,8 +61,8 @@ def test_the_tail_puts_no_collective_on_a_reduced_shared_output():
 def test_each_tiers_record_drops_the_shared_sum_from_its_collectives(tier):
     """The cost terms: fewer wire bytes (no sum of the shared partials); one_shot's packed buffer is T(H + L)."""
     layout = "column" if tier.supports("column") else "replicated"
-    before = k3_tail.cost_model.tier_cost(CONFIG, 16, 4, tier=tier, weight_layout=layout)
-    after = k3_tail.cost_model.tier_cost(REDUCED, 16, 4, tier=tier, weight_layout=layout)
+    before = k3_tail.selection.cost_model.tier_cost(CONFIG, 16, 4, tier=tier, weight_layout=layout)
+    after = k3_tail.selection.cost_model.tier_cost(REDUCED, 16, 4, tier=tier, weight_layout=layout)
     assert sum(c.wire_bytes for c in after.collectives) < sum(c.wire_bytes for c in before.collectives)
     if tier is k3_tail.Tier.ONE_SHOT:
         assert [c.buffer_bytes for c in after.collectives] == [4 * 16 * (96 + 64)]
@@ -85,7 +85,7 @@ def test_the_reason_says_how_the_selected_tier_runs_with_a_reduced_shared_output
 def test_model_policy_prices_the_mode():
     """Without the shared all-reduce, the column tier's final collective is an all-gather (half the bytes)."""
     config = dataclasses.replace(REDUCED, selection_policy="model", hardware="mi355x")
-    cost = k3_tail.cost_model.tier_cost(config, 4096, 8, tier="column_parallel", weight_layout="column")
+    cost = k3_tail.selection.cost_model.tier_cost(config, 4096, 8, tier="column_parallel", weight_layout="column")
     assert [c.kind for c in cost.collectives] == ["all-reduce", "all-gather"]
     assert "predicted fastest on mi355x" in k3_tail.select_tier(config, 4096, 8, weight_layout="column").reason
 
@@ -93,7 +93,7 @@ def test_model_policy_prices_the_mode():
 def test_a_measured_table_refuses_the_other_mode():
     table = k3_tail.SelectionTable(device_kind="cpu", tp_size=8, weight_layout="column", hidden_size=96,
                                    latent_size=64, dtype="float32",
-                                   ranges=(k3_tail.TokenRange(1, None, k3_tail.Tier.OVERLAP),))
+                                   ranges=(k3_tail.selection.table.TokenRange(1, None, k3_tail.Tier.OVERLAP),))
     table.check_matches(CONFIG, 8, weight_layout="column", device_kind="cpu")
     with pytest.raises(ValueError, match=r"^selection_table: measured with shared_output_is_reduced=False"):
         table.check_matches(REDUCED, 8, weight_layout="column", device_kind="cpu")

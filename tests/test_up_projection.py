@@ -19,7 +19,7 @@ import k3_tail
 from helpers import make_tp_mesh
 from reference import FP8_ACTIVATIONS_TOLERANCE, TOLERANCE, kernel_matrix, make_inputs, reference_tail, relative_error
 
-FORMATS = k3_tail.FP8_FORMATS
+FORMATS = k3_tail.ops.up_projection.FP8_FORMATS
 LARGEST = {name: float(jnp.finfo(name).max) for name in FORMATS}  # 448 (E4M3FN), 240 (E4M3FNUZ)
 CONFIG = k3_tail.TailConfig(hidden_size=97, latent_size=64, dtype=jnp.float32)
 
@@ -219,7 +219,7 @@ def test_a_models_shard_map_passes_column_blocks_of_values_and_scales(fp8_activa
 def test_tail_arguments_describe_values_and_scales_sharded_alike():
     config = dataclasses.replace(CONFIG, up_proj_dtype="float8_e4m3fn")
     mesh = make_tp_mesh(8)
-    kernel = k3_tail.tail_arguments(config, mesh, 4, weight_layout="column")[-1]
+    kernel = k3_tail.xla.compilation.tail_arguments(config, mesh, 4, weight_layout="column")[-1]
     assert isinstance(kernel, k3_tail.QuantizedKernel)
     assert (kernel.values.shape, kernel.values.dtype) == ((64, 104), jnp.float8_e4m3fn)
     assert (kernel.scale.shape, kernel.scale.dtype) == ((104,), jnp.float32)

@@ -1,4 +1,4 @@
-"""k3_tail.xla_report and its HLO reader on the CPU mesh, where cost_analysis gives per-device cost."""
+"""k3_tail.xla.report and its HLO reader on the CPU mesh, where cost_analysis gives per-device cost."""
 
 import json
 

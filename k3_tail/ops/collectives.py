@@ -15,7 +15,7 @@ size, decided at trace time), "all-reduce" (always one all-reduce: XLA's default
 platform.
 
 **Quantised sums** (vLLM ROCm's QuickReduce). With ``TailConfig.all_reduce_quantization`` a codec
-of :mod:`k3_tail.ops.codecs`, a sum whose buffer holds between ``quantization_min_bytes`` and
+of :mod:`k3_tail.ops.codecs`, a sum whose buffer holds between ``TailConfig.quantization_min_bytes`` and
 ``quantized_all_reduce_max_bytes`` bytes travels block-quantised in two shots: each rank cuts the
 flattened buffer into p chunks, encodes them and sends chunk j to rank j (one all-to-all); rank j
 decodes the p versions of its chunk and sums them in float32, re-encodes the sum and every rank
@@ -34,17 +34,15 @@ time, like the form above; p = 1 sends nothing and quantises nothing. QuickReduc
 
 from __future__ import annotations
 
+import dataclasses
 from types import MappingProxyType
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from k3_tail._checks import AxisName
-from k3_tail.ops.codecs import BLOCK, CODECS, Codec
-
-# Functions below take a k3_tail.TailConfig as ``config`` (typed Any: the config module imports this one).
+from k3_tail.ops.codecs import BLOCK, Codec
 
 ALL_REDUCE = "all-reduce"
 SPLIT = "reduce-scatter+all-gather"
@@ -84,67 +82,42 @@ def describe_auto(platform: str | None, dtype: jnp.dtype) -> str | None:
             "reduce-scatter + all-gather (measured faster there)")
 
 
-def quantization_min_bytes(config: Any, tp_size: int) -> int | None:
-    """The smallest buffer (bytes) that ``config`` sends quantised over ``tp_size`` ranks, or None when
-    it quantises nothing there: no codec, p = 1, or a dtype without a vLLM table (float32) and no
-    ``quantized_all_reduce_min_bytes``."""
-    if config.all_reduce_quantization is None or tp_size == 1:
-        return None
-    if config.quantized_all_reduce_min_bytes is not None:
-        return config.quantized_all_reduce_min_bytes
-    dtype = jnp.dtype(config.dtype).name
-    if dtype == "bfloat16" and config.quantized_all_reduce_fp16_sizes_for_bf16:
-        dtype = "float16"
-    rows = [size for (name, size) in QUICK_REDUCE_MIN_MIB if name == dtype and size <= tp_size]
-    if not rows:
-        return None
-    return QUICK_REDUCE_MIN_MIB[dtype, max(rows)][config.all_reduce_quantization] * 2**20
+@dataclasses.dataclass(frozen=True)
+class SumPlan:
+    """How the sums of one call travel over its p ranks (built once per call by ``TailConfig.sum_plan``).
+
+    form: ``TailConfig.all_reduce_form``. platform: the devices' ``.platform`` (None: not known).
+    codec: the codec of quantised sums, or None. quantized_bytes: (smallest, largest) buffer in bytes
+    that travels quantised, with a codec.
+    """
+
+    form: str = "auto"
+    platform: str | None = None
+    codec: Codec | None = None
+    quantized_bytes: tuple[int, int] = (1, 0)
+
+    def codec_for(self, nbytes: int) -> Codec | None:
+        """The codec a sum of an ``nbytes``-byte buffer travels in, or None for the unquantised forms."""
+        smallest, largest = self.quantized_bytes
+        return self.codec if self.codec is not None and smallest <= nbytes <= largest else None
+
+    def form_for(self, dtype: jnp.dtype, nbytes: int) -> str:
+        """The unquantised form of a sum of ``nbytes`` bytes of ``dtype`` (:func:`resolved_form`)."""
+        return resolved_form(self.form, self.platform, dtype, nbytes)
 
 
-def quantization_window(config: Any, tp_size: int) -> tuple[Codec, int, int] | None:
-    """(codec, smallest, largest buffer in bytes) of the sums ``config`` quantises over ``tp_size``
-    ranks, or None when it quantises none (an empty buffer never is: nothing travels)."""
-    minimum = quantization_min_bytes(config, tp_size)
-    if minimum is None:
-        return None
-    return CODECS[config.all_reduce_quantization], max(minimum, 1), config.quantized_all_reduce_max_bytes
-
-
-def quantized_codec(config: Any, nbytes: int, tp_size: int) -> Codec | None:
-    """The codec a sum of an ``nbytes``-byte buffer over ``tp_size`` ranks travels in under ``config``,
-    or None for the unquantised forms."""
-    window = quantization_window(config, tp_size)
-    if window is None or not window[1] <= nbytes <= window[2]:
-        return None
-    return window[0]
-
-
-def describe_quantization(config: Any, tp_size: int) -> str | None:
-    """Which sums ``config`` quantises over ``tp_size`` ranks, in words, or None when it has no codec."""
-    codec = config.all_reduce_quantization
-    if codec is None:
-        return None
-    minimum = quantization_min_bytes(config, tp_size)
-    if minimum is None:
-        why = "p = 1" if tp_size == 1 else f"vLLM has no minimum size for {jnp.dtype(config.dtype).name}"
-        return f"all_reduce_quantization={codec!r} quantises nothing here ({why})"
-    source = "" if config.quantized_all_reduce_min_bytes is not None else " (vLLM's minimum for the dtype and p)"
-    return (f"{codec}-quantised two-shot sums for buffers of {_mib(minimum)}{source} to "
-            f"{_mib(config.quantized_all_reduce_max_bytes)}")
-
-
-def all_reduce(x: jax.Array, *, axis_name: AxisName, config: Any, platform: str | None) -> jax.Array:
-    """The sum of ``x`` [T, W] over the ranks, on every rank, in ``x.dtype``: quantised when
-    :func:`quantized_codec` gives a codec for it, else in :func:`resolved_form`'s form.
+def all_reduce(x: jax.Array, *, axis_name: AxisName, sums: SumPlan) -> jax.Array:
+    """The sum of ``x`` [T, W] over the ranks, on every rank, in ``x.dtype``: quantised when ``sums``
+    has a codec for its size, else in the form ``sums`` gives it.
 
     The decomposition scatters rows: T is padded with zero rows to a multiple of p for it and the
     padding sliced off after the all-gather.
     """
     nbytes = x.size * x.dtype.itemsize
-    codec = quantized_codec(config, nbytes, lax.axis_size(axis_name))
+    codec = sums.codec_for(nbytes)
     if codec is not None:
         return _quantized_sum(x, codec, axis_name=axis_name, scatter_dimension=None)
-    if resolved_form(config.all_reduce_form, platform, x.dtype, nbytes) == ALL_REDUCE:
+    if sums.form_for(x.dtype, nbytes) == ALL_REDUCE:
         return lax.psum(x, axis_name)
     tp_size = lax.axis_size(axis_name)
     padding = -x.shape[0] % tp_size
@@ -153,11 +126,11 @@ def all_reduce(x: jax.Array, *, axis_name: AxisName, config: Any, platform: str 
     return lax.all_gather(own, axis_name, axis=0, tiled=True, to="invarying")[: x.shape[0]]
 
 
-def reduce_scatter(x: jax.Array, *, axis_name: AxisName, config: Any, scatter_dimension: int) -> jax.Array:
+def reduce_scatter(x: jax.Array, *, axis_name: AxisName, sums: SumPlan, scatter_dimension: int) -> jax.Array:
     """This rank's block k of the sum of ``x`` over the ranks, along ``scatter_dimension`` (which p
-    divides), in ``x.dtype``: one quantised shot when :func:`quantized_codec` gives a codec for the
-    buffer, else a reduce-scatter."""
-    codec = quantized_codec(config, x.size * x.dtype.itemsize, lax.axis_size(axis_name))
+    divides), in ``x.dtype``: one quantised shot when ``sums`` has a codec for the buffer's size,
+    else a reduce-scatter."""
+    codec = sums.codec_for(x.size * x.dtype.itemsize)
     if codec is not None:
         return _quantized_sum(x, codec, axis_name=axis_name, scatter_dimension=scatter_dimension)
     return lax.psum_scatter(x, axis_name, scatter_dimension=scatter_dimension, tiled=True)
@@ -195,7 +168,3 @@ def _quantized_sum(x: jax.Array, codec: Codec, *, axis_name: AxisName, scatter_d
         gathered = lax.all_gather(codec.encode(own), axis_name, axis=0, to="invarying")
     total = codec.decode(gathered).reshape(tp_size, -1)[:, :width]
     return total.reshape(-1)[: x.size].reshape(x.shape).astype(x.dtype)
-
-
-def _mib(nbytes: int) -> str:
-    return f"{nbytes / 2**20:g} MiB"

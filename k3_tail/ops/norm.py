@@ -1,21 +1,12 @@
-"""The latent RMSNorm and the all-reduce + RMSNorm helper that every tier starts with.
-
-Functions take a k3_tail.TailConfig as ``config`` (typed Any: the config module imports this one, for
-the range of eps and scale that :func:`norm_is_computable` allows).
-"""
+"""The latent RMSNorm in float32, for any finite input: :func:`rms_norm` and one_shot's :func:`inverse_rms`."""
 
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
-
-from k3_tail._checks import AxisName
-from k3_tail.ops.collectives import all_reduce
-from k3_tail.ops.scopes import LATENT_REDUCTION
 
 
 def rms_norm(x: jax.Array, weight: jax.Array | None, *, eps: float, scale: float = 1.0) -> jax.Array:
@@ -121,36 +112,3 @@ def _row_scale_floor(eps: float, scale: float, width: int) -> float | None:
     if exponent > 126 or relative_eps * 4.0**-exponent < _SMALLEST_NORMAL:
         return None
     return 2.0**exponent
-
-
-def allreduce_norm_latent_out(
-    routed_partial: jax.Array,
-    norm_weight: jax.Array | None,
-    *,
-    config: Any,
-    axis_name: AxisName,
-    platform: str | None = None,
-) -> jax.Array:
-    """``RMSNorm_g(c * psum(r))`` for this rank: the fully reduced, normalised latent.
-
-    Runs inside ``jax.shard_map``. routed_partial: this rank's [T, L] partial (``config.dtype``),
-    or the already reduced latent when ``config.fused_output_is_reduced`` (then no collective).
-    norm_weight: [L], ignored when ``config.use_latent_norm`` is False.
-    Returns [T, L] in ``config.dtype``, identical on every rank.
-    ``platform`` (a device's ``.platform``; None: not known), ``config.all_reduce_form`` and
-    ``config.all_reduce_quantization`` decide the all-reduce's form (:mod:`k3_tail.ops.collectives`).
-    Cost per rank: one all-reduce of T*L elements in ``config.dtype`` (2(p-1)/p * 2TL bytes on a
-    ring for bf16) and O(TL) elementwise work. The norm must see the fully reduced latent: it is
-    nonlinear per row, so it cannot be applied to partials.
-
-    vLLM fuses the all-reduce and the norm into one AITER kernel on ROCm; XLA fuses the norm's
-    elementwise work into the consumer of the all-reduce on its own, so this is the plain form.
-    """
-    if config.fused_output_is_reduced:
-        latent = routed_partial
-    else:
-        with jax.named_scope(LATENT_REDUCTION):
-            latent = all_reduce(routed_partial, axis_name=axis_name, config=config, platform=platform)
-    weight = norm_weight if config.use_latent_norm else None
-    normed = rms_norm(latent, weight, eps=config.rms_norm_eps, scale=config.routed_scaling_factor)
-    return normed.astype(config.dtype)

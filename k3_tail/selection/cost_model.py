@@ -85,13 +85,13 @@ from k3_tail.config import TailConfig, check_config
 from k3_tail.selection.decision import TierDecision
 from k3_tail.hardware import HARDWARE, Hardware, hardware_preset
 from k3_tail.ops.codecs import CODECS
-from k3_tail.ops.collectives import quantization_window, quantized_codec
 from k3_tail.ops.columns import check_weight_layout
 from k3_tail.tiers.record import (
     ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER, RING_WIRE_FACTORS, SUM_KINDS, CallShape,
 )
 from k3_tail.tiers.registry import Tier
-from k3_tail.ops.tokens import is_token_sharded_output, padded_token_count
+from k3_tail.ops.tokens import padded_token_count
+from k3_tail.tiers.context import is_token_sharded_output
 from k3_tail.ops.up_projection import gemm_rows
 
 __all__ = [
@@ -105,7 +105,7 @@ class CollectiveCost:
     """One collective a tier issues, per rank.
 
     kind: "all-reduce", "reduce-scatter", "all-gather" or "all-to-all". buffer_bytes: the buffer as
-    :class:`k3_tail.xla_report.Collective` ``.bytes`` counts it (reduced buffer, reduce-scatter input,
+    :class:`k3_tail.xla.report.Collective` ``.bytes`` counts it (reduced buffer, reduce-scatter input,
     gathered result, all-to-all send buffer). group_size: ranks taking part (p). hidden: it runs
     beside the tier's GEMM instead of before or after it. codec: for a sum (all-reduce or
     reduce-scatter) that travels quantised (:mod:`k3_tail.ops.collectives`), the codec's name, else
@@ -265,7 +265,7 @@ def predict_time(cost: TierCost, hardware: Hardware | str) -> Prediction:
     takes collective_latency_s + wire_bytes / link_bytes_per_s (nothing over a group of one rank).
     """
     if not isinstance(cost, TierCost):
-        raise ValueError(f"cost: expected a k3_tail.cost_model.TierCost, got {type(cost).__name__}")
+        raise ValueError(f"cost: expected a k3_tail.selection.cost_model.TierCost, got {type(cost).__name__}")
     compute, memory, serial, hidden = _time_terms(cost, hardware_preset(hardware))
     return Prediction(
         compute_s=compute, memory_s=memory, collective_s=serial + hidden, total_s=serial + max(compute, memory, hidden)
@@ -401,15 +401,16 @@ def _collective_totals(config: TailConfig, hardware: Hardware, costs: tuple[Tier
     the quantisation window when the config has one (which makes it piecewise)."""
     first, second = costs
     tp_size = first.tp_size
-    window = quantization_window(config, tp_size)
+    plan = config.sum_plan(tp_size)
     serial = hidden = np.zeros(rows.shape)
     for start, later in zip(first.collectives, second.collectives, strict=True):
         per_row = (later.buffer_bytes - start.buffer_bytes) // tp_size
         nbytes = start.buffer_bytes + per_row * (rows - 2 * tp_size)
         seconds = _collective_seconds(start.kind, nbytes, tp_size, None, start.element_bytes, hardware)
-        if window is not None and start.kind in SUM_KINDS:
-            codec, smallest, largest = window
-            quantized = _collective_seconds(start.kind, nbytes, tp_size, codec.name, start.element_bytes, hardware)
+        if plan.codec is not None and start.kind in SUM_KINDS:
+            smallest, largest = plan.quantized_bytes
+            quantized = _collective_seconds(start.kind, nbytes, tp_size, plan.codec.name, start.element_bytes,
+                                            hardware)
             seconds = np.where((smallest <= nbytes) & (nbytes <= largest), quantized, seconds)
         if start.hidden:
             hidden = hidden + seconds
@@ -426,7 +427,7 @@ def _first_fastest(totals: np.ndarray) -> np.ndarray:
 
 def _codec_name(config: TailConfig, kind: str, nbytes: int, tp_size: int) -> str | None:
     """The codec a collective of ``kind`` over ``nbytes`` travels in: sums only, as the tiers decide it."""
-    codec = quantized_codec(config, nbytes, tp_size) if kind in SUM_KINDS else None
+    codec = config.sum_plan(tp_size).codec_for(nbytes) if kind in SUM_KINDS else None
     return None if codec is None else codec.name
 
 

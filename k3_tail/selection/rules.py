@@ -11,11 +11,12 @@ from k3_tail.config import TailConfig, check_config
 from k3_tail.selection import cost_model
 from k3_tail.selection.decision import TierDecision
 from k3_tail.selection.table import SelectionTable
-from k3_tail.ops.collectives import describe_auto, describe_quantization, quantization_min_bytes
+from k3_tail.ops.collectives import describe_auto
 from k3_tail.ops.columns import padded_hidden_size
 from k3_tail.tiers.record import SUM_KINDS
 from k3_tail.tiers.registry import Tier
-from k3_tail.ops.tokens import is_token_sharded_output, padded_token_count
+from k3_tail.ops.tokens import padded_token_count
+from k3_tail.tiers.context import is_token_sharded_output
 
 
 def select_tier(
@@ -38,7 +39,7 @@ def select_tier(
     Rule 1 below holds for every ``config.selection_policy``; rules 2-4 are the "vllm" policy. The
     "measured" policy replaces them by the range of ``config.selection_table`` that holds T (the
     table must have been measured for this p, shapes, dtype, layout and device kind, else
-    ValueError); the "model" policy by the tier :mod:`k3_tail.cost_model` predicts fastest on
+    ValueError); the "model" policy by the tier :mod:`k3_tail.selection.cost_model` predicts fastest on
     ``config.hardware``. The reason names the policy's evidence.
 
     The rules, in order:
@@ -92,8 +93,8 @@ def select_tier(
 def _quantization_reason(config: TailConfig, tier: Tier, num_tokens: int, tp_size: int,
                          weight_layout: str | None) -> str | None:
     """Which of ``tier``'s sums travel quantised in this call, or None without a codec."""
-    text = describe_quantization(config, tp_size)
-    if text is None or num_tokens == 0 or quantization_min_bytes(config, tp_size) is None:
+    text = _describe_quantization(config, tp_size)
+    if text is None or num_tokens == 0 or config.quantization_min_bytes(tp_size) is None:
         return text
     # The sums (all-reduces, reduce-scatters) of a tier do not depend on the kernel's layout.
     layout = weight_layout or ("replicated" if tier.record.needs_whole_kernel else "column")
@@ -103,6 +104,20 @@ def _quantization_reason(config: TailConfig, tier: Tier, num_tokens: int, tp_siz
     plain = [f"{c.kind} of {c.buffer_bytes / 1e6:.3g} MB" for c in sums if c.codec is None]
     text += f": quantised here: {', '.join(quantized) or 'none'}"
     return text + (f"; outside that range, in {config.dtype.name}: {', '.join(plain)}" if plain else "")
+
+
+def _describe_quantization(config: TailConfig, tp_size: int) -> str | None:
+    """Which sums ``config`` quantises over ``tp_size`` ranks, in words, or None when it has no codec."""
+    codec = config.all_reduce_quantization
+    if codec is None:
+        return None
+    minimum = config.quantization_min_bytes(tp_size)
+    if minimum is None:
+        why = "p = 1" if tp_size == 1 else f"vLLM has no minimum size for {config.dtype.name}"
+        return f"all_reduce_quantization={codec!r} quantises nothing here ({why})"
+    source = "" if config.quantized_all_reduce_min_bytes is not None else " (vLLM's minimum for the dtype and p)"
+    return (f"{codec}-quantised two-shot sums for buffers of {minimum / 2**20:g} MiB{source} to "
+            f"{config.quantized_all_reduce_max_bytes / 2**20:g} MiB")
 
 
 def _select_replicated(

@@ -1,7 +1,7 @@
 """Measured tier selection: a table of token ranges -> tier, measured on one kind of device and p.
 
 ``python -m k3_tail calibrate`` times every tier on the current mesh over a ladder of token counts
-(:func:`k3_tail.benchmark.measure_tiers`), keeps the fastest tier per measured T and writes the
+(:func:`k3_tail.tools.benchmark.measure_tiers`), keeps the fastest tier per measured T and writes the
 result as JSON. ``TailConfig(selection_policy="measured", selection_table=SelectionTable.load(path))``
 then makes :func:`k3_tail.select_tier` follow it. Between two measured token counts T_a < T_b the
 tier measured fastest at T_a serves [T_a, T_b - 1]; the first range starts at T = 1 and the last
@@ -285,7 +285,7 @@ def table_from_measurements(
 ) -> SelectionTable:
     """The table that picks, for each measured T, the tier with the smallest median time.
 
-    ``measurements``: :class:`k3_tail.benchmark.Measurement` records of one TP size and weight
+    ``measurements``: :class:`k3_tail.tools.benchmark.Measurement` records of one TP size and weight
     layout, every tier at every token count (T >= 1). Consecutive token counts with the same
     winner merge into one range.
     """

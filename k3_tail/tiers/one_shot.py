@@ -14,51 +14,34 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from k3_tail._checks import AxisName
-from k3_tail.config import TailConfig
+from k3_tail.tiers.context import TailCall
 from k3_tail.ops.norm import inverse_rms
-from k3_tail.ops.up_projection import project
 from k3_tail.tiers.record import CallShape, CollectiveTerm, TierRecord
 from k3_tail.ops.scopes import PACKED_REDUCTION
-from k3_tail.ops.tokens import reduce_output
 
 
-def one_shot_tail(
-    routed_partial: jax.Array,
-    shared_partial: jax.Array | None,
-    norm_weight: jax.Array | None,
-    up_proj_kernel: jax.Array,
-    *,
-    config: TailConfig,
-    axis_name: AxisName,
-    weight_layout: str,
-    platform: str | None = None,
-) -> jax.Array:
-    """Project the own partial; one AR of [z | s | x]; scale z by the row RMS factor; add. In shard_map.
+def one_shot_tail(routed_partial, shared_partial, norm_weight, up_proj_kernel, call: TailCall) -> jax.Array:
+    """Project the own partial; one AR of [z | s | x]; scale z by the row RMS factor; add (a
+    :class:`~k3_tail.tiers.context.TierFunction`).
 
-    Per rank: routed_partial [T, L], shared_partial [T, H] or None, norm_weight [L] or None,
-    up_proj_kernel [L, H]: the whole kernel, so ``weight_layout`` must be "replicated" (each rank
-    projects a partial over ALL columns; a column block would need every rank's partial).
-    Returns y [T, H] in ``config.dtype``, identical on every rank ([T/p, H], this rank's rows, for
-    sequence-parallel output: then T % p == 0).
-
-    Cost per rank: 2TLH GEMM FLOPs (the full GEMM, as native), 2LH weight bytes, and one collective
-    of T*(2H + L) elements (without shared experts T*(H + L); without the norm x is not needed):
-    one latency instead of two serial ones, for 2TH more bytes than native moves. The packed
-    buffer is in ``config.dtype``, like every other tier's collectives, so each rank's projected
-    partial is rounded once before the sum: the error stays at the other tiers' level (a few
-    bf16 ulps of y). With ``config.shared_output_is_reduced`` shared_partial is the reduced shared
-    output (:func:`k3_tail.reduce_shared`'s form): the packed buffer loses s (T*(H + L) elements)
-    and it is added after the collective.
+    Needs the whole kernel ("replicated"): each rank projects a partial over ALL columns, and a
+    column block would need every rank's partial. Cost per rank: 2TLH GEMM FLOPs (as native), 2LH
+    weight bytes, and one collective of T*(2H + L) elements (without shared experts T*(H + L);
+    without the norm x is not sent): one latency instead of two serial ones, for 2TH more bytes than
+    native moves. The packed buffer is in ``config.dtype``, as every tier's collectives, so each
+    rank's projected partial is rounded once before the sum (a few bf16 ulps of y, as the other
+    tiers). With ``shared_output_is_reduced`` the packed buffer loses s and the reduced shared
+    output is added after the collective.
     """
-    RECORD.check_runs(weight_layout, config)
+    config = call.config
+    RECORD.check_runs(call.weight_layout, config)
     routed = routed_partial.astype(jnp.float32)
     # With the norm, c enters through the row factor (inverse_rms); without it, through the partials.
     if config.use_latent_norm:
         weighted = routed * norm_weight.astype(jnp.float32)
     else:
         weighted = config.routed_scaling_factor * routed
-    projected = project(weighted.astype(config.dtype), up_proj_kernel, fp8_activations=config.fp8_activations)
+    projected = call.project(weighted.astype(config.dtype), up_proj_kernel)
     hidden = config.hidden_size
     sums_shared = shared_partial is not None and not config.shared_output_is_reduced
     parts = [projected.astype(config.dtype)]
@@ -66,8 +49,7 @@ def one_shot_tail(
         parts.append(shared_partial)
     if config.use_latent_norm:
         parts.append(routed_partial)
-    packed = reduce_output(jnp.concatenate(parts, axis=1), axis_name=axis_name, config=config, platform=platform,
-                           scope=PACKED_REDUCTION).astype(jnp.float32)
+    packed = call.reduce_output(jnp.concatenate(parts, axis=1), scope=PACKED_REDUCTION).astype(jnp.float32)
     y = packed[:, :hidden]
     if config.use_latent_norm:
         y = y * inverse_rms(packed[:, -config.latent_size:], eps=config.rms_norm_eps,

@@ -12,7 +12,7 @@ Two devices act against that:
    output all-gather until the shared all-reduce is done, so the GEMM is the work left to hide it.
    The barriers order values only; they emit no kernel.
 2. Per executable: in a larger program (measured: two chained tails in one ``jit``) XLA still
-   combines the all-reduces of different tails and layers. :func:`k3_tail.compiler_options` gives
+   combines the all-reduces of different tails and layers. :func:`k3_tail.xla.compilation.compiler_options` gives
    the options for such an executable: ``xla_gpu_all_reduce_combine_threshold_bytes=0`` (no
    all-reduce combining in that executable, which is the price), async collectives pinned on and
    the latency-hiding scheduler on (XLA's default for CUDA, not for ROCm before jax 0.12);
@@ -20,7 +20,7 @@ Two devices act against that:
    whose second shot, an all-gather, would otherwise join the latent's before the GEMM.
    :func:`k3_tail.compile_tail` applies them to the tail's own executable.
 
-``k3_tail.xla_report`` checks the result on the compiled program; the tests check it for a
+``k3_tail.xla.report`` checks the result on the compiled program; the tests check it for a
 deviceless 8-GPU topology at T in {1, 16, 256}, for both kernel layouts.
 """
 
@@ -31,41 +31,23 @@ from types import MappingProxyType
 import jax
 from jax import lax
 
-from k3_tail._checks import AxisName
-from k3_tail.config import TailConfig
+from k3_tail.tiers.context import TailCall
 from k3_tail.ops.columns import gather_columns, project_own_columns
-from k3_tail.ops.norm import allreduce_norm_latent_out
 from k3_tail.tiers.record import CallShape, CollectiveTerm, TierRecord
-from k3_tail.ops.tokens import add_shared, own_tokens, shared_output
+from k3_tail.ops.tokens import own_tokens
 
 
-def overlap_tail(
-    routed_partial: jax.Array,
-    shared_partial: jax.Array | None,
-    norm_weight: jax.Array | None,
-    up_proj_kernel: jax.Array,
-    *,
-    config: TailConfig,
-    axis_name: AxisName,
-    weight_layout: str,
-    platform: str | None = None,
-) -> jax.Array:
-    """AR(r) + norm; AR(s) issued; GEMM while AR(s) is in flight; add. Inside ``jax.shard_map``.
+def overlap_tail(routed_partial, shared_partial, norm_weight, up_proj_kernel, call: TailCall) -> jax.Array:
+    """AR(r) + norm; AR(s) issued; GEMM while AR(s) is in flight; add (a
+    :class:`~k3_tail.tiers.context.TierFunction`).
 
-    Per rank: routed_partial [T, L], shared_partial [T, H] or None, norm_weight [L] or None,
-    up_proj_kernel [L, H] ("replicated") or this rank's [L, Hb] block ("column").
-    Returns y [T, H] in ``config.dtype``, identical on every rank; for sequence-parallel output
-    (T % p == 0) this rank's [T/p, H] rows, AR(s) then being a reduce-scatter over tokens. With
-    ``config.shared_output_is_reduced`` there is no AR(s) to hide: the reduced shared output is
-    added, and the schedule is the native tier's.
-
-    Cost per rank: as the native tier (replicated: 2TLH FLOPs, 2LH weight bytes, AR(T*L) + AR(T*H);
-    column: 2TLH/p FLOPs, 2LH/p weight bytes and an all-gather of the [T, H/p] output blocks), but
-    AR(T*H) runs during the GEMM instead of after it (see the module docstring for how).
+    Cost per rank: as the native tier's, but AR(T*H) runs during the GEMM instead of after it (the
+    module docstring says how). With ``shared_output_is_reduced`` there is no AR(s) to hide, and the
+    schedule is the native tier's.
     """
-    latent = allreduce_norm_latent_out(routed_partial, norm_weight, config=config, axis_name=axis_name,
-                                       platform=platform)
-    projected = project_own_columns(latent, up_proj_kernel, weight_layout=weight_layout,
+    config = call.config
+    latent = call.normalised_latent(routed_partial, norm_weight)
+    projected = project_own_columns(latent, up_proj_kernel, weight_layout=call.weight_layout,
                                     fp8_activations=config.fp8_activations)
     shared = None
     if shared_partial is not None and config.shared_output_is_reduced:
@@ -73,15 +55,15 @@ def overlap_tail(
     elif shared_partial is not None:
         # The shared partial waits for the normalised latent, so the two all-reduces cannot be combined.
         _, shared_partial = lax.optimization_barrier((latent, shared_partial))
-        shared = shared_output(shared_partial, axis_name=axis_name, config=config, platform=platform)
+        shared = call.shared_output(shared_partial)
         # The column layout's all-gather waits for the shared all-reduce, which leaves the GEMM as the
         # only work to schedule inside it (else XLA may run the GEMM first and hide the all-gather).
         _, projected = lax.optimization_barrier((shared, projected))
-    projected = gather_columns(projected, hidden_size=config.hidden_size, weight_layout=weight_layout,
-                               axis_name=axis_name)
-    if config.sequence_parallel:
-        projected = own_tokens(projected, axis_name=axis_name)
-    return add_shared(projected, shared, config=config, platform=platform)
+    projected = gather_columns(projected, hidden_size=config.hidden_size, weight_layout=call.weight_layout,
+                               axis_name=call.axis_name)
+    if call.token_sharded:
+        projected = own_tokens(projected, axis_name=call.axis_name)
+    return call.add_shared(projected, shared)
 
 
 def _collectives(shape: CallShape) -> tuple[CollectiveTerm, ...]:

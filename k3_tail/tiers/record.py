@@ -29,7 +29,9 @@ from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
 
+from k3_tail.config import TailConfig
 from k3_tail.ops.columns import padded_hidden_size
+from k3_tail.tiers.context import TierFunction
 
 ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER, ALL_TO_ALL = "all-reduce", "reduce-scatter", "all-gather", "all-to-all"
 # The kinds that sum over the ranks (and so may travel quantised: k3_tail.ops.collectives).
@@ -114,9 +116,8 @@ class CallShape:
 class TierRecord:
     """Everything the library knows about one tier (module docstring).
 
-    name: the tier's value ("overlap"). function: the per-rank function ``f(routed_partial,
-    shared_partial, norm_weight, up_proj_kernel, *, config, axis_name, weight_layout, platform=None)``
-    (``platform``: the devices' ``.platform``, which decides the form of its all-reduces).
+    name: the tier's value ("overlap"). function: the per-rank
+    :class:`~k3_tail.tiers.context.TierFunction`.
     summary: one line. schedule: its steps in the notation AR/RS/AG (all-reduce, reduce-scatter,
     all-gather), r the routed and s the shared partial. collectives_text: the collectives per rank in
     that notation. needs_whole_kernel: runs only with the replicated kernel.
@@ -131,7 +132,7 @@ class TierRecord:
     """
 
     name: str
-    function: Callable[..., Any]
+    function: TierFunction
     summary: str
     schedule: str
     collectives_text: str
@@ -144,7 +145,7 @@ class TierRecord:
     shards_tokens: bool = False
     compiler_options: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
 
-    def why_not(self, weight_layout: str, config: Any = None) -> str | None:
+    def why_not(self, weight_layout: str, config: TailConfig | None = None) -> str | None:
         """Why the tier cannot run with ``weight_layout`` and ``config`` (None: not considered), or None."""
         if self.needs_whole_kernel and weight_layout != "replicated":
             return (f"{self.name} needs the whole [L, H] kernel on every rank (weight_layout='replicated'), "
@@ -154,7 +155,7 @@ class TierRecord:
                     "fused_output_is_reduced=True")
         return None
 
-    def check_runs(self, weight_layout: str, config: Any = None, *, argument: str = "tier") -> None:
+    def check_runs(self, weight_layout: str, config: TailConfig | None = None, *, argument: str = "tier") -> None:
         """ValueError naming ``argument`` with :meth:`why_not`'s reason when the tier cannot run."""
         reason = self.why_not(weight_layout, config)
         if reason is not None:

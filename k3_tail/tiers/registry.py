@@ -1,8 +1,9 @@
-"""The ordered registry of tiers: the only list of them, and the :class:`Tier` enum made from it.
+"""The ordered registry of tiers: the only list of them, and the :class:`Tier` enum that names them.
 
 Adding a tier is one new module under ``k3_tail/tiers/`` (its per-rank function and its
-:class:`~k3_tail.tiers.record.TierRecord`), one entry below, and its tests: selection, the cost
-model, compilation, the benchmark, the command line and the README's tier table read the record.
+:class:`~k3_tail.tiers.record.TierRecord`), one entry below and its member in :class:`Tier`, and its
+tests: selection, the cost model, compilation, the benchmark, the command line and the README's tier
+table read the record.
 The order is the enum's, and breaks ties between equally fast tiers in the cost model.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 import enum
 from types import MappingProxyType
 
+from k3_tail.config import TailConfig
 from k3_tail.tiers import column_parallel, native, one_shot, overlap, scatter_gather, token_parallel
 from k3_tail.tiers.record import TierRecord
 
@@ -25,25 +27,41 @@ TIER_RECORDS: tuple[TierRecord, ...] = (
 _BY_NAME = MappingProxyType({record.name: record for record in TIER_RECORDS})
 
 
-class _TierMethods(str, enum.Enum):
-    """What every :class:`Tier` member can do; the members themselves come from the registry."""
+class Tier(str, enum.Enum):
+    """The schedules of the tail, in the registry's order; all compute the same function.
+
+    A member's value is its record's name (``Tier.OVERLAP == "overlap"``); ``Tier.X.record`` holds its
+    facts and ``Tier.X.record.summary`` says what it does. The members are spelled out for type
+    checkers; the check below this class makes them exactly the registry's records, in its order.
+    """
+
+    NATIVE = native.RECORD.name
+    OVERLAP = overlap.RECORD.name
+    COLUMN_PARALLEL = column_parallel.RECORD.name
+    SCATTER_GATHER = scatter_gather.RECORD.name
+    ONE_SHOT = one_shot.RECORD.name
+    TOKEN_PARALLEL = token_parallel.RECORD.name
 
     @property
     def record(self) -> TierRecord:
         """Everything the library knows about this tier."""
         return _BY_NAME[self.value]
 
-    def supports(self, weight_layout: str, config=None) -> bool:
+    def supports(self, weight_layout: str, config: TailConfig | None = None) -> bool:
         """Whether the tier runs with ``weight_layout`` ("column" or "replicated") and ``config``."""
         return self.record.why_not(weight_layout, config) is None
 
-    def why_not(self, weight_layout: str, config=None) -> str | None:
+    def why_not(self, weight_layout: str, config: TailConfig | None = None) -> str | None:
         """Why the tier cannot run with ``weight_layout`` and ``config`` (None: not considered), or None."""
         return self.record.why_not(weight_layout, config)
 
     @classmethod
-    def parse(cls, value, *, argument: str = "tier"):
-        """``value`` as a Tier; a string may be the value ("overlap") or the name ("OVERLAP")."""
+    def parse(cls, value: Tier | str, *, argument: str = "tier") -> Tier:
+        """``value`` as a Tier; a string may be the value ("overlap") or the name ("OVERLAP").
+
+        Raises:
+          ValueError: naming ``argument``, for anything else.
+        """
         if isinstance(value, cls):
             return value
         if isinstance(value, str):
@@ -54,12 +72,8 @@ class _TierMethods(str, enum.Enum):
         raise ValueError(f"{argument}: expected a k3_tail.Tier or one of {choices}, got {value!r}")
 
 
-Tier = _TierMethods("Tier", [(record.name.upper(), record.name) for record in TIER_RECORDS], module=__name__)
-Tier.__doc__ = """The schedules of the tail, in the registry's order; all compute the same function.
-
-A member's value is its record's name (``Tier.OVERLAP == "overlap"``); ``Tier.X.record`` holds its
-facts and ``Tier.X.record.summary`` says what it does.
-"""
+if [tier.value for tier in Tier] != [record.name for record in TIER_RECORDS]:
+    raise ImportError("k3_tail.tiers.registry: the Tier members must be the registry's records, in its order")
 
 
 def tier_table() -> str:

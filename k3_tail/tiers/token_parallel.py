@@ -13,71 +13,51 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
-from k3_tail._checks import AxisName
-from k3_tail.config import TailConfig
-from k3_tail.ops.collectives import reduce_scatter
+from k3_tail.tiers.context import TailCall
 from k3_tail.ops.norm import rms_norm
-from k3_tail.ops.up_projection import project
 from k3_tail.tiers.record import ALL_GATHER, REDUCE_SCATTER, CallShape, CollectiveTerm, TierRecord
 from k3_tail.ops.scopes import LATENT_REDUCTION, SHARED_REDUCTION
-from k3_tail.ops.tokens import add_shared, gather_tokens, own_tokens, pad_tokens
+from k3_tail.ops.tokens import gather_tokens, own_tokens, pad_tokens
 
 
-def token_parallel_tail(
-    routed_partial: jax.Array,
-    shared_partial: jax.Array | None,
-    norm_weight: jax.Array | None,
-    up_proj_kernel: jax.Array,
-    *,
-    config: TailConfig,
-    axis_name: AxisName,
-    weight_layout: str,
-    platform: str | None = None,
-) -> jax.Array:
-    """RS(r) over tokens; norm of the own rows; RS(s) over tokens; own rows @ W + s; [AG over tokens].
+def token_parallel_tail(routed_partial, shared_partial, norm_weight, up_proj_kernel, call: TailCall) -> jax.Array:
+    """RS(r) over tokens; norm of the own rows; RS(s) over tokens; own rows @ W + s; [AG over tokens]
+    (a :class:`~k3_tail.tiers.context.TierFunction`).
 
-    Inside ``jax.shard_map``. Per rank: routed_partial [T, L] (unreduced), shared_partial [T, H] or
-    None, norm_weight [L] or None, up_proj_kernel [L, H]: the whole kernel ("replicated" layout), since
-    each rank projects its rows onto every column. T need not divide by p: the rows are padded with
-    zeros to T' = a multiple of p (zero rows stay zero through the norm) and sliced off again.
-
-    Returns y [T, H] in ``config.dtype``, identical on every rank; for sequence-parallel output this
-    rank's [T/p, H] rows (then T % p == 0), with no all-gather at all. ``platform``: this tier
-    issues no all-reduce whose form it could choose; on "rocm" the shared rows are added after the
-    GEMM, never in it (:func:`k3_tail.ops.tokens.add_shared`).
-
-    Cost per rank: 2(T'/p)LH GEMM FLOPs, 2LH weight bytes, RS(T'*L), RS(T'*H) and, for replicated
-    output, AG(T'*H). With ``config.shared_output_is_reduced`` shared_partial is the reduced shared
-    output (:func:`k3_tail.reduce_shared`'s form): no RS(T'*H), the rank takes its own rows of it.
+    Needs the whole kernel ("replicated") and unreduced routed partials: each rank projects its rows
+    onto every column. T need not divide by p: the rows are padded with zeros to T', a multiple of
+    p (zero rows stay zero through the norm), and sliced off again; token-sharded output needs no
+    all-gather at all. Cost per rank: 2(T'/p)LH GEMM FLOPs, 2LH weight bytes, RS(T'*L), RS(T'*H)
+    and, for replicated output, AG(T'*H). With ``shared_output_is_reduced`` there is no RS(T'*H):
+    the rank takes its own rows of the reduced shared output.
     """
-    RECORD.check_runs(weight_layout, config)
+    config = call.config
+    RECORD.check_runs(call.weight_layout, config)
     num_tokens = routed_partial.shape[0]
     if num_tokens == 0:  # nothing to split (sequence-parallel output arrives padded to p rows)
         return jnp.zeros((0, config.hidden_size), config.dtype)
-    tp_size = lax.axis_size(axis_name)
 
     def own_rows(x, scope):
         with jax.named_scope(scope):
-            return reduce_scatter(pad_tokens(x, tp_size), axis_name=axis_name, config=config, scatter_dimension=0)
+            return call.reduce_scatter(pad_tokens(x, call.tp_size), scatter_dimension=0)
 
     weight = norm_weight if config.use_latent_norm else None
     latent = rms_norm(own_rows(routed_partial, LATENT_REDUCTION), weight, eps=config.rms_norm_eps,
                       scale=config.routed_scaling_factor)
-    y = project(latent.astype(config.dtype), up_proj_kernel, fp8_activations=config.fp8_activations)
+    y = call.project(latent.astype(config.dtype), up_proj_kernel)
     shared = None
     if shared_partial is not None:
         if not config.shared_output_is_reduced:
             shared = own_rows(shared_partial, SHARED_REDUCTION)
-        elif config.sequence_parallel:
+        elif call.token_sharded:
             shared = shared_partial  # already this rank's rows
         else:
-            shared = own_tokens(pad_tokens(shared_partial, tp_size), axis_name=axis_name)
-    y = add_shared(y, shared, config=config, platform=platform)
-    if config.sequence_parallel:
+            shared = own_tokens(pad_tokens(shared_partial, call.tp_size), axis_name=call.axis_name)
+    y = call.add_shared(y, shared)
+    if call.token_sharded:
         return y
-    return gather_tokens(y, num_tokens, axis_name=axis_name)
+    return gather_tokens(y, num_tokens, axis_name=call.axis_name)
 
 
 def _collectives(shape: CallShape) -> tuple[CollectiveTerm, ...]:

@@ -25,7 +25,7 @@ from k3_tail.forward import tail_forward
 from k3_tail.selection.rules import select_tier
 from k3_tail.ops.columns import check_weight_layout, padded_hidden_size
 from k3_tail.tiers.registry import Tier
-from k3_tail.ops.tokens import is_token_sharded_output
+from k3_tail.tiers.context import is_token_sharded_output
 from k3_tail.ops.up_projection import QuantizedKernel, column_sharding
 
 
@@ -97,7 +97,7 @@ def compile_tail(
     picks. The program's arguments are :func:`tail_arguments` in that order (flat, Nones dropped:
     an FP8 kernel is two arguments, values then scales), so the shared partial is argument 1.
     :func:`compiler_options` of the tier and the mesh's platform are applied. Inspect it with
-    :func:`k3_tail.xla_report.report`.
+    :func:`k3_tail.xla.report.report`.
     """
     check_config(config)
     arguments = tail_arguments(config, mesh, num_tokens, axis_name=axis_name, weight_layout=weight_layout)

@@ -1,0 +1,134 @@
+"""One call of the tail as every tier sees it: :class:`TailCall`, built once per call, and the tier signature.
+
+A tier and the steps it shares with other tiers (the reduced and normalised latent, the sum of the
+shared partials, the add of the projection and the shared output) read the call's facts from one
+frozen object instead of threading the config, the axis, the weight layout and the platform through
+every function.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from k3_tail._checks import AxisName
+from k3_tail.config import TailConfig
+from k3_tail.ops.collectives import SumPlan, all_reduce, reduce_scatter
+from k3_tail.ops.norm import rms_norm
+from k3_tail.ops.scopes import LATENT_REDUCTION, SHARED_REDUCTION
+from k3_tail.ops.up_projection import QuantizedKernel, outside_gemm, project
+
+
+def is_token_sharded_output(config: TailConfig, num_tokens: int, tp_size: int) -> bool:
+    """Whether a call with T = ``num_tokens`` on ``tp_size`` ranks returns y token-sharded.
+
+    Token-sharded: rank k holds rows [k*T/p, (k+1)*T/p) of y. That is the case with
+    ``config.sequence_parallel``, T > 0 and p dividing T; otherwise every rank returns all T rows.
+    """
+    return config.sequence_parallel and num_tokens > 0 and num_tokens % tp_size == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class TailCall:
+    """The facts of one call that the tiers read, fixed at trace time.
+
+    config: the tail's :class:`~k3_tail.TailConfig`. axis_name: the TP axis (a name or a tuple of
+    them). tp_size: p, its size. weight_layout: "replicated" or "column". platform: the devices'
+    ``.platform`` (None: not known), which decides the form of the sums and, on "rocm", keeps adds
+    out of the GEMM. sums: how the call's sums travel (:class:`~k3_tail.ops.collectives.SumPlan`).
+    """
+
+    config: TailConfig
+    axis_name: AxisName
+    tp_size: int
+    weight_layout: str
+    platform: str | None
+    sums: SumPlan
+
+    @classmethod
+    def inside_shard_map(cls, config: TailConfig, *, axis_name: AxisName, weight_layout: str,
+                         platform: str | None) -> TailCall:
+        """The call of a tier traced inside ``jax.shard_map`` over ``axis_name``."""
+        tp_size = lax.axis_size(axis_name)
+        return cls(config, axis_name, tp_size, weight_layout, platform, config.sum_plan(tp_size, platform))
+
+    @property
+    def token_sharded(self) -> bool:
+        """Whether the tier returns this rank's rows of y (``config.sequence_parallel``) rather than all of y."""
+        return self.config.sequence_parallel
+
+    def all_reduce(self, x: jax.Array) -> jax.Array:
+        """The sum of ``x`` [T, W] over the ranks, on every rank (:func:`~k3_tail.ops.collectives.all_reduce`)."""
+        return all_reduce(x, axis_name=self.axis_name, sums=self.sums)
+
+    def reduce_scatter(self, x: jax.Array, scatter_dimension: int) -> jax.Array:
+        """This rank's block of the sum of ``x`` along ``scatter_dimension``
+        (:func:`~k3_tail.ops.collectives.reduce_scatter`)."""
+        return reduce_scatter(x, axis_name=self.axis_name, sums=self.sums, scatter_dimension=scatter_dimension)
+
+    def reduce_output(self, x: jax.Array, *, scope: str) -> jax.Array:
+        """The sum of ``x`` [T, W] in the form of this rank's output: all of it, or for token-sharded
+        output this rank's [T/p, W] rows (a reduce-scatter over tokens), under the named scope ``scope``."""
+        with jax.named_scope(scope):
+            if self.token_sharded:
+                return self.reduce_scatter(x, scatter_dimension=0)
+            return self.all_reduce(x)
+
+    def normalised_latent(self, routed_partial: jax.Array, norm_weight: jax.Array | None) -> jax.Array:
+        """``RMSNorm_g(c * psum(r))`` [T, L] in ``config.dtype``, the same on every rank.
+
+        routed_partial: this rank's [T, L] partial, or the reduced latent with
+        ``config.fused_output_is_reduced`` (then no collective). Cost: one all-reduce of T*L elements
+        and O(TL) elementwise work, which XLA fuses into the all-reduce's consumer. The norm is
+        nonlinear per row, so it must see the fully reduced latent.
+        """
+        config = self.config
+        latent = routed_partial
+        if not config.fused_output_is_reduced:
+            with jax.named_scope(LATENT_REDUCTION):
+                latent = self.all_reduce(routed_partial)
+        weight = norm_weight if config.use_latent_norm else None
+        normed = rms_norm(latent, weight, eps=config.rms_norm_eps, scale=config.routed_scaling_factor)
+        return normed.astype(config.dtype)
+
+    def project(self, latent: jax.Array, kernel: jax.Array | QuantizedKernel) -> jax.Array:
+        """latent [T, L] @ kernel [L, W] in float32 (:func:`~k3_tail.ops.up_projection.project`)."""
+        return project(latent, kernel, fp8_activations=self.config.fp8_activations)
+
+    def shared_output(self, shared_partial: jax.Array) -> jax.Array:
+        """The shared output in the form of this rank's output ([T, H], or its [T/p, H] rows): the
+        argument itself with ``config.shared_output_is_reduced``, else the sum of the partials."""
+        if self.config.shared_output_is_reduced:
+            return shared_partial
+        return self.reduce_output(shared_partial, scope=SHARED_REDUCTION)
+
+    def add_shared(self, projected: jax.Array, shared: jax.Array | None) -> jax.Array:
+        """y = projected + shared, added in float32 and rounded once to ``config.dtype`` (``projected``
+        alone when there is no shared output). On "rocm" the add never goes inside the GEMM
+        (:func:`~k3_tail.ops.up_projection.outside_gemm`)."""
+        if shared is None:
+            return projected.astype(self.config.dtype)
+        projected = outside_gemm(projected, platform=self.platform)
+        return (projected.astype(jnp.float32) + shared.astype(jnp.float32)).astype(self.config.dtype)
+
+
+class TierFunction(Protocol):
+    """A tier's per-rank function, run inside ``jax.shard_map`` over ``call.axis_name``.
+
+    Per rank, in ``call.config.dtype``: routed_partial [T, L] (the reduced latent with
+    ``fused_output_is_reduced``); shared_partial [T, H] or None (the reduced shared output with
+    ``shared_output_is_reduced``: [T, H], or this rank's [T/p, H] rows for token-sharded output);
+    norm_weight [L] or None; up_proj_kernel the whole [L, H] kernel ("replicated") or this rank's
+    [L, Hb] block of the kernel padded to p*Hb columns ("column", Hb = ceil(H / p)), either one
+    possibly a :class:`~k3_tail.QuantizedKernel`. With ``sequence_parallel`` p divides T (the entry
+    point pads). Returns y [T, H], the same on every rank, or for token-sharded output this rank's
+    [T/p, H] rows.
+    """
+
+    def __call__(self, routed_partial: jax.Array, shared_partial: jax.Array | None,
+                 norm_weight: jax.Array | None, up_proj_kernel: jax.Array | QuantizedKernel,
+                 call: TailCall) -> jax.Array: ...
