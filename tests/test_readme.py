@@ -34,3 +34,24 @@ def test_every_readme_python_block_runs_in_order():
     result = subprocess.run([sys.executable, "-c", RUNNER, repr(blocks)], cwd=ROOT, env=environment,
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
+
+
+def anchor(heading):
+    """GitHub's anchor of a Markdown heading: lower case, punctuation but hyphens dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_every_relative_link_of_the_readme_and_docs_resolves():
+    """A link to a file names one that exists, and a link to a section names a heading of that file."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    broken = []
+    for page in pages:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if re.match(r"[a-z]+:", target):
+                continue
+            path, _, section = target.partition("#")
+            linked = (page.parent / path).resolve() if path else page
+            headings = re.findall(r"^#+ (.*)$", linked.read_text(), re.MULTILINE) if linked.is_file() else []
+            if not linked.is_file() or (section and section not in map(anchor, headings)):
+                broken.append(f"{page.relative_to(ROOT)}: {target}")
+    assert not broken
