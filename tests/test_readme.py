@@ -1,0 +1,57 @@
+"""The README's Python blocks run as written: in order, in one fresh process on 8 forced CPU devices."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from helpers import FAST_COMPILE_XLA_FLAGS
+
+ROOT = Path(__file__).parent.parent
+# A fenced block opened by a line of exactly ```python; ```bash and indented shell lines are not run.
+PYTHON_BLOCK = re.compile(r"^```python\n(.*?)^```$", re.MULTILINE | re.DOTALL)
+
+# Each block is compiled under its README line number, so a traceback points at the README's own line.
+RUNNER = """
+import sys
+for line, source in eval(sys.argv[1]):
+    exec(compile("\\n" * (line - 1) + source, "README.md", "exec"), globals())
+"""
+
+
+def readme_python_blocks():
+    """(first line, source) of each ```python block of README.md, in order."""
+    text = (ROOT / "README.md").read_text()
+    return [(text.count("\n", 0, match.start(1)) + 1, match.group(1)) for match in PYTHON_BLOCK.finditer(text)]
+
+
+def test_every_readme_python_block_runs_in_order():
+    blocks = readme_python_blocks()
+    assert blocks, "README.md has no ```python block"
+    environment = {**os.environ, "JAX_PLATFORMS": "cpu",
+                   "XLA_FLAGS": f"--xla_force_host_platform_device_count=8 {FAST_COMPILE_XLA_FLAGS}"}
+    result = subprocess.run([sys.executable, "-c", RUNNER, repr(blocks)], cwd=ROOT, env=environment,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+
+
+def anchor(heading):
+    """GitHub's anchor of a Markdown heading: lower case, punctuation but hyphens dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_every_relative_link_of_the_readme_and_docs_resolves():
+    """A link to a file names one that exists, and a link to a section names a heading of that file."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    broken = []
+    for page in pages:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if re.match(r"[a-z]+:", target):
+                continue
+            path, _, section = target.partition("#")
+            linked = (page.parent / path).resolve() if path else page
+            headings = re.findall(r"^#+ (.*)$", linked.read_text(), re.MULTILINE) if linked.is_file() else []
+            if not linked.is_file() or (section and section not in map(anchor, headings)):
+                broken.append(f"{page.relative_to(ROOT)}: {target}")
+    assert not broken
