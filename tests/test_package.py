@@ -53,6 +53,36 @@ def test_import_graph_has_no_cycle():
         visit(name, [])
 
 
+# The house from the bottom up (docs/design.md, "Architecture"): a module imports only modules of its own layer
+# or of the layers below it. A module is in the layer of the longest name here that it is or lies under.
+LAYERS = (
+    ("k3_tail._checks", "k3_tail.hardware", "k3_tail.hf_config", "k3_tail.xla", "k3_tail.xla.hlo_text",
+     "k3_tail.xla.rocm_stand_ins", "k3_tail.xla.topologies"),
+    ("k3_tail.ops",),
+    ("k3_tail.config", "k3_tail.vllm_env", "k3_tail.policy"),
+    ("k3_tail.tiers",),
+    ("k3_tail.selection",),
+    ("k3_tail.checkpoint", "k3_tail.per_rank", "k3_tail.shared_reduction", "k3_tail.forward", "k3_tail.module"),
+    ("k3_tail.xla.compilation", "k3_tail.xla.report"),
+    ("k3_tail",),
+    ("k3_tail.tools",),
+    ("k3_tail.cli", "k3_tail.__main__"),
+)
+
+
+def layer_of(module):
+    owners = [(len(name), level) for level, names in enumerate(LAYERS) for name in names
+              if module == name or module.startswith(name + ".")]
+    return max(owners)[1]
+
+
+def test_no_import_runs_back_up_a_layer():
+    paths = {module_name(path): path for path in PACKAGE.rglob("*.py")}
+    upward = [f"{name} -> {target}" for name, path in sorted(paths.items())
+              for target in sorted(imported_modules(path, paths) - {name}) if layer_of(target) > layer_of(name)]
+    assert not upward
+
+
 def test_import_loads_only_the_core():
     script = "import json, sys, k3_tail; print(json.dumps(sorted(sys.modules)))"
     environment = dict(os.environ, JAX_PLATFORMS="cpu")
