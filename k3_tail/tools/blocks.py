@@ -12,9 +12,11 @@ from k3_tail.config import TailConfig
 from k3_tail.ops import collectives, norm, up_projection
 from k3_tail.ops.codecs import CODECS
 from k3_tail.ops.columns import WEIGHT_LAYOUTS
+from k3_tail.ops.up_projection import FP8_FORMATS
 
-# The weight layouts ("column", "replicated") and the all-reduce codecs ("int8", "int6", "int4").
-__all__ = ["CODEC_NAMES", "WEIGHT_LAYOUTS", "all_reduce", "gemm_rows", "project", "quantization_min_bytes",
+# The weight layouts ("column", "replicated"), the up projection's FP8 formats and the all-reduce codecs
+# ("int8", "int6", "int4").
+__all__ = ["CODEC_NAMES", "FP8_FORMATS", "WEIGHT_LAYOUTS", "all_reduce", "gemm_rows", "project", "quantization_min_bytes",
            "quantized_codec", "rms_norm"]
 CODEC_NAMES = tuple(CODECS)
 
