@@ -22,7 +22,7 @@ import os
 import re
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import IO, Any
 
 import jax
@@ -324,14 +324,16 @@ def format_ms(seconds: float) -> str:
     return f"{milliseconds:.{digits}f}"
 
 
-def quartiles_ms(timing: Timing) -> str:
-    """"q25-q75" of ``timing`` in milliseconds."""
-    return f"{format_ms(timing.q25_s)}-{format_ms(timing.q75_s)}"
+def quartiles_ms(timing: Timing | Mapping[str, float]) -> str:
+    """"q25-q75" in milliseconds of a :class:`Timing` or of a row holding its fields."""
+    fields = timing if isinstance(timing, Mapping) else vars(timing)
+    return f"{format_ms(fields['q25_s'])}-{format_ms(fields['q75_s'])}"
 
 
-def spread_ms(timing: Timing) -> str:
-    """"median (q25-q75)" of ``timing`` in milliseconds."""
-    return f"{format_ms(timing.median_s)} ({quartiles_ms(timing)})"
+def spread_ms(timing: Timing | Mapping[str, float]) -> str:
+    """"median (q25-q75)" in milliseconds of a :class:`Timing` or of a row holding its fields."""
+    fields = timing if isinstance(timing, Mapping) else vars(timing)
+    return f"{format_ms(fields['median_s'])} ({quartiles_ms(fields)})"
 
 
 # A column of format_table: (title, format spec of its cells such as ">9.2f" or "<16", the cell's value).
