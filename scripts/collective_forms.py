@@ -113,7 +113,7 @@ def measure_buffer(mesh, rows: int, width: int, dtype_name: str, args, key) -> d
                            results[name], results[as_is if form == QUANTIZED else f"{ALL_REDUCE} moved {moved}"])})}
                 for name, form, moved, _ in timed}
     del results, reference
-    times = time_round_robin({name: lambda e=executable: e(x) for name, executable in executables.items()},
+    times = time_round_robin({name: lambda e=executable, x=x: e(x) for name, executable in executables.items()},
                              rounds=args.repeats)
     del x, executables
     gc.collect()
@@ -240,7 +240,8 @@ def main(argv: list[str] | None = None) -> int:
         help=f"buffer dtypes among {', '.join(DTYPES)} (default: bfloat16,float32); those narrower than float32 are "
         "also timed cast to float32 around the collective")
     add("--quantized", type=choice_list(CODEC_NAMES, "codecs"), default=(), metavar="C,C,...",
-        help=f"also time the tail's quantised two-shot sum with each codec among {', '.join(CODEC_NAMES)} (default: none)")
+        help=f"also time the tail's quantised two-shot sum with each codec among {', '.join(CODEC_NAMES)} "
+        "(default: none)")
     add("--margin", type=float, default=0.10,
         help="summary: RS+AG counts as faster when its ratio to all-reduce is below 1 - margin (default: 0.10)")
     args = experiment.parse(argv)
@@ -271,7 +272,8 @@ def main(argv: list[str] | None = None) -> int:
                      "max over buffers of max |form - float64 sum| / max |float64 sum|, per buffer dtype and form:",
                      *(f"  {label}: {value:.1e}" for label, value in worst.items()))
     if not all(buffer["hlo_as_expected"] for buffer in buffers):
-        experiment.print("warning: some compiled programs do not hold the expected collectives (HLO! rows; see hlo_ops)")
+        experiment.print("warning: some compiled programs do not hold the expected collectives (HLO! rows; see "
+                         "hlo_ops)")
     return experiment.finish(summary=thresholds, buffers=buffers)
 
 

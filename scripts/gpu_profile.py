@@ -154,7 +154,8 @@ def choose_hardware(requested: str | None, device: jax.Device) -> tuple[Hardware
         raise ValueError(f"--hardware: no preset for device kind {device.device_kind!r}; give one of "
                          f"{', '.join(sorted(HARDWARE))}")
     if device.platform == "cpu":
-        return HARDWARE[requested], f"the {requested} preset's peaks against the CPU: the fractions are meaningless here"
+        return HARDWARE[requested], (f"the {requested} preset's peaks against the CPU: the fractions are meaningless "
+                                     "here")
     if detected is not None and detected != requested:
         return HARDWARE[requested], (f"--hardware {requested} on a {device.device_kind!r} device (its preset would be "
                                      f"{detected})")

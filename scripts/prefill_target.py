@@ -48,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
                     tail_forward, routed, shared, *weights[layout], config=config, mesh=mesh, tier=tier,
                     weight_layout=layout)
             seconds = time_round_robin(calls, rounds=args.repeats,
-                                       on_progress=lambda message: progress(f"T={num_tokens} {output}: {message}"))
+                                       on_progress=lambda message, where=f"T={num_tokens} {output}": progress(
+                                           f"{where}: {message}"))
             baseline = Timing.of(seconds[BASELINE]).median_s
             rows += [{"num_tokens": num_tokens, "output": output, "tier": tier, "weight_layout": layout,
                       "all_reduce_form": form, "timing": Timing.of(runs),

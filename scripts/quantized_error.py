@@ -48,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     add = experiment.parser.add_argument
     add("--tokens", type=positive_int_list, default=DEFAULT_TOKENS, metavar="T,T,...",
         help=f"token counts (default: {','.join(map(str, DEFAULT_TOKENS))})")
-    add("--tiers", type=tier_list, default=None, metavar="TIER,...", help="tiers, comma-separated (default: every tier)")
+    add("--tiers", type=tier_list, default=None, metavar="TIER,...",
+        help="tiers, comma-separated (default: every tier)")
     add("--codecs", type=choice_list(CODEC_CHOICES, "codecs"), default=CODEC_CHOICES, metavar="C,C,...",
         help=f"among {', '.join(CODEC_CHOICES)} ({BASELINE}: unquantised sums, the ratios' baseline; default: all)")
     add("--large-tokens", type=positive_int, default=8192, metavar="T",

@@ -16,8 +16,8 @@ from k3_tail.ops.up_projection import FP8_FORMATS
 
 # The weight layouts ("column", "replicated"), the up projection's FP8 formats and the all-reduce codecs
 # ("int8", "int6", "int4").
-__all__ = ["CODEC_NAMES", "FP8_FORMATS", "WEIGHT_LAYOUTS", "all_reduce", "gemm_rows", "project", "quantization_min_bytes",
-           "quantized_codec", "rms_norm"]
+__all__ = ["CODEC_NAMES", "FP8_FORMATS", "WEIGHT_LAYOUTS", "all_reduce", "gemm_rows", "project",
+           "quantization_min_bytes", "quantized_codec", "rms_norm"]
 CODEC_NAMES = tuple(CODECS)
 
 
