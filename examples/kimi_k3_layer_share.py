@@ -314,7 +314,7 @@ def format_h100(config: LayerConfig, rows: list[dict[str, Any]], args) -> str:
     lines += grouped_by_token_count(rows, line)
     lines += ["up projection inside: the share of the tier's up-projection FLOPs scheduled between the shared",
               "reduction's start and done; overlapped: async, with all of it inside. useful GEMM FLOPs: the layer's",
-              "(examples/kimi_k3_moe_cost.py)"]
+              "(k3_tail.tools.layer_cost)"]
     return "\n".join(lines)
 
 
@@ -362,7 +362,7 @@ def format_cost(config: LayerConfig, rows: list[dict[str, Any]], args) -> str:
                      f"{row['compiled_gemm_flops'] / row['useful_flops']:>7.2f}x{row['bytes_accessed'] / 1e9:>13.2f}"
                      f"{row['temp_bytes'] / 1e6:>11,.1f}{row['temp_bytes'] / row['routed_weight_bytes_read']:>27.2f}x")
     lines += ["GEMM FLOPs from the HLO shapes (a while loop's body once; the gather method's multiply + reduce",
-              "fusions are not GEMMs); GB accessed: xla_report's HLO-shape estimate (a gathering fusion counts its",
+              "fusions are not GEMMs); GB accessed: the XLA report's HLO-shape estimate (a gathering fusion counts its",
               "whole weight operand); routed weights read: 3 L m/p bf16 per expected distinct expert"]
     return "\n".join(lines)
 

@@ -66,14 +66,13 @@ from k3_tail.tiers.registry import TIER_RECORDS
 from k3_tail.tools.benchmark import config_dict, default_token_counts, time_runs
 from k3_tail.tools.blocks import WEIGHT_LAYOUTS, rms_norm
 from k3_tail.tools.experiment import (
-    Experiment, ProgressBar, announce_machine, format_ms, format_table, positive_int, positive_int_list, progress,
-    quartiles_ms, use_cpu_without_gpu,
+    Experiment, ProgressBar, add_shape_arguments, announce_machine, format_ms, format_table, positive_int,
+    positive_int_list, progress, quartiles_ms, use_cpu_without_gpu,
 )
 
 DEFAULT_TP_SIZES = (4, 8)
 GPU_REPEATS = 20
 CPU_REPEATS = 5
-CONFIG_DTYPES = ("bfloat16", "float16", "float32")
 # Device kinds (a device's ``.device_kind``, upper-cased) that name a cost-model preset, by substring.
 DEVICE_KIND_PRESETS = (("MI300X", "mi300x"), ("MI325X", "mi325x"), ("MI355X", "mi355x"), ("H200", "h200"))
 
@@ -206,14 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         help=f"timed runs per case (default: {GPU_REPEATS} on a GPU, {CPU_REPEATS} on the CPU)")
     add("--hardware", type=str.lower, choices=sorted(HARDWARE),
         help="cost-model preset whose peaks to compare with (default: from the device kind)")
-    kimi = TailConfig.kimi_k3()
-    shapes = experiment.parser.add_argument_group("config (default: Kimi-K3)")
-    shapes.add_argument("--hidden-size", type=positive_int, default=kimi.hidden_size, metavar="H",
-                        help=f"hidden size H (default: {kimi.hidden_size})")
-    shapes.add_argument("--latent-size", type=positive_int, default=kimi.latent_size, metavar="L",
-                        help=f"latent size L (default: {kimi.latent_size})")
-    shapes.add_argument("--dtype", choices=CONFIG_DTYPES, default=kimi.dtype.name,
-                        help=f"activation and weight dtype (default: {kimi.dtype.name})")
+    add_shape_arguments(experiment.parser.add_argument_group("config (default: Kimi-K3)"))
     args = experiment.parse(argv)
 
     use_cpu_without_gpu()

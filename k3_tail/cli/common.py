@@ -33,6 +33,7 @@ from k3_tail.tools.experiment import (  # the harness's, also for the commands t
     MAX_CPU_DEVICES as MAX_CPU_DEVICES,
     CommandError as CommandError,
     ProgressBar,
+    add_shape_arguments,
     cpu_device_count,
     demo_devices as demo_devices,
     format_ms,
@@ -51,7 +52,6 @@ PROG = "k3-tail"
 
 DEFAULT_REPEATS = 5
 DEFAULT_SEED = 0
-CONFIG_DTYPES = ("bfloat16", "float16", "float32")
 
 
 # ---- argument types and flags ----
@@ -170,18 +170,6 @@ def all_reduce_quantization_options(args: argparse.Namespace) -> dict[str, objec
         raise CommandError("--quantized-all-reduce-min-bytes: needs --all-reduce-quantization (one of "
                            + ", ".join(name for name in QUANTIZATION_CHOICES if name != "none") + ")")
     return {"all_reduce_quantization": codec, "quantized_all_reduce_min_bytes": args.quantized_all_reduce_min_bytes}
-
-
-def add_shape_arguments(group: argparse._ArgumentGroup) -> argparse._ArgumentGroup:
-    """``--hidden-size``, ``--latent-size`` and ``--dtype`` (Kimi-K3's by default) on ``group``; returns it."""
-    kimi = TailConfig.kimi_k3()
-    group.add_argument("--hidden-size", type=positive_int, default=kimi.hidden_size, metavar="H",
-                       help=f"hidden size H (default: {kimi.hidden_size})")
-    group.add_argument("--latent-size", type=positive_int, default=kimi.latent_size, metavar="L",
-                       help=f"latent size L (default: {kimi.latent_size})")
-    group.add_argument("--dtype", choices=CONFIG_DTYPES, default=kimi.dtype.name,
-                       help=f"activation and weight dtype (default: {kimi.dtype.name})")
-    return group
 
 
 def measurement_config(args: argparse.Namespace) -> TailConfig:

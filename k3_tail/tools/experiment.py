@@ -29,6 +29,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from k3_tail.config import TailConfig
 from k3_tail.tiers.registry import Tier
 from k3_tail.tools.benchmark import Timing, machine_info
 
@@ -36,6 +37,7 @@ AXIS_NAME = "tp"
 DEFAULT_CPU_DEVICES = 8
 MAX_CPU_DEVICES = 512
 SEED_LIMIT = 2**32
+CONFIG_DTYPES = ("bfloat16", "float16", "float32")
 # Device nodes whose presence means a GPU backend can start (CUDA, ROCm).
 GPU_DEVICE_NODES = ("/dev/nvidiactl", "/dev/kfd")
 
@@ -174,6 +176,19 @@ def tier_list(text: str) -> tuple[Tier, ...]:
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected tiers among {tier_values()}, got {item.strip()!r}") from None
     return tuple(tiers)
+
+
+def add_shape_arguments(group: argparse._ArgumentGroup) -> argparse._ArgumentGroup:
+    """``--hidden-size``, ``--latent-size`` and ``--dtype`` (Kimi-K3's by default) on ``group``; returns it."""
+    kimi = TailConfig.kimi_k3()
+    group.add_argument("--hidden-size", type=positive_int, default=kimi.hidden_size, metavar="H",
+                       help=f"hidden size H (default: {kimi.hidden_size})")
+    group.add_argument("--latent-size", type=positive_int, default=kimi.latent_size, metavar="L",
+                       help=f"latent size L (default: {kimi.latent_size})")
+    group.add_argument("--dtype", choices=CONFIG_DTYPES, default=kimi.dtype.name,
+                       help=f"activation and weight dtype (default: {kimi.dtype.name})")
+    return group
+
 
 
 # ---- the experiment ----

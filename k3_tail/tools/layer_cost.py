@@ -44,8 +44,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax.numpy as jnp
-
 from k3_tail.config import TailConfig
 from k3_tail.ops.tokens import padded_token_count
 from k3_tail.selection import cost_model
@@ -73,18 +71,6 @@ class MoELayerSizes:
         tail = dataclasses.replace(self.tail, shared_output_is_reduced=self.early_shared_reduction)
         object.__setattr__(self, "tail", tail)
 
-    @property
-    def hidden_size(self) -> int:
-        return self.tail.hidden_size
-
-    @property
-    def latent_size(self) -> int:
-        return self.tail.latent_size
-
-    @property
-    def dtype(self) -> jnp.dtype:
-        return self.tail.dtype
-
 
 @dataclasses.dataclass(frozen=True)
 class KernelCost:
@@ -108,9 +94,9 @@ def experts_read(config: MoELayerSizes, num_tokens: int) -> float:
 def layer_kernels(config: MoELayerSizes, num_tokens: int, tp_size: int, *,
                   expert_weight_bytes: float | None = None) -> tuple[KernelCost, ...]:
     """The per-rank cost of every kernel before the tail (the module docstring's table)."""
-    t, h, lat, e, k = num_tokens, config.hidden_size, config.latent_size, config.num_experts, config.top_k
+    t, h, lat, e, k = num_tokens, config.tail.hidden_size, config.tail.latent_size, config.num_experts, config.top_k
     m, f = config.expert_intermediate_size / tp_size, config.shared_intermediate_size / tp_size
-    d = config.dtype.itemsize
+    d = config.tail.dtype.itemsize
     d_e = d if expert_weight_bytes is None else expert_weight_bytes
     rows = gemm_rows(t)  # the rows the router, down projection and shared experts multiply
     return (
@@ -172,11 +158,11 @@ def shared_reduction(config: MoELayerSizes, num_tokens: int, tp_size: int) -> co
     """The early shared reduction as ````k3_tail.reduce_shared```` issues it, per rank: AR(T*H), or for
     sequence-parallel output a reduce-scatter over tokens of the T'-row padded partial; quantised
     where the tail config's quantisation window holds it."""
-    element = config.dtype.itemsize
+    element = config.tail.dtype.itemsize
     kind, rows = cost_model.ALL_REDUCE, num_tokens
     if config.tail.sequence_parallel:
         kind, rows = cost_model.REDUCE_SCATTER, padded_token_count(num_tokens, tp_size)
-    nbytes = element * rows * config.hidden_size
+    nbytes = element * rows * config.tail.hidden_size
     return cost_model.CollectiveCost(kind, nbytes, tp_size, codec=quantized_codec(config.tail, nbytes, tp_size),
                                      element_bytes=element)
 
