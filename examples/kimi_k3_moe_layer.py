@@ -77,10 +77,15 @@ from jax.sharding import PartitionSpec as P
 
 import k3_tail
 from examples.kimi_k3_gemm import matmul
+from k3_tail.tools.blocks import WEIGHT_LAYOUTS
+from k3_tail.tools.layer_cost import MoELayerSizes
+from k3_tail.xla.compilation import compiler_options
 from examples.kimi_k3_routed_experts import ROUTED_EXPERTS, routed_expert_method
 from examples.kimi_k3_situ import situ
 
 KIMI_K3_NUM_EXPERTS, KIMI_K3_TOP_K = 896, 16
+# The parameters that hold the routed experts' weights (what k3_tail.tools.layer_schedule traces).
+ROUTED_EXPERT_WEIGHTS = ("expert_gate", "expert_up", "expert_down")
 KIMI_K3_EXPERT_INTERMEDIATE_SIZE, KIMI_K3_SHARED_INTERMEDIATE_SIZE = 3072, 6144
 # The stand-in checkpoint's correction bias and norm scale: spread enough that the bias changes some
 # top-k choices and the scale is not all ones, as in a trained layer.
@@ -162,6 +167,12 @@ class LayerConfig:
                    early_shared_reduction=early_shared_reduction)
 
     @property
+    def sizes(self) -> MoELayerSizes:
+        """The layer's sizes, as the cost tools take them (:mod:`k3_tail.tools.layer_cost`)."""
+        return MoELayerSizes(self.tail, self.num_experts, self.top_k, self.expert_intermediate_size,
+                             self.shared_intermediate_size, self.early_shared_reduction)
+
+    @property
     def hidden_size(self) -> int:
         return self.tail.hidden_size
 
@@ -232,7 +243,7 @@ def partition_specs(config: LayerConfig, tp_size: int, *, axis_name: str = "tp",
     if weight_layout == "column":
         splits["hidden_size"] = config.hidden_size
     elif weight_layout != "replicated":
-        raise ValueError(f"weight_layout: expected one of {k3_tail.WEIGHT_LAYOUTS}, got {weight_layout!r}")
+        raise ValueError(f"weight_layout: expected one of {WEIGHT_LAYOUTS}, got {weight_layout!r}")
     for name, width in splits.items():
         if width % tp_size:
             raise ValueError(f"{name}: expected a multiple of the TP size {tp_size}, got {width}")
@@ -382,12 +393,12 @@ def layer_compiler_options(config: LayerConfig, mesh: Mesh, num_tokens: int, *, 
                            weight_layout: str = "replicated", tier: k3_tail.Tier | str | None = None) -> dict[str, Any]:
     """The per-executable XLA options of a :func:`layer_forward` compile for T tokens on ``mesh``: those of the
     tail tier the call takes (``tier``, or the one ``k3_tail.select_tier`` picks for the mesh's devices, as the
-    tail does; ``k3_tail.compiler_options``) and, on a GPU, :data:`GPU_COMPILER_OPTIONS`."""
+    tail does; ``k3_tail.xla.compilation.compiler_options``) and, on a GPU, :data:`GPU_COMPILER_OPTIONS`."""
     device = mesh.devices.flat[0]
     if tier is None:
         tier = k3_tail.select_tier(config.tail, num_tokens, mesh.shape[axis_name], weight_layout=weight_layout,
                                    device_kind=device.device_kind, platform=device.platform).tier
-    options = dict(k3_tail.compiler_options(tier, device.platform))
+    options = dict(compiler_options(tier, device.platform))
     if device.platform == "gpu":
         options.update(GPU_COMPILER_OPTIONS)
     return options

@@ -8,20 +8,17 @@ tiers' crossovers with int4 sums next to bf16's. A quantised all-reduce moves b/
 but pays a second collective latency and three memory-bound codec passes
 (:mod:`k3_tail.selection.cost_model`), so it loses at decode and wins at prefill.
 
-    python scripts/quantized_gain.py [--tokens 1 16 256 1024 2048 8192] [--json gains.json]
+    python scripts/quantized_gain.py [--tokens 1,16,256,1024,2048,8192] [--json gains.json]
 
 Pure arithmetic: it runs in seconds and needs no device.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-
 from k3_tail import TailConfig
-from k3_tail.cli.common import positive_int_list
 from k3_tail.selection import cost_model
-from k3_tail.ops.codecs import CODECS
+from k3_tail.tools.blocks import CODEC_NAMES
+from k3_tail.tools.experiment import Experiment, markdown_table, positive_int_list
 
 PRESETS = ("mi355x", "mi300x", "h200")
 TP_SIZE = 8
@@ -66,40 +63,37 @@ def lasting(changes: tuple[cost_model.Crossover, ...]) -> list[cost_model.Crosso
     return kept
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tokens", type=positive_int_list, default=[1, 16, 256, 1024, 2048, 8192], metavar="T",
-                        help="token counts (default: 1 16 256 1024 2048 8192)")
-    parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
-    args = parser.parse_args()
-
-    rows = []
-    print(f"fastest tier's predicted gain over bf16 sums, TP{TP_SIZE}, Kimi-K3, {LAYOUT} kernel (%)\n")
-    print("| GPU | codec | sums | " + " | ".join(f"T={t}" for t in args.tokens) + " | break-even T |")
-    print("| --- | --- | --- | " + " | ".join("---" for _ in args.tokens) + " | --- |")
+def main(argv: list[str] | None = None) -> int:
+    experiment = Experiment(__doc__, devices=False)
+    experiment.parser.add_argument("--tokens", type=positive_int_list, default=(1, 16, 256, 1024, 2048, 8192),
+                                   metavar="T,T,...", help="token counts (default: 1,16,256,1024,2048,8192)")
+    args = experiment.parse(argv)
+    gains, table = [], []
     for hardware in PRESETS:
-        for codec in CODECS:
+        for codec in CODEC_NAMES:
             for window, minimum in WINDOWS.items():
-                gains = [gain(codec, minimum, t, hardware) for t in args.tokens]
+                values = [gain(codec, minimum, t, hardware) for t in args.tokens]
                 even = break_even(codec, hardware) if minimum == 0 else None
-                rows.append({"hardware": hardware, "codec": codec, "sums": window, "tokens": args.tokens,
-                             "gain": gains, "break_even_tokens": even})
-                cells = " | ".join(f"{100 * g:+.1f}" for g in gains)
-                print(f"| {hardware} | {codec} | {window} | {cells} | {'-' if minimum is None else even} |")
-    print("\ntier crossovers (from T on, `after` is fastest; changes undone within p tokens, where token_parallel's\n"
-          "rows round up to a multiple of p, left out), bf16 sums vs int4 with vLLM's minimum:")
+                gains.append({"hardware": hardware, "codec": codec, "sums": window, "tokens": args.tokens,
+                              "gain": values, "break_even_tokens": even})
+                table.append([hardware, codec, window, *(f"{100 * g:+.1f}" for g in values),
+                              "-" if minimum is None else even])
+    experiment.print(f"fastest tier's predicted gain over bf16 sums, TP{TP_SIZE}, Kimi-K3, {LAYOUT} kernel (%)", "",
+                     markdown_table(["GPU", "codec", "sums", *(f"T={t}" for t in args.tokens), "break-even T"], table),
+                     "", "tier crossovers (from T on, `after` is fastest; changes undone within p tokens, where "
+                     "token_parallel's", "rows round up to a multiple of p, left out), bf16 sums vs int4 with vLLM's "
+                     "minimum:")
+    crossovers = []
     for hardware in PRESETS:
         for label, codec in (("bf16", None), ("int4", "int4")):
             config = TailConfig.kimi_k3(all_reduce_quantization=codec)
             changes = lasting(cost_model.crossovers(config, TP_SIZE, hardware=hardware, weight_layout=LAYOUT))
             text = ", ".join(f"{c.before.value} -> {c.after.value} at {c.num_tokens}" for c in changes) or "none"
-            print(f"  {hardware} {label}: {text}")
-            rows.append({"hardware": hardware, "crossovers": label,
-                         "changes": [[c.num_tokens, c.before.value, c.after.value] for c in changes]})
-    if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(rows, handle, indent=1)
+            experiment.print(f"  {hardware} {label}: {text}")
+            crossovers.append({"hardware": hardware, "crossovers": label,
+                               "changes": [[c.num_tokens, c.before.value, c.after.value] for c in changes]})
+    return experiment.finish(gains=gains, crossovers=crossovers)
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -41,7 +41,9 @@ import jax
 import numpy as np
 
 import k3_tail
-from k3_tail.cli.common import random_seed
+from k3_tail.tools.accuracy import random_partials, random_weights, reference_tail, relative_error
+from k3_tail.tools.blocks import WEIGHT_LAYOUTS
+from k3_tail.tools.experiment import positive_int, positive_int_list, random_seed
 from k3_tail.tools.multiprocess import CoordinatorError, initialize, split_address
 
 LOCAL_HOST = "127.0.0.1"
@@ -97,7 +99,7 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
         "--dtype", choices=sorted(TOLERANCE), default="bfloat16", help="activation dtype (default: bfloat16)"
     )
     parser.add_argument(
-        "--tokens", type=token_counts, default=DEFAULT_TOKENS, metavar="T,T,...",
+        "--tokens", type=positive_int_list, default=DEFAULT_TOKENS, metavar="T,T,...",
         help=f"token counts (default: {','.join(map(str, DEFAULT_TOKENS))})",
     )
     parser.add_argument(
@@ -131,13 +133,6 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def positive_int(text: str) -> int:
-    """``text`` as an integer >= 1 (argparse type)."""
-    if not text.strip().isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return int(text)
-
-
 def coordinator_address(text: str) -> str:
     """``text`` if it is HOST:PORT with a port in 1..65535 (argparse type)."""
     try:
@@ -147,11 +142,6 @@ def coordinator_address(text: str) -> str:
             f"expected HOST:PORT with a port in 1..65535 (an IPv6 host in brackets), got {text!r}"
         ) from None
     return text
-
-
-def token_counts(text: str) -> tuple[int, ...]:
-    """A comma-separated list of token counts, each >= 1 (argparse type)."""
-    return tuple(positive_int(item) for item in text.split(","))
 
 
 def run_local(args: argparse.Namespace) -> int:
@@ -220,11 +210,14 @@ def run_process(args: argparse.Namespace) -> int:
 
     failures = 0
     for num_tokens in args.tokens:
-        routed, shared, norm_weight, kernel = random_inputs(config, tp_size, num_tokens, args.seed)
+        # Drawn from the seed and T alone, so every process holds the same values.
+        rng = np.random.default_rng([args.seed, num_tokens])
+        routed, shared = random_partials(config, tp_size, num_tokens, rng)
+        norm_weight, kernel = random_weights(config, rng)
         expected = reference_tail(config, routed, shared, norm_weight, kernel)
         picked = k3_tail.select_tier(config, num_tokens, tp_size)
         show(f"T={num_tokens} (select_tier picks {picked})")
-        for tier, weight_layout in itertools.product(k3_tail.Tier, k3_tail.WEIGHT_LAYOUTS):
+        for tier, weight_layout in itertools.product(k3_tail.Tier, WEIGHT_LAYOUTS):
             if not tier.supports(weight_layout):
                 continue
             y = k3_tail.tail_forward(
@@ -245,36 +238,6 @@ def show(line: str) -> None:
     """Print ``line`` on process 0 only: every process holds the same results."""
     if jax.process_index() == 0:
         print(line, flush=True)
-
-
-def random_inputs(config, tp_size: int, num_tokens: int, seed: int) -> tuple[np.ndarray, ...]:
-    """routed [p, T, L], shared [p, T, H], norm weight [L], kernel [L, H] in the config's dtype.
-
-    Drawn from ``seed`` alone, so every process holds the same values. Routed and shared term each
-    carry about half of y, so dropping either would show.
-    """
-    rng = np.random.default_rng([seed, num_tokens])
-    latent, hidden = config.latent_size, config.hidden_size
-    arrays = (
-        rng.standard_normal((tp_size, num_tokens, latent), dtype=np.float32) / np.sqrt(tp_size),
-        rng.standard_normal((tp_size, num_tokens, hidden), dtype=np.float32) / np.sqrt(tp_size),
-        1 + 0.1 * rng.standard_normal(latent, dtype=np.float32),
-        rng.standard_normal((latent, hidden), dtype=np.float32) / np.sqrt(latent),
-    )
-    return tuple(x.astype(config.dtype) for x in arrays)
-
-
-def reference_tail(config, routed, shared, norm_weight, kernel) -> np.ndarray:
-    """y = RMSNorm_g(c * sum_i r_i) @ W + sum_i s_i in float64: [T, H]."""
-    latent = config.routed_scaling_factor * routed.astype(np.float64).sum(axis=0)
-    latent = latent / np.sqrt(np.mean(latent * latent, axis=-1, keepdims=True) + config.rms_norm_eps)
-    latent = latent * norm_weight.astype(np.float64)
-    return latent @ kernel.astype(np.float64) + shared.astype(np.float64).sum(axis=0)
-
-
-def relative_error(actual: np.ndarray, expected: np.ndarray) -> float:
-    """||actual - expected||_F / ||expected||_F."""
-    return float(np.linalg.norm(actual.astype(np.float64) - expected) / np.linalg.norm(expected))
 
 
 if __name__ == "__main__":

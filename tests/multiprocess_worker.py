@@ -29,6 +29,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import k3_tail
+from k3_tail.tools.blocks import WEIGHT_LAYOUTS
 from k3_tail.tools.multiprocess import initialize
 from reference import make_inputs, reference_tail, relative_error  # tests/ is on sys.path: the script's directory
 
@@ -60,7 +61,7 @@ class Case:
 
 
 TIERS_AND_LAYOUTS = tuple(
-    (tier, layout) for tier, layout in itertools.product(k3_tail.Tier, k3_tail.WEIGHT_LAYOUTS) if tier.supports(layout)
+    (tier, layout) for tier, layout in itertools.product(k3_tail.Tier, WEIGHT_LAYOUTS) if tier.supports(layout)
 )
 # T = 5 and H = 99 divide by no TP size > 1 (the column tiers pad H). The sizes alternate with the
 # dtype and the input kind rather than multiply: each case costs a compilation in both processes,

@@ -17,7 +17,7 @@ from helpers import command_environment, make_tp_mesh, once_per_session
 
 from k3_tail import TailConfig, Tier
 from k3_tail.cli import main
-from k3_tail.cli.common import ProgressBar
+from k3_tail.tools.experiment import ProgressBar
 from k3_tail.tools.benchmark import (
     Measurement, Timing, check_tiers, default_token_counts, local_gemm_columns, measure_local_gemm, measure_tiers,
     token_ladder,

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from helpers import command_environment
-from k3_tail import WEIGHT_LAYOUTS, Tier
+from k3_tail import Tier
+from k3_tail.tools.blocks import WEIGHT_LAYOUTS
 from k3_tail.hardware import HARDWARE
 
 SCRIPT = Path(__file__).parent.parent / "scripts" / "gpu_profile.py"

@@ -36,11 +36,12 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import covering
 import k3_tail
-from examples import kimi_k3_moe_cost as layer_cost
 from examples import kimi_k3_moe_layer as layer_module
 from examples.kimi_k3_gemm import matmul
 from examples.kimi_k3_routed_experts import ROUTED_EXPERTS, routed_expert_method
 from examples.kimi_k3_moe_reference import choice_margin, reference_layer, reference_partials
+from k3_tail.selection import cost_model
+from k3_tail.tools import layer_cost
 from helpers import FAST_COMPILE_OPTIONS, make_tp_mesh
 from reference import TOLERANCE, relative_error, tolerance
 
@@ -341,34 +342,34 @@ def test_the_layer_product_is_the_float32_matrix_product(a_shape, b_shape):
 @pytest.mark.parametrize(("num_tokens", "expected_experts"), [(1, 16), (1 << 20, 896)])
 def test_the_cost_model_reads_each_chosen_expert_once(num_tokens, expected_experts):
     kimi = layer_module.LayerConfig.kimi_k3(num_experts=896, top_k=16)
-    assert layer_cost.experts_read(kimi, num_tokens) == pytest.approx(expected_experts)
+    assert layer_cost.experts_read(kimi.sizes, num_tokens) == pytest.approx(expected_experts)
 
 
 def test_a_tiers_predicted_layer_gain_is_the_tail_time_it_saves_over_the_native_layer():
     kimi = layer_module.LayerConfig.kimi_k3(num_experts=896, top_k=16)
-    tails = {tier: k3_tail.cost_model.predict_time(k3_tail.cost_model.tier_cost(kimi.tail, 64, 8, tier=tier),
+    tails = {tier: cost_model.predict_time(cost_model.tier_cost(kimi.tail, 64, 8, tier=tier),
                                                    "mi355x").total_s for tier in ("native", "overlap")}
-    native = layer_cost.predict_layer(kimi, 64, 8, tier="native", hardware="mi355x")
+    native = layer_cost.predict_layer(kimi.sizes, 64, 8, tier="native", hardware="mi355x")
     assert native.tail_s == tails["native"]
-    gain = layer_cost.layer_gain(kimi, 64, 8, tier="overlap", hardware="mi355x")
+    gain = layer_cost.layer_gain(kimi.sizes, 64, 8, tier="overlap", hardware="mi355x")
     assert gain == pytest.approx((tails["native"] - tails["overlap"]) / native.total_s)
 
 
-SLOW_LINK_H200 = dataclasses.replace(k3_tail.cost_model.HARDWARE["h200"], name="h200, 1 GB/s links",
+SLOW_LINK_H200 = dataclasses.replace(cost_model.HARDWARE["h200"], name="h200, 1 GB/s links",
                                      link_bytes_per_s=1e9)
 
 
-@pytest.mark.parametrize(("hardware", "exposed"), [(k3_tail.cost_model.HARDWARE["h200"], False),
+@pytest.mark.parametrize(("hardware", "exposed"), [(cost_model.HARDWARE["h200"], False),
                                                    (SLOW_LINK_H200, True)], ids=["h200", "slow-links"])
 def test_the_early_shared_reduction_is_predicted_to_expose_only_what_the_routed_work_does_not_hide(hardware, exposed):
     """Native's tail without its shared all-reduce, plus what of that all-reduce outlasts the router, the down
     projection and the routed experts (at T = 8192 on an H200 nothing: the routed work is longer)."""
     early, late = (layer_module.LayerConfig.kimi_k3(num_experts=896, top_k=16, early_shared_reduction=flag)
                    for flag in (True, False))
-    predictions = [layer_cost.predict_layer(config, 8192, 8, tier="native", hardware=hardware)
+    predictions = [layer_cost.predict_layer(config.sizes, 8192, 8, tier="native", hardware=hardware)
                    for config in (early, late)]
-    reduction_s = layer_cost.shared_reduction(early, 8192, 8).seconds(hardware)
-    routed_s = sum(kernel.seconds(hardware) for kernel in layer_cost.layer_kernels(early, 8192, 8)
+    reduction_s = layer_cost.shared_reduction(early.sizes, 8192, 8).seconds(hardware)
+    routed_s = sum(kernel.seconds(hardware) for kernel in layer_cost.layer_kernels(early.sizes, 8192, 8)
                    if kernel.name != "shared experts")
     assert predictions[0].shared_exposed_s == max(0.0, reduction_s - routed_s)
     assert (predictions[0].shared_exposed_s > 0) is exposed
@@ -380,7 +381,7 @@ def test_a_quantised_early_shared_reduction_is_priced_quantised():
     """With int4 sums the early reduction of T = 8192 (112 MiB) travels quantised; at T = 16 (0.2 MiB, below
     vLLM's 2 MiB minimum) it stays bf16."""
     config = layer_module.LayerConfig.kimi_k3(num_experts=896, top_k=16, all_reduce_quantization="int4")
-    assert [layer_cost.shared_reduction(config, tokens, 8).codec for tokens in (16, 8192)] == [None, "int4"]
+    assert [layer_cost.shared_reduction(config.sizes, tokens, 8).codec for tokens in (16, 8192)] == [None, "int4"]
 
 
 @pytest.mark.parametrize(

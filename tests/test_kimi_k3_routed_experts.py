@@ -12,14 +12,14 @@ Cost: the whole layer at Kimi-K3's shapes (896 experts, top 16, bf16, the tail t
 compiled once per topology and T for a deviceless GPU topology (``helpers.gpu_mesh_for``: 8 x H100 with the
 ``[aot]`` extra, 8 x MI300X and 8 x MI355X with the ``[rocm-aot]`` one; each skipped where it cannot
 compile). Prefill (T = 256, 2048, 8192; H100): GEMM FLOPs per device at most 1.5 times the layer's useful
-FLOPs (examples/kimi_k3_moe_cost.py and the tier's up projection) and temp memory at most 8 GB. Decode
+FLOPs (k3_tail.tools.layer_cost and the tier's up projection) and temp memory at most 8 GB. Decode
 (T = 1, 16; every topology): temp memory at most a quarter of the routed-expert weight bytes the step
 reads, so no copy of the gathered weight blocks, nor a float32 copy of a one-row product's kernel
 (examples/kimi_k3_gemm.py), exists.
 
 Schedule: in the same programs (the layer's default ``early_shared_reduction=True``), the shared reduction is an
 async pair that starts before any routed-expert weight is read and waits only after the last routed-expert
-instruction (examples/kimi_k3_layer_schedule.py), at T = 1, 16, 256 and 2048 on every topology (2048: where jax
+instruction (k3_tail.tools.layer_schedule), at T = 1, 16, 256 and 2048 on every topology (2048: where jax
 0.10.2's ROCm pipeline, without the latency-hiding scheduler the layer asks for, started it after all routed
 work); at 16 the start is known to miss where XLA's latency-hiding scheduler starts it after the first
 routed-expert fusion (H100, and MI300X / MI355X from jax 0.12).
@@ -35,11 +35,11 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import k3_tail
-from examples import kimi_k3_moe_cost as layer_cost
 from examples import kimi_k3_moe_layer as layer_module
 from examples import kimi_k3_routed_experts as routed_experts
-from examples.kimi_k3_layer_schedule import SharedReductionPlacement, shared_reduction_placement
 from examples.kimi_k3_moe_reference import reference_routed_experts
+from k3_tail.tools import layer_cost
+from k3_tail.tools.layer_schedule import SharedReductionPlacement, shared_reduction_placement
 from k3_tail import xla_report
 from helpers import FAST_COMPILE_OPTIONS, gpu_mesh_for, make_tp_mesh, once_per_session, topology_params
 from reference import relative_error
@@ -180,16 +180,16 @@ def kimi_layer_cost(tmp_path_factory):
 
 def compile_kimi_layer(topology, num_tokens):
     """The layer's per-device cost at T tokens on ``topology`` with the tail tier it selects, compiled as
-    scripts/layer_share.py compiles it (``compile_layer``: with the layer's compiler options)."""
+    examples/kimi_k3_layer_share.py compiles it (``compile_layer``: with the layer's compiler options)."""
     mesh = k3_tail.topology_mesh(topology)
     tp_size, device = mesh.shape["tp"], mesh.devices.flat[0]
     tier = k3_tail.select_tier(KIMI.tail, num_tokens, tp_size, device_kind=device.device_kind,
                                platform=device.platform).tier
     compiled = layer_module.compile_layer(KIMI, mesh, num_tokens)
     return {"tp_size": tp_size, "gemm_flops": xla_report.report(compiled, shared_argument=None).gemm_flops,
-            "useful_flops": layer_cost.layer_flops(KIMI, num_tokens, tp_size, tier=tier),
+            "useful_flops": layer_cost.layer_flops(KIMI.sizes, num_tokens, tp_size, tier=tier),
             "temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
-            "placement": dataclasses.asdict(shared_reduction_placement(compiled))}
+            "placement": dataclasses.asdict(shared_reduction_placement(compiled, layer_module.ROUTED_EXPERT_WEIGHTS))}
 
 
 @pytest.mark.parametrize("topology", topology_params("h100x8", "mi300xx8", "mi355xx8", slow=("mi355xx8",)))
@@ -210,12 +210,12 @@ def test_prefill_layer_needs_at_most_8_gb_of_temp_memory(kimi_layer_cost, num_to
 @pytest.mark.parametrize("num_tokens", DECODE_TOKENS)
 def test_decode_layer_copies_no_gathered_weights(kimi_layer_cost, num_tokens, topology):
     """Temp memory at most a quarter of the routed-expert weights the step reads (3 kernels of L x m/p per
-    expert, times the expected distinct experts of examples/kimi_k3_moe_cost.py): no copy of the gathered
+    expert, times the expected distinct experts of k3_tail.tools.layer_cost): no copy of the gathered
     blocks, and none of a kernel that a one-row product would make (on ROCm, float32 copies of the shared
     experts' kernels: 44 MB at T = 1, a third of the 132 MB read, before examples/kimi_k3_gemm.py)."""
     cost = kimi_layer_cost(topology, num_tokens)
     block_bytes = 3 * KIMI.latent_size * (KIMI.expert_intermediate_size // cost["tp_size"]) * KIMI.dtype.itemsize
-    weights_read = block_bytes * layer_cost.experts_read(KIMI, num_tokens)
+    weights_read = block_bytes * layer_cost.experts_read(KIMI.sizes, num_tokens)
     assert cost["temp_bytes"] <= MAX_DECODE_TEMP_OVER_WEIGHTS_READ * weights_read
 
 

@@ -1,18 +1,9 @@
-"""What the commands share: errors, argument types, the devices, progress output and the measurement flags.
+"""What the commands share beyond the experiment harness: the measurement flags, the tail config
+they describe, and the tables.
 
-Devices: the commands that run the tail build their own 1-d TP mesh (axis ``AXIS_NAME``). With an
-accelerator backend (GPU) they use all of that backend's devices; otherwise they ask JAX for
-``--devices`` CPU devices (8 by default, at most ``MAX_CPU_DEVICES`` = 512: JAX builds every forced
-CPU device before the first output, and 100000 of them take minutes and gigabytes in silence), which
-must happen before JAX initialises its backend, so :func:`demo_devices` does it before anything else
-touches JAX. ``--seed`` takes an integer in [0, 2**32), the range every numpy generator takes (numpy
-refuses a negative seed with a traceback).
-
-On a machine without a GPU, with a GPU plugin installed (the ``[aot]`` extra), JAX would print the
-plugin's failed start-up (a cuDNN traceback) before falling back to the CPU. :func:`use_cpu_without_gpu`
-(which ``main`` calls before running a command) therefore selects the CPU platform itself when
-neither ``JAX_PLATFORMS`` is set nor a GPU device node (``/dev/nvidiactl`` for CUDA, ``/dev/kfd``
-for ROCm) exists.
+Devices, argument types, progress and ``CommandError`` are the harness's
+(:mod:`k3_tail.tools.experiment`), imported here for the commands. ``--seed`` takes an integer in
+[0, 2**32), the range every numpy generator takes.
 
 ``bench`` and ``calibrate`` share their measurement flags (:func:`add_measurement_arguments`: what
 to time, how often, and the tail config), their checks (:func:`measurement_config`,
@@ -22,13 +13,8 @@ to time, how often, and the tail config), their checks (:func:`measurement_confi
 from __future__ import annotations
 
 import argparse
-import os
-import sys
-import time
 from collections.abc import Sequence
-from typing import IO
 
-import jax
 from jax.sharding import Mesh
 
 from k3_tail.config import ALL_REDUCE_QUANTIZATIONS, TailConfig
@@ -39,95 +25,33 @@ from k3_tail.ops.columns import WEIGHT_LAYOUTS
 from k3_tail.tiers.registry import Tier
 from k3_tail.ops.up_projection import FP8_FORMATS
 from k3_tail.tools.benchmark import (
-    CPU_MAX_TOKENS, DEFAULT_MAX_TOKENS, Measurement, check_tiers, machine_info, measure_tiers,
+    CPU_MAX_TOKENS, DEFAULT_MAX_TOKENS, Measurement, check_tiers, measure_tiers,
+)
+from k3_tail.tools.experiment import (  # the harness's, also for the commands that import them from here
+    AXIS_NAME as AXIS_NAME,
+    DEFAULT_CPU_DEVICES as DEFAULT_CPU_DEVICES,
+    MAX_CPU_DEVICES as MAX_CPU_DEVICES,
+    CommandError as CommandError,
+    ProgressBar,
+    add_shape_arguments,
+    cpu_device_count,
+    demo_devices as demo_devices,
+    format_ms,
+    non_negative_int,
+    positive_int,
+    positive_int_list,
+    progress as progress,
+    random_seed,
+    tier_list,
+    tier_values,
+    tp_mesh as tp_mesh,
+    use_cpu_without_gpu as use_cpu_without_gpu,
 )
 
 PROG = "k3-tail"
-AXIS_NAME = "tp"
 
 DEFAULT_REPEATS = 5
-DEFAULT_CPU_DEVICES = 8
 DEFAULT_SEED = 0
-# The most CPU devices --devices forces (module docstring); seeds are integers below SEED_LIMIT.
-MAX_CPU_DEVICES = 512
-SEED_LIMIT = 2**32
-CONFIG_DTYPES = ("bfloat16", "float16", "float32")
-# Device nodes whose presence means a GPU backend can start (CUDA, ROCm).
-GPU_DEVICE_NODES = ("/dev/nvidiactl", "/dev/kfd")
-
-
-class CommandError(Exception):
-    """A failure to report to the user in one line (no traceback); ``main`` returns 2."""
-
-
-def use_cpu_without_gpu() -> None:
-    """Select JAX's CPU platform when the user chose none and no GPU device node exists.
-
-    Keeps a GPU plugin that cannot start from printing its traceback (module docstring). Does
-    nothing once JAX's backends are up, or when ``JAX_PLATFORMS`` / ``jax_platforms`` is set.
-    """
-    if os.environ.get("JAX_PLATFORMS") or jax.config.jax_platforms:
-        return
-    if any(os.path.exists(node) for node in GPU_DEVICE_NODES):
-        return
-    try:
-        jax.config.update("jax_platforms", "cpu")
-    except RuntimeError:
-        pass  # the backend is already initialised: nothing left to protect
-
-
-def demo_devices(cpu_device_count: int, *, accelerators: bool = True) -> list[jax.Device]:
-    """The devices to build the TP mesh on: all accelerators (when ``accelerators`` and the default
-    backend is one), else ``cpu_device_count`` CPU devices.
-
-    Sets JAX's CPU device count before anything initialises the backend. When the backend is
-    already up (``main`` called inside a program that has used JAX) the count can no longer change;
-    its CPU devices are used if there are enough, otherwise CommandError.
-    """
-    try:
-        jax.config.update("jax_num_cpu_devices", cpu_device_count)
-    except RuntimeError:
-        pass  # the backend is already initialised: checked against the count below
-    if accelerators and jax.default_backend() != "cpu":
-        return jax.devices()
-    cpu_devices = jax.devices("cpu")
-    if len(cpu_devices) < cpu_device_count:
-        raise CommandError(
-            f"--devices {cpu_device_count}: JAX's CPU backend was already initialised with {len(cpu_devices)} "
-            "device(s); run the command in a fresh process"
-        )
-    return cpu_devices[:cpu_device_count]
-
-
-def tp_mesh(devices: Sequence[jax.Device]) -> Mesh:
-    """The 1-d TP mesh (axis ``AXIS_NAME``) over ``devices``."""
-    return jax.make_mesh((len(devices),), (AXIS_NAME,), devices=devices)
-
-
-def add_timing_arguments(parser: argparse.ArgumentParser, *, rounds: int) -> None:
-    """A timing script's ``--devices``, ``--rounds`` (default ``rounds``), ``--seed`` and ``--json``."""
-    parser.add_argument("--devices", type=cpu_device_count, default=8,
-                        help=f"CPU devices without a GPU, at most {MAX_CPU_DEVICES} (default: 8)")
-    parser.add_argument("--rounds", type=positive_int, default=rounds, help=f"timed rounds (default: {rounds})")
-    parser.add_argument("--seed", type=random_seed, default=0, help="random seed, 0 <= SEED < 2**32 (default: 0)")
-    parser.add_argument("--json", metavar="FILE", help="also write the machine and every run time as JSON")
-
-
-def announce_machine() -> dict:
-    """``benchmark.machine_info()``, after printing its line (what ran, and how loaded the host was)."""
-    machine = machine_info()
-    print(f"jax {machine['jax']}, {machine['device_count']} x {machine['device_kind']}, {machine['cpu_count']} x "
-          f"{machine['cpu_model']}, load average {machine['load_average_1min']:.2f} at start", flush=True)
-    return machine
-
-
-def timing_mesh(cpu_device_count: int) -> tuple[Mesh, dict]:
-    """(The 1-d TP mesh a timing script runs on, the machine it runs on): the CPU platform where no GPU
-    exists, all accelerators or ``cpu_device_count`` CPU devices, and :func:`announce_machine`.
-    CommandError when the devices cannot be had."""
-    use_cpu_without_gpu()
-    mesh = tp_mesh(demo_devices(cpu_device_count))
-    return mesh, announce_machine()
 
 
 # ---- argument types and flags ----
@@ -138,80 +62,6 @@ def mesh_decision(config: TailConfig, num_tokens: int, mesh: Mesh, weight_layout
     device = mesh.devices.flat[0]
     return select_tier(config, num_tokens, mesh.shape[AXIS_NAME], weight_layout=weight_layout,
                        device_kind=device.device_kind, platform=device.platform)
-
-
-def positive_int(text: str) -> int:
-    """``text`` as an integer >= 1 (argparse type)."""
-    return bounded_int(text, 1)
-
-
-def non_negative_int(text: str) -> int:
-    """``text`` as an integer >= 0 (argparse type)."""
-    return bounded_int(text, 0)
-
-
-def bounded_int(text: str, minimum: int) -> int:
-    """``text`` as an integer >= ``minimum``, else argparse.ArgumentTypeError."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}") from None
-    if value < minimum:
-        raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}")
-    return value
-
-
-def cpu_device_count(text: str) -> int:
-    """``text`` as a count of CPU devices to force, 1 to ``MAX_CPU_DEVICES`` (argparse type)."""
-    value = positive_int(text)
-    if value > MAX_CPU_DEVICES:
-        raise argparse.ArgumentTypeError(f"expected at most {MAX_CPU_DEVICES} CPU devices, got {value}")
-    return value
-
-
-def random_seed(text: str) -> int:
-    """``text`` as a random seed numpy takes, an integer in [0, ``SEED_LIMIT``) (argparse type)."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if not 0 <= value < SEED_LIMIT:
-        raise argparse.ArgumentTypeError(f"expected an integer in [0, 2**32), got {text!r}")
-    return value
-
-
-def positive_int_list(text: str) -> tuple[int, ...]:
-    """A comma-separated list of integers, each >= 1 (argparse type): token counts, TP sizes."""
-    return tuple(positive_int(item.strip()) for item in text.split(","))
-
-
-def choice_list(choices: Sequence[str], what: str):
-    """An argparse type: a comma-separated list of names among ``choices`` (``what`` names them in errors)."""
-
-    def parse(text: str) -> tuple[str, ...]:
-        names = tuple(item.strip() for item in text.split(","))
-        for name in names:
-            if name not in choices:
-                raise argparse.ArgumentTypeError(f"expected {what} among {', '.join(choices)}, got {name!r}")
-        return names
-
-    return parse
-
-
-def tier_values() -> str:
-    """The registry's tier values, comma-separated: "native, overlap, ..." (for help and errors)."""
-    return ", ".join(tier.value for tier in Tier)
-
-
-def tier_list(text: str) -> tuple[Tier, ...]:
-    """A comma-separated list of tier values (argparse type)."""
-    tiers = []
-    for item in text.split(","):
-        try:
-            tiers.append(Tier.parse(item.strip()))
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected tiers among {tier_values()}, got {item.strip()!r}") from None
-    return tuple(tiers)
 
 
 def add_weight_layout_argument(parser: argparse.ArgumentParser) -> None:
@@ -322,18 +172,6 @@ def all_reduce_quantization_options(args: argparse.Namespace) -> dict[str, objec
     return {"all_reduce_quantization": codec, "quantized_all_reduce_min_bytes": args.quantized_all_reduce_min_bytes}
 
 
-def add_shape_arguments(group: argparse._ArgumentGroup) -> argparse._ArgumentGroup:
-    """``--hidden-size``, ``--latent-size`` and ``--dtype`` (Kimi-K3's by default) on ``group``; returns it."""
-    kimi = TailConfig.kimi_k3()
-    group.add_argument("--hidden-size", type=positive_int, default=kimi.hidden_size, metavar="H",
-                       help=f"hidden size H (default: {kimi.hidden_size})")
-    group.add_argument("--latent-size", type=positive_int, default=kimi.latent_size, metavar="L",
-                       help=f"latent size L (default: {kimi.latent_size})")
-    group.add_argument("--dtype", choices=CONFIG_DTYPES, default=kimi.dtype.name,
-                       help=f"activation and weight dtype (default: {kimi.dtype.name})")
-    return group
-
-
 def measurement_config(args: argparse.Namespace) -> TailConfig:
     """The TailConfig the config flags describe (CommandError when TailConfig rejects them)."""
     try:
@@ -375,56 +213,6 @@ def measure(
 
 
 # ---- output ----
-
-
-class ProgressBar:
-    """A text progress bar on ``stream`` (default: stderr) over ``total`` steps, with the elapsed time.
-
-    On a terminal it redraws one line in place; elsewhere (a pipe, a CI log) it writes one line per
-    step instead, because carriage returns would pile up there as one garbled line.
-    """
-
-    WIDTH = 24
-
-    def __init__(self, total: int, stream: IO[str] | None = None):
-        self.total = total
-        self.stream = sys.stderr if stream is None else stream
-        self.interactive = self.stream.isatty()
-        self.done = 0
-        self.start = time.perf_counter()
-
-    def step(self, label: str) -> None:
-        """A step named ``label`` starts (the previous one, if any, is done)."""
-        self._draw(label)
-        self.done += 1
-
-    def finish(self) -> None:
-        """Every step is done."""
-        self.done = self.total
-        self._draw("done")
-        if self.interactive:
-            self.stream.write("\n")
-            self.stream.flush()
-
-    def _draw(self, label: str) -> None:
-        filled = self.WIDTH * self.done // max(self.total, 1)
-        text = (f"[{'#' * filled}{'-' * (self.WIDTH - filled)}] {self.done}/{self.total} "
-                f"{time.perf_counter() - self.start:.0f} s  {label}")
-        # "\x1b[K" erases what a longer previous label left on the line.
-        self.stream.write(f"\r{text}\x1b[K" if self.interactive else f"{text}\n")
-        self.stream.flush()
-
-
-def progress(message: str, end: str = "\n") -> None:
-    """``message`` to stderr at once, so a long run shows what it is doing."""
-    print(message, end=end, file=sys.stderr, flush=True)
-
-
-def format_ms(seconds: float) -> str:
-    """``seconds`` in milliseconds with about 3 significant digits (0.0123, 1.23, 123)."""
-    milliseconds = 1e3 * seconds
-    digits = next((d for d, bound in ((4, 0.1), (3, 1), (2, 10), (1, 100)) if milliseconds < bound), 0)
-    return f"{milliseconds:.{digits}f}"
 
 
 def describe_config(config: TailConfig) -> str:

@@ -268,12 +268,12 @@ def time_runs(run: Callable[[], jax.Array], *, repeats: int, warmup: int = 1) ->
 
 
 def time_round_robin(
-    calls: Mapping[Hashable, Callable[[], jax.Array]], *, rounds: int,
+    calls: Mapping[Hashable, Callable[[], jax.Array]], *, rounds: int, warmup: int = 1,
     on_progress: Callable[[str], None] | None = None,
 ) -> dict[Hashable, list[float]]:
     """Wall seconds of each call in ``calls``, measured in one interleaved run.
 
-    Every call runs once untimed (it compiles), then ``rounds`` rounds each run every call once,
+    Every call runs ``warmup`` times untimed (the first compiles), then ``rounds`` rounds each run every call once,
     timed with ``time.perf_counter`` around the call and ``block_until_ready``; the order rotates
     by one each round, so a load drift on a shared machine hits every call alike. Returns the
     ``rounds`` times of each call, by its key. ``on_progress`` gets "compiling KEY" and "round i/n".
@@ -281,7 +281,8 @@ def time_round_robin(
     report = on_progress or (lambda message: None)
     for key, call in calls.items():
         report(f"compiling {key}")
-        call().block_until_ready()
+        for _ in range(check_int("warmup", warmup, minimum=1)):
+            call().block_until_ready()
     keys = list(calls)
     seconds: dict[Hashable, list[float]] = {key: [] for key in keys}
     for index in range(check_int("rounds", rounds, minimum=1)):

@@ -1,26 +1,25 @@
-"""Where a compiled Kimi-K3 layer (examples/kimi_k3_moe_layer.py) runs its shared reduction, against the
-routed experts' work.
+"""Where a compiled latent MoE layer runs its shared reduction, against the routed experts' work.
 
 The layer's collectives carry the tail's named scopes (``k3_tail/shared_reduction``,
-``k3_tail/latent_reduction``: ``k3_tail.xla_report``), so the shared reduction is found by name. The
-routed experts' work is found by data flow: every instruction computed, directly or through others,
-from a routed-expert weight (the parameters ``expert_gate``, ``expert_up``, ``expert_down``) that
-the schedule places before the latent reduction starts. The entry computation of a compiled module
-is scheduled, so positions are the order the device runs it in (one compute stream; an async
-collective runs beside it between its start and its done).
+``k3_tail/latent_reduction``: :mod:`k3_tail.xla.report`), so the shared reduction is found by name.
+The routed experts' work is found by data flow: every instruction computed, directly or through
+others, from a routed-expert weight (the parameters whose names the caller gives, e.g.
+``expert_gate``, ``expert_up``, ``expert_down``) that the schedule places before the latent
+reduction starts. The entry computation of a compiled module is scheduled, so positions are the
+order the device runs it in (one compute stream; an async collective runs beside it between its
+start and its done).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Sequence
 
 import jax
 
-from k3_tail import xla_report
+from k3_tail.xla import report as xla_report
 from k3_tail.xla.hlo_text import parse_module
-
-ROUTED_EXPERT_WEIGHTS = re.compile(r"\bexpert_(gate|up|down)\b")
 # Instructions that name or regroup values without computing.
 _NO_COMPUTE = {"parameter", "constant", "bitcast", "get-tuple-element", "tuple", "opt-barrier"}
 
@@ -60,15 +59,18 @@ class SharedReductionPlacement:
         return inside / len(self.routed_positions)
 
 
-def shared_reduction_placement(compiled: jax.stages.Compiled) -> SharedReductionPlacement:
-    """The :class:`SharedReductionPlacement` of a compiled layer; ValueError when the program has no
-    shared reduction, latent reduction or routed-expert weight."""
+def shared_reduction_placement(compiled: jax.stages.Compiled,
+                               routed_weights: Sequence[str]) -> SharedReductionPlacement:
+    """The :class:`SharedReductionPlacement` of a compiled layer whose routed-expert weights are the
+    parameters named ``routed_weights``; ValueError when the program has no shared reduction, latent
+    reduction or routed-expert weight."""
+    names = re.compile(r"\b(" + "|".join(map(re.escape, routed_weights)) + r")\b")
     report = xla_report.report(compiled, shared_argument=None)
     shared, latent = (next(iter(report.in_scope(scope)), None) for scope in ("shared_reduction", "latent_reduction"))
     if shared is None or latent is None:
         raise ValueError("compiled: expected a program with the tail's shared and latent reductions")
     schedule = parse_module(compiled.as_text()).entry.instructions
-    derived = {i.name for i in schedule if i.opcode == "parameter" and ROUTED_EXPERT_WEIGHTS.search(i.op_name)}
+    derived = {i.name for i in schedule if i.opcode == "parameter" and names.search(i.op_name)}
     if not derived:
         raise ValueError("compiled: expected a program that reads routed-expert weights")
     weights, reads, routed = set(derived), [], []

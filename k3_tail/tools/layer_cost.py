@@ -1,5 +1,9 @@
-"""What the tail is worth in the Kimi-K3 latent MoE layer, predicted: a roofline of the layer's other
-kernels plus ``k3_tail.cost_model``'s prediction of the tail tier.
+"""What the tail is worth in a Kimi-K3-style latent MoE layer, predicted: a roofline of the layer's
+other kernels plus :mod:`k3_tail.selection.cost_model`'s prediction of the tail tier.
+
+The layer is given by its sizes (:class:`MoELayerSizes`: the tail's config, the experts, their
+widths and where the shared reduction runs), as the example layer of the repository's examples/
+holds them.
 
 Per TP rank, T tokens, p ranks, d bytes per activation and weight element (the config's dtype) and
 d_e per routed-expert weight element (d by default; Kimi-K3's released checkpoint stores the routed
@@ -13,41 +17,59 @@ experts in MXFP4, ``MXFP4_BYTES`` = 4.25 bits: 4-bit values and one 8-bit scale 
 | shared experts | 6THF/p | 3dHF/p + dT(2H + 3F/p) |
 
 At T = 1 the router, down projection and shared-expert FLOPs are those of two rows, as the layer
-multiplies them (examples/kimi_k3_gemm.py; the tail's cost model counts its up projection alike).
+multiplies them (the tail's cost model counts its up projection alike).
 
-Each kernel takes max(FLOPs / peak_flops, bytes / hbm_bytes_per_s) of the ``k3_tail.cost_model``
+Each kernel takes max(FLOPs / peak_flops, bytes / hbm_bytes_per_s) of the ``cost_model``
 hardware preset, one after the other (no overlap between them, none of them hidden behind a
 collective); they issue no collective. The experts read are those some token chose: with uniform
-routing E(1 - (1 - k/E)^T) of the E (a grouped GEMM reads each once; the CPU and, in jax 0.10.2,
-the CUDA lowering of ``jax.lax.ragged_dot`` instead compute every group densely: see
-examples/kimi_k3_moe_layer.py). The tail is ``cost_model.predict_time(cost_model.tier_cost(...))``:
-its roofline and alpha-beta collectives, with the assumptions its docstring lists. Elementwise work
-(SiTU, the top-k, the sort) costs nothing here.
+routing E(1 - (1 - k/E)^T) of the E (a grouped GEMM reads each once; the CPU and, in jax 0.10.2, the
+CUDA lowering of ``jax.lax.ragged_dot`` instead compute every group densely). The tail is
+``cost_model.predict_time(cost_model.tier_cost(...))``: its roofline and alpha-beta collectives,
+with the assumptions its docstring lists. Elementwise work (SiTU, the top-k, the sort) costs nothing
+here.
 
 The layer-level gain of a tier is 1 - layer(tier) / layer(native) for the same T: the MoE layer
 only, not a whole model's step (attention, the other layers, sampling and scheduling dilute it).
 
-The shared reduction: with ``LayerConfig.early_shared_reduction`` (the layer's default) the shared
+The shared reduction: with ``early_shared_reduction`` (the default) the shared
 experts' all-reduce (a reduce-scatter over tokens for sequence-parallel output) runs while the
 router, the down projection and the routed experts compute, so only what of its alpha-beta time
 outlasts them is exposed, and the tail's tier runs without it
-(``TailConfig.shared_output_is_reduced``). Without it, the tail's tier carries it, hidden only
-where the tier's record says (overlap: beside the up projection). :func:`early_reduction_gain` is
-1 - layer(early) / layer(in the tail), each with the tier the cost model predicts fastest.
+(``TailConfig.shared_output_is_reduced``). Without it, the tail's tier carries it, hidden only where
+the tier's record says (overlap: beside the up projection). :func:`early_reduction_gain` is 1 -
+layer(early) / layer(in the tail), each with the tier the cost model predicts fastest.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-import k3_tail
-from k3_tail import cost_model
-from k3_tail.ops.collectives import quantized_codec
-from k3_tail.ops.up_projection import gemm_rows
-
-from examples.kimi_k3_moe_layer import LayerConfig
+from k3_tail.config import TailConfig
+from k3_tail.ops.tokens import padded_token_count
+from k3_tail.selection import cost_model
+from k3_tail.tiers.registry import Tier
+from k3_tail.tools.blocks import gemm_rows, quantized_codec
 
 MXFP4_BYTES = 4.25 / 8
+
+
+@dataclasses.dataclass(frozen=True)
+class MoELayerSizes:
+    """A latent MoE layer's sizes: ``tail`` (H, L, the dtype and the tail's switches), E =
+    ``num_experts`` routed experts of which each token takes ``top_k``, each L -> m =
+    ``expert_intermediate_size`` -> L, shared experts H -> F = ``shared_intermediate_size`` -> H, and
+    whether the shared reduction runs early (``tail.shared_output_is_reduced`` is set to follow it)."""
+
+    tail: TailConfig
+    num_experts: int
+    top_k: int
+    expert_intermediate_size: int
+    shared_intermediate_size: int
+    early_shared_reduction: bool = True
+
+    def __post_init__(self):
+        tail = dataclasses.replace(self.tail, shared_output_is_reduced=self.early_shared_reduction)
+        object.__setattr__(self, "tail", tail)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,18 +85,18 @@ class KernelCost:
         return max(self.flops / hardware.peak_flops, self.bytes / hardware.hbm_bytes_per_s)
 
 
-def experts_read(config: LayerConfig, num_tokens: int) -> float:
+def experts_read(config: MoELayerSizes, num_tokens: int) -> float:
     """The expected number of distinct experts T tokens choose under uniform routing, E(1 - (1 - k/E)^T)."""
     experts = config.num_experts
     return experts * (1 - (1 - config.top_k / experts) ** num_tokens)
 
 
-def layer_kernels(config: LayerConfig, num_tokens: int, tp_size: int, *,
+def layer_kernels(config: MoELayerSizes, num_tokens: int, tp_size: int, *,
                   expert_weight_bytes: float | None = None) -> tuple[KernelCost, ...]:
     """The per-rank cost of every kernel before the tail (the module docstring's table)."""
-    t, h, lat, e, k = num_tokens, config.hidden_size, config.latent_size, config.num_experts, config.top_k
+    t, h, lat, e, k = num_tokens, config.tail.hidden_size, config.tail.latent_size, config.num_experts, config.top_k
     m, f = config.expert_intermediate_size / tp_size, config.shared_intermediate_size / tp_size
-    d = config.dtype.itemsize
+    d = config.tail.dtype.itemsize
     d_e = d if expert_weight_bytes is None else expert_weight_bytes
     rows = gemm_rows(t)  # the rows the router, down projection and shared experts multiply
     return (
@@ -86,7 +108,7 @@ def layer_kernels(config: LayerConfig, num_tokens: int, tp_size: int, *,
     )
 
 
-def layer_flops(config: LayerConfig, num_tokens: int, tp_size: int, *, tier: k3_tail.Tier | str,
+def layer_flops(config: MoELayerSizes, num_tokens: int, tp_size: int, *, tier: Tier | str,
                 weight_layout: str = "replicated") -> float:
     """The layer's useful GEMM FLOPs per rank with the tail ``tier``: every kernel of :func:`layer_kernels`
     and the tail's GEMM (``cost_model.tier_cost``). What a compiled layer's GEMM FLOPs are measured against."""
@@ -100,7 +122,7 @@ class LayerPrediction:
     before the tail (:func:`layer_kernels`), ``tail_s`` for the tail, ``shared_exposed_s`` for what of an
     early shared reduction the routed work does not hide (0 when the tail reduces the shared output)."""
 
-    tier: k3_tail.Tier
+    tier: Tier
     num_tokens: int
     other_s: float
     tail_s: float
@@ -116,7 +138,7 @@ class LayerPrediction:
         return self.tail_s / self.total_s
 
 
-def predict_layer(config: LayerConfig, num_tokens: int, tp_size: int, *, tier: k3_tail.Tier | str,
+def predict_layer(config: MoELayerSizes, num_tokens: int, tp_size: int, *, tier: Tier | str,
                   hardware: cost_model.Hardware | str, weight_layout: str = "replicated",
                   expert_weight_bytes: float | None = None) -> LayerPrediction:
     """The layer's predicted time with ``tier`` for T = ``num_tokens`` on ``tp_size`` ranks of ``hardware``."""
@@ -128,35 +150,34 @@ def predict_layer(config: LayerConfig, num_tokens: int, tp_size: int, *, tier: k
         routed = sum(seconds for name, seconds in kernels.items() if name != "shared experts")
         exposed = max(0.0, shared_reduction(config, num_tokens, tp_size).seconds(hardware) - routed)
     tail = cost_model.tier_cost(config.tail, num_tokens, tp_size, tier=tier, weight_layout=weight_layout)
-    return LayerPrediction(k3_tail.Tier.parse(tier), num_tokens, sum(kernels.values()),
+    return LayerPrediction(Tier.parse(tier), num_tokens, sum(kernels.values()),
                            cost_model.predict_time(tail, hardware).total_s, exposed)
 
 
-def shared_reduction(config: LayerConfig, num_tokens: int, tp_size: int) -> cost_model.CollectiveCost:
-    """The early shared reduction as ``k3_tail.reduce_shared`` issues it, per rank: AR(T*H), or for
+def shared_reduction(config: MoELayerSizes, num_tokens: int, tp_size: int) -> cost_model.CollectiveCost:
+    """The early shared reduction as ````k3_tail.reduce_shared```` issues it, per rank: AR(T*H), or for
     sequence-parallel output a reduce-scatter over tokens of the T'-row padded partial; quantised
     where the tail config's quantisation window holds it."""
-    element = config.dtype.itemsize
+    element = config.tail.dtype.itemsize
     kind, rows = cost_model.ALL_REDUCE, num_tokens
     if config.tail.sequence_parallel:
-        kind, rows = cost_model.REDUCE_SCATTER, k3_tail.padded_token_count(num_tokens, tp_size)
-    nbytes = element * rows * config.hidden_size
-    codec = quantized_codec(config.tail, nbytes, tp_size)
-    return cost_model.CollectiveCost(kind, nbytes, tp_size, codec=None if codec is None else codec.name,
+        kind, rows = cost_model.REDUCE_SCATTER, padded_token_count(num_tokens, tp_size)
+    nbytes = element * rows * config.tail.hidden_size
+    return cost_model.CollectiveCost(kind, nbytes, tp_size, codec=quantized_codec(config.tail, nbytes, tp_size),
                                      element_bytes=element)
 
 
-def best_layer(config: LayerConfig, num_tokens: int, tp_size: int, *, hardware: cost_model.Hardware | str,
+def best_layer(config: MoELayerSizes, num_tokens: int, tp_size: int, *, hardware: cost_model.Hardware | str,
                weight_layout: str = "replicated", expert_weight_bytes: float | None = None) -> LayerPrediction:
     """The fastest :func:`predict_layer` over the tail tiers that run with ``weight_layout`` (the first in
     ``Tier``'s order on a tie)."""
     predictions = [predict_layer(config, num_tokens, tp_size, tier=tier, hardware=hardware,
                                  weight_layout=weight_layout, expert_weight_bytes=expert_weight_bytes)
-                   for tier in k3_tail.Tier if tier.supports(weight_layout, config.tail)]
+                   for tier in Tier if tier.supports(weight_layout, config.tail)]
     return min(predictions, key=lambda prediction: prediction.total_s)
 
 
-def early_reduction_gain(config: LayerConfig, num_tokens: int, tp_size: int, *,
+def early_reduction_gain(config: MoELayerSizes, num_tokens: int, tp_size: int, *,
                          hardware: cost_model.Hardware | str, weight_layout: str = "replicated",
                          expert_weight_bytes: float | None = None) -> float:
     """1 - layer(early shared reduction) / layer(shared reduction in the tail), each with its fastest tier:
@@ -167,11 +188,11 @@ def early_reduction_gain(config: LayerConfig, num_tokens: int, tp_size: int, *,
     return 1 - early.total_s / late.total_s
 
 
-def layer_gain(config: LayerConfig, num_tokens: int, tp_size: int, *, tier: k3_tail.Tier | str,
+def layer_gain(config: MoELayerSizes, num_tokens: int, tp_size: int, *, tier: Tier | str,
                hardware: cost_model.Hardware | str, weight_layout: str = "replicated",
                expert_weight_bytes: float | None = None) -> float:
     """1 - layer(tier) / layer(native): the predicted fraction of the layer's time ``tier`` saves."""
     predictions = [predict_layer(config, num_tokens, tp_size, tier=choice, hardware=hardware,
                                  weight_layout=weight_layout, expert_weight_bytes=expert_weight_bytes)
-                   for choice in (tier, k3_tail.Tier.NATIVE)]
+                   for choice in (tier, Tier.NATIVE)]
     return 1 - predictions[0].total_s / predictions[1].total_s

@@ -1,9 +1,9 @@
 """What the tail's tiers are worth inside the Kimi-K3 latent MoE layer (examples/kimi_k3_moe_layer.py).
 
-    python scripts/layer_share.py [--parts cpu,h100,early,cost,model] [--tokens 1,4,16,64,256,1024] [--repeats 3]
-                                  [--width-divisor 4] [--experts 8] [--top-k 2] [--compile-tokens 1,16,256]
-                                  [--cost-tokens 1,16,256,2048,8192] [--model-tokens 1,16,64,256,1024,8192]
-                                  [--weight-layout replicated] [--topology h100x8] [--json FILE]
+    python -m examples.kimi_k3_layer_share [--parts cpu,h100,early,cost,model] [--tokens 1,4,16,64,256,1024]
+        [--repeats 3] [--width-divisor 4] [--experts 8] [--top-k 2] [--compile-tokens 1,16,256]
+        [--cost-tokens 1,16,256,2048,8192] [--model-tokens 1,16,64,256,1024,8192]
+        [--weight-layout replicated] [--topology h100x8] [--json FILE]
 
 Five parts, each a table (progress on stderr):
 
@@ -13,15 +13,14 @@ cpu    The whole layer and the tail alone, per tier, on an 8-device CPU mesh. Th
        on 2 cores) and --experts / --top-k (8 / 2); bf16. Per T, the same hidden states go through the
        layer with each tier forced, and the layer's own partials (``layer.partials``) through
        ``k3_tail.tail_forward`` with that tier: "tail alone, same inputs". Each call is compiled and run
-       --warmup times, then timed in --repeats rounds, each round running every tier's layer and tail
-       once (the order rotating), each run timed with perf_counter around the call and
-       block_until_ready. Reported: median and q25-q75 in ms, the tail's share (tail median / layer
-       median) and the layer's speed against the native tier's layer. The 8 CPU devices share the
-       host's cores: this ranks tiers on this machine only.
+       --warmup times, then timed in --repeats interleaved rounds, each running every tier's layer and
+       tail once (``k3_tail.tools.benchmark.time_round_robin``). Reported: median and q25-q75 in ms,
+       the tail's share (tail median / layer median) and the layer's speed against the native tier's
+       layer. The --devices (8) CPU devices share the host's cores: this ranks tiers on this machine only.
 
 h100   The whole layer at Kimi-K3's shapes (896 experts, top 16, bf16) compiled per tier for a
        deviceless 8 x H100 (``k3_tail.topology_mesh("h100x8")``, XLA's CUDA pipeline; ``compile_layer``
-       of examples/kimi_k3_moe_layer.py: the tier's ``k3_tail.compiler_options(tier, "gpu")`` and the
+       of examples/kimi_k3_moe_layer.py: the tier's ``k3_tail.xla.compilation.compiler_options`` and the
        layer's own ``GPU_COMPILER_OPTIONS``), at each --compile-tokens, with the shared reduction
        inside the tail (``early_shared_reduction=False``: where the tiers differ). The tail's
        collectives carry named scopes, so the shared reduction is the first collective named
@@ -32,11 +31,11 @@ h100   The whole layer at Kimi-K3's shapes (896 experts, top 16, bf16) compiled 
        its buffers, whether it is an async start/done pair, the GEMMs XLA scheduled between start and
        done, the share of the tier's up-projection FLOPs (the GEMMs named ``k3_tail/up_projection``)
        inside it, and "overlapped": async with all of the up projection inside. Also the GEMM FLOPs per
-       rank XLA compiled against the layer's useful ones (examples/kimi_k3_moe_cost.py).
+       rank XLA compiled against the layer's useful ones (k3_tail.tools.layer_cost).
 
 early  Where the shared reduction runs in the same compiled layer with the tier it selects, issued
        inside the tail (``early_shared_reduction=False``) and before the routed experts (``True``,
-       the default), at each --compile-tokens (examples/kimi_k3_layer_schedule.py): the schedule
+       the default), at each --compile-tokens (k3_tail.tools.layer_schedule): the schedule
        positions of its start and done, of the first instruction that reads a routed-expert weight and
        of the last routed-expert instruction, and the share of the routed-expert instructions between
        start and done.
@@ -44,17 +43,17 @@ early  Where the shared reduction runs in the same compiled layer with the tier 
 cost   What the layer costs per device at each --cost-tokens, compiled as in h100 but with the tail
        tier the layer selects (``k3_tail.select_tier(..., platform="gpu")``), with the routed-expert
        method it selects (examples/kimi_k3_routed_experts.py). Reported: the GEMM FLOPs XLA compiled
-       (``xla_report``, from the HLO shapes: dots and GEMM custom calls; a while loop's body counts
+       (``k3_tail.xla.report``, from the HLO shapes: dots and GEMM custom calls; a while loop's body counts
        once; the gather method's multiply + reduce fusions are not GEMMs) against the layer's useful
-       FLOPs, the bytes every top-level instruction reads and writes (``xla_report``'s HLO-shape
+       FLOPs, the bytes every top-level instruction reads and writes (the report's HLO-shape
        estimate: an operand counts whole, so a fusion that gathers a few experts' blocks counts every
        expert's), XLA's temp memory (``memory_analysis().temp_size_in_bytes``), and that temp memory
        over the routed-expert weight bytes the step reads (3 L m/p bf16 per expert, times the
-       expected distinct experts of examples/kimi_k3_moe_cost.py).
+       expected distinct experts of k3_tail.tools.layer_cost).
 
 model  The cost model's layer-level gain of each tier over native on the MI355X preset, TP 8, at
-       each --model-tokens, the shared reduction inside the tail: the tail from ``k3_tail.cost_model``
-       and the rest of the layer from the roofline of examples/kimi_k3_moe_cost.py, with the routed
+       each --model-tokens, the shared reduction inside the tail: the tail from the cost model
+       and the rest of the layer from the roofline of k3_tail.tools.layer_cost, with the routed
        experts' weights in bf16 and in MXFP4 (Kimi-K3's release), next to vLLM's published end-to-end
        figures. Ours is the MoE layer alone; theirs is a whole serving run. Then the gain of issuing the
        shared reduction early (``layer_cost.early_reduction_gain``: each way with its fastest tier) on
@@ -63,26 +62,11 @@ model  The cost model's layer-level gain of each tier over native on the MI355X 
 --topology (default h100x8) is the deviceless topology the h100, early and cost parts compile for
 (``k3_tail.topology_mesh``: h100x8, mi300xx8 and mi355xx8 among them; a ROCm one needs the [rocm-aot] extra).
 
---parts picks parts; --json FILE also writes the machine, the settings and every row. Exit status 0,
-or 2 for bad arguments.
+--parts picks parts; progress goes to stderr.
 """
 
-# ruff: noqa: E402  (the platform is chosen, and the repository put on the path, before jax and examples load)
-
-import os
-import sys
-from pathlib import Path
-
-# This script measures on CPU devices and compiles GPU programs deviceless: without a GPU the CUDA
-# plugin would print a cuDNN traceback when jax starts its backends.
-os.environ["JAX_PLATFORMS"] = "cpu"
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root holds examples/
-
-import argparse
 import dataclasses
 import functools
-import json
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -93,32 +77,28 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import k3_tail
-from examples import kimi_k3_moe_cost as layer_cost
 from examples.kimi_k3_moe_layer import (
     KIMI_K3_NUM_EXPERTS,
     KIMI_K3_TOP_K,
+    ROUTED_EXPERT_WEIGHTS,
     LayerConfig,
     build_layer,
     compile_layer,
-    partition_specs,
     up_projection,
 )
-from examples.kimi_k3_layer_schedule import shared_reduction_placement
 from examples.kimi_k3_routed_experts import routed_expert_method
-from k3_tail import benchmark, xla_report
-from k3_tail.cli.common import (
-    ProgressBar,
-    announce_machine,
-    choice_list,
-    format_ms,
-    positive_int,
-    positive_int_list,
-    progress,
+from examples.kimi_k3_routed_experts_bench import add_layer_arguments, cpu_layer_config
+from k3_tail.tools import layer_cost
+from k3_tail.tools.benchmark import Timing, time_round_robin
+from k3_tail.tools.blocks import WEIGHT_LAYOUTS
+from k3_tail.tools.experiment import (
+    AXIS_NAME, Experiment, ProgressBar, choice_list, positive_int_list, progress, spread_ms,
 )
+from k3_tail.tools.layer_schedule import shared_reduction_placement
+from k3_tail.xla import report as xla_report
 from k3_tail.xla.topologies import parse_topology
 
 PARTS = ("cpu", "h100", "early", "cost", "model")
-CPU_DEVICES = 8
 MODEL_HARDWARE, MODEL_TP_SIZE = "mi355x", 8
 EARLY_REDUCTION_HARDWARE = ("mi355x", "h200")
 EXPERT_PRECISIONS = {"bf16": None, "MXFP4": layer_cost.MXFP4_BYTES}
@@ -126,45 +106,29 @@ EXPERT_PRECISIONS = {"bf16": None, "MXFP4": layer_cost.MXFP4_BYTES}
 VLLM_FIGURES = ("8 x MI355X: TTFT -5.1 .. -5.5 %, output throughput +3.05 .. +4.91 %; SM100 (B200): TTFT -4 %")
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description="The Kimi-K3 latent MoE layer per tail tier: CPU-mesh times and "
-                                     "the tail's share, the deviceless 8 x H100 schedule, the cost model's layer-level "
-                                     "gains on MI355X. See the module docstring.")
-    parser.add_argument("--parts", type=choice_list(tuple(PARTS), "parts"), default=PARTS, metavar="PART,...",
-                        help=f"parts to run, of {', '.join(PARTS)} (default: all)")
-    parser.add_argument("--tokens", type=positive_int_list, default=(1, 4, 16, 64, 256, 1024), metavar="T,...",
-                        help="cpu: token counts (default: 1,4,16,64,256,1024)")
-    parser.add_argument("--repeats", type=positive_int, default=3, metavar="N",
-                        help="cpu: timed rounds per token count (default: 3)")
-    parser.add_argument("--warmup", type=positive_int, default=1, metavar="N",
-                        help="cpu: untimed runs of each call first, the first compiling (default: 1)")
-    parser.add_argument("--width-divisor", type=positive_int, default=4, metavar="D",
-                        help="cpu: Kimi-K3's widths H, L, m, F divided by D (default: 4; 1 for the full widths)")
-    parser.add_argument("--experts", type=positive_int, default=8, metavar="E",
-                        help="cpu: routed experts (default: 8)")
-    parser.add_argument("--top-k", type=positive_int, default=2, metavar="K",
-                        help="cpu: experts per token (default: 2)")
-    parser.add_argument("--compile-tokens", type=positive_int_list, default=(1, 16, 256), metavar="T,...",
-                        help="h100: token counts to compile for (default: 1,16,256)")
-    parser.add_argument("--cost-tokens", type=positive_int_list, default=(1, 16, 256, 2048, 8192), metavar="T,...",
-                        help="cost: token counts to compile for (default: 1,16,256,2048,8192)")
-    parser.add_argument("--model-tokens", type=positive_int_list, default=(1, 16, 64, 256, 1024, 8192),
-                        metavar="T,...", help="model: token counts (default: 1,16,64,256,1024,8192)")
-    parser.add_argument("--weight-layout", choices=k3_tail.WEIGHT_LAYOUTS, default="replicated",
-                        help="where the up projection lives (default: replicated, as vLLM serves it)")
-    parser.add_argument("--seed", type=int, default=0, help="cpu: seed of the stand-in weights and inputs")
-    parser.add_argument("--topology", default="h100x8", metavar="NAME",
-                        help="h100, early, cost: the deviceless GPU topology to compile for (default h100x8)")
-    parser.add_argument("--json", metavar="FILE", help="also write the machine, the settings and every row")
-    args = parser.parse_args(argv)
-    try:
-        partition_specs(cpu_config(args), CPU_DEVICES)  # every width the CPU mesh splits must divide by it
-    except ValueError as error:
-        parser.error(f"--width-divisor, --experts, --top-k: {error}")
+def parse_args(experiment: Experiment, argv: list[str] | None):
+    add = experiment.parser.add_argument
+    add("--parts", type=choice_list(PARTS, "parts"), default=PARTS, metavar="PART,...",
+        help=f"parts to run, of {', '.join(PARTS)} (default: all)")
+    add("--tokens", type=positive_int_list, default=(1, 4, 16, 64, 256, 1024), metavar="T,...",
+        help="cpu: token counts (default: 1,4,16,64,256,1024)")
+    add_layer_arguments(experiment)
+    add("--compile-tokens", type=positive_int_list, default=(1, 16, 256), metavar="T,...",
+        help="h100, early: token counts to compile for (default: 1,16,256)")
+    add("--cost-tokens", type=positive_int_list, default=(1, 16, 256, 2048, 8192), metavar="T,...",
+        help="cost: token counts to compile for (default: 1,16,256,2048,8192)")
+    add("--model-tokens", type=positive_int_list, default=(1, 16, 64, 256, 1024, 8192), metavar="T,...",
+        help="model: token counts (default: 1,16,64,256,1024,8192)")
+    add("--weight-layout", choices=WEIGHT_LAYOUTS, default="replicated",
+        help="where the up projection lives (default: replicated, as vLLM serves it)")
+    add("--topology", default="h100x8", metavar="NAME",
+        help="h100, early, cost: the deviceless GPU topology to compile for (default h100x8)")
+    args = experiment.parse(argv)
+    cpu_layer_config(experiment, early_shared_reduction=False)  # a usage error unless the CPU mesh splits it
     try:
         parse_topology(args.topology)
     except ValueError as error:
-        parser.error(f"--topology: {error}")
+        experiment.parser.error(f"--topology: {error}")
     return args
 
 
@@ -175,22 +139,16 @@ def layer_tiers(weight_layout: str) -> list[k3_tail.Tier]:
 # ---- cpu ----
 
 
-def cpu_config(args: argparse.Namespace) -> LayerConfig:
-    """The CPU part's layer: Kimi-K3's widths / --width-divisor, --experts, --top-k, the shared reduction in
-    the tail (where the tiers differ)."""
-    return LayerConfig.kimi_k3(num_experts=args.experts, top_k=args.top_k, width_divisor=args.width_divisor,
-                               early_shared_reduction=False)
-
-
-def measure_cpu(args: argparse.Namespace) -> tuple[LayerConfig, list[dict[str, Any]]]:
+def measure_cpu(experiment: Experiment) -> tuple[LayerConfig, list[dict[str, Any]]]:
     """One row per (T, tier): the layer's and the tail's timings on the CPU mesh (module docstring)."""
-    config = cpu_config(args)
-    mesh = jax.make_mesh((CPU_DEVICES,), ("tp",), devices=jax.devices("cpu")[:CPU_DEVICES])
+    args = experiment.args
+    config = cpu_layer_config(experiment, early_shared_reduction=False)
+    mesh = experiment.cpu_mesh
     layer = build_layer(config, mesh, seed=args.seed, weight_layout=args.weight_layout)
     parameters = layer.parameter_values()
     tiers = layer_tiers(args.weight_layout)
     rng = np.random.default_rng(args.seed)
-    bar = ProgressBar(len(args.tokens) * (len(tiers) + args.repeats))
+    bar = ProgressBar(len(args.tokens) * (2 * len(tiers) + args.repeats))
     rows = []
     for num_tokens in args.tokens:
         hidden = jax.device_put(jnp.asarray(rng.standard_normal((num_tokens, config.hidden_size)), config.dtype),
@@ -198,34 +156,19 @@ def measure_cpu(args: argparse.Namespace) -> tuple[LayerConfig, list[dict[str, A
         routed, shared = layer.partials(hidden)
         calls = {}
         for tier in tiers:
-            bar.step(f"cpu T={num_tokens} {tier.value}: compile and warm up")
-            calls[tier] = {
-                "layer": functools.partial(layer, hidden, tier=tier),
-                "tail": functools.partial(k3_tail.tail_forward, routed, shared, parameters["norm_scale"],
-                                          up_projection(parameters), config=config.tail, mesh=mesh,
-                                          tier=tier,
-                                          weight_layout=args.weight_layout),
-            }
-            for call in calls[tier].values():
-                for _ in range(args.warmup):
-                    call().block_until_ready()
-        seconds = {(tier, part): [] for tier in tiers for part in ("layer", "tail")}
-        for round_index in range(args.repeats):
-            bar.step(f"cpu T={num_tokens}: round {round_index + 1}/{args.repeats}")
-            start = round_index % len(tiers)
-            for tier in tiers[start:] + tiers[:start]:
-                for part, call in calls[tier].items():
-                    began = time.perf_counter()
-                    call().block_until_ready()
-                    seconds[tier, part].append(time.perf_counter() - began)
+            calls[tier.value, "layer"] = functools.partial(layer, hidden, tier=tier)
+            calls[tier.value, "tail"] = functools.partial(
+                k3_tail.tail_forward, routed, shared, parameters["norm_scale"], up_projection(parameters),
+                config=config.tail, mesh=mesh, tier=tier, weight_layout=args.weight_layout)
+        seconds = time_round_robin(calls, rounds=args.repeats, warmup=args.warmup, on_progress=lambda message,
+                                   tokens=num_tokens: bar.step(f"cpu T={tokens}: {message}"))
         selected = layer.plan(num_tokens).tier
-        native_median = float(np.median(seconds[k3_tail.Tier.NATIVE, "layer"]))
+        native_median = float(np.median(seconds["native", "layer"]))
         for tier in tiers:
-            layer_timing = benchmark.Timing.of(seconds[tier, "layer"])
-            tail_timing = benchmark.Timing.of(seconds[tier, "tail"])
+            layer_timing, tail_timing = Timing.of(seconds[tier.value, "layer"]), Timing.of(seconds[tier.value, "tail"])
             rows.append({
                 "num_tokens": num_tokens, "tier": tier.value, "selected": tier == selected,
-                "layer_s": dataclasses.asdict(layer_timing), "tail_s": dataclasses.asdict(tail_timing),
+                "layer_s": layer_timing, "tail_s": tail_timing,
                 "tail_share": tail_timing.median_s / layer_timing.median_s,
                 "layer_speedup_vs_native": native_median / layer_timing.median_s,
             })
@@ -233,9 +176,9 @@ def measure_cpu(args: argparse.Namespace) -> tuple[LayerConfig, list[dict[str, A
     return config, rows
 
 
-def format_cpu(config: LayerConfig, rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
+def format_cpu(config: LayerConfig, rows: list[dict[str, Any]], args) -> str:
     lines = [
-        f"cpu: the layer on {CPU_DEVICES} CPU devices: H={config.hidden_size}, L={config.latent_size}, "
+        f"cpu: the layer on {args.devices} CPU devices: H={config.hidden_size}, L={config.latent_size}, "
         f"m={config.expert_intermediate_size}, F={config.shared_intermediate_size} (Kimi-K3 / {args.width_divisor}), "
         f"{config.num_experts} experts, top {config.top_k}, {config.dtype.name}, {args.weight_layout} up projection; "
         f"{args.warmup} warm-up + {args.repeats} rounds",
@@ -245,7 +188,7 @@ def format_cpu(config: LayerConfig, rows: list[dict[str, Any]], args: argparse.N
 
     def line(row):
         name = row["tier"] + (" *" if row["selected"] else "")
-        return (f"{row['num_tokens']:>6}  {name:<17}{spread(row['layer_s']):>24}{spread(row['tail_s']):>24}"
+        return (f"{row['num_tokens']:>6}  {name:<17}{spread_ms(row['layer_s']):>24}{spread_ms(row['tail_s']):>24}"
                 f"{row['tail_share']:>12.1%}{row['layer_speedup_vs_native']:>16.2f}x")
 
     lines += grouped_by_token_count(rows, line)
@@ -263,18 +206,15 @@ def grouped_by_token_count(rows: list[dict[str, Any]], line: Callable[[dict[str,
     return lines
 
 
-def spread(timing: dict[str, float]) -> str:
-    return f"{format_ms(timing['median_s'])} ({format_ms(timing['q25_s'])}-{format_ms(timing['q75_s'])})"
-
-
 # ---- h100 ----
 
 
-def compile_h100(args: argparse.Namespace) -> tuple[LayerConfig, list[dict[str, Any]]]:
+def compile_h100(experiment: Experiment) -> tuple[LayerConfig, list[dict[str, Any]]]:
     """One row per (T, tier): the shared reduction of the compiled 8 x H100 layer (module docstring)."""
+    args = experiment.args
     config = LayerConfig.kimi_k3(num_experts=KIMI_K3_NUM_EXPERTS, top_k=KIMI_K3_TOP_K, early_shared_reduction=False)
     mesh = k3_tail.topology_mesh(args.topology)
-    tp_size = mesh.shape["tp"]
+    tp_size = mesh.shape[AXIS_NAME]
     tiers = layer_tiers(args.weight_layout)
     bar = ProgressBar(len(args.compile_tokens) * len(tiers))
     rows = []
@@ -285,7 +225,7 @@ def compile_h100(args: argparse.Namespace) -> tuple[LayerConfig, list[dict[str, 
             report = xla_report.report(compiled, shared_argument=None)
             rows.append({"num_tokens": num_tokens, "tier": tier.value, **shared_reduction_schedule(report),
                          "compiled_gemm_flops": report.gemm_flops,
-                         "useful_gemm_flops": layer_cost.layer_flops(config, num_tokens, tp_size, tier=tier,
+                         "useful_gemm_flops": layer_cost.layer_flops(config.sizes, num_tokens, tp_size, tier=tier,
                                                                      weight_layout=args.weight_layout)})
     bar.finish()
     return config, rows
@@ -314,8 +254,9 @@ def shared_reduction_schedule(report: k3_tail.XlaReport) -> dict[str, Any]:
 # ---- early ----
 
 
-def compile_early(args: argparse.Namespace) -> tuple[LayerConfig, list[dict[str, Any]]]:
+def compile_early(experiment: Experiment) -> tuple[LayerConfig, list[dict[str, Any]]]:
     """One row per (T, early or not): where the shared reduction runs in the compiled layer (module docstring)."""
+    args = experiment.args
     mesh = k3_tail.topology_mesh(args.topology)
     bar = ProgressBar(2 * len(args.compile_tokens))
     rows = []
@@ -324,10 +265,10 @@ def compile_early(args: argparse.Namespace) -> tuple[LayerConfig, list[dict[str,
             config = LayerConfig.kimi_k3(num_experts=KIMI_K3_NUM_EXPERTS, top_k=KIMI_K3_TOP_K,
                                          early_shared_reduction=early)
             bar.step(f"early T={num_tokens} {'early' if early else 'in the tail'}: compile")
-            tier = k3_tail.select_tier(config.tail, num_tokens, mesh.shape["tp"], weight_layout=args.weight_layout,
+            tier = k3_tail.select_tier(config.tail, num_tokens, mesh.shape[AXIS_NAME], weight_layout=args.weight_layout,
                                        platform="gpu").tier
-            placement = shared_reduction_placement(compile_layer(config, mesh, num_tokens,
-                                                                 weight_layout=args.weight_layout))
+            compiled = compile_layer(config, mesh, num_tokens, weight_layout=args.weight_layout)
+            placement = shared_reduction_placement(compiled, ROUTED_EXPERT_WEIGHTS)
             rows.append({"num_tokens": num_tokens, "early_shared_reduction": early, "tier": tier.value,
                          **dataclasses.asdict(placement),
                          "starts_before_the_routed_experts": placement.starts_before_the_routed_experts,
@@ -337,7 +278,7 @@ def compile_early(args: argparse.Namespace) -> tuple[LayerConfig, list[dict[str,
     return config, rows
 
 
-def format_early(config: LayerConfig, rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
+def format_early(config: LayerConfig, rows: list[dict[str, Any]], args) -> str:
     lines = [
         f"early: where the shared reduction runs in the layer compiled for a deviceless {args.topology} (Kimi-K3: 896 "
         f"experts, top 16, bf16, {args.weight_layout} up projection), the tier it selects; schedule positions",
@@ -354,7 +295,7 @@ def format_early(config: LayerConfig, rows: list[dict[str, Any]], args: argparse
     return "\n".join(lines)
 
 
-def format_h100(config: LayerConfig, rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
+def format_h100(config: LayerConfig, rows: list[dict[str, Any]], args) -> str:
     lines = [
         f"h100: the layer compiled for a deviceless {args.topology} (Kimi-K3: {config.num_experts} experts, top "
         f"{config.top_k}, bf16, {args.weight_layout} up projection), each tier with its compiler options",
@@ -373,18 +314,19 @@ def format_h100(config: LayerConfig, rows: list[dict[str, Any]], args: argparse.
     lines += grouped_by_token_count(rows, line)
     lines += ["up projection inside: the share of the tier's up-projection FLOPs scheduled between the shared",
               "reduction's start and done; overlapped: async, with all of it inside. useful GEMM FLOPs: the layer's",
-              "(examples/kimi_k3_moe_cost.py)"]
+              "(k3_tail.tools.layer_cost)"]
     return "\n".join(lines)
 
 
 # ---- cost ----
 
 
-def compile_cost(args: argparse.Namespace) -> tuple[LayerConfig, list[dict[str, Any]]]:
+def compile_cost(experiment: Experiment) -> tuple[LayerConfig, list[dict[str, Any]]]:
     """One row per T: the cost of the layer compiled for 8 x H100 with the tier it selects (module docstring)."""
+    args = experiment.args
     config = LayerConfig.kimi_k3(num_experts=KIMI_K3_NUM_EXPERTS, top_k=KIMI_K3_TOP_K)
     mesh = k3_tail.topology_mesh(args.topology)
-    tp_size = mesh.shape["tp"]
+    tp_size = mesh.shape[AXIS_NAME]
     expert_bytes = 3 * config.latent_size * config.expert_intermediate_size // tp_size * config.dtype.itemsize
     bar = ProgressBar(len(args.cost_tokens))
     rows = []
@@ -398,16 +340,16 @@ def compile_cost(args: argparse.Namespace) -> tuple[LayerConfig, list[dict[str, 
             "num_tokens": num_tokens, "tier": tier.value,
             "routed_expert_method": routed_expert_method(config, num_tokens).method,
             "compiled_gemm_flops": report.gemm_flops,
-            "useful_flops": layer_cost.layer_flops(config, num_tokens, tp_size, tier=tier,
+            "useful_flops": layer_cost.layer_flops(config.sizes, num_tokens, tp_size, tier=tier,
                                                    weight_layout=args.weight_layout),
             "bytes_accessed": report.bytes_accessed, "temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
-            "routed_weight_bytes_read": expert_bytes * layer_cost.experts_read(config, num_tokens),
+            "routed_weight_bytes_read": expert_bytes * layer_cost.experts_read(config.sizes, num_tokens),
         })
     bar.finish()
     return config, rows
 
 
-def format_cost(config: LayerConfig, rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
+def format_cost(config: LayerConfig, rows: list[dict[str, Any]], args) -> str:
     lines = [
         f"cost: the layer compiled for a deviceless {args.topology} (Kimi-K3: {config.num_experts} experts, top "
         f"{config.top_k}, bf16, {args.weight_layout} up projection) with the tier and routed-expert method it selects",
@@ -420,7 +362,7 @@ def format_cost(config: LayerConfig, rows: list[dict[str, Any]], args: argparse.
                      f"{row['compiled_gemm_flops'] / row['useful_flops']:>7.2f}x{row['bytes_accessed'] / 1e9:>13.2f}"
                      f"{row['temp_bytes'] / 1e6:>11,.1f}{row['temp_bytes'] / row['routed_weight_bytes_read']:>27.2f}x")
     lines += ["GEMM FLOPs from the HLO shapes (a while loop's body once; the gather method's multiply + reduce",
-              "fusions are not GEMMs); GB accessed: xla_report's HLO-shape estimate (a gathering fusion counts its",
+              "fusions are not GEMMs); GB accessed: the XLA report's HLO-shape estimate (a gathering fusion counts its",
               "whole weight operand); routed weights read: 3 L m/p bf16 per expected distinct expert"]
     return "\n".join(lines)
 
@@ -428,24 +370,26 @@ def format_cost(config: LayerConfig, rows: list[dict[str, Any]], args: argparse.
 # ---- model ----
 
 
-def predict_model(args: argparse.Namespace) -> tuple[LayerConfig, list[dict[str, Any]]]:
+def predict_model(experiment: Experiment) -> tuple[LayerConfig, list[dict[str, Any]]]:
     """One row per (expert weight precision, T): the layer's predicted time with native and each tier's gain."""
+    args = experiment.args
     config = LayerConfig.kimi_k3(num_experts=KIMI_K3_NUM_EXPERTS, top_k=KIMI_K3_TOP_K, early_shared_reduction=False)
+    sizes = config.sizes
     tiers = layer_tiers(args.weight_layout)
     rows = []
     for precision, expert_bytes in EXPERT_PRECISIONS.items():
         for num_tokens in args.model_tokens:
             options = dict(hardware=MODEL_HARDWARE, weight_layout=args.weight_layout, expert_weight_bytes=expert_bytes)
-            native = layer_cost.predict_layer(config, num_tokens, MODEL_TP_SIZE, tier=k3_tail.Tier.NATIVE, **options)
+            native = layer_cost.predict_layer(sizes, num_tokens, MODEL_TP_SIZE, tier=k3_tail.Tier.NATIVE, **options)
             selected = k3_tail.select_tier(config.tail, num_tokens, MODEL_TP_SIZE, weight_layout=args.weight_layout,
                                            platform="gpu").tier
             rows.append({
                 "expert_weights": precision, "num_tokens": num_tokens, "native_layer_s": native.total_s,
                 "native_tail_share": native.tail_share, "selected": selected.value,
-                "gain": {tier.value: layer_cost.layer_gain(config, num_tokens, MODEL_TP_SIZE, tier=tier, **options)
+                "gain": {tier.value: layer_cost.layer_gain(sizes, num_tokens, MODEL_TP_SIZE, tier=tier, **options)
                          for tier in tiers},
                 "early_reduction_gain": {
-                    name: layer_cost.early_reduction_gain(config, num_tokens, MODEL_TP_SIZE, hardware=name,
+                    name: layer_cost.early_reduction_gain(sizes, num_tokens, MODEL_TP_SIZE, hardware=name,
                                                           weight_layout=args.weight_layout,
                                                           expert_weight_bytes=expert_bytes)
                     for name in EARLY_REDUCTION_HARDWARE},
@@ -453,7 +397,7 @@ def predict_model(args: argparse.Namespace) -> tuple[LayerConfig, list[dict[str,
     return config, rows
 
 
-def format_model(config: LayerConfig, rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
+def format_model(config: LayerConfig, rows: list[dict[str, Any]], args) -> str:
     tiers = [tier.value for tier in layer_tiers(args.weight_layout) if tier != k3_tail.Tier.NATIVE]
     lines = [f"model: cost-model layer-level gain over native, {MODEL_HARDWARE.upper()} TP {MODEL_TP_SIZE}, Kimi-K3 "
              f"(896 experts, top 16), {args.weight_layout} up projection; the MoE layer alone"]
@@ -481,30 +425,22 @@ def format_model(config: LayerConfig, rows: list[dict[str, Any]], args: argparse
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    jax.config.update("jax_num_cpu_devices", CPU_DEVICES)
-    started = time.perf_counter()
-    machine = announce_machine()
+    experiment = Experiment(__doc__, repeats=3, warmup=1)
+    args = parse_args(experiment, argv)
+    experiment.cpu_mesh = experiment.mesh(accelerators=False)  # also keeps a GPU plugin from starting
     results: dict[str, Any] = {}
     sections = []
     for part in (part for part in PARTS if part in args.parts):
         produce, present = PART_STEPS[part]
         try:
-            config, rows = produce(args)
+            config, rows = produce(experiment)
         except k3_tail.TopologyUnavailable as error:  # the deviceless GPU parts need the [aot] extra
             progress(f"{part}: skipped: {error}")
             continue
         results[part] = {"config": describe(config), "rows": rows}
         sections.append(present(config, rows, args))
-    elapsed = time.perf_counter() - started
-    print("\n\n".join(["", *sections]))
-    print(f"\nelapsed {elapsed:.0f} s; load average {os.getloadavg()[0]:.2f} at end")
-    if args.json:
-        settings = {name: value for name, value in vars(args).items() if name != "json"}
-        with open(args.json, "w", encoding="utf-8") as file:
-            json.dump({"machine": machine, "settings": settings, "elapsed_s": elapsed, **results}, file, indent=1)
-        print(f"wrote {args.json}")
-    return 0
+    experiment.print("\n\n".join(["", *sections]))
+    return experiment.finish(**results)
 
 
 # Each part: what computes its rows, and what prints them.
@@ -520,4 +456,4 @@ def describe(config: LayerConfig) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

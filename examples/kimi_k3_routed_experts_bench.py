@@ -1,0 +1,103 @@
+"""The Kimi-K3 layer's time on the CPU mesh with each routed-expert method (examples/kimi_k3_routed_experts.py).
+
+    python -m examples.kimi_k3_routed_experts_bench [--tokens 64,256,1024] [--methods ragged_dot,capacity]
+        [--repeats 5] [--warmup 1] [--width-divisor 4] [--experts 8] [--top-k 2] [--seed 0] [--json FILE]
+
+The layer is :class:`KimiK3MoELayer` on --devices (8) CPU devices with stand-in weights at Kimi-K3's
+widths divided by --width-divisor (default 4: H 1792, L 896, m 768, F 1536, as
+examples/kimi_k3_layer_share.py's cpu part), --experts / --top-k (8 / 2), bf16, the up projection
+replicated, the tail tier it selects. Per T, the same hidden states go through the layer once per
+method of --methods (default: ragged_dot, the layer's method above T*k = E before, and capacity, its
+method now), each forced with ``LayerConfig(routed_experts=method)`` on the same parameters: compiled
+and run --warmup times, then timed in --repeats interleaved rounds
+(``k3_tail.tools.benchmark.time_round_robin``). Reported: median and q25-q75 in ms and the speed
+against the first method (its median over the method's); * marks the method the layer selects for
+that T. The CPU devices share the host's cores, and ragged_dot runs densely over the E experts on
+CPU: this ranks the methods on this machine only.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from examples import kimi_k3_moe_layer as layer_module
+from examples.kimi_k3_routed_experts import ROUTED_EXPERTS, routed_expert_method
+from k3_tail.tools.benchmark import Timing, time_round_robin
+from k3_tail.tools.experiment import (
+    Experiment, ProgressBar, choice_list, format_table, positive_int, positive_int_list, spread_ms,
+)
+
+
+def add_layer_arguments(experiment: Experiment) -> None:
+    """--width-divisor, --experts and --top-k: the CPU layer's shapes."""
+    add = experiment.parser.add_argument
+    add("--width-divisor", type=positive_int, default=4, metavar="D",
+        help="Kimi-K3's widths H, L, m, F divided by D (default: 4; 1 for the full widths)")
+    add("--experts", type=positive_int, default=8, metavar="E", help="routed experts (default: 8)")
+    add("--top-k", type=positive_int, default=2, metavar="K", help="experts per token (default: 2)")
+
+
+def cpu_layer_config(experiment: Experiment, **fields) -> layer_module.LayerConfig:
+    """Kimi-K3's widths / --width-divisor, --experts, --top-k and ``fields``; a usage error unless the
+    CPU mesh (--devices) can split it."""
+    args = experiment.args
+    try:
+        config = layer_module.LayerConfig.kimi_k3(num_experts=args.experts, top_k=args.top_k,
+                                                  width_divisor=args.width_divisor, **fields)
+        layer_module.partition_specs(config, args.devices)  # the mesh splits m and F by its devices
+    except ValueError as error:
+        experiment.parser.error(f"--width-divisor, --experts, --top-k: {error}")
+    return config
+
+
+def main(argv: list[str] | None = None) -> int:
+    experiment = Experiment(__doc__, repeats=5, warmup=1)
+    add = experiment.parser.add_argument
+    add("--tokens", type=positive_int_list, default=(64, 256, 1024), metavar="T,...",
+        help="token counts (default: 64,256,1024)")
+    add("--methods", type=choice_list(tuple(ROUTED_EXPERTS), "methods"), default=("ragged_dot", "capacity"),
+        metavar="METHOD,...", help=f"methods of {', '.join(ROUTED_EXPERTS)}, the first the baseline of the speed "
+        "column (default: ragged_dot,capacity)")
+    add_layer_arguments(experiment)
+    args = experiment.parse(argv)
+    config = cpu_layer_config(experiment)
+    mesh = experiment.mesh(accelerators=False)
+    parameters = layer_module.build_layer(config, mesh, seed=args.seed).parameter_values()
+    rng = np.random.default_rng(args.seed)
+    bar = ProgressBar(len(args.tokens) * (len(args.methods) + args.repeats))
+    rows = []
+    for num_tokens in args.tokens:
+        hidden = jax.device_put(jnp.asarray(rng.standard_normal((num_tokens, config.hidden_size)), config.dtype),
+                                NamedSharding(mesh, P()))
+        calls = {method: functools.partial(layer_module.layer_forward, parameters, hidden,
+                                           config=cpu_layer_config(experiment, routed_experts=method), mesh=mesh)
+                 for method in args.methods}
+        seconds = time_round_robin(calls, rounds=args.repeats, warmup=args.warmup,
+                                   on_progress=lambda message, tokens=num_tokens: bar.step(f"T={tokens}: {message}"))
+        selected = routed_expert_method(config, num_tokens).method
+        baseline = float(np.median(seconds[args.methods[0]]))
+        for method in args.methods:
+            timing = Timing.of(seconds[method])
+            rows.append({"num_tokens": num_tokens, "method": method, "selected": method == selected,
+                         "layer_s": timing, "speed_vs_first": baseline / timing.median_s})
+    bar.finish()
+    experiment.print(
+        f"the layer on {mesh.size} CPU devices: H={config.hidden_size}, L={config.latent_size}, "
+        f"m={config.expert_intermediate_size}, F={config.shared_intermediate_size} (Kimi-K3 / {args.width_divisor}), "
+        f"{config.num_experts} experts, top {config.top_k}, {config.dtype.name}, replicated up projection; "
+        f"{args.warmup} warm-up + {args.repeats} rounds", format_table(rows, [
+            ("T", ">6", lambda r: r["num_tokens"]), ("", "2", lambda r: ""),
+            ("method", "<13", lambda r: r["method"] + (" *" if r["selected"] else "")),
+            ("layer ms (q25-q75)", ">26", lambda r: spread_ms(r["layer_s"])),
+            (f"vs {args.methods[0]}", ">16", lambda r: f"{r['speed_vs_first']:.2f}x"),
+        ], group=lambda r: r["num_tokens"],
+            notes=["* the method the layer selects for that T; vs: the first method's median over this one's"]))
+    return experiment.finish(rows=rows)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,54 @@
+"""The tail's building blocks one at a time, for experiments that time or check one alone.
+
+Each is what the tiers run (:mod:`k3_tail.ops`, which stays internal), behind a signature that takes
+a :class:`~k3_tail.TailConfig` and plain arrays.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from k3_tail.config import TailConfig
+from k3_tail.ops import collectives, norm, up_projection
+from k3_tail.ops.codecs import CODECS
+from k3_tail.ops.columns import WEIGHT_LAYOUTS
+from k3_tail.ops.up_projection import FP8_FORMATS
+
+# The weight layouts ("column", "replicated"), the up projection's FP8 formats and the all-reduce codecs
+# ("int8", "int6", "int4").
+__all__ = ["CODEC_NAMES", "FP8_FORMATS", "WEIGHT_LAYOUTS", "all_reduce", "gemm_rows", "project",
+           "quantization_min_bytes", "quantized_codec", "rms_norm"]
+CODEC_NAMES = tuple(CODECS)
+
+
+def project(latent: jax.Array, kernel: jax.Array) -> jax.Array:
+    """``latent @ kernel`` [T, L] x [L, N] -> float32 [T, N] as the tiers' up projection computes it
+    (one row multiplied as two: :func:`gemm_rows`)."""
+    return up_projection.project(latent, kernel)
+
+
+def gemm_rows(rows: int) -> int:
+    """The rows the up projection's GEMM multiplies for ``rows`` latent rows: 2 for one, else ``rows``."""
+    return up_projection.gemm_rows(rows)
+
+
+def rms_norm(x: jax.Array, weight: jax.Array | None, config: TailConfig) -> jax.Array:
+    """The tail's RMSNorm of ``c * x`` [T, L] in float32, with ``config``'s eps and scale c."""
+    return norm.rms_norm(x, weight, eps=config.rms_norm_eps, scale=config.routed_scaling_factor)
+
+
+def all_reduce(x: jax.Array, config: TailConfig, *, axis_name: str, platform: str | None = None) -> jax.Array:
+    """Inside ``jax.shard_map``: the tail's sum of ``x`` [T, W] over ``axis_name`` on every rank, in the
+    form ``config`` gives it (quantised two-shot, one all-reduce, or reduce-scatter + all-gather)."""
+    return collectives.all_reduce(x, axis_name=axis_name, config=config, platform=platform)
+
+
+def quantization_min_bytes(config: TailConfig, tp_size: int) -> int | None:
+    """The smallest buffer in bytes ``config`` sums quantised over ``tp_size`` ranks, or None for none."""
+    return collectives.quantization_min_bytes(config, tp_size)
+
+
+def quantized_codec(config: TailConfig, nbytes: int, tp_size: int) -> str | None:
+    """The codec name a sum of an ``nbytes`` buffer over ``tp_size`` ranks travels in, or None."""
+    codec = collectives.quantized_codec(config, nbytes, tp_size)
+    return None if codec is None else codec.name

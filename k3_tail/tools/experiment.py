@@ -1,0 +1,378 @@
+"""What every measurement experiment needs: its flags, its devices, progress, a table and JSON.
+
+Devices: an experiment runs on a 1-d TP mesh (axis ``AXIS_NAME``) of every accelerator, or without
+one of ``--devices`` CPU devices (at most ``MAX_CPU_DEVICES``: JAX builds every forced CPU device
+before its first output). JAX takes the CPU device count only before its backend starts, so
+:func:`demo_devices` sets it before anything else touches JAX. Without ``JAX_PLATFORMS`` and without
+a GPU device node, :func:`use_cpu_without_gpu` selects the CPU platform first: an installed GPU plugin
+would otherwise print its failed start (a cuDNN traceback) before JAX falls back to the CPU.
+
+Flags, declared once (:class:`Experiment`): ``--devices N``, ``--repeats N`` (also spelt ``--rounds``:
+timed runs or interleaved rounds), ``--warmup N``, ``--seed S`` (an integer in [0, 2**32), what numpy
+takes) and ``--json FILE`` (``-``: stdout, the tables then go to stderr). Progress goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import enum
+import json
+import os
+import re
+import sys
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import IO, Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from k3_tail.config import TailConfig
+from k3_tail.tiers.registry import Tier
+from k3_tail.tools.benchmark import Timing, machine_info
+
+AXIS_NAME = "tp"
+DEFAULT_CPU_DEVICES = 8
+MAX_CPU_DEVICES = 512
+SEED_LIMIT = 2**32
+CONFIG_DTYPES = ("bfloat16", "float16", "float32")
+# Device nodes whose presence means a GPU backend can start (CUDA, ROCm).
+GPU_DEVICE_NODES = ("/dev/nvidiactl", "/dev/kfd")
+
+
+class CommandError(Exception):
+    """A failure to report to the user in one line (no traceback), with exit status 2."""
+
+
+# ---- devices ----
+
+
+def use_cpu_without_gpu() -> None:
+    """Select JAX's CPU platform when the user chose none and no GPU device node exists (module
+    docstring). Does nothing once JAX's backends are up, or when ``JAX_PLATFORMS`` is set."""
+    if os.environ.get("JAX_PLATFORMS") or jax.config.jax_platforms:
+        return
+    if any(os.path.exists(node) for node in GPU_DEVICE_NODES):
+        return
+    try:
+        jax.config.update("jax_platforms", "cpu")
+    except RuntimeError:
+        pass  # the backend is already initialised: nothing left to protect
+
+
+def demo_devices(cpu_device_count: int, *, accelerators: bool = True) -> list[jax.Device]:
+    """All accelerators (when ``accelerators`` and the default backend is one), else
+    ``cpu_device_count`` CPU devices; CommandError when JAX already started with fewer."""
+    try:
+        jax.config.update("jax_num_cpu_devices", cpu_device_count)
+    except RuntimeError:
+        pass  # the backend is already initialised: checked against the count below
+    if accelerators and jax.default_backend() != "cpu":
+        return jax.devices()
+    cpu_devices = jax.devices("cpu")
+    if len(cpu_devices) < cpu_device_count:
+        raise CommandError(
+            f"--devices {cpu_device_count}: JAX's CPU backend was already initialised with {len(cpu_devices)} "
+            "device(s); run the command in a fresh process"
+        )
+    return cpu_devices[:cpu_device_count]
+
+
+def tp_mesh(devices: Sequence[jax.Device]) -> Mesh:
+    """The 1-d TP mesh (axis ``AXIS_NAME``) over ``devices``."""
+    return jax.make_mesh((len(devices),), (AXIS_NAME,), devices=devices)
+
+
+def announce_machine(stream: IO[str] | None = None) -> dict:
+    """``benchmark.machine_info()``, after printing its line (what ran, and how loaded the host was)."""
+    machine = machine_info()
+    print(f"jax {machine['jax']}, {machine['device_count']} x {machine['device_kind']}, {machine['cpu_count']} x "
+          f"{machine['cpu_model']}, load average {machine['load_average_1min']:.2f} at start", file=stream, flush=True)
+    return machine
+
+
+def timing_mesh(cpu_device_count: int) -> tuple[Mesh, dict]:
+    """(The TP mesh of all accelerators or ``cpu_device_count`` CPU devices, the machine it runs on,
+    announced); CommandError when the devices cannot be had."""
+    use_cpu_without_gpu()
+    mesh = tp_mesh(demo_devices(cpu_device_count))
+    return mesh, announce_machine()
+
+
+# ---- argument types ----
+
+
+def bounded_int(text: str, minimum: int) -> int:
+    """``text`` as an integer >= ``minimum``, else argparse.ArgumentTypeError."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}") from None
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """``text`` as an integer >= 1 (argparse type)."""
+    return bounded_int(text, 1)
+
+
+def non_negative_int(text: str) -> int:
+    """``text`` as an integer >= 0 (argparse type)."""
+    return bounded_int(text, 0)
+
+
+def cpu_device_count(text: str) -> int:
+    """``text`` as a count of CPU devices to force, 1 to ``MAX_CPU_DEVICES`` (argparse type)."""
+    value = positive_int(text)
+    if value > MAX_CPU_DEVICES:
+        raise argparse.ArgumentTypeError(f"expected at most {MAX_CPU_DEVICES} CPU devices, got {value}")
+    return value
+
+
+def random_seed(text: str) -> int:
+    """``text`` as a random seed numpy takes, an integer in [0, ``SEED_LIMIT``) (argparse type)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value < SEED_LIMIT:
+        raise argparse.ArgumentTypeError(f"expected an integer in [0, 2**32), got {text!r}")
+    return value
+
+
+def positive_int_list(text: str) -> tuple[int, ...]:
+    """A comma-separated list of integers, each >= 1 (argparse type): token counts, TP sizes."""
+    return tuple(positive_int(item.strip()) for item in text.split(","))
+
+
+def choice_list(choices: Sequence[str], what: str) -> Callable[[str], tuple[str, ...]]:
+    """An argparse type: a comma-separated list of names among ``choices`` (``what`` names them in errors)."""
+
+    def parse(text: str) -> tuple[str, ...]:
+        names = tuple(item.strip() for item in text.split(","))
+        for name in names:
+            if name not in choices:
+                raise argparse.ArgumentTypeError(f"expected {what} among {', '.join(choices)}, got {name!r}")
+        return names
+
+    return parse
+
+
+def tier_values() -> str:
+    """The registry's tier values, comma-separated: "native, overlap, ..." (for help and errors)."""
+    return ", ".join(tier.value for tier in Tier)
+
+
+def tier_list(text: str) -> tuple[Tier, ...]:
+    """A comma-separated list of tier values (argparse type)."""
+    tiers = []
+    for item in text.split(","):
+        try:
+            tiers.append(Tier.parse(item.strip()))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected tiers among {tier_values()}, got {item.strip()!r}") from None
+    return tuple(tiers)
+
+
+def add_shape_arguments(group: argparse._ArgumentGroup) -> argparse._ArgumentGroup:
+    """``--hidden-size``, ``--latent-size`` and ``--dtype`` (Kimi-K3's by default) on ``group``; returns it."""
+    kimi = TailConfig.kimi_k3()
+    group.add_argument("--hidden-size", type=positive_int, default=kimi.hidden_size, metavar="H",
+                       help=f"hidden size H (default: {kimi.hidden_size})")
+    group.add_argument("--latent-size", type=positive_int, default=kimi.latent_size, metavar="L",
+                       help=f"latent size L (default: {kimi.latent_size})")
+    group.add_argument("--dtype", choices=CONFIG_DTYPES, default=kimi.dtype.name,
+                       help=f"activation and weight dtype (default: {kimi.dtype.name})")
+    return group
+
+
+
+# ---- the experiment ----
+
+
+class Experiment:
+    """One experiment's command line and output.
+
+    ``Experiment(__doc__, repeats=5)`` declares the common flags (module docstring): ``--devices``
+    unless ``devices=False``, ``--repeats``/``--rounds`` when ``repeats`` is its default, ``--warmup``
+    when ``warmup`` is, and always ``--seed`` and ``--json``; ``parser`` takes the experiment's own.
+    :meth:`parse` reads them, :meth:`mesh` makes the devices, :meth:`finish` prints the elapsed time and
+    writes the JSON (the machine, the settings and what the experiment passes).
+    """
+
+    def __init__(self, doc: str, *, devices: bool = True, repeats: int | None = None, warmup: int | None = None):
+        self.parser = argparse.ArgumentParser(description=doc.strip().split("\n\n")[0])
+        self.started = time.perf_counter()
+        self.machine: dict | None = None
+        add = self.parser.add_argument
+        if devices:
+            add("--devices", type=cpu_device_count, default=DEFAULT_CPU_DEVICES, metavar="N",
+                help=f"CPU devices to make without a GPU, at most {MAX_CPU_DEVICES} (default: {DEFAULT_CPU_DEVICES}); "
+                "with GPUs all GPUs are used")
+        if repeats is not None:
+            add("--repeats", "--rounds", dest="repeats", type=positive_int, default=repeats, metavar="N",
+                help=f"timed runs, or interleaved rounds each running every call once (default: {repeats})")
+        if warmup is not None:
+            add("--warmup", type=positive_int, default=warmup, metavar="N",
+                help=f"untimed runs of each call first, the first compiling (default: {warmup})")
+        add("--seed", type=random_seed, default=0, help="random seed, 0 <= SEED < 2**32 (default: 0)")
+        add("--json", metavar="FILE", help="also write the machine, the settings and every result ('-': stdout)")
+
+    def parse(self, argv: Sequence[str] | None = None) -> argparse.Namespace:
+        """The parsed flags (also ``self.args``); a usage error exits with status 2."""
+        self.args = self.parser.parse_args(argv)
+        self.out = sys.stderr if self.args.json == "-" else sys.stdout
+        return self.args
+
+    def error(self, message: str) -> None:
+        """Exit with status 2 and ``message`` in one line (no usage)."""
+        self.parser.exit(2, f"{self.parser.prog}: error: {message}\n")
+
+    def mesh(self, *, accelerators: bool = True) -> Mesh:
+        """The TP mesh of every accelerator (unless ``accelerators=False``) or ``--devices`` CPU devices,
+        after announcing the machine."""
+        if not accelerators:
+            try:
+                jax.config.update("jax_platforms", "cpu")  # no GPU plugin's start-up, not even a failed one
+            except RuntimeError:
+                pass  # the backend is already up: demo_devices takes its CPU devices
+        use_cpu_without_gpu()
+        try:
+            mesh = tp_mesh(demo_devices(self.args.devices, accelerators=accelerators))
+        except CommandError as error:
+            self.error(str(error))
+        self.machine = announce_machine(self.out)
+        return mesh
+
+    def print(self, *lines: str) -> None:
+        """``lines`` on the output (stdout, or stderr with ``--json -``)."""
+        print(*lines, sep="\n", file=self.out, flush=True)
+
+    def finish(self, **results: Any) -> int:
+        """Print the elapsed time and the load average, write ``--json`` (machine, settings, elapsed and
+        ``results``); returns 0, the exit status."""
+        elapsed = time.perf_counter() - self.started
+        self.print("", f"elapsed {elapsed:.0f} s; load average {os.getloadavg()[0]:.2f} at end")
+        if self.args.json:
+            settings = {name: value for name, value in vars(self.args).items() if name != "json"}
+            report = plain({"machine": self.machine or machine_info(), "settings": settings, "elapsed_s": elapsed,
+                            **results})
+            if self.args.json == "-":
+                json.dump(report, sys.stdout, indent=1)
+                sys.stdout.write("\n")
+            else:
+                with open(self.args.json, "w", encoding="utf-8") as stream:
+                    json.dump(report, stream, indent=1)
+                self.print(f"wrote {self.args.json}")
+        return 0
+
+
+def plain(value: Any) -> Any:
+    """``value`` as JSON data: dataclasses as dicts, enums by value, tuples as lists, numpy scalars as numbers."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return plain(dataclasses.asdict(value))
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, dict):
+        return {str(key): plain(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(item) for item in value]
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
+# ---- output ----
+
+
+class ProgressBar:
+    """A text progress bar on ``stream`` (default: stderr) over ``total`` steps, with the elapsed time.
+
+    On a terminal it redraws one line in place; elsewhere (a pipe, a CI log) it writes one line per
+    step instead, because carriage returns would pile up there as one garbled line.
+    """
+
+    WIDTH = 24
+
+    def __init__(self, total: int, stream: IO[str] | None = None):
+        self.total = total
+        self.stream = sys.stderr if stream is None else stream
+        self.interactive = self.stream.isatty()
+        self.done = 0
+        self.start = time.perf_counter()
+
+    def step(self, label: str) -> None:
+        """A step named ``label`` starts (the previous one, if any, is done)."""
+        self._draw(label)
+        self.done += 1
+
+    def finish(self) -> None:
+        """Every step is done."""
+        self.done = self.total
+        self._draw("done")
+        if self.interactive:
+            self.stream.write("\n")
+            self.stream.flush()
+
+    def _draw(self, label: str) -> None:
+        filled = self.WIDTH * self.done // max(self.total, 1)
+        text = (f"[{'#' * filled}{'-' * (self.WIDTH - filled)}] {self.done}/{self.total} "
+                f"{time.perf_counter() - self.start:.0f} s  {label}")
+        # "\x1b[K" erases what a longer previous label left on the line.
+        self.stream.write(f"\r{text}\x1b[K" if self.interactive else f"{text}\n")
+        self.stream.flush()
+
+
+def progress(message: str, end: str = "\n") -> None:
+    """``message`` to stderr at once, so a long run shows what it is doing."""
+    print(message, end=end, file=sys.stderr, flush=True)
+
+
+def format_ms(seconds: float) -> str:
+    """``seconds`` in milliseconds with about 3 significant digits (0.0123, 1.23, 123)."""
+    milliseconds = 1e3 * seconds
+    digits = next((d for d, bound in ((4, 0.1), (3, 1), (2, 10), (1, 100)) if milliseconds < bound), 0)
+    return f"{milliseconds:.{digits}f}"
+
+
+def quartiles_ms(timing: Timing | Mapping[str, float]) -> str:
+    """"q25-q75" in milliseconds of a :class:`Timing` or of a row holding its fields."""
+    fields = timing if isinstance(timing, Mapping) else vars(timing)
+    return f"{format_ms(fields['q25_s'])}-{format_ms(fields['q75_s'])}"
+
+
+def spread_ms(timing: Timing | Mapping[str, float]) -> str:
+    """"median (q25-q75)" in milliseconds of a :class:`Timing` or of a row holding its fields."""
+    fields = timing if isinstance(timing, Mapping) else vars(timing)
+    return f"{format_ms(fields['median_s'])} ({quartiles_ms(fields)})"
+
+
+# A column of format_table: (title, format spec of its cells such as ">9.2f" or "<16", the cell's value).
+Column = tuple[str, str, Callable[[Any], Any]]
+_ALIGN_AND_WIDTH = re.compile(r"[<>^]?\d*")
+
+
+def format_table(rows: Iterable[Any], columns: Sequence[Column], *, group: Callable[[Any], Any] | None = None,
+                 notes: Sequence[str] = ()) -> str:
+    """A text table: the titles, one line per row (each cell ``format(value(row), spec)``), a blank line
+    where ``group(row)`` changes, then ``notes``."""
+    lines = ["".join(format(title, _ALIGN_AND_WIDTH.match(spec).group()) for title, spec, _ in columns)]
+    previous = None
+    for index, row in enumerate(rows):
+        key = group(row) if group is not None else None
+        if index and key != previous:
+            lines.append("")
+        previous = key
+        lines.append("".join(format(value(row), spec) for _, spec, value in columns))
+    return "\n".join([*lines, *notes])
+
+
+def markdown_table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    """A Markdown table of ``header`` and ``rows`` (cells as given), right-aligned columns."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---:" for _ in header) + "|"]
+    lines += ["| " + " | ".join(map(str, row)) + " |" for row in rows]
+    return "\n".join(lines)
