@@ -32,7 +32,7 @@ from jax.sharding import PartitionSpec as P
 
 from k3_tail import TailConfig, Tier, tail_forward
 from k3_tail.tools.accuracy import random_partials, random_weights, reference_tail, relative_error
-from k3_tail.tools.blocks import CODEC_NAMES, quantization_min_bytes, quantized_codec
+from k3_tail.tools.blocks import CODEC_NAMES
 from k3_tail.tools.experiment import (
     AXIS_NAME, Experiment, ProgressBar, choice_list, markdown_table, positive_int, positive_int_list, tier_list,
 )
@@ -123,9 +123,9 @@ def default_sizes(tokens, p: int, config: TailConfig) -> list[dict]:
         buffers = {name: num_tokens * width * config.dtype.itemsize for name, width in widths.items()}
         entries.append({
             "num_tokens": num_tokens, "buffer_bytes": buffers,
-            "quantized": {codec: [name for name, nbytes in buffers.items() if quantized_codec(c, nbytes, p)]
+            "quantized": {codec: [name for name, nbytes in buffers.items() if c.sum_plan(p).codec_for(nbytes)]
                           for codec, c in configs.items()},
-            "min_bytes": {codec: quantization_min_bytes(c, p) for codec, c in configs.items()}})
+            "min_bytes": {codec: c.quantization_min_bytes(p) for codec, c in configs.items()}})
     return entries
 
 

@@ -40,7 +40,7 @@ from examples import kimi_k3_routed_experts as routed_experts
 from examples.kimi_k3_moe_reference import reference_routed_experts
 from k3_tail.tools import layer_cost
 from k3_tail.tools.layer_schedule import SharedReductionPlacement, shared_reduction_placement
-from k3_tail import xla_report
+from k3_tail.xla import report as xla_report
 from helpers import FAST_COMPILE_OPTIONS, gpu_mesh_for, make_tp_mesh, once_per_session, topology_params
 from reference import relative_error
 

@@ -7,6 +7,7 @@ a :class:`~k3_tail.TailConfig` and plain arrays.
 from __future__ import annotations
 
 import jax
+from jax import lax
 
 from k3_tail.config import TailConfig
 from k3_tail.ops import collectives, norm, up_projection
@@ -16,8 +17,7 @@ from k3_tail.ops.up_projection import FP8_FORMATS
 
 # The weight layouts ("column", "replicated"), the up projection's FP8 formats and the all-reduce codecs
 # ("int8", "int6", "int4").
-__all__ = ["CODEC_NAMES", "FP8_FORMATS", "WEIGHT_LAYOUTS", "all_reduce", "gemm_rows", "project",
-           "quantization_min_bytes", "quantized_codec", "rms_norm"]
+__all__ = ["CODEC_NAMES", "FP8_FORMATS", "WEIGHT_LAYOUTS", "all_reduce", "gemm_rows", "project", "rms_norm"]
 CODEC_NAMES = tuple(CODECS)
 
 
@@ -40,15 +40,5 @@ def rms_norm(x: jax.Array, weight: jax.Array | None, config: TailConfig) -> jax.
 def all_reduce(x: jax.Array, config: TailConfig, *, axis_name: str, platform: str | None = None) -> jax.Array:
     """Inside ``jax.shard_map``: the tail's sum of ``x`` [T, W] over ``axis_name`` on every rank, in the
     form ``config`` gives it (quantised two-shot, one all-reduce, or reduce-scatter + all-gather)."""
-    return collectives.all_reduce(x, axis_name=axis_name, config=config, platform=platform)
-
-
-def quantization_min_bytes(config: TailConfig, tp_size: int) -> int | None:
-    """The smallest buffer in bytes ``config`` sums quantised over ``tp_size`` ranks, or None for none."""
-    return collectives.quantization_min_bytes(config, tp_size)
-
-
-def quantized_codec(config: TailConfig, nbytes: int, tp_size: int) -> str | None:
-    """The codec name a sum of an ``nbytes`` buffer over ``tp_size`` ranks travels in, or None."""
-    codec = collectives.quantized_codec(config, nbytes, tp_size)
-    return None if codec is None else codec.name
+    sums = config.sum_plan(lax.axis_size(axis_name), platform)
+    return collectives.all_reduce(x, axis_name=axis_name, sums=sums)

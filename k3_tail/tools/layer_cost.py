@@ -48,7 +48,7 @@ from k3_tail.config import TailConfig
 from k3_tail.ops.tokens import padded_token_count
 from k3_tail.selection import cost_model
 from k3_tail.tiers.registry import Tier
-from k3_tail.tools.blocks import gemm_rows, quantized_codec
+from k3_tail.tools.blocks import gemm_rows
 
 MXFP4_BYTES = 4.25 / 8
 
@@ -163,7 +163,7 @@ def shared_reduction(config: MoELayerSizes, num_tokens: int, tp_size: int) -> co
     if config.tail.sequence_parallel:
         kind, rows = cost_model.REDUCE_SCATTER, padded_token_count(num_tokens, tp_size)
     nbytes = element * rows * config.tail.hidden_size
-    return cost_model.CollectiveCost(kind, nbytes, tp_size, codec=quantized_codec(config.tail, nbytes, tp_size),
+    return cost_model.CollectiveCost(kind, nbytes, tp_size, codec=_codec_name(config.tail, nbytes, tp_size),
                                      element_bytes=element)
 
 
@@ -196,3 +196,9 @@ def layer_gain(config: MoELayerSizes, num_tokens: int, tp_size: int, *, tier: Ti
                                  weight_layout=weight_layout, expert_weight_bytes=expert_weight_bytes)
                    for choice in (tier, Tier.NATIVE)]
     return 1 - predictions[0].total_s / predictions[1].total_s
+
+
+def _codec_name(config: TailConfig, nbytes: int, tp_size: int) -> str | None:
+    """The codec a sum of ``nbytes`` over ``tp_size`` ranks travels in under ``config``, or None."""
+    codec = config.sum_plan(tp_size).codec_for(nbytes)
+    return None if codec is None else codec.name
