@@ -313,37 +313,36 @@ def test_format_table_too_wide_for_the_terminal_prints_a_block_per_row():
                                   "    GEMM"]
 
 
-def hlo_rows(*argv):
-    """The rows of an ``hlo`` sweep on 2 CPU devices (its --json)."""
-    result = run_cli("hlo", "--topology", "cpu", "--devices", "2", *argv, "--json")
-    assert result.returncode == 0, result.stderr
-    return json.loads(result.stdout)
+def hlo_rows(capsys, *argv):
+    """The document of an ``hlo`` sweep on 2 CPU devices (its --json), run in this process."""
+    assert main(["hlo", "--topology", "cpu", "--devices", "2", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
 
 
-def test_hlo_sweeps_the_cross_product_of_token_counts_and_tiers():
-    rows = hlo_rows("--tokens", "1,2", "--tier", "native,overlap")["rows"]
+def test_hlo_sweeps_the_cross_product_of_token_counts_and_tiers(capsys):
+    rows = hlo_rows(capsys, "--tokens", "1,2", "--tier", "native,overlap")["rows"]
     assert [(row["num_tokens"], row["tier"]) for row in rows] == [(1, "native"), (1, "overlap"), (2, "native"),
                                                                   (2, "overlap")]
     assert all(row["accessed_vs_baseline_tokens"] == 1.0 for row in rows if row["num_tokens"] == 2)
 
 
-def test_hlo_sweep_of_all_tiers_leaves_out_those_the_layout_cannot_run():
-    document = hlo_rows("--tokens", "1", "--tier", "all", "--weight-layout", "column,replicated")
+def test_hlo_sweep_of_all_tiers_leaves_out_those_the_layout_cannot_run(capsys):
+    document = hlo_rows(capsys, "--tokens", "1", "--tier", "all", "--weight-layout", "column,replicated")
     column = {row["tier"] for row in document["rows"] if row["weight_layout"] == "column"}
     replicated = {row["tier"] for row in document["rows"] if row["weight_layout"] == "replicated"}
     assert column == {tier.value for tier in Tier if tier.supports("column")} and len(replicated) == len(Tier)
     assert len(document["left_out"]) == len(Tier) - len(column)
 
 
-def test_hlo_sweep_of_kernel_variants_holds_half_the_kernel_in_fp8():
-    rows = hlo_rows("--tokens", "1", "--tier", "native", "--kernels", "bf16,fp8,fp8+act")["rows"]
+def test_hlo_sweep_of_kernel_variants_holds_half_the_kernel_in_fp8(capsys):
+    rows = hlo_rows(capsys, "--tokens", "1", "--tier", "native", "--kernels", "bf16,fp8,fp8+act")["rows"]
     bf16, fp8, fp8_act = rows
     assert (fp8["up_proj_dtype"], fp8_act["fp8_activations"]) == ("float8_e4m3fn", True)
     assert fp8["kernel_bytes"] < 0.6 * bf16["kernel_bytes"] and fp8_act["kernel_bytes"] == fp8["kernel_bytes"]
 
 
-def test_hlo_sweep_of_quantised_sums_compiles_unquantised_once_and_each_codec_at_each_minimum():
-    rows = hlo_rows("--tokens", "16", "--tier", "native", "--all-reduce-quantization", "none,int4",
+def test_hlo_sweep_of_quantised_sums_compiles_unquantised_once_and_each_codec_at_each_minimum(capsys):
+    rows = hlo_rows(capsys, "--tokens", "16", "--tier", "native", "--all-reduce-quantization", "none,int4",
                     "--quantized-all-reduce-min-bytes", "0,vllm")["rows"]
     assert [row["sums"] for row in rows] == ["unquantised", "int4, every sum", "int4, vLLM minimum"]
     assert rows[0]["wire_vs_unquantised"] == 1.0 and rows[1]["wire_vs_unquantised"] < 0.5

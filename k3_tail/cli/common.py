@@ -536,8 +536,8 @@ def format_bench_table(measurements: Sequence[Measurement], config: TailConfig, 
             lines.append(f"{tp_size:>4}{num_tokens:>7}  {m.tier.value:<16}{format_ms(m.timing.median_s):>11}"
                          f"{spread:>19}{speedup:>11}{format_vs_fastest(m.timing, fastest):>12}{selected}")
         lines.append(f"{'':>11}p={tp_size} T={num_tokens}: {format_selection_gap(selection.tier, timings)}")
-    lines += ["", "* the tier select_tier picks for that call (config, T, p, layout, device kind); vs fastest: the "
-              "median against the fastest tier's at that (p, T)"]
+    lines += ["", "* the tier select_tier picks for that call (config, T, p, layout, device kind)",
+              "vs fastest: the median against the fastest tier's at that (p, T)"]
     return "\n".join(lines)
 
 

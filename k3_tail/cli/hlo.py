@@ -297,8 +297,8 @@ def run(args: argparse.Namespace) -> int:
     bar = ProgressBar(len(cases))
     rows = []
     for case in cases:
-        bar.step(f"{case.topology} T={case.num_tokens} {getattr(case.tier, 'value', case.tier)} {case.weight_layout} "
-                 f"{case.kernel} {case.sums}")
+        tier = case.tier if case.tier == AUTO else case.tier.value
+        bar.step(f"{case.topology} T={case.num_tokens} {tier} {case.weight_layout} {case.kernel} {case.sums}")
         rows.append(case_row(case, meshes[case.topology], case.config(fp8_format, args.reduced_shared)))
     bar.finish()
     add_ratios(rows, args.baseline_tokens)
