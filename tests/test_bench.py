@@ -226,6 +226,17 @@ def test_bench_table_has_a_row_per_p_t_and_tier(bench_run):
     assert sorted(selected) == sorted({(p, t) for p, t, _ in EXPECTED_ROWS})  # select_tier's pick, once per (p, T)
 
 
+def test_bench_table_marks_the_fastest_tier_and_says_how_far_the_selection_is(bench_run):
+    result, _ = bench_run
+    rows = [line.split() for line in result.stdout.splitlines() if re.match(r"\s*\d+\s+\d+\s", line)]
+    fastest = [(int(row[0]), int(row[1])) for row in rows if row[6] == "fastest"]
+    assert sorted(fastest) == sorted({(p, t) for p, t, _ in EXPECTED_ROWS})  # one per (p, T)
+    assert all(re.fullmatch(r"\+[\d.]+%", row[6]) for row in rows if row[6] != "fastest")
+    gaps = re.findall(r"^\s*p=(\d+) T=(\d+): selected \w+(?:, the fastest|, fastest \w+: selection [\d.]+% slower)",
+                      result.stdout, flags=re.MULTILINE)
+    assert sorted((int(p), int(t)) for p, t in gaps) == sorted(fastest)
+
+
 def test_bench_json_has_every_measurement_with_consistent_statistics(bench_run):
     document = json.loads(bench_run[1]["json"].read_text())
     assert document["config"]["hidden_size"] == 64 and document["machine"]["device_count"] == 8

@@ -5,15 +5,19 @@ import json
 import subprocess
 import sys
 
+import jax
 import pytest
 
 from helpers import command_environment
-from k3_tail.cli import build_parser, main
+from k3_tail.cli import build_parser, calibrate, demo, hlo, main
 from k3_tail.cli.common import (
-    MAX_CPU_DEVICES, all_reduce_quantization_options, describe_config, measurement_config, up_projection_options,
+    MAX_CPU_DEVICES, all_reduce_quantization_options, describe_config, format_bytes, format_seconds,
+    format_selection_gap, format_table, measurement_config, up_projection_options,
 )
 from k3_tail.config import TailConfig
-from k3_tail.tiers.registry import Tier, tier_table
+from k3_tail.selection.rules import select_tier
+from k3_tail.tiers.registry import TIER_RECORDS, Tier, tier_table
+from k3_tail.tools.benchmark import Measurement, Timing
 
 AOT_MISSING = importlib.util.find_spec("jax_plugins.xla_cuda13") is None
 
@@ -107,7 +111,8 @@ def test_every_command_that_runs_the_tail_takes_the_all_reduce_quantization_flag
     extra = ["--out", "table.json"] if command == "calibrate" else []
     args = build_parser().parse_args([command, *extra, "--all-reduce-quantization", "int6",
                                       "--quantized-all-reduce-min-bytes", "4096"])
-    options = all_reduce_quantization_options(args)
+    # hlo takes lists of each (a sweep): here one codec and one minimum, so one way for the sums to travel.
+    options = hlo.sum_options(args)[0] if command == "hlo" else all_reduce_quantization_options(args)
     assert options == {"all_reduce_quantization": "int6", "quantized_all_reduce_min_bytes": 4096}
     config = measurement_config(args) if command in ("bench", "calibrate") else TailConfig.kimi_k3(**options)
     assert config.all_reduce_quantization == "int6" and config.quantized_all_reduce_min_bytes == 4096
@@ -163,8 +168,8 @@ def test_hlo_unknown_topology_is_a_one_line_error():
     assert result.stderr.startswith("k3-tail hlo: error: --topology") and "Traceback" not in result.stderr
 
 
-def test_tiers_prints_the_registry_tier_table(capsys):
-    assert main(["tiers"]) == 0
+def test_tiers_markdown_prints_the_registry_tier_table(capsys):
+    assert main(["tiers", "--markdown"]) == 0
     assert capsys.readouterr().out == tier_table() + "\n"
 
 
@@ -192,3 +197,181 @@ def test_tier_flags_help_names_every_registered_tier(command, capsys):
     text = " ".join(capsys.readouterr().out.split())
     for tier in Tier:
         assert tier.value in text
+
+
+# ---- what the output says: the fastest tier, noise, extrapolation, units, widths ----
+
+
+def timing(median_s, spread_s=0.0):
+    """A Timing of ``median_s`` whose q25-q75 range is ``median_s`` +- ``spread_s``."""
+    return Timing(median_s=median_s, min_s=median_s - 2 * spread_s, max_s=median_s + 2 * spread_s,
+                  q25_s=median_s - spread_s, q75_s=median_s + spread_s, repeats=5)
+
+
+def test_format_bytes_scales_to_the_figure():
+    assert [format_bytes(count) for count in (512, 12.3 * 2**10, 6.13 * 2**20, 1.5 * 2**30)] == [
+        "512 B", "12.3 KiB", "6.13 MiB", "1.50 GiB"]
+
+
+def test_format_seconds_scales_to_the_figure():
+    assert [format_seconds(seconds) for seconds in (812e-6, 1.234e-3, 2.5)] == ["812 us", "1.23 ms", "2.50 s"]
+
+
+def test_the_selection_gap_says_how_much_slower_the_selected_tier_is():
+    gap = format_selection_gap(Tier.NATIVE, {Tier.NATIVE: timing(1.25e-3), Tier.OVERLAP: timing(1e-3)})
+    assert gap == "selected native, fastest overlap: selection 25% slower (1.25 ms vs 1.00 ms)"
+
+
+def test_the_selection_gap_says_when_the_two_are_within_noise():
+    gap = format_selection_gap(Tier.NATIVE, {Tier.NATIVE: timing(1.05e-3, 1e-4), Tier.OVERLAP: timing(1e-3, 1e-4)})
+    assert gap.endswith("within noise: their q25-q75 ranges overlap)")
+
+
+def test_the_selection_gap_of_the_fastest_tier_says_so():
+    assert format_selection_gap(Tier.OVERLAP, {Tier.NATIVE: timing(2e-3), Tier.OVERLAP: timing(1e-3)}) == (
+        "selected overlap, the fastest")
+
+
+def test_demo_table_marks_the_fastest_tier_beside_the_selected_one(capsys):
+    selection = select_tier(TailConfig.kimi_k3(), 16, 8, weight_layout="column", device_kind="cpu")
+    other = Tier.NATIVE if selection.tier != Tier.NATIVE else Tier.OVERLAP
+    rows = [demo.TierRow(16, tier, selection, 0.0, 0.0, timing(seconds))
+            for tier, seconds in ((selection.tier, 1.1e-3), (other, 1e-3))]
+    demo.print_table(rows)
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[-1] for line in lines if f"  {other.value} " in line] == ["fastest"]
+    selected_row, = (line for line in lines if f"  {selection.tier.value} " in line)
+    assert "+10%" in selected_row and f"<- {selection.reason}" in selected_row
+    assert lines[-1].strip() == (f"T=16: selected {selection.tier.value}, fastest {other.value}: selection 10% slower "
+                                 "(1.10 ms vs 1.00 ms)")
+
+
+def measurements_at(num_tokens, *timings):
+    return [Measurement(tier, num_tokens, 2, "column", tier_timing) for tier, tier_timing in timings]
+
+
+def test_calibrate_warns_when_the_winner_is_within_the_noise():
+    warnings = calibrate.noise_warnings([
+        *measurements_at(1, (Tier.NATIVE, timing(1e-3)), (Tier.OVERLAP, timing(2e-3))),
+        *measurements_at(8, (Tier.NATIVE, timing(1.02e-3, 1e-4)), (Tier.OVERLAP, timing(1e-3, 1e-4))),
+    ])
+    assert len(warnings) == 1
+    assert warnings[0].startswith("warning: T=8: overlap wins by 2.0% (1.00 ms vs native's 1.02 ms), within the noise")
+
+
+def test_calibrate_does_not_warn_when_the_winner_is_clear():
+    assert calibrate.noise_warnings(
+        measurements_at(8, (Tier.NATIVE, timing(1.2e-3, 1e-5)), (Tier.OVERLAP, timing(1e-3, 1e-5)))) == []
+
+
+def test_calibrate_says_the_last_range_is_extrapolated(tmp_path, capsys):
+    assert main(["calibrate", "--out", str(tmp_path / "table.json"), "--tokens", "1,4", "--hidden-size", "64",
+                 "--latent-size", "32", "--repeats", "1", "--tp-size", "2", "--tiers", "native,overlap"]) == 0
+    assert "T > 4 is extrapolated: no larger T was measured" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="this host has accelerators")
+def test_hlo_local_topology_without_accelerators_is_a_one_line_error(capsys):
+    assert main(["hlo", "--topology", "local"]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("k3-tail hlo: error: --topology local: this machine has no accelerators")
+    assert error.count("\n") == 1
+
+
+@pytest.mark.parametrize("width", [60, 100, 200])
+def test_tiers_table_fits_the_terminal_width(width, monkeypatch, capsys):
+    monkeypatch.setenv("COLUMNS", str(width))
+    assert main(["tiers"]) == 0
+    assert max(map(len, capsys.readouterr().out.splitlines())) <= width
+
+
+@pytest.mark.parametrize("width", [80, 140], ids=["blocks", "table"])
+def test_tiers_table_wraps_long_cells_keeping_every_word(width, monkeypatch, capsys):
+    monkeypatch.setenv("COLUMNS", str(width))
+    assert main(["tiers"]) == 0
+    words = capsys.readouterr().out.split()
+    for record in TIER_RECORDS:
+        assert all(word in words for word in record.summary.split())
+
+
+def test_tiers_prints_a_plain_table_not_markdown_by_default(monkeypatch, capsys):
+    monkeypatch.setenv("COLUMNS", "200")
+    assert main(["tiers"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[0] == "tier" and not any(line.startswith("|") for line in lines)
+
+
+def test_format_table_right_aligns_figures_and_wraps_only_text():
+    table = format_table(["name", "bytes"], [["a long name to wrap", "12.3 MiB"], ["b", "512 B"]], width=20, right={1})
+    assert table.splitlines() == ["name" + " " * 11 + "bytes", "-" * 10 + "  " + "-" * 8, "a long      12.3 MiB",
+                                  "name to", "wrap", "", "b" + " " * 14 + "512 B"]
+
+
+def test_format_table_too_wide_for_the_terminal_prints_a_block_per_row():
+    table = format_table(["tier", "schedule"], [["overlap", "AR(r) + norm; AR(s) started; GEMM"]], width=12)
+    assert table.splitlines() == ["overlap", "  schedule:", "    AR(r) +", "    norm;", "    AR(s)", "    started;",
+                                  "    GEMM"]
+
+
+def hlo_rows(capsys, *argv):
+    """The document of an ``hlo`` sweep on 2 CPU devices (its --json), run in this process."""
+    assert main(["hlo", "--topology", "cpu", "--devices", "2", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_hlo_sweeps_the_cross_product_of_token_counts_and_tiers(capsys):
+    rows = hlo_rows(capsys, "--tokens", "1,2", "--tier", "native,overlap")["rows"]
+    assert [(row["num_tokens"], row["tier"]) for row in rows] == [(1, "native"), (1, "overlap"), (2, "native"),
+                                                                  (2, "overlap")]
+    assert all(row["accessed_vs_baseline_tokens"] == 1.0 for row in rows if row["num_tokens"] == 2)
+
+
+def test_hlo_sweep_of_all_tiers_leaves_out_those_the_layout_cannot_run(capsys):
+    document = hlo_rows(capsys, "--tokens", "1", "--tier", "all", "--weight-layout", "column,replicated")
+    column = {row["tier"] for row in document["rows"] if row["weight_layout"] == "column"}
+    replicated = {row["tier"] for row in document["rows"] if row["weight_layout"] == "replicated"}
+    assert column == {tier.value for tier in Tier if tier.supports("column")} and len(replicated) == len(Tier)
+    assert len(document["left_out"]) == len(Tier) - len(column)
+
+
+def test_hlo_sweep_of_kernel_variants_holds_half_the_kernel_in_fp8(capsys):
+    rows = hlo_rows(capsys, "--tokens", "1", "--tier", "native", "--kernels", "bf16,fp8,fp8+act")["rows"]
+    bf16, fp8, fp8_act = rows
+    assert (fp8["up_proj_dtype"], fp8_act["fp8_activations"]) == ("float8_e4m3fn", True)
+    assert fp8["kernel_bytes"] < 0.6 * bf16["kernel_bytes"] and fp8_act["kernel_bytes"] == fp8["kernel_bytes"]
+
+
+def test_hlo_sweep_of_quantised_sums_compiles_unquantised_once_and_each_codec_at_each_minimum(capsys):
+    rows = hlo_rows(capsys, "--tokens", "16", "--tier", "native", "--all-reduce-quantization", "none,int4",
+                    "--quantized-all-reduce-min-bytes", "0,vllm")["rows"]
+    assert [row["sums"] for row in rows] == ["unquantised", "int4, every sum", "int4, vLLM minimum"]
+    assert rows[0]["wire_vs_unquantised"] == 1.0 and rows[1]["wire_vs_unquantised"] < 0.5
+    assert any(form.startswith("int4-quantised all-to-all") for form in rows[1]["collectives"])
+
+
+def test_hlo_table_scales_its_units_and_says_the_constant_labels_once(capsys):
+    assert main(["hlo", "--topology", "cpu", "--devices", "2", "--tokens", "1", "--tier", "native",
+                 "--columns", "accessed,kernel_held,wire"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "topology cpu; T 1; layout column; kernel bf16; sums unquantised" in lines
+    header = lines.index(next(line for line in lines if line.startswith("tier")))
+    assert lines[header].split() == ["tier", "accessed", "kernel", "held", "wire"]
+    row = lines[header + 2].split()
+    assert row[0] == "native" and row[2] == "MiB" and row[4] == "MiB" and row[6] in ("B", "KiB")
+
+
+def test_hlo_markdown_prints_the_table_as_markdown(capsys):
+    assert main(["hlo", "--topology", "cpu", "--devices", "2", "--tokens", "1,2", "--tier", "native",
+                 "--markdown"]) == 0
+    table = [line for line in capsys.readouterr().out.splitlines() if line.startswith("|")]
+    assert table[0] == "| T | tier | accessed | temp | GEMMs | wire | overlapped |"
+    assert table[1] == "| ---: | --- | ---: | ---: | ---: | ---: | --- |" and len(table) == 4
+
+
+def test_hlo_help_explains_every_column(capsys):
+    with pytest.raises(SystemExit):
+        main(["hlo", "--help"])
+    text = capsys.readouterr().out
+    for name, column in hlo.COLUMNS.items():
+        assert f"  {name} " in text and column.label.format(baseline="N") in text
+    assert "B, KiB, MiB, GiB" in text

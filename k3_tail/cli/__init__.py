@@ -2,11 +2,12 @@
 
 Commands:
   demo       every tier on Kimi-K3 shapes, checked against native and timed (:mod:`k3_tail.cli.demo`)
-  hlo        compile one tail call and report its cost, collectives and overlap (:mod:`k3_tail.cli.hlo`)
+  hlo        compile tail calls (one, or a sweep over tiers, layouts, kernels, sums, T, topologies) and report
+             their cost, collectives and overlap (:mod:`k3_tail.cli.hlo`)
   bench      time the tiers over token counts x TP sizes; table, JSON, CSV, plot (:mod:`k3_tail.cli.bench`)
   calibrate  measure the tiers and write a selection table for ``selection_policy="measured"``
              (:mod:`k3_tail.cli.calibrate`)
-  tiers      the tier table, or the tier records as JSON (:mod:`k3_tail.cli.tiers`)
+  tiers      the tier table (terminal-wide, or Markdown), or the tier records as JSON (:mod:`k3_tail.cli.tiers`)
 
 Each command module has ``add_parser(commands)``, which registers its subparser, and ``run(args)``,
 which takes the parsed arguments and returns the exit status; a

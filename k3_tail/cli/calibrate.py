@@ -4,8 +4,10 @@ Measures the tiers as ``bench`` does (the same measurement flags), on one TP siz
 the first P devices, default all), keeps the fastest tier per token count and writes the token
 ranges -> tier table as JSON (:class:`k3_tail.selection.table.SelectionTable`) to ``--out``, for
 ``TailConfig(selection_policy="measured", selection_table=SelectionTable.load(FILE))``. The table is
-valid for this device kind, TP size, kernel layout, shapes and dtype only. Every argument is checked
-before anything is measured; a bad one is a one-line error (exit status 2).
+valid for this device kind, TP size, kernel layout, shapes and dtype only. It warns where a winner is
+within the noise of the runs (its q25-q75 range overlaps the runner-up's: more ``--repeats`` may
+pick the other) and says that the last range, above the largest T measured, is extrapolated. Every
+argument is checked before anything is measured; a bad one is a one-line error (exit status 2).
 """
 
 from __future__ import annotations
@@ -13,15 +15,16 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from collections.abc import Sequence
 
 import jax
 
 from k3_tail.cli.common import (
-    CommandError, add_measurement_arguments, demo_devices, describe_config, format_bench_table, measure,
-    measurement_config, measurement_tiers, positive_int, tp_mesh,
+    CommandError, add_measurement_arguments, demo_devices, describe_config, format_bench_table, format_percent,
+    format_seconds, measure, measurement_config, measurement_tiers, positive_int, tp_mesh, within_noise,
 )
 from k3_tail.selection.table import table_from_measurements
-from k3_tail.tools.benchmark import default_token_counts
+from k3_tail.tools.benchmark import Measurement, default_token_counts
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -65,9 +68,32 @@ def run(args: argparse.Namespace) -> int:
     table = table_from_measurements(measurements, config=config, device_kind=device_kind, source=source)
     table.save(args.out)
     print(format_bench_table(measurements, config, device_kind=device_kind))
+    warnings = noise_warnings(measurements)
+    if warnings:
+        print()
+        print("\n".join(warnings))
     print(f"\nselection table ({args.out}):")
     for token_range in table.ranges:
         print(f"  T in {token_range}")
+    print(f"  T > {max(tokens)} is extrapolated: no larger T was measured, so the last range's tier "
+          f"({table.ranges[-1].tier.value}) is assumed there")
     print("use it with TailConfig(..., selection_policy='measured', "
           f"selection_table=k3_tail.SelectionTable.load({args.out!r}))")
     return 0
+
+
+def noise_warnings(measurements: Sequence[Measurement]) -> list[str]:
+    """A warning for each token count whose winner is within the noise of the runs: its q25-q75 range
+    overlaps the runner-up's, so the runs cannot tell the two apart."""
+    warnings = []
+    for num_tokens in sorted({m.num_tokens for m in measurements}):
+        ranked = sorted((m for m in measurements if m.num_tokens == num_tokens), key=lambda m: m.timing.median_s)
+        if len(ranked) > 1 and within_noise(ranked[0].timing, ranked[1].timing):
+            winner, runner_up = ranked[:2]
+            warnings.append(
+                f"warning: T={num_tokens}: {winner.tier.value} wins by "
+                f"{format_percent(runner_up.timing.median_s / winner.timing.median_s - 1)} "
+                f"({format_seconds(winner.timing.median_s)} vs {runner_up.tier.value}'s "
+                f"{format_seconds(runner_up.timing.median_s)}), within the noise of the runs (their q25-q75 ranges "
+                "overlap): more --repeats may pick the other")
+    return warnings

@@ -13,7 +13,11 @@ to time, how often, and the tail config), their checks (:func:`measurement_confi
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+import os
+import shutil
+import sys
+import textwrap
+from collections.abc import Collection, Mapping, Sequence
 
 from jax.sharding import Mesh
 
@@ -25,7 +29,7 @@ from k3_tail.ops.columns import WEIGHT_LAYOUTS
 from k3_tail.tiers.registry import Tier
 from k3_tail.ops.up_projection import FP8_FORMATS
 from k3_tail.tools.benchmark import (
-    CPU_MAX_TOKENS, DEFAULT_MAX_TOKENS, Measurement, check_tiers, measure_tiers,
+    CPU_MAX_TOKENS, DEFAULT_MAX_TOKENS, Measurement, Timing, check_tiers, measure_tiers,
 )
 from k3_tail.tools.experiment import (  # the harness's, also for the commands that import them from here
     AXIS_NAME as AXIS_NAME,
@@ -34,6 +38,7 @@ from k3_tail.tools.experiment import (  # the harness's, also for the commands t
     CommandError as CommandError,
     ProgressBar,
     add_shape_arguments,
+    choice_list,
     cpu_device_count,
     demo_devices as demo_devices,
     format_ms,
@@ -52,6 +57,8 @@ PROG = "k3-tail"
 
 DEFAULT_REPEATS = 5
 DEFAULT_SEED = 0
+# The space between the columns of a plain-text table (format_table).
+TABLE_GAP = "  "
 
 
 # ---- argument types and flags ----
@@ -234,25 +241,153 @@ def describe_config(config: TailConfig) -> str:
     return ", ".join([text, *flags])
 
 
+def format_bytes(count: float) -> str:
+    """``count`` bytes in the binary unit that keeps about 3 significant digits: "512 B", "12.3 KiB",
+    "6.13 MiB", "1.50 GiB"."""
+    value, unit = float(count), "B"
+    for larger in ("KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024:
+            break
+        value, unit = value / 1024, larger
+    if unit == "B":
+        return f"{value:.0f} B"
+    return f"{value:.{_decimals(value)}f} {unit}"
+
+
+def format_seconds(seconds: float) -> str:
+    """``seconds`` in the unit that keeps about 3 significant digits: "812 us", "1.23 ms", "2.50 s"."""
+    for scale, unit in ((1e-3, "us"), (1.0, "ms")):
+        if seconds < scale:
+            value = seconds / scale * 1e3
+            return f"{value:.{_decimals(value)}f} {unit}"
+    return f"{seconds:.{_decimals(seconds)}f} s"
+
+
+def _decimals(value: float) -> int:
+    """Decimals that show about 3 significant digits of ``value`` (at least 1, under 1000)."""
+    return 2 if abs(value) < 10 else 1 if abs(value) < 100 else 0
+
+
+def format_percent(fraction: float) -> str:
+    """``fraction`` as a percentage: one decimal under 10% ("0.4%", "7.1%"), none above ("23%")."""
+    percent = 100 * fraction
+    return f"{percent:.1f}%" if abs(percent) < 10 else f"{percent:.0f}%"
+
+
+def within_noise(a: Timing, b: Timing) -> bool:
+    """Whether two timings' q25-q75 ranges overlap: the runs cannot tell which of the two is faster."""
+    return a.q25_s <= b.q75_s and b.q25_s <= a.q75_s
+
+
+def format_vs_fastest(timing: Timing, fastest: Timing) -> str:
+    """One tier's median against the fastest's at the same call: "fastest", or how much slower ("+7.1%")."""
+    if timing is fastest:
+        return "fastest"
+    return f"+{format_percent(timing.median_s / fastest.median_s - 1)}"
+
+
+def format_selection_gap(selected: Tier, timings: Mapping[Tier, Timing]) -> str:
+    """How far the selected tier is from the fastest of ``timings`` (the tiers timed at one call):
+    "selected native, fastest overlap: selection 7.1% slower (412 us vs 385 us)", "within noise" when
+    their q25-q75 ranges overlap; "selected overlap, the fastest"; or "selected overlap (not timed)"."""
+    fastest = min(timings, key=lambda tier: timings[tier].median_s)
+    if selected not in timings:
+        return f"selected {selected.value} (not timed), fastest {fastest.value}"
+    if selected == fastest:
+        return f"selected {selected.value}, the fastest"
+    mine, best = timings[selected], timings[fastest]
+    noise = ", within noise: their q25-q75 ranges overlap" if within_noise(mine, best) else ""
+    return (f"selected {selected.value}, fastest {fastest.value}: selection "
+            f"{format_percent(mine.median_s / best.median_s - 1)} slower ({format_seconds(mine.median_s)} vs "
+            f"{format_seconds(best.median_s)}{noise})")
+
+
 def format_bench_table(measurements: Sequence[Measurement], config: TailConfig, *, device_kind: str) -> str:
     """The table of ``bench`` and ``calibrate``: one row per (p, T, tier) with the median, the q25-q75
-    spread (ms) and the speedup over native at the same (p, T) (median over median; "-" when native
-    was not timed). A "*" marks the tier select_tier picks for that call (``config``, T, p, layout,
-    ``device_kind``)."""
-    native = {(m.tp_size, m.num_tokens): m.timing.median_s for m in measurements if m.tier == Tier.NATIVE}
-    lines = [f"{'p':>4}{'T':>7}  {'tier':<16}{'median ms':>11}{'q25-q75 ms':>19}{'vs native':>11}"]
-    previous = None
+    spread (ms), the speedup over native at the same (p, T) (median over median; "-" when native
+    was not timed) and the median against the fastest tier's there. A "*" marks the tier select_tier
+    picks for that call (``config``, T, p, layout, ``device_kind``); after each (p, T) a line says how
+    far that pick is from the fastest (:func:`format_selection_gap`)."""
+    blocks: dict[tuple[int, int], list[Measurement]] = {}
     for m in measurements:
-        if previous is not None and (m.tp_size, m.num_tokens) != previous:
+        blocks.setdefault((m.tp_size, m.num_tokens), []).append(m)
+    lines = [f"{'p':>4}{'T':>7}  {'tier':<16}{'median ms':>11}{'q25-q75 ms':>19}{'vs native':>11}{'vs fastest':>12}"]
+    for (tp_size, num_tokens), block in blocks.items():
+        if len(lines) > 1:
             lines.append("")
-        previous = m.tp_size, m.num_tokens
-        speedup = native.get(previous)
-        speedup = "-" if speedup is None else f"{speedup / m.timing.median_s:.2f}x"
-        spread = f"{format_ms(m.timing.q25_s)}-{format_ms(m.timing.q75_s)}"
-        selection = select_tier(config, m.num_tokens, m.tp_size, weight_layout=m.weight_layout,
+        timings = {m.tier: m.timing for m in block}
+        fastest = min(timings.values(), key=lambda timing: timing.median_s)
+        native = timings.get(Tier.NATIVE)
+        selection = select_tier(config, num_tokens, tp_size, weight_layout=block[0].weight_layout,
                                 device_kind=device_kind)
-        selected = " *" if selection.tier == m.tier else ""
-        lines.append(f"{m.tp_size:>4}{m.num_tokens:>7}  {m.tier.value:<16}{format_ms(m.timing.median_s):>11}"
-                     f"{spread:>19}{speedup:>11}{selected}")
-    lines += ["", "* the tier select_tier picks for that call (config, T, p, layout, device kind)"]
+        for m in block:
+            speedup = "-" if native is None else f"{native.median_s / m.timing.median_s:.2f}x"
+            spread = f"{format_ms(m.timing.q25_s)}-{format_ms(m.timing.q75_s)}"
+            selected = " *" if selection.tier == m.tier else ""
+            lines.append(f"{tp_size:>4}{num_tokens:>7}  {m.tier.value:<16}{format_ms(m.timing.median_s):>11}"
+                         f"{spread:>19}{speedup:>11}{format_vs_fastest(m.timing, fastest):>12}{selected}")
+        lines.append(f"{'':>11}p={tp_size} T={num_tokens}: {format_selection_gap(selection.tier, timings)}")
+    lines += ["", "* the tier select_tier picks for that call (config, T, p, layout, device kind)",
+              "vs fastest: the median against the fastest tier's at that (p, T)"]
     return "\n".join(lines)
+
+
+def terminal_width() -> int | None:
+    """The width to fit output to: ``COLUMNS`` when set, else that of the terminal stdout is on
+    (``shutil.get_terminal_size``); None off a terminal (a pipe, a file), where lines may be long."""
+    if not os.environ.get("COLUMNS") and not sys.stdout.isatty():
+        return None
+    return shutil.get_terminal_size().columns
+
+
+def format_table(header: Sequence[str], rows: Sequence[Sequence[str]], *, width: int | None,
+                 right: Collection[int] = ()) -> str:
+    """``rows`` under ``header`` as plain text that fits in ``width`` characters (None: any width;
+    :func:`terminal_width` gives the terminal's): columns two spaces apart, the columns in ``right``
+    (figures) right-aligned. When the natural widths do not fit, the widest columns of text narrow
+    and their cells wrap at spaces, down to their longest word; figures never wrap. Rows then stand
+    a blank line apart, so a wrapped row reads as one. Where even that is too wide, each row becomes
+    a block of "label: value" lines (:func:`format_blocks`)."""
+    columns = list(zip(header, *rows, strict=True))
+    widths = [max(map(len, column)) for column in columns]
+    words = [max(len(word) for cell in column for word in cell.split() or [""]) for column in columns]
+    budget = sum(widths) if width is None else width - len(TABLE_GAP) * (len(widths) - 1)
+    while sum(widths) > budget:
+        narrowable = [index for index in range(len(widths)) if index not in right and widths[index] > words[index]]
+        if not narrowable:
+            return format_blocks(header, rows, width=width)
+        widths[max(narrowable, key=widths.__getitem__)] -= 1
+    wrapped = [[textwrap.wrap(cell, column_width, break_on_hyphens=False) or [""]
+                for cell, column_width in zip(row, widths, strict=True)] for row in (header, *rows)]
+    spaced = any(len(lines) > 1 for row in wrapped[1:] for lines in row)
+
+    def text_lines(cells: list[list[str]]) -> list[str]:
+        return [TABLE_GAP.join(
+            (str.rjust if index in right else str.ljust)(lines[line] if line < len(lines) else "", widths[index])
+            for index, lines in enumerate(cells)).rstrip() for line in range(max(map(len, cells)))]
+
+    lines = [*text_lines(wrapped[0]), TABLE_GAP.join("-" * column_width for column_width in widths)]
+    for index, cells in enumerate(wrapped[1:]):
+        lines += [""] * (spaced and index > 0) + text_lines(cells)
+    return "\n".join(lines)
+
+
+def format_blocks(header: Sequence[str], rows: Sequence[Sequence[str]], *, width: int) -> str:
+    """``rows`` as blocks a blank line apart, for a terminal too narrow for their table: the first
+    cell, then one "label: value" line per other cell, indented, wrapped to ``width``."""
+    blocks = []
+    for row in rows:
+        lines = textwrap.wrap(row[0], width, break_on_hyphens=False) or [""]
+        for label, cell in zip(header[1:], row[1:], strict=True):
+            lines += textwrap.wrap(f"{label}: {cell}", width, initial_indent="  ", subsequent_indent="    ",
+                                   break_on_hyphens=False)
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks)
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]], *, right: Collection[int] = ()) -> str:
+    """``rows`` under ``header`` as a Markdown table (a "|" in a cell escaped), the columns in ``right``
+    right-aligned."""
+    rule = ["---:" if index in right else "---" for index in range(len(header))]
+    return "\n".join("| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |"
+                     for row in (header, rule, *rows))

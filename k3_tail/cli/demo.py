@@ -3,8 +3,9 @@
 Runs the Kimi-K3 tail (H=7168, L=3584, bf16) on a TP mesh (all GPUs, or ``--devices`` CPU devices, at
 most ``MAX_CPU_DEVICES`` = 512: :func:`k3_tail.cli.common.demo_devices`) for a few token counts, on
 every tier that runs with the kernel layout, and prints a table: for each token count T the tier
-:func:`k3_tail.select_tier` picks and why, and for each tier its error against the native tier and
-its median run time.
+:func:`k3_tail.select_tier` picks and why, for each tier its error against the native tier, its median
+run time and how much slower it is than the fastest tier, and a line on how far the selected tier
+is from the fastest.
 
 Inputs are random with a fixed seed and are placed on the mesh once, the weights before the first
 token count and each T's partials before its runs, so the times measure the tail, not host
@@ -27,15 +28,15 @@ import numpy as np
 from k3_tail.cli.common import (
     AXIS_NAME, DEFAULT_CPU_DEVICES, DEFAULT_REPEATS, MAX_CPU_DEVICES, CommandError,
     add_all_reduce_quantization_arguments, add_seed_argument, add_up_projection_arguments, add_weight_layout_argument,
-    all_reduce_quantization_options, cpu_device_count, demo_devices, describe_config, mesh_decision, positive_int,
-    positive_int_list, progress, tp_mesh, up_projection_options,
+    all_reduce_quantization_options, cpu_device_count, demo_devices, describe_config, format_selection_gap,
+    format_vs_fastest, mesh_decision, positive_int, positive_int_list, progress, tp_mesh, up_projection_options,
 )
 from k3_tail.config import TailConfig
 from k3_tail.forward import tail_forward
 from k3_tail.selection.decision import TierDecision
 from k3_tail.ops.codecs import CODECS
 from k3_tail.tiers.registry import Tier
-from k3_tail.tools.benchmark import place_partials, place_weights, tiers_for, time_runs
+from k3_tail.tools.benchmark import Timing, place_partials, place_weights, tiers_for, time_runs
 
 DEFAULT_TOKEN_COUNTS = (1, 16, 64, 320)
 # bf16 keeps 8 significand bits: tiers that sum and round in another order differ by a few 1e-3.
@@ -143,7 +144,7 @@ class TierRow:
     selection: TierDecision
     max_abs_error: float
     relative_error: float
-    median_seconds: float
+    timing: Timing
 
 
 def run_every_tier(
@@ -160,33 +161,42 @@ def run_every_tier(
     for tier in tiers:
         progress(f"{label} {tier.value}: ", end="")
         output, warmup_seconds, timing = time_runs(functools.partial(forward, tier=tier), repeats=repeats)
-        timings[tier] = np.asarray(output, dtype=np.float32), timing.median_s
+        timings[tier] = np.asarray(output, dtype=np.float32), timing
         progress(f"warm-up {warmup_seconds:.2f} s, median {1e3 * timing.median_s:.1f} ms")
     native_output, _ = timings[Tier.NATIVE]
     native_norm = np.linalg.norm(native_output)
     rows = []
-    for tier, (output, median_seconds) in timings.items():
+    for tier, (output, timing) in timings.items():
         difference = output - native_output
         rows.append(TierRow(
             num_tokens, tier, selection,
             max_abs_error=float(np.max(np.abs(difference))),
             relative_error=float(np.linalg.norm(difference) / native_norm),
-            median_seconds=median_seconds,
+            timing=timing,
         ))
     return rows
 
 
 def print_table(rows: Sequence[TierRow]) -> None:
-    """The demo's table, one block of rows per token count; the selected tier's row gives the reason."""
-    print(f"{'T':>5}  {'tier':<16}{'max abs err':>12}{'rel err':>11}{'median ms':>11}  selected because")
-    previous_tokens = None
+    """The demo's table, one block of rows per token count; the selected tier's row gives the reason,
+    and a line after each block says how far the selection is from the fastest tier."""
+    print(f"{'T':>5}  {'tier':<16}{'max abs err':>12}{'rel err':>11}{'median ms':>11}{'vs fastest':>12}"
+          "  selected because")
+    blocks: dict[int, list[TierRow]] = {}
     for row in rows:
-        if previous_tokens is not None and row.num_tokens != previous_tokens:
+        blocks.setdefault(row.num_tokens, []).append(row)
+    for index, (num_tokens, block) in enumerate(blocks.items()):
+        if index:
             print()
-        previous_tokens = row.num_tokens
-        if row.tier == Tier.NATIVE:
-            errors = f"{'reference':>12}{'':>11}"
-        else:
-            errors = f"{row.max_abs_error:>12.3e}{row.relative_error:>11.3e}"
-        reason = f"  <- {row.selection.reason}" if row.selection.tier == row.tier else ""
-        print(f"{row.num_tokens:>5}  {row.tier.value:<16}{errors}{1e3 * row.median_seconds:>11.1f}{reason}")
+        timings = {row.tier: row.timing for row in block}
+        fastest = min(timings.values(), key=lambda timing: timing.median_s)
+        selection = block[0].selection
+        for row in block:
+            if row.tier == Tier.NATIVE:
+                errors = f"{'reference':>12}{'':>11}"
+            else:
+                errors = f"{row.max_abs_error:>12.3e}{row.relative_error:>11.3e}"
+            reason = f"  <- {selection.reason}" if selection.tier == row.tier else ""
+            print(f"{row.num_tokens:>5}  {row.tier.value:<16}{errors}{1e3 * row.timing.median_s:>11.1f}"
+                  f"{format_vs_fastest(row.timing, fastest):>12}{reason}")
+        print(f"{'':>7}T={num_tokens}: {format_selection_gap(selection.tier, timings)}")

@@ -1,8 +1,10 @@
 """``k3-tail tiers``: the tiers the library has, from the registry (:mod:`k3_tail.tiers.registry`).
 
-Prints :func:`k3_tail.tiers.registry.tier_table`, the Markdown table of the tiers (schedule,
-per-rank GEMM FLOPs and kernel bytes, collectives, what each needs), which is also the README's
-tier table. ``--json`` prints the records as plain data instead: a list in the registry's order,
+Prints the tier table (schedule, per-rank GEMM FLOPs and kernel bytes, collectives, what each
+needs) laid out for the terminal: as wide as it is, long cells wrapped
+(:func:`k3_tail.cli.common.format_table`). ``--markdown`` prints it as
+:func:`k3_tail.tiers.registry.tier_table` writes it, the README's tier table. ``--json`` prints the
+records as plain data instead: a list in the registry's order,
 one object per tier with its name, summary, schedule, collectives_text, needs_whole_kernel,
 needs_unreduced_routed, projects_all_columns, token_sharded_form, shared_reduced_form and
 compiler_options (per platform family). Needs no devices; exit status 0.
@@ -12,8 +14,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from typing import Any
 
+from k3_tail.cli.common import format_table, terminal_width
 from k3_tail.tiers.record import TierRecord
 from k3_tail.tiers.registry import TIER_RECORDS, tier_table
 
@@ -29,20 +33,33 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     tiers = commands.add_parser(
         "tiers",
         help="list the tiers: schedule, cost and collectives per rank, what each needs",
-        description="Print the tiers as a Markdown table (schedule, per-rank GEMM FLOPs and kernel bytes, "
-        "collectives, what each needs), or with --json each tier's record as plain data.",
+        description="Print the tiers as a table as wide as the terminal (schedule, per-rank GEMM FLOPs and kernel "
+        "bytes, collectives, what each needs), as Markdown with --markdown, or with --json each tier's record as "
+        "plain data.",
     )
-    tiers.add_argument("--json", action="store_true", help="print the tier records as JSON")
+    output = tiers.add_mutually_exclusive_group()
+    output.add_argument("--markdown", action="store_true", help="print the table as Markdown (the README's)")
+    output.add_argument("--json", action="store_true", help="print the tier records as JSON")
     tiers.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    """The ``tiers`` command: print the table or the records."""
+    """The ``tiers`` command: print the table (for the terminal or as Markdown) or the records."""
     if args.json:
         print(json.dumps([record_dict(record) for record in TIER_RECORDS], indent=2))
-    else:
+    elif args.markdown:
         print(tier_table())
+    else:
+        header, *rows = markdown_cells(tier_table())
+        print(format_table(header, rows, width=terminal_width()))
     return 0
+
+
+def markdown_cells(table: str) -> list[list[str]]:
+    """The cells of a Markdown table, row by row, header first (the "---" rule left out, "\\|" unescaped)."""
+    rows = [line.strip().removeprefix("|").removesuffix("|") for line in table.splitlines()]
+    cells = [[cell.strip().replace("\\|", "|") for cell in re.split(r"(?<!\\)\|", row)] for row in rows]
+    return [row for row in cells if not all(set(cell) <= set("-:") for cell in row)]
 
 
 def record_dict(record: TierRecord) -> dict[str, Any]:
