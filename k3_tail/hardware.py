@@ -1,12 +1,8 @@
 """Hardware presets for the cost model: one GPU's peak figures, each cited from its vendor's data sheet.
 
 Data only (no dependency on the rest of the library), so that :class:`k3_tail.TailConfig` can check a
-``hardware`` preset name and :mod:`k3_tail.selection.cost_model` can price a call with it.
-
-The presets' ``fp8_formats`` are also what the tail checks FP8 activations against on a device
-(:func:`native_fp8_formats`: a device kind, as ``jax.Device.device_kind`` spells it, maps to the preset
-of its GPU architecture), and :func:`device_platform` tells a ROCm GPU from a CUDA one (JAX calls
-both "gpu").
+preset name. The presets' ``fp8_formats`` are also what FP8 activations are checked against on a device
+(:func:`native_fp8_formats`); :func:`device_platform` tells ROCm from CUDA (JAX calls both "gpu").
 """
 
 from __future__ import annotations
@@ -21,12 +17,15 @@ from types import MappingProxyType
 class Hardware:
     """One GPU of a TP group, for :func:`k3_tail.selection.cost_model.predict_time`.
 
-    peak_flops: dense BF16 FLOP/s of one GPU. hbm_bytes_per_s: its HBM bandwidth (bytes/s).
-    link_bytes_per_s: its collective bandwidth, one direction, all links to its TP peers together
-    (bytes/s). collective_latency_s: the fixed time of one collective (seconds).
-    fp8_formats: the FP8 formats its matrix units multiply natively (dtype names, e.g.
-    "float8_e4m3fn"); peak_fp8_flops: their dense FP8 FLOP/s. A GEMM of two FP8 operands in one of
-    those formats runs at ``peak_fp8_flops``; every other GEMM at ``peak_flops``.
+    Attributes:
+      name: the preset's name.
+      peak_flops: dense BF16 FLOP/s.
+      hbm_bytes_per_s: HBM bandwidth.
+      link_bytes_per_s: collective bandwidth, one direction, all links to its TP peers together.
+      collective_latency_s: the fixed time of one collective.
+      peak_fp8_flops: dense FP8 FLOP/s, at which a GEMM of two FP8 operands in one of ``fp8_formats``
+        runs (every other GEMM at ``peak_flops``); None without FP8 matrix units.
+      fp8_formats: the FP8 dtype names its matrix units multiply natively.
     """
 
     name: str
@@ -115,10 +114,9 @@ def native_fp8_formats(device_kind: str) -> tuple[str, ...] | None:
 
 
 def device_platform(device) -> str:
-    """The platform a ``jax.Device`` compiles for: "rocm" or "cuda" for a GPU (whose ``.platform`` JAX
-    reports as "gpu" for both vendors, on a host and on a deviceless topology alike), else its
-    ``.platform`` ("cpu", "tpu", ...). Read from the client's platform name, then its platform
-    version ("rocm ..." on a ROCm host), then the device kind's vendor ("AMD ...", "NVIDIA ...")."""
+    """The platform a ``jax.Device`` compiles for: "rocm" or "cuda" for a GPU (both "gpu" to JAX, on a host
+    and a deviceless topology alike), from the client's platform name, its version, then the device kind's
+    vendor; else its ``.platform``."""
     platform = getattr(device, "platform", None)
     if platform != "gpu":
         return platform
