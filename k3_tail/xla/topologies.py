@@ -19,11 +19,9 @@ mi355x     rocm      AMD MI355X             the same
 =========  ========  =====================  ===========================================================
 
 A topology is named ``<target>x<count>`` (``h100x8``, ``mi355xx8``; ``mi355x8`` reads the same).
-The process must not have initialised a GPU backend it cannot use: set ``JAX_PLATFORMS=cpu``
-(or ``jax.config.update("jax_platforms", "cpu")``) on a machine without a GPU. A ROCm topology on a
-machine without an AMD GPU also starts JAX's backends (as compiling would) before it registers the
-plugin, so that the plugin is never a backend JAX tries to start; compiles there run XLA's whole AMDGPU
-pipeline without autotuning (GEMM tiles and GEMM backends are XLA's defaults).
+The process must not have initialised a GPU backend it cannot use: set ``JAX_PLATFORMS=cpu`` on a
+machine without a GPU. Without an AMD GPU a ROCm topology compiles XLA's whole AMDGPU pipeline without
+autotuning (:mod:`k3_tail.xla.rocm_stand_ins`).
 """
 
 from __future__ import annotations
