@@ -51,10 +51,9 @@ def axis_size_in_scope(axis_name: AxisName, function: str) -> int:
 
 
 def varies_over(x: Any, axis_name: AxisName) -> bool | None:
-    """Whether ``x``, inside ``jax.shard_map``, is typed as varying over the TP axis ``axis_name`` (over any
-    of a tuple's axes): True for a per-rank partial, False for a value the same on every rank (a sum
-    over the axis, or a replicated input). None where the type cannot tell: ``check_vma=False`` (JAX then
-    tracks no variation) or an axis of size 1."""
+    """Whether ``x`` inside ``jax.shard_map`` is typed as varying over the TP axis (a per-rank partial: True)
+    or not (a sum over it, or a replicated input: False); None where the type cannot tell
+    (``check_vma=False``, or an axis of size 1)."""
     names = axis_names(axis_name)
     probe = lax.pcast(jnp.zeros((), jnp.float32), names, to="varying")
     if not set(names) & _varying_axes(probe):
@@ -105,11 +104,8 @@ def expect_array(
     x: Any, name: str, shapes: Sequence[tuple[int, ...]], dtype: np.dtype, sizes: str, *,
     dtype_field: str = "config.dtype",
 ) -> None:
-    """ValueError naming ``name`` unless ``x`` is an array of one of ``shapes`` and of ``dtype``.
-
-    ``sizes`` names the sizes the shapes come from ("p=8, L=3584"), and ``dtype_field`` where the dtype
-    comes from, for the message.
-    """
+    """ValueError naming ``name`` unless ``x`` is an array of one of ``shapes`` and of ``dtype``; ``sizes``
+    ("p=8, L=3584") and ``dtype_field`` say where they come from, for the message."""
     if x is None or not hasattr(x, "shape") or not hasattr(x, "dtype"):
         raise ValueError(f"{name}: expected an array of shape {shapes[0]}, got {describe(x)}")
     if tuple(x.shape) not in shapes:

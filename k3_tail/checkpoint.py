@@ -1,34 +1,20 @@
 """The tail's weights from a Hugging Face checkpoint, read so that each device reads only its own block.
 
-A checkpoint in the Hugging Face layout is a set of safetensors files: a directory with
-``model.safetensors.index.json`` (its ``weight_map`` names the shard holding each tensor), a directory
-with one ``model.safetensors``, or one ``.safetensors`` file. Kimi-K3 keeps its text model under
-``language_model.`` (``language_model.model.layers.N....``, beside the vision tower's tensors); other
-models of the family store the same stack unprefixed (``model.layers.N....``). :class:`Checkpoint`
-detects which. A MoE layer's block is ``block_sparse_moe`` (a dense layer's is ``mlp``); the tail's
-two tensors there are
+A checkpoint is a directory with ``model.safetensors.index.json`` (its ``weight_map`` names each
+tensor's shard), a directory with one ``model.safetensors``, or one ``.safetensors`` file. Kimi-K3 keeps
+its text model under ``language_model.`` (beside the vision tower); other models of the family store it
+unprefixed. A MoE layer's block is ``block_sparse_moe`` (a dense layer's is ``mlp``), holding
 
-    block_sparse_moe.routed_expert_up_proj.weight   [H, L]  torch's [out, in]: the tail's kernel W [L, H]
-                                                            is its transpose
+    block_sparse_moe.routed_expert_up_proj.weight   [H, L]  torch's [out, in]: the kernel W [L, H] transposed
     block_sparse_moe.routed_expert_norm.weight      [L]     the RMSNorm scale g (with latent_moe_use_norm)
 
-:func:`load_tail_weights` returns them as arrays placed on a mesh, made with
-``jax.make_array_from_callback``: the callback of each device block reads that block alone. Column
-k of the kernel is row k of the stored tensor, so a column block [L, Hb] is one contiguous run of
-Hb stored rows, and each device maps exactly those bytes of the file; the whole kernel is never in
-one place (on Kimi-K3 at p = 8: 6.4 MB per device instead of 51 MB). With an FP8
-``TailConfig.up_proj_dtype`` each block is quantised as it is read: a column's scale needs that
-column's largest value over its L rows, which its own block holds.
-
-The safetensors format is read here directly (an 8-byte little-endian header length, a JSON header
-giving each tensor's dtype, shape and byte range, then the raw little-endian data) with numpy memory
-maps; bfloat16 and the FP8 formats are jax's numpy dtypes (``ml_dtypes``). No other package is
-needed.
-
-Checks: a layer that is dense, past the last one or absent, a missing tensor, a tensor of another
-shape or dtype than the config says (no silent cast): ValueError naming the layer, the tensor and what
-was expected. A tensor stored quantised (compressed-tensors' ``weight_packed`` / ``weight_scale`` in
-place of ``weight``) is named as such, never guessed at.
+Column k of the kernel is row k of the stored tensor, so a column block [L, Hb] is one contiguous run of
+stored rows: each device maps exactly those bytes and the whole kernel is never in one place (on
+Kimi-K3 at p = 8: 6.4 MB per device instead of 51 MB). An FP8 kernel is quantised block by block as
+it is read, since a column's scale needs only that column. The safetensors format (an 8-byte
+little-endian header length, a JSON header, raw little-endian data) is read here with numpy memory
+maps, so no other package is needed. A tensor of another shape or dtype than the config says is
+refused, never cast; one stored quantised (compressed-tensors' ``weight_packed``) is named as such.
 """
 
 from __future__ import annotations
@@ -77,8 +63,8 @@ _MAX_HEADER_BYTES = 100_000_000
 
 @dataclasses.dataclass(frozen=True)
 class TensorInfo:
-    """Where one stored tensor lies: its name, safetensors dtype name ("BF16"), shape, file and the byte
-    offset of its data in that file."""
+    """Where one stored tensor lies: its name, safetensors dtype name ("BF16"), shape, file and the
+    byte offset of its data in that file."""
 
     name: str
     dtype_name: str
@@ -98,11 +84,16 @@ class TensorInfo:
 
 
 class Checkpoint:
-    """A safetensors checkpoint opened for reading (module docstring): its tensor names, where each lies,
-    and reads of blocks of them. Holds no open file: each read maps the bytes it needs and copies them.
+    """A safetensors checkpoint opened for reading: its tensor names, where each lies, and block reads.
 
-    ``path``: a directory with ``model.safetensors.index.json``, a directory with ``model.safetensors``, or
-    a ``.safetensors`` file. ValueError when it is none of them or an index or header is malformed.
+    Holds no open file: each read maps the bytes it needs and copies them.
+
+    Args:
+      path: a directory with ``model.safetensors.index.json``, a directory with ``model.safetensors``,
+        or a ``.safetensors`` file.
+
+    Raises:
+      ValueError: when ``path`` is none of them, or an index or header is malformed.
     """
 
     def __init__(self, path: str | os.PathLike):
@@ -148,9 +139,12 @@ class Checkpoint:
         return tuple(layer for layer in self.layers if _has_block(self._layers[layer], self.layer_prefix(layer)))
 
     def moe_block(self, layer: int) -> str:
-        """The names' prefix of layer ``layer``'s MoE block ("...layers.N.block_sparse_moe."). ValueError
-        naming the layer when it is not an integer >= 0, is past the last layer, has no tensors, or is a
-        dense layer."""
+        """The names' prefix of layer ``layer``'s MoE block ("...layers.N.block_sparse_moe.").
+
+        Raises:
+          ValueError: naming the layer when it is not an integer >= 0, is past the last layer, has no
+            tensors, or is a dense layer.
+        """
         if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or layer < 0:
             raise ValueError(f"layer: expected an integer >= 0, got {layer!r}")
         layer = int(layer)
@@ -167,17 +161,31 @@ class Checkpoint:
         return f"{self.layer_prefix(layer)}{MOE_BLOCK}."
 
     def info(self, name: str) -> TensorInfo:
-        """Where tensor ``name`` lies. ValueError when the checkpoint has no such tensor."""
+        """Where tensor ``name`` lies; ValueError when the checkpoint has no such tensor."""
         if name not in self._files:
             raise ValueError(f"{name}: missing from the checkpoint")
         return self._header(self._files[name])[name]
 
     def expect(self, name: str, shape: Sequence[int], dtype: Any, *, layer: int, what: str,
                dtype_source: str = "config.dtype") -> TensorInfo:
-        """:meth:`info` of ``name``, or ValueError naming ``layer``, the tensor and what was expected
-        (``what`` says what the tensor is, ``dtype_source`` where ``dtype`` comes from) when it is missing
-        or has another shape or dtype. ``dtype``: one dtype or a tuple of accepted ones. A ``X.weight`` that
-        is missing beside ``X.weight_packed``, ``X.weight_scale`` etc. is named as stored quantised."""
+        """:meth:`info` of ``name``, checked against what the config expects.
+
+        Args:
+          name: the tensor's name.
+          shape: its expected shape.
+          dtype: one accepted dtype or a tuple of them.
+          layer: the decoder layer, for the message.
+          what: what the tensor is, for the message.
+          dtype_source: where ``dtype`` comes from, for the message.
+
+        Returns:
+          The tensor's :class:`TensorInfo`.
+
+        Raises:
+          ValueError: naming ``layer``, the tensor and what was expected, when it is missing (named as
+            stored quantised when ``X.weight_packed``, ``X.weight_scale``, ... stand in its place) or has
+            another shape or dtype.
+        """
         shape = tuple(shape)
         dtypes = tuple(np.dtype(d) for d in (dtype if isinstance(dtype, tuple) else (dtype,)))
         wanted = f"shape {shape} ({what}) of {' or '.join(d.name for d in dtypes)} ({dtype_source})"
@@ -195,9 +203,16 @@ class Checkpoint:
         return info
 
     def read(self, name: str, index: Sequence[slice] = ()) -> np.ndarray:
-        """A copy of block ``index`` (one slice per leading axis, step 1; missing axes whole) of tensor
-        ``name``, in its stored dtype. Maps only the stored rows the block's first axis spans, so a block
-        of rows reads exactly its bytes."""
+        """A copy of block ``index`` of tensor ``name``, in its stored dtype; maps only the stored rows
+        the block spans, so a block of rows reads exactly its bytes.
+
+        Args:
+          name: the tensor's name.
+          index: one slice of step 1 per leading axis; missing axes are whole.
+
+        Raises:
+          ValueError: for a missing tensor, a dtype this reader does not know, or a bad index.
+        """
         info = self.info(name)
         if info.dtype is None:
             raise ValueError(f"{name}: stored as {info.dtype_name}, a dtype this reader does not know "
@@ -217,7 +232,7 @@ class Checkpoint:
 
     def read_transposed(self, name: str, index: Sequence[slice] = ()) -> np.ndarray:
         """Block ``index`` [rows, columns] of the transpose of the 2-d tensor ``name``: a torch Linear's
-        [out, in] weight read as the Flax kernel [in, out] (y = x @ W). Reads only the block."""
+        [out, in] weight read as the Flax kernel [in, out] (y = x @ W), reading only the block."""
         info = self.info(name)
         if len(info.shape) != 2:
             raise ValueError(f"{name}: expected a 2-d tensor, got shape {info.shape}")
@@ -244,26 +259,36 @@ def load_tail_weights(
     axis_name: AxisName = "tp",
     weight_layout: str = "column",
 ) -> tuple[jax.Array | None, jax.Array | QuantizedKernel]:
-    """(norm_weight, up_proj_kernel) of decoder layer ``layer`` of ``checkpoint``, placed on ``mesh``.
+    """The tail's weights of decoder layer ``layer`` of ``checkpoint``, placed on ``mesh``.
 
-    checkpoint: a path (module docstring) or an opened :class:`Checkpoint` (to load many layers from
-      one parse of its index). config: the tail's :class:`k3_tail.TailConfig` (e.g.
-      ``TailConfig.from_hf_config(directory)``); H, L, ``use_latent_norm``, ``dtype`` and
-      ``up_proj_dtype`` say what the tensors must be and how the kernel is stored.
-    Returns, for ``k3_tail.latent_moe_tail`` / ``tail_forward`` / ``LatentMoETail``:
-      norm_weight: [L] of ``config.dtype``, replicated (``P()``); None when ``config.use_latent_norm``
-        is False.
-      up_proj_kernel: the transpose [L, H] of the stored [H, L] weight.
-        weight_layout="column": stored [L, padded_hidden_size(H, p)] with zero padding columns, sharded
-          ``P(None, axis_name)``: each device holds and reads its [L, Hb] block only.
-        weight_layout="replicated": [L, H] on every device (``P()``), read once.
-        With an FP8 ``config.up_proj_dtype``: a :class:`k3_tail.QuantizedKernel`, each block quantised at
-          load as :func:`k3_tail.quantize_up_proj` quantises it (per-column scales, padding columns' values
-          and scales zero), its values and scales sharded alike.
-    ValueError naming the layer and the tensor: a dense layer, a layer past the last, a missing tensor,
-    another shape or dtype than the config's, a norm weight present while ``use_latent_norm`` is False,
-    non-finite values in a kernel to quantise. ValueError naming the argument for a bad config, mesh,
-    axis or layout.
+    Each device block is read by its own ``jax.make_array_from_callback`` callback, so each device
+    reads only its block of the kernel.
+
+    Args:
+      checkpoint: a checkpoint path (module docstring) or an opened :class:`Checkpoint`, to load many
+        layers from one parse of its index.
+      layer: the decoder layer, a MoE one.
+      config: the tail's :class:`k3_tail.TailConfig` (e.g. ``TailConfig.from_hf_config(directory)``):
+        H, L, ``use_latent_norm``, ``dtype`` and ``up_proj_dtype`` say what the tensors must be and how
+        the kernel is stored.
+      mesh: the Mesh to place the weights on.
+      axis_name: the TP axis.
+      weight_layout: "column": the kernel stored [L, padded_hidden_size(H, p)] with zero padding
+        columns, sharded ``P(None, axis_name)``. "replicated": [L, H] on every device (``P()``).
+
+    Returns:
+      ``(norm_weight, up_proj_kernel)`` for :func:`k3_tail.latent_moe_tail`, :func:`k3_tail.tail_forward`
+      or :class:`k3_tail.LatentMoETail`: norm_weight [L] of ``config.dtype``, replicated, or None when
+      ``config.use_latent_norm`` is False; up_proj_kernel the transpose [L, H] of the stored [H, L]
+      weight in the layout's shape, or with an FP8 ``config.up_proj_dtype`` a
+      :class:`k3_tail.QuantizedKernel`, each block quantised as :func:`k3_tail.quantize_up_proj` does
+      (padding columns' values and scales zero).
+
+    Raises:
+      ValueError: naming the layer and the tensor, for a dense layer, a layer past the last, a missing
+        tensor, another shape or dtype than the config's, a norm weight present while
+        ``use_latent_norm`` is False, or non-finite values in a kernel to quantise; naming the
+        argument for a bad config, mesh, axis or layout.
     """
     check_config(config)
     axis_name = check_axis_name(axis_name)
@@ -290,9 +315,8 @@ def load_tail_weights(
 
 def _up_projection(checkpoint: Checkpoint, name: str, *, layer: int, config: TailConfig, mesh: Mesh,
                    columns: AxisName | None, tp_size: int) -> jax.Array | QuantizedKernel:
-    """The kernel [L, width] (the column layout's padded width, or H) from the stored [H, L] weight, each
-    device's block read (and quantised) by its own callback; sharded by columns over ``columns`` or
-    replicated when that is None."""
+    """The kernel [L, width] from the stored [H, L] weight, each device's block read (and quantised)
+    by its own callback; sharded by columns over ``columns``, or replicated when that is None."""
     hidden, latent = config.hidden_size, config.latent_size
     width = hidden if columns is None else padded_hidden_size(hidden, tp_size)
     values_sharding = NamedSharding(mesh, P() if columns is None else P(None, columns))
@@ -340,9 +364,18 @@ def _up_projection(checkpoint: Checkpoint, name: str, *, layer: int, config: Tai
 
 def sharded_array(shape: Sequence[int], sharding: NamedSharding, read_block: Callable[[tuple[slice, ...]], np.ndarray],
                   dtype: Any) -> jax.Array:
-    """A global array of ``shape`` placed with ``sharding`` whose every device block is
-    ``read_block(index)`` (a tuple of one slice per axis, steps 1, bounds resolved), cast to ``dtype``
-    where it differs: ``jax.make_array_from_callback`` with the index made explicit."""
+    """``jax.make_array_from_callback`` with the index made explicit, for reading other tensors.
+
+    Args:
+      shape: the global shape.
+      sharding: where the blocks go.
+      read_block: called with each device's index (one slice per axis, steps 1, bounds resolved);
+        returns that block.
+      dtype: the array's dtype; a block of another dtype is cast to it.
+
+    Returns:
+      The global array.
+    """
     shape = tuple(shape)
     dtype = np.dtype(dtype)
 

@@ -33,33 +33,36 @@ def tail_forward(
 ) -> jax.Array:
     """``y = RMSNorm_g(c * sum_i r_i) @ W + sum_i s_i`` on ``mesh``, by one of the tiers.
 
-    Args (numpy or jax arrays in any sharding, all of dtype ``config.dtype``; they are placed here):
-      routed_partials: [p, T, L], entry i is TP rank i's routed latent partial; [T, L] (the reduced
-        latent) when ``config.fused_output_is_reduced``.
-      shared_partials: [p, T, H], entry i is rank i's shared-expert partial; None exactly when
-        ``config.has_shared_experts`` is False. With ``config.shared_output_is_reduced``: the reduced
-        shared output [T, H] (their sum), which the tail adds without a collective.
+    Each rank runs :func:`k3_tail.latent_moe_tail` on its blocks. Works eagerly (compiled once per
+    shape and placement) and under ``jax.jit``; never modifies or donates its inputs.
+
+    Args:
+      routed_partials: [p, T, L], entry i TP rank i's routed latent partial; [T, L] (the reduced
+        latent) when ``config.fused_output_is_reduced``. Numpy or jax arrays in any sharding, all
+        of dtype ``config.dtype``: they are placed here.
+      shared_partials: [p, T, H], entry i rank i's shared-expert partial; None exactly when
+        ``config.has_shared_experts`` is False; the reduced shared output [T, H] (their sum, added
+        without a collective) with ``config.shared_output_is_reduced``.
       norm_weight: [L] RMSNorm scale g; None exactly when ``config.use_latent_norm`` is False.
-      up_proj_kernel: [L, H] up projection (Flax layout, y = x @ W). With ``weight_layout="column"``
-        it may also be the padded [L, padded_hidden_size(H, p)] storage of :class:`LatentMoETail`.
-        With an FP8 ``config.up_proj_dtype``: a :class:`k3_tail.QuantizedKernel` of that format
-        (:func:`k3_tail.quantize_up_proj`), whose scales are padded and sharded with its columns.
-      config: the tail's :class:`TailConfig`; mesh: a Mesh with the TP axis ``axis_name`` (a name, or
-        a tuple of names whose sizes multiply to p; other axes replicate the computation).
+      up_proj_kernel: [L, H] (Flax layout, y = x @ W); with ``weight_layout="column"`` also the
+        padded [L, padded_hidden_size(H, p)] storage of :class:`LatentMoETail`. With an FP8
+        ``config.up_proj_dtype``: a :class:`k3_tail.QuantizedKernel` of that format
+        (:func:`k3_tail.quantize_up_proj`).
+      config: the tail's :class:`TailConfig`.
+      mesh: a Mesh with the TP axis ``axis_name``; other axes replicate the computation.
+      axis_name: the TP axis: a name, or a tuple of names whose sizes multiply to p.
       tier: a :class:`Tier` (or its value) to force, or None to let :func:`select_tier` decide at
         trace time.
       weight_layout: where the kernel lives during the call: "replicated" (whole on every rank) or
-        "column" (P(None, axis_name): each rank holds [L, H/p]); see :mod:`k3_tail.ops.columns`.
-        The one_shot tier needs "replicated".
+        "column" (``P(None, axis_name)``: each rank holds [L, H/p]). one_shot needs "replicated".
 
-    Returns y: [T, H] in ``config.dtype``, replicated over the mesh; with ``config.sequence_parallel``
-    sharded over ``axis_name`` on its token dimension (rank k holds rows [k*T/p, (k+1)*T/p)). JAX
-    arrays shard evenly only, so when p does not divide T the tokens are padded for the tier's
-    reduce-scatter and the T rows are then gathered: replicated, as :func:`select_tier`'s reason says.
-    T = 0 gives an empty [0, H].
-    Bad shapes, dtypes, a mesh without the axis or a wrong p raise ValueError naming the argument.
-    Works eagerly (compiled once per shape and placement) and under ``jax.jit``; never modifies or
-    donates its inputs. Each rank runs :func:`k3_tail.latent_moe_tail` on its blocks.
+    Returns:
+      y [T, H] in ``config.dtype``, replicated over the mesh; with ``config.sequence_parallel``
+      sharded over ``axis_name`` on its tokens, or replicated when p does not divide T (JAX
+      shards evenly only; :func:`select_tier`'s reason says so). T = 0 gives an empty [0, H].
+
+    Raises:
+      ValueError: naming the argument, for bad shapes or dtypes, a mesh without the axis or a wrong p.
     """
     check_config(config)
     axis_name = check_axis_name(axis_name)

@@ -1,12 +1,8 @@
 """Hardware presets for the cost model: one GPU's peak figures, each cited from its vendor's data sheet.
 
 Data only (no dependency on the rest of the library), so that :class:`k3_tail.TailConfig` can check a
-``hardware`` preset name and :mod:`k3_tail.selection.cost_model` can price a call with it.
-
-The presets' ``fp8_formats`` are also what the tail checks FP8 activations against on a device
-(:func:`native_fp8_formats`: a device kind, as ``jax.Device.device_kind`` spells it, maps to the preset
-of its GPU architecture), and :func:`device_platform` tells a ROCm GPU from a CUDA one (JAX calls
-both "gpu").
+preset name. The presets' ``fp8_formats`` are also what FP8 activations are checked against on a device
+(:func:`native_fp8_formats`); :func:`device_platform` tells ROCm from CUDA (JAX calls both "gpu").
 """
 
 from __future__ import annotations
@@ -21,12 +17,15 @@ from types import MappingProxyType
 class Hardware:
     """One GPU of a TP group, for :func:`k3_tail.selection.cost_model.predict_time`.
 
-    peak_flops: dense BF16 FLOP/s of one GPU. hbm_bytes_per_s: its HBM bandwidth (bytes/s).
-    link_bytes_per_s: its collective bandwidth, one direction, all links to its TP peers together
-    (bytes/s). collective_latency_s: the fixed time of one collective (seconds).
-    fp8_formats: the FP8 formats its matrix units multiply natively (dtype names, e.g.
-    "float8_e4m3fn"); peak_fp8_flops: their dense FP8 FLOP/s. A GEMM of two FP8 operands in one of
-    those formats runs at ``peak_fp8_flops``; every other GEMM at ``peak_flops``.
+    Attributes:
+      name: the preset's name.
+      peak_flops: dense BF16 FLOP/s.
+      hbm_bytes_per_s: HBM bandwidth.
+      link_bytes_per_s: collective bandwidth, one direction, all links to its TP peers together.
+      collective_latency_s: the fixed time of one collective.
+      peak_fp8_flops: dense FP8 FLOP/s, at which a GEMM of two FP8 operands in one of ``fp8_formats``
+        runs (every other GEMM at ``peak_flops``); None without FP8 matrix units.
+      fp8_formats: the FP8 dtype names its matrix units multiply natively.
     """
 
     name: str
@@ -61,65 +60,31 @@ class Hardware:
 # small-message all-reduce times that nccl-tests / rccl-tests report inside one 8-GPU node.
 _ASSUMED_COLLECTIVE_LATENCY_S = 10e-6
 
+# Each figure from the GPU's data sheet; link bandwidth is per GPU per direction, all links to its peers together.
+# mi300x: AMD Instinct MI300X data sheet (2023): peak BF16 1307.4 TFLOPs dense (2614.9 with sparsity); 192 GB HBM3,
+#   5.3 TB/s peak; 7 AMD Infinity Fabric (xGMI) links of 128 GB/s peak bidirectional each, one to each peer of an
+#   8-GPU node: 7 x 64 GB/s = 448 GB/s; peak FP8 2614.9 TFLOPs dense. CDNA 3 (gfx942) multiplies the FNUZ FP8 formats.
+# mi325x: AMD Instinct MI325X data sheet (2024): peak BF16 1307.4 TFLOPs dense (the MI300X's compute); 256 GB HBM3E,
+#   6.0 TB/s; 7 Infinity Fabric links of 128 GB/s bidirectional: 448 GB/s; peak FP8 2614.9 TFLOPs dense; CDNA 3.
+# mi355x: AMD Instinct MI355X data sheet (2025): peak BF16 2.5 PFLOPs dense (5.0 with sparsity): 2516.6 TFLOP/s
+#   = 256 CUs x 4096 dense BF16 FLOP/clock x 2.4 GHz peak engine clock; 288 GB HBM3E, 8 TB/s; 7 Infinity Fabric
+#   links of 153.6 GB/s bidirectional: 7 x 76.8 = 537.6 GB/s; peak FP8 5.0 PFLOPs dense (twice BF16: 5033.2 TFLOP/s
+#   at 2.4 GHz). CDNA 4 (gfx950) multiplies the OCP FP8 formats.
+# h200: NVIDIA H200 Tensor Core GPU data sheet (2024), SXM: BF16 Tensor Core 1,979 TFLOPS with sparsity, i.e.
+#   989.4 TFLOP/s dense (the dense figure of NVIDIA's H100 SXM white paper; same GH100 and clocks); 141 GB HBM3e,
+#   4.8 TB/s; NVLink 900 GB/s per GPU (bidirectional, fourth-generation NVLink through NVSwitch): 450 GB/s;
+#   FP8 Tensor Core 3,958 TFLOPS with sparsity, 1978.9 dense; OCP FP8 (E4M3, E5M2).
+_PRESETS = (
+    # name      BF16 FLOP/s  HBM bytes/s  link bytes/s  FP8 FLOP/s  FP8 formats multiplied natively
+    ("mi300x", 1307.4e12, 5.3e12, 448e9, 2614.9e12, ("float8_e4m3fnuz",)),
+    ("mi325x", 1307.4e12, 6.0e12, 448e9, 2614.9e12, ("float8_e4m3fnuz",)),
+    ("mi355x", 2516.6e12, 8.0e12, 537.6e9, 5033.2e12, ("float8_e4m3fn",)),
+    ("h200", 989.4e12, 4.8e12, 450e9, 1978.9e12, ("float8_e4m3fn",)),
+)
 HARDWARE = MappingProxyType({
-    "mi300x": Hardware(
-        "mi300x",
-        # AMD Instinct MI300X data sheet (2023): peak BF16 1307.4 TFLOPs dense (2614.9 with sparsity).
-        peak_flops=1307.4e12,
-        # Same data sheet: 192 GB HBM3, 5.3 TB/s peak memory bandwidth.
-        hbm_bytes_per_s=5.3e12,
-        # Same data sheet: 7 AMD Infinity Fabric (xGMI) links of 128 GB/s peak bidirectional each, one to
-        # each peer of an 8-GPU node: 7 x 64 GB/s = 448 GB/s per GPU per direction.
-        link_bytes_per_s=448e9,
-        collective_latency_s=_ASSUMED_COLLECTIVE_LATENCY_S,
-        # Same data sheet: peak FP8 2614.9 TFLOPs dense. CDNA 3 (gfx942) multiplies the FNUZ FP8 formats.
-        peak_fp8_flops=2614.9e12,
-        fp8_formats=("float8_e4m3fnuz",),
-    ),
-    "mi325x": Hardware(
-        "mi325x",
-        # AMD Instinct MI325X data sheet (2024): peak BF16 1307.4 TFLOPs dense (the MI300X's compute).
-        peak_flops=1307.4e12,
-        # Same data sheet: 256 GB HBM3E, 6.0 TB/s peak memory bandwidth.
-        hbm_bytes_per_s=6.0e12,
-        # Same data sheet: 7 Infinity Fabric links of 128 GB/s peak bidirectional: 7 x 64 = 448 GB/s per direction.
-        link_bytes_per_s=448e9,
-        collective_latency_s=_ASSUMED_COLLECTIVE_LATENCY_S,
-        # Same data sheet: peak FP8 2614.9 TFLOPs dense; CDNA 3 (gfx942), FNUZ FP8 formats as the MI300X.
-        peak_fp8_flops=2614.9e12,
-        fp8_formats=("float8_e4m3fnuz",),
-    ),
-    "mi355x": Hardware(
-        "mi355x",
-        # AMD Instinct MI355X data sheet (2025): peak BF16 2.5 PFLOPs dense (5.0 with sparsity); 2516.6 TFLOP/s
-        # = 256 CUs x 4096 dense BF16 FLOP/clock x 2.4 GHz peak engine clock.
-        peak_flops=2516.6e12,
-        # Same data sheet: 288 GB HBM3E, 8 TB/s peak memory bandwidth.
-        hbm_bytes_per_s=8.0e12,
-        # Same data sheet: 7 Infinity Fabric links of 153.6 GB/s peak bidirectional: 7 x 76.8 = 537.6 GB/s
-        # per GPU per direction.
-        link_bytes_per_s=537.6e9,
-        collective_latency_s=_ASSUMED_COLLECTIVE_LATENCY_S,
-        # Same data sheet: peak FP8 5.0 PFLOPs dense (twice the BF16 rate: 5033.2 TFLOP/s at 2.4 GHz).
-        # CDNA 4 (gfx950) multiplies the OCP FP8 formats.
-        peak_fp8_flops=5033.2e12,
-        fp8_formats=("float8_e4m3fn",),
-    ),
-    "h200": Hardware(
-        "h200",
-        # NVIDIA H200 Tensor Core GPU data sheet (2024), SXM: BF16 Tensor Core 1,979 TFLOPS with sparsity,
-        # i.e. 989.4 TFLOP/s dense (the dense figure of NVIDIA's H100 SXM white paper; same GH100 and clocks).
-        peak_flops=989.4e12,
-        # Same data sheet: 141 GB HBM3e, 4.8 TB/s.
-        hbm_bytes_per_s=4.8e12,
-        # Same data sheet: NVLink 900 GB/s per GPU (bidirectional, fourth-generation NVLink through
-        # NVSwitch): 450 GB/s per direction.
-        link_bytes_per_s=450e9,
-        collective_latency_s=_ASSUMED_COLLECTIVE_LATENCY_S,
-        # Same data sheet: FP8 Tensor Core 3,958 TFLOPS with sparsity, 1978.9 dense; OCP FP8 (E4M3, E5M2).
-        peak_fp8_flops=1978.9e12,
-        fp8_formats=("float8_e4m3fn",),
-    ),
+    name: Hardware(name, peak_flops=flops, hbm_bytes_per_s=hbm, link_bytes_per_s=link,
+                   collective_latency_s=_ASSUMED_COLLECTIVE_LATENCY_S, peak_fp8_flops=fp8_flops, fp8_formats=formats)
+    for name, flops, hbm, link, fp8_flops, formats in _PRESETS
 })
 
 
@@ -149,10 +114,9 @@ def native_fp8_formats(device_kind: str) -> tuple[str, ...] | None:
 
 
 def device_platform(device) -> str:
-    """The platform a ``jax.Device`` compiles for: "rocm" or "cuda" for a GPU (whose ``.platform`` JAX
-    reports as "gpu" for both vendors, on a host and on a deviceless topology alike), else its
-    ``.platform`` ("cpu", "tpu", ...). Read from the client's platform name, then its platform
-    version ("rocm ..." on a ROCm host), then the device kind's vendor ("AMD ...", "NVIDIA ...")."""
+    """The platform a ``jax.Device`` compiles for: "rocm" or "cuda" for a GPU (both "gpu" to JAX, on a host
+    and a deviceless topology alike), from the client's platform name, its version, then the device kind's
+    vendor; else its ``.platform``."""
     platform = getattr(device, "platform", None)
     if platform != "gpu":
         return platform

@@ -1,10 +1,7 @@
 """A Hugging Face model config (config.json) read for the tail: the fields, checked, and which layers are MoE.
 
-The Kimi-K3 checkpoint wraps its text model: ``config.json`` holds the text model's fields under
-``text_config`` (beside the vision tower's); other models of the family keep them at the top level.
-:func:`text_config` returns that text config from a path to config.json, a checkpoint directory
-holding one, or a dict (the whole config or the text part). :func:`tail_fields` maps it to
-:class:`k3_tail.TailConfig` fields (``TailConfig.from_hf_config`` calls it):
+Kimi-K3 wraps its text model's fields under ``text_config``; other models of the family keep them at the
+top level. :func:`tail_fields` maps them to :class:`k3_tail.TailConfig` fields:
 
     hidden_size                 -> hidden_size (H)
     routed_expert_hidden_size   -> latent_size (L): required; a model without it has no latent MoE
@@ -12,13 +9,9 @@ holding one, or a dict (the whole config or the text part). :func:`tail_fields` 
     routed_scaling_factor       -> routed_scaling_factor (1.0 when absent)
     latent_moe_use_norm         -> use_latent_norm
     torch_dtype (or dtype)      -> dtype: "bfloat16", "float16" or "float32" (the wrapper's when the
-                                   text config has neither; TailConfig's default, bfloat16, when no
-                                   level gives one)
+                                   text config has neither; TailConfig's default when none does)
 
-:func:`is_moe_layer` and :func:`moe_layers` say which decoder layers have a MoE block
-(``first_k_dense_replace``, ``moe_layer_freq``, ``num_hidden_layers``). Every value is checked here,
-and a bad one is a ValueError naming the field as the config spells it (``text_config.rms_norm_eps``).
-
+A bad value is a ValueError naming the field as the config spells it (``text_config.rms_norm_eps``).
 This module imports nothing from k3_tail, so that ``config.py`` can use it.
 """
 
@@ -39,14 +32,9 @@ _DTYPE_FIELDS = ("torch_dtype", "dtype")
 
 
 def text_config(config: Any) -> dict[str, Any]:
-    """The text model's config as a dict, with the key ``"_where"`` naming where its fields live
-    ("text_config." when nested, "" when flat; for messages) and ``"_wrapper"`` the wrapper's dtype
-    fields (empty when flat).
-
-    ``config``: a path (str or os.PathLike) to a config.json, a directory holding a config.json, or a
-    mapping (the whole config.json, or already its text part). ValueError when the file is missing or
-    is not a JSON object, or when ``text_config`` is not one.
-    """
+    """The text model's config as a dict from ``config``: a path to a config.json, a directory holding one, or
+    a mapping (the whole config or its text part); ``"_where"`` is "text_config." or "" (for messages) and
+    ``"_wrapper"`` the wrapper's dtype fields. ValueError when the file is missing or not a JSON object."""
     if isinstance(config, (str, os.PathLike)):
         path = Path(config)
         if path.is_dir():
@@ -71,11 +59,9 @@ def text_config(config: Any) -> dict[str, Any]:
 
 
 def tail_fields(config: Any) -> dict[str, Any]:
-    """The :class:`k3_tail.TailConfig` fields the model's config sets (module docstring), checked.
-
-    ValueError naming the field when ``routed_expert_hidden_size`` is absent (no latent MoE), when a
-    required field is missing, or when a value is one the tail cannot serve.
-    """
+    """The :class:`k3_tail.TailConfig` fields the model's config sets (module docstring), checked: ValueError
+    naming the field when ``routed_expert_hidden_size`` or another required field is absent, or a value is
+    one the tail cannot serve."""
     text = text_config(config)
     if text.get("routed_expert_hidden_size") is None:
         raise ValueError(f"{_name(text, 'routed_expert_hidden_size')}: missing: this model has no latent MoE "

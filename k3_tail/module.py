@@ -1,10 +1,7 @@
 """The Flax NNX module: a thin shell that owns the tail's weights and calls the tail on them.
 
-Its weights are initialised at random, loaded from a checkpoint's [L, H] kernel (``load_up_proj``) or
-read from a Hugging Face checkpoint (``LatentMoETail.from_checkpoint``).
-
-``__call__`` takes global arrays (:func:`k3_tail.tail_forward`); ``per_rank`` runs inside a
-caller's shard_map (:func:`k3_tail.latent_moe_tail`), for models that shard the layer themselves.
+Its weights are initialised at random, set from a checkpoint's [L, H] kernel (``load_up_proj``) or read
+from a Hugging Face checkpoint (``LatentMoETail.from_checkpoint``).
 """
 
 from __future__ import annotations
@@ -32,29 +29,31 @@ _LECUN_NORMAL = nnx.initializers.lecun_normal()
 class LatentMoETail(nnx.Module):
     """The latent MoE tail of one layer, with its norm scale and up projection as ``nnx.Param``.
 
-    Parameters (dtype ``config.dtype``, sharding metadata set with ``nnx.with_partitioning``):
-      norm_scale: [L], replicated, initialised to ones; None when ``config.use_latent_norm`` is False.
-      up_proj_kernel: Flax layout [L, Hs] (y = x @ W), lecun-normal initialised.
-        weight_layout="column": Hs = padded_hidden_size(H, p), sharded ``(None, axis_name)``: each rank
-          holds [L, Hs/p], 1/p of the memory; the padding columns (only when H % p != 0) are zero.
-        weight_layout="replicated": Hs = H, whole on every rank, as vLLM stores it.
-        With an FP8 ``config.up_proj_dtype``: the kernel's FP8 values (half the bytes of bf16),
-        quantised from the initial kernel (and by :meth:`load_up_proj` from a checkpoint's).
+    ``module(routed_partials, shared_partials)`` runs :func:`k3_tail.tail_forward` on global arrays;
+    :meth:`per_rank` runs :func:`k3_tail.latent_moe_tail` inside a caller's shard_map, for models that
+    shard the layer themselves. The parameters carry their sharding (``nnx.with_partitioning``).
+
+    Args:
+      config: the tail's :class:`TailConfig`.
+      mesh: the Mesh the tail runs on, with the TP axis ``axis_name``.
+      rngs: where the initial kernel's randomness comes from (``rngs.params()``).
+      axis_name: the TP axis: a mesh axis name or a tuple of them.
+      weight_layout: "column": each rank holds [L, Hs/p] of the kernel, 1/p of the memory.
+        "replicated": the whole kernel on every rank, as vLLM stores it (also on the column tiers).
+      kernel_init: the initialiser of the [L, H] kernel (lecun-normal); padding columns are zero.
+
+    Attributes:
+      norm_scale: [L] in ``config.dtype``, replicated, initialised to ones; None when
+        ``config.use_latent_norm`` is False.
+      up_proj_kernel: [L, Hs] (y = x @ W); Hs = padded_hidden_size(H, p) sharded ``(None, axis_name)``
+        for "column", Hs = H for "replicated". With an FP8 ``config.up_proj_dtype``: the FP8 values,
+        quantised from the initial kernel (or the loaded one).
       up_proj_scale: float32 [Hs], the per-column scales of the FP8 values, sharded like the kernel's
         columns; None without FP8.
 
-    The tiers' per-rank costs with each layout are in the README's tier table; the replicated layout
-    keeps the whole kernel resident even on the column tiers.
-
-    ``__call__(routed_partials, shared_partials, *, tier=None)`` takes and returns what
-    :func:`k3_tail.tail_forward` does; ``per_rank(routed_partial, shared_partial, *, tier=None)``
-    what :func:`k3_tail.latent_moe_tail` does, inside a shard_map that hands it this rank's blocks of
-    the parameters (``nnx.shard_map`` with in_spec
-    ``nnx.StateSharding(nnx.get_partition_spec(nnx.state(module)))`` for the module);
-    ``reduce_shared(shared_partial)`` is :func:`k3_tail.reduce_shared` on the module's axis, for
-    ``config.shared_output_is_reduced``; ``plan(num_tokens)`` tells which tier a call would take and why.
-    ``LatentMoETail.from_checkpoint(checkpoint, layer, config=..., mesh=...)`` builds the module with the
-    weights of a Hugging Face checkpoint's layer (:func:`k3_tail.load_tail_weights`).
+    Raises:
+      ValueError: naming the argument, for a bad config, mesh, axis or layout, or FP8 activations in a
+        format the mesh's GPUs do not multiply natively (checked before any weight is made).
     """
 
     def __init__(
@@ -96,10 +95,25 @@ class LatentMoETail(nnx.Module):
         axis_name: AxisName = "tp",
         weight_layout: str = "column",
     ) -> LatentMoETail:
-        """The tail of decoder layer ``layer`` of a Hugging Face checkpoint, its parameters loaded with
-        :func:`k3_tail.load_tail_weights` (same arguments; each device reads only its block of the kernel,
-        quantised at load with an FP8 ``config.up_proj_dtype``). Nothing is initialised at random: the
-        module is built abstractly (``nnx.eval_shape``) and then given the loaded arrays."""
+        """The tail of decoder layer ``layer`` of a Hugging Face checkpoint, with its loaded weights.
+
+        Nothing is initialised at random: the module is built abstractly (``nnx.eval_shape``) and then
+        given the arrays of :func:`k3_tail.load_tail_weights`, where each device reads only its block.
+
+        Args:
+          checkpoint: a checkpoint path or an opened :class:`k3_tail.checkpoint.Checkpoint`.
+          layer: the decoder layer, a MoE one.
+          config: the tail's :class:`TailConfig` (e.g. ``TailConfig.from_hf_config(directory)``).
+          mesh: the Mesh the tail runs on.
+          axis_name: the TP axis.
+          weight_layout: "column" or "replicated", as for the constructor.
+
+        Returns:
+          The module, its kernel quantised at load with an FP8 ``config.up_proj_dtype``.
+
+        Raises:
+          ValueError: as :func:`k3_tail.load_tail_weights` raises it.
+        """
         norm_weight, kernel = load_tail_weights(checkpoint, layer, config=config, mesh=mesh, axis_name=axis_name,
                                                 weight_layout=weight_layout)
         module = nnx.eval_shape(lambda: cls(config, mesh, rngs=nnx.Rngs(0), axis_name=axis_name,
@@ -112,20 +126,23 @@ class LatentMoETail(nnx.Module):
         return module
 
     def load_up_proj(self, kernel) -> None:
-        """Set the up projection from a checkpoint's [L, H] kernel (numpy or jax, ``config.dtype``).
+        """Set the up projection from a checkpoint's [L, H] kernel; the caller's array is not modified.
 
-        With an FP8 ``config.up_proj_dtype`` the kernel is quantised here, at load
-        (:func:`k3_tail.quantize_up_proj`: per-column scales). The parameters take the layout and
-        sharding this module was built with (padding columns zero). The caller's array is not
-        modified. A wrong shape or dtype, or a non-finite kernel, is a ValueError naming ``kernel``.
+        Args:
+          kernel: numpy or jax [L, H] in ``config.dtype``; quantised here with an FP8
+            ``config.up_proj_dtype`` (:func:`k3_tail.quantize_up_proj`), then padded and sharded in
+            the layout the module was built with.
+
+        Raises:
+          ValueError: naming ``kernel``, for a wrong shape or dtype or a non-finite kernel.
         """
         latent, hidden = self.config.latent_size, self.config.hidden_size
         expect_array(kernel, "kernel", [(latent, hidden)], self.config.dtype, f"L={latent}, H={hidden}")
         self._set_up_proj(jnp.asarray(kernel))
 
     def _set_up_proj(self, kernel: jax.Array) -> None:
-        """The up-projection parameters from an [L, H] kernel: quantised when the config says so,
-        padded to the layout's width, sharded by columns or replicated."""
+        """The up-projection parameters from an [L, H] kernel: quantised if the config says so, padded
+        to the layout's width, sharded by columns or replicated."""
         if self.config.up_proj_dtype is not None:
             kernel = quantize_up_proj(kernel, self.config.up_proj_dtype)
         columns = None
@@ -142,28 +159,61 @@ class LatentMoETail(nnx.Module):
         return check_mesh(self.mesh, self.axis_name)
 
     def plan(self, num_tokens: int) -> TierDecision:
-        """The tier a call with ``num_tokens`` tokens takes on this module's mesh, and why."""
+        """The tier a call with ``num_tokens`` tokens takes on this module's mesh, and why.
+
+        Args:
+          num_tokens: T of the call.
+
+        Returns:
+          The :class:`k3_tail.TierDecision` of :func:`k3_tail.select_tier` for this mesh's device.
+        """
         device = self.mesh.devices.flat[0]
         return select_tier(self.config, num_tokens, self.tp_size, weight_layout=self.weight_layout,
                            device_kind=device.device_kind, platform=device.platform)
 
     def __call__(self, routed_partials, shared_partials, *, tier: Tier | str | None = None) -> jax.Array:
-        """y [T, H] from routed_partials [p, T, L] and shared_partials [p, T, H] (see tail_forward)."""
+        """y [T, H] from routed_partials [p, T, L] and shared_partials [p, T, H].
+
+        Args:
+          routed_partials: as :func:`k3_tail.tail_forward` takes them.
+          shared_partials: as :func:`k3_tail.tail_forward` takes them.
+          tier: a tier to force, or None to select one.
+
+        Returns:
+          What :func:`k3_tail.tail_forward` returns, on the module's weights and mesh.
+        """
         return tail_forward(routed_partials, shared_partials, *self._weights(), config=self.config, mesh=self.mesh,
                             axis_name=self.axis_name, tier=tier, weight_layout=self.weight_layout)
 
     def per_rank(self, routed_partial, shared_partial, *, tier: Tier | str | None = None) -> jax.Array:
-        """This rank's result from its routed [T, L] and shared [T, H] partials, inside a shard_map
-        over this module's mesh in which the parameters are this rank's blocks (see
-        :func:`k3_tail.latent_moe_tail` for what it returns and the out_spec that fits)."""
+        """This rank's result, inside a shard_map over the module's mesh that hands it its parameter blocks.
+
+        The in_spec of the module is ``nnx.StateSharding(nnx.get_partition_spec(nnx.state(module)))``
+        under ``nnx.shard_map``.
+
+        Args:
+          routed_partial: this rank's [T, L], as :func:`k3_tail.latent_moe_tail` takes it.
+          shared_partial: this rank's [T, H] (or the reduced shared output), as there.
+          tier: a tier to force, or None to select one.
+
+        Returns:
+          What :func:`k3_tail.latent_moe_tail` returns (its docstring names the out_spec that fits).
+        """
         return latent_moe_tail(routed_partial, shared_partial, *self._weights(), config=self.config,
                                axis_name=self.axis_name, weight_layout=self.weight_layout, tier=tier,
                                device=self.mesh.devices.flat[0])
 
     def reduce_shared(self, shared_partial) -> jax.Array:
-        """This rank's shared partial [T, H] reduced over the module's TP axis, in the form ``per_rank``
-        takes it with ``config.shared_output_is_reduced`` (:func:`k3_tail.reduce_shared`), inside a
-        shard_map over this module's mesh: call it as soon as the shared experts finish."""
+        """:func:`k3_tail.reduce_shared` on the module's TP axis, inside a shard_map over its mesh.
+
+        Call it as soon as the shared experts finish, with ``config.shared_output_is_reduced``.
+
+        Args:
+          shared_partial: this rank's shared-expert partial [T, H].
+
+        Returns:
+          The reduced shared output, in the form :meth:`per_rank` takes it.
+        """
         return reduce_shared(shared_partial, config=self.config, axis_name=self.axis_name,
                              device=self.mesh.devices.flat[0])
 

@@ -1,11 +1,7 @@
 """The per-rank entry point: the tail as one TP rank computes it, inside the caller's ``jax.shard_map``.
 
-A model that writes its MoE layer as one ``jax.shard_map`` over its mesh (each rank holding its
-routed latent partial and its shared-expert partial at the end of the experts) calls
-:func:`latent_moe_tail` there, per rank. It checks the per-rank arrays, selects the tier exactly as
-:func:`k3_tail.select_tier` does for this call (T is static, p is the size of the TP axis), pads
-what the tier needs padded and slices it back, and returns this rank's result. ``tail_forward``
-and :class:`k3_tail.LatentMoETail` are shells over it.
+For a model that writes its MoE layer as one ``jax.shard_map``; :func:`k3_tail.tail_forward` and
+:class:`k3_tail.LatentMoETail` are shells over it. Notation (T, L, H, p, per rank): docs/design.md, Conventions.
 """
 
 from __future__ import annotations
@@ -40,56 +36,48 @@ def latent_moe_tail(
     """``y = RMSNorm_g(c * sum_i r_i) @ W + sum_i s_i`` for this TP rank, inside ``jax.shard_map``.
 
     Call it inside a ``jax.shard_map`` (under ``jax.jit`` or not) whose mesh has the TP axis
-    ``axis_name``: one axis name, or a tuple of them when the TP group spans several mesh axes
-    (ranks ordered major to minor as listed). p is the size of that axis (the product over a tuple).
+    ``axis_name``. The tier is selected at trace time exactly as :func:`k3_tail.select_tier` does
+    for this call; what the tier needs padded is padded and sliced back. Never modifies its inputs;
+    costs are the selected tier's, plus an all-gather of the padded [T', H] rows when
+    sequence-parallel output is gathered.
 
-    Args (this rank's blocks, all of dtype ``config.dtype``):
-      routed_partial: [T, L], this rank's routed latent partial; the reduced latent (the same on every
-        rank) when ``config.fused_output_is_reduced``.
+    Args:
+      routed_partial: [T, L] in ``config.dtype``, this rank's routed latent partial; the reduced
+        latent (the same on every rank) when ``config.fused_output_is_reduced``.
       shared_partial: [T, H], this rank's shared-expert partial; None exactly when
-        ``config.has_shared_experts`` is False. With ``config.shared_output_is_reduced``: the reduced
-        shared output as :func:`k3_tail.reduce_shared` returns it ([T, H], or for
-        ``config.sequence_parallel`` this rank's [T'/p, H] rows, T' = T rounded up to a multiple of
-        p, at least p); the tail puts no collective on it.
-      norm_weight: [L] RMSNorm scale g (replicated); None exactly when ``config.use_latent_norm`` is False.
-      up_proj_kernel: "replicated": the whole [L, H] kernel. "column": this rank's column block
-        [L, Hb] of the kernel stored padded to [L, p*Hb] with zero columns, Hb = ceil(H / p)
-        (``padded_hidden_size(H, p) // p``; in a shard_map that is in_spec ``P(None, axis_name)``).
-      tier: a :class:`Tier` (or its value) to force, or None to select.
-      device: a device of the mesh the call runs on: its ``device_kind`` is what the "measured"
-        selection policy checks its table against and what FP8 activations are checked against
-        (:func:`k3_tail.ops.up_projection.check_fp8_activations`), its ``platform`` decides the form of
-        the all-reduces (``config.all_reduce_form``), and on ROCm no GEMM adds into a C operand
-        (:func:`k3_tail.ops.up_projection.outside_gemm`). None: ``jax.devices()[0]``, the default
-        backend's, which is right unless the shard_map's mesh is made of other devices (a deviceless
-        topology).
+        ``config.has_shared_experts`` is False. With ``config.shared_output_is_reduced``: the
+        reduced shared output as :func:`k3_tail.reduce_shared` returns it ([T, H], or with
+        ``config.sequence_parallel`` this rank's [T'/p, H] rows, T' = ``padded_token_count(T, p)``);
+        the tail puts no collective on it.
+      norm_weight: [L] RMSNorm scale g, replicated; None exactly when ``config.use_latent_norm`` is False.
+      up_proj_kernel: "replicated" layout: the whole [L, H] kernel. "column": this rank's block
+        [L, Hb], Hb = ``padded_hidden_size(H, p) // p``, of the kernel stored padded with zero
+        columns (in_spec ``P(None, axis_name)``). A :class:`k3_tail.QuantizedKernel` with an FP8
+        ``config.up_proj_dtype``.
+      config: the tail's :class:`k3_tail.TailConfig`.
+      axis_name: the TP axis: a mesh axis name, or a tuple of them (ranks ordered major to minor as
+        listed; p is the product of their sizes).
+      weight_layout: where the kernel lives: "replicated" or "column".
+      tier: a :class:`k3_tail.Tier` (or its value) to force, or None to select one.
+      device: a device of the mesh the call runs on. Its ``device_kind`` is what the "measured"
+        selection policy and the FP8 activation check use, its platform decides the all-reduce
+        form and, on ROCm, keeps adds out of GEMMs. None: ``jax.devices()[0]``, which is right
+        unless the mesh is made of other devices (a deviceless topology).
 
-    Selection: ``tier=None`` runs ``select_tier(config, T, p, weight_layout=weight_layout,
-    device_kind=device.device_kind, platform=device.platform)`` at trace time (ask it for the tier
-    and the reason); a forced tier
-    that cannot run here (one_shot with the column layout or a reduced routed output) is a ValueError.
+    Returns:
+      y [T, H] in ``config.dtype``, the same on every rank (out_spec ``P()``). With token-sharded
+      output (:func:`k3_tail.is_token_sharded_output`) this rank's rows [k*T/p, (k+1)*T/p) of y,
+      [T/p, H] (out_spec ``P(axis_name)``); with ``config.sequence_parallel`` and p not dividing T
+      the T rows come back replicated (JAX shards evenly only).
 
-    Returns, in ``config.dtype``: y [T, H], the same on every rank (out_spec ``P()``); with
-    token-sharded output (:func:`k3_tail.is_token_sharded_output`: ``config.sequence_parallel``,
-    T > 0 and p dividing T) this rank's rows [k*T/p, (k+1)*T/p) of y, [T/p, H] (out_spec
-    ``P(axis_name)``). With ``config.sequence_parallel`` and p not dividing T the tokens are padded
-    with zero rows to a multiple of p for the tier, and the T rows are gathered: JAX arrays shard
-    evenly only, so those come back replicated. Padding columns (H % p != 0) never reach the result.
-
-    Bad shapes, dtypes, a tier that cannot run or a missing TP axis raise ValueError naming the
-    argument, and so does ``config.fp8_activations`` with a kernel format that ``device``'s GPU does not
-    multiply natively (it would run at the f16 rate). So does an input whose type contradicts the
-    config: inside a ``jax.shard_map`` with ``check_vma=True`` (its default) JAX types a per-rank
-    partial as varying over the TP axis and a sum over it as the same on every rank, so a
-    ``shared_partial`` that is already reduced without
-    ``config.shared_output_is_reduced`` (it would be added p times), partials with it (they would
-    not be summed), and the same for ``routed_partial`` and ``config.fused_output_is_reduced`` are
-    refused, naming the field. With ``check_vma=False`` JAX tracks no variation and the type cannot
-    tell: the contract is then the caller's (and with ``config.sequence_parallel`` a reduced shared
-    output, this rank's rows of the sum, is checked by its shape only).
-
-    Never modifies its inputs. Costs are the selected tier's (README tier table), plus an
-    all-gather of the padded [T', H] rows when sequence-parallel output is gathered.
+    Raises:
+      ValueError: naming the argument, for bad shapes or dtypes, a missing TP axis, a forced tier
+        that cannot run here (one_shot with the column layout or a reduced routed output),
+        ``config.fp8_activations`` in a format ``device``'s GPU does not multiply natively, or an
+        input whose type contradicts the config: inside a ``jax.shard_map`` with ``check_vma=True``
+        (its default) a reduced value where a partial is expected, or the reverse, naming the field
+        (``shared_output_is_reduced``, ``fused_output_is_reduced``). With ``check_vma=False`` JAX
+        tracks no variation and that contract is the caller's.
     """
     check_config(config)
     axis_name = check_axis_name(axis_name)
@@ -124,8 +112,8 @@ def latent_moe_tail(
 
 
 def _check_reduction_contract(routed_partial, shared_partial, *, config: TailConfig, axis_name: AxisName) -> None:
-    """ValueError naming the config field when the routed or shared input's type contradicts it: a
-    per-rank partial varies over the TP axis, a reduced output does not (:func:`varies_over`)."""
+    """ValueError naming the config field when an input's type contradicts it: a per-rank partial
+    varies over the TP axis, a reduced output does not (:func:`varies_over`)."""
     contract = [("routed_partial", routed_partial, "fused_output_is_reduced", "the reduced latent")]
     # A reduced shared output in the token-sharded form is this rank's rows of the sum: it varies too.
     if shared_partial is not None and not (config.shared_output_is_reduced and config.sequence_parallel):

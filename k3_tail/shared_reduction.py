@@ -1,11 +1,8 @@
 """The shared experts' reduction, per rank, issued as early as the model likes.
 
-The shared-expert partials are independent of the routed experts, so their sum can travel while
-the routed experts compute (tens of microseconds at decode on a GPU) instead of beside the tail's
-up projection (one or two). :func:`reduce_shared` is that sum, per rank inside the model's own
-``jax.shard_map``; ``TailConfig(shared_output_is_reduced=True)`` then makes the tail take its
-result in place of the partials and put no collective on it (vLLM's
-VLLM_KIMI_K3_SHARED_OUTPUT_AR_OVERLAP).
+The shared-expert partials do not depend on the routed experts, so their sum can travel while the
+routed experts compute (tens of microseconds at decode on a GPU) instead of beside the tail's up
+projection (one or two): vLLM's VLLM_KIMI_K3_SHARED_OUTPUT_AR_OVERLAP.
 """
 
 from __future__ import annotations
@@ -28,25 +25,30 @@ def reduce_shared(
 ) -> jax.Array:
     """The sum over the TP ranks of the shared-expert partials, in the form the tail takes it.
 
-    Call it inside a ``jax.shard_map`` whose mesh has the TP axis ``axis_name`` (a name, or a tuple
-    of names as for :func:`k3_tail.latent_moe_tail`), as soon as the shared experts finish.
-    shared_partial: this rank's [T, H] partial, dtype ``config.dtype``.
+    Call it inside a ``jax.shard_map`` whose mesh has the TP axis ``axis_name``, as soon as the
+    shared experts finish, and pass the result as ``shared_partial`` of
+    :func:`k3_tail.latent_moe_tail` (or :meth:`k3_tail.LatentMoETail.per_rank`) with
+    ``TailConfig(shared_output_is_reduced=True)``. The collective carries the named scope
+    ``k3_tail/shared_reduction``.
 
-    Returns, in ``config.dtype``:
-      - without ``config.sequence_parallel``: the sum [T, H], the same on every rank (an all-reduce
-        of T*H elements in the form ``config.all_reduce_form`` picks on the device's platform);
-      - with ``config.sequence_parallel``: this rank's rows of the sum, [T'/p, H] with T' = T
-        rounded up to a multiple of p (at least p), zero rows appended: a reduce-scatter over tokens
-        (half the wire bytes), the rows each rank's tail works on, whether or not its output
-        then comes back token-sharded.
-    Pass the result as ``shared_partial`` of :func:`k3_tail.latent_moe_tail` (or
-    :meth:`k3_tail.LatentMoETail.per_rank`) with ``TailConfig(shared_output_is_reduced=True)``.
-    ``device``: a device of the mesh (its platform decides the all-reduce's form); None:
-    ``jax.devices()[0]``. The collective carries the named scope ``k3_tail/shared_reduction``.
+    Args:
+      shared_partial: this rank's [T, H] partial, dtype ``config.dtype``.
+      config: the tail's :class:`k3_tail.TailConfig`, with shared experts and
+        ``shared_output_is_reduced``.
+      axis_name: the TP axis: a name, or a tuple of names as for :func:`k3_tail.latent_moe_tail`.
+      device: a device of the mesh (its platform decides the all-reduce's form); None:
+        ``jax.devices()[0]``.
 
-    ValueError naming the argument: a wrong shape or dtype, a config without shared experts or without
-    ``shared_output_is_reduced`` (the tail it feeds must take a reduced shared output), or no
-    ``axis_name`` axis in scope.
+    Returns:
+      In ``config.dtype``: without ``config.sequence_parallel`` the sum [T, H], the same on every
+      rank (an all-reduce in the form ``config.all_reduce_form`` picks); with it this rank's rows of
+      the sum, [T'/p, H], T' = ``padded_token_count(T, p)`` (zero rows appended): a reduce-scatter
+      over tokens, half the wire bytes, whether or not the tail's output then comes back token-sharded.
+
+    Raises:
+      ValueError: naming the argument, for a wrong shape or dtype, a config without shared experts or
+        without ``shared_output_is_reduced`` (the tail it feeds must take a reduced shared output),
+        or no ``axis_name`` axis in scope.
     """
     check_config(config)
     axis_name = check_axis_name(axis_name)

@@ -1,40 +1,32 @@
 """Block quantisation of a collective's payload: vLLM ROCm QuickReduce's INT8, INT6 and INT4 codecs.
 
-A codec cuts a float buffer into blocks of ``BLOCK`` = 32 consecutive values and stores each block as
-32 b-bit integers and one scale, packed into bytes so that the wire carries b bits per value:
+A codec cuts a float buffer into blocks of ``BLOCK`` = 32 values and stores each as 32 b-bit integers
+and one bfloat16 scale, packed so that the wire carries b bits per value:
 
     scale = bfloat16(-m / 2^(b-1)),   m = max |x| over the block
     q     = clamp(round(x / scale), -2^(b-1), 2^(b-1) - 1)        (round half to even)
     x'    = q * scale
 
-This is QuickReduce's symmetric scheme, its negative scale included: the block's largest positive
-value lands exactly on -2^(b-1), the one level without a positive twin, and only a value near -m can
-be clamped (to 2^(b-1) - 1). The codec computes in float32 (QuickReduce in fp16 or bf16 arithmetic)
-and stores the scale as bfloat16, QuickReduce's scale type for bf16 data: unlike fp16 (its type after
-its bf16-to-fp16 cast) it has float32's range, so no finite block overflows its scale or rounds it
-to zero before float32 does; an all-zero block has scale -0 and decodes to zeros.
+This is QuickReduce's symmetric scheme, its negative scale included: the block's largest positive value
+lands exactly on -2^(b-1), the one level without a positive twin, and only a value near -m can be
+clamped. The codec computes in float32; bfloat16, QuickReduce's scale type for bf16 data, has float32's
+range, so no finite block overflows its scale or rounds it to zero. An all-zero block has scale -0.
 
-Non-finite values travel as NaN, at their own elements only (QuickReduce has no rule for them; a
-scale taken over a NaN would spread it over the block, or, where a reduction drops NaN as XLA:CPU's
-max can, hide it). A block holding a NaN or an infinity is marked by a scale with its sign bit clear,
-+m / (2^(b-1) - 1) with m the largest finite magnitude: its finite values are coded with the
-symmetric levels [-(2^(b-1) - 1), 2^(b-1) - 1], and the spare level -2^(b-1) marks each non-finite
-element, which decodes to NaN. An infinity therefore arrives as NaN (a sum it enters is non-finite
-there either way); every other element of the block decodes as usual, within the same bound.
+Non-finite values travel as NaN, at their own elements only (QuickReduce has no rule for them; a scale
+taken over a NaN would spread it over the block, or, where a reduction drops NaN as XLA:CPU's max can,
+hide it). A block holding a NaN or an infinity is marked by a scale with its sign bit clear,
++m / (2^(b-1) - 1) with m the largest finite magnitude: its finite values use the symmetric levels
+[-(2^(b-1) - 1), 2^(b-1) - 1], and the spare level -2^(b-1) marks each non-finite element, which
+decodes to NaN.
 
-Error per value (what the tests hold the codec to): |x - x'| <= |scale| / 2 where no clamp applies,
-and at most ``max_error(m)`` = m / 2^(b-1) * (1 + 2^-8) * (1 + 2^(b-9) / (1 - 2^-8)) for any finite
-value of a block whose largest finite magnitude is m: the bf16 scale is within 2^-8 of m / 2^(b-1),
-so -m can exceed the highest level by up to 2^(b-1) * 2^-8 steps, clamped (1.5 steps at INT8, 1.03
-at INT4); a marked block's step is 2^(b-1) / (2^(b-1) - 1) times longer and it clamps by at most
-2^(b-9) of a step, which stays within the same bound. Decoded values are clamped to float32's range,
-where a scale rounded up would take the largest past it. A block whose scale would be subnormal
-(m < 2^(b-1) * 1.2e-38) may decode to zeros: XLA flushes subnormals on CPU and GPU, so there the
-error is up to m itself.
+Error per value: |x - x'| <= |scale| / 2 where no clamp applies, and at most ``max_error(m)`` for any
+finite value (the bf16 scale is within 2^-8 of m / 2^(b-1), so -m can pass the highest level by up to
+2^(b-1) * 2^-8 steps, clamped; a marked block's longer step clamps by at most 2^(b-9) of one). Decoded
+values are clamped to float32's range. A block whose scale would be subnormal (m < 2^(b-1) * 1.2e-38)
+may decode to zeros: XLA flushes subnormals on CPU and GPU.
 
-Wire format of one block: the values in offset binary (q + 2^(b-1)), ``group`` of them little-endian
-in ``group * b / 8`` bytes (INT8 1 value per byte, INT6 4 values in 3 bytes, INT4 2 values per
-byte), then the scale's two bytes: 34, 26 or 18 bytes per 32 values, 0.53, 0.41 or 0.28 of bf16's 64.
+Wire format of one block: the values in offset binary (q + 2^(b-1)), ``group`` of them little-endian in
+``group * b / 8`` bytes, then the scale's two bytes: 34, 26 or 18 bytes per 32 values (bf16: 64).
 """
 
 from __future__ import annotations

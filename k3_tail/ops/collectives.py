@@ -1,35 +1,20 @@
 """How a sum over the TP ranks travels: one all-reduce, or a reduce-scatter followed by an all-gather.
 
-Both forms leave the same [T, W] sum on every rank and move the same bytes on a ring
-(2(p-1)/p * B), but backends implement them differently. GPU backends run XLA's all-reduce as one
-NCCL/RCCL ring collective, and the tiers keep it there (the overlap tier's schedule rests on an
-async all-reduce). XLA's CPU collectives are not a ring, and there the decomposition of a bfloat16
-buffer is about twice as fast from about 8 MiB on, while below that the two tie and for float32 the
-decomposition is never faster (measured with ``scripts/collective_forms.py``; docs/performance.md
-has the numbers and the command), so the tiers use it where ``SPLIT_FROM_BYTES`` says.
+Both forms leave the same [T, W] sum on every rank and move the same ring bytes, but backends implement
+them differently. GPU backends run XLA's all-reduce as one NCCL/RCCL ring collective, and the tiers
+keep it there (the overlap tier rests on an async all-reduce). XLA's CPU collectives are not a ring:
+there the decomposition of a bfloat16 buffer is about twice as fast from about 8 MiB on, the two tie
+below, and for float32 it is never faster (docs/performance.md), so "auto" splits where
+``SPLIT_FROM_BYTES`` says.
 
-``TailConfig.all_reduce_form`` chooses: "auto" (the measured rule above, per platform and buffer
-size, decided at trace time), "all-reduce" (always one all-reduce: XLA's default) or
-"reduce-scatter+all-gather" (always the decomposition). The compiled program shows which form ran
-(:mod:`k3_tail.xla.report`), and :func:`k3_tail.select_tier` says so in its reason when given the
-platform.
-
-**Quantised sums** (vLLM ROCm's QuickReduce). With ``TailConfig.all_reduce_quantization`` a codec
-of :mod:`k3_tail.ops.codecs`, a sum whose buffer holds between ``TailConfig.quantization_min_bytes`` and
-``quantized_all_reduce_max_bytes`` bytes travels block-quantised in two shots: each rank cuts the
-flattened buffer into p chunks, encodes them and sends chunk j to rank j (one all-to-all); rank j
-decodes the p versions of its chunk and sums them in float32, re-encodes the sum and every rank
-gathers all chunks (one all-gather) and decodes them. Both collectives move uint8 payload bytes,
-(p-1)/p of the encoded buffer each: 2(p-1)/p * B * (b/16 + 1/32) bytes per rank for a bf16 buffer of
-B bytes, against 2(p-1)/p * B unquantised, for two collective latencies instead of one and three
-memory-bound codec passes. Every rank decodes the same gathered bytes, so the result is identical on
-every rank. A sum that only scatters (a reduce-scatter) sends the first shot alone: its owner's
-float32 chunk sum, rounded once to the dtype, is the result. A NaN or an infinity in any rank's
-buffer arrives as NaN at its own elements of the sum, and nowhere else (:mod:`k3_tail.ops.codecs`):
-non-finite exactly where the unquantised sum is, but for an infinity, which arrives as NaN, and the
-rare finite sum that a codec step takes past the dtype's range. The decision is per buffer, at trace
-time, like the form above; p = 1 sends nothing and quantises nothing. QuickReduce itself runs on 2,
-4 or 8 ranks; this form runs on any p.
+**Quantised sums** (vLLM ROCm's QuickReduce). A sum whose buffer lies within ``SumPlan.quantized_bytes``
+travels block-quantised (:mod:`k3_tail.ops.codecs`) in two shots: each rank encodes p chunks of the
+flattened buffer and sends chunk j to rank j (an all-to-all); rank j sums its p decoded versions in
+float32, re-encodes the sum, and every rank gathers all chunks (an all-gather) and decodes them: the
+same bytes on every rank, so the same result. Per rank 2(p-1)/p * B * (b/16 + 1/32) bytes for a bf16
+buffer of B bytes, for two collective latencies and three memory-bound codec passes. A reduce-scatter
+sends the first shot alone. A NaN or infinity in any rank's buffer arrives as NaN at its own elements
+only. p = 1 sends nothing; QuickReduce itself runs on 2, 4 or 8 ranks, this on any p.
 """
 
 from __future__ import annotations
@@ -84,12 +69,9 @@ def describe_auto(platform: str | None, dtype: jnp.dtype) -> str | None:
 
 @dataclasses.dataclass(frozen=True)
 class SumPlan:
-    """How the sums of one call travel over its p ranks (built once per call by ``TailConfig.sum_plan``).
-
-    form: ``TailConfig.all_reduce_form``. platform: the devices' ``.platform`` (None: not known).
-    codec: the codec of quantised sums, or None. quantized_bytes: (smallest, largest) buffer in bytes
-    that travels quantised, with a codec.
-    """
+    """How the sums of one call travel (built once per call by ``TailConfig.sum_plan``): the
+    ``all_reduce_form``, the devices' platform (None: not known), and the codec of quantised sums with
+    the (smallest, largest) buffer in bytes that travels quantised."""
 
     form: str = "auto"
     platform: str | None = None
@@ -108,11 +90,7 @@ class SumPlan:
 
 def all_reduce(x: jax.Array, *, axis_name: AxisName, sums: SumPlan) -> jax.Array:
     """The sum of ``x`` [T, W] over the ranks, on every rank, in ``x.dtype``: quantised when ``sums``
-    has a codec for its size, else in the form ``sums`` gives it.
-
-    The decomposition scatters rows: T is padded with zero rows to a multiple of p for it and the
-    padding sliced off after the all-gather.
-    """
+    has a codec for its size, else in ``sums``' form (the decomposition pads T to a multiple of p)."""
     nbytes = x.size * x.dtype.itemsize
     codec = sums.codec_for(nbytes)
     if codec is not None:

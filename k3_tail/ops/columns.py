@@ -1,15 +1,10 @@
 """Column blocks of the up projection: weight layouts, padding, and each rank's own block.
 
-The column tiers give TP rank k the columns [k*Hb, (k+1)*Hb) of the [L, H] up projection, with
-Hb = ceil(H / p). When H % p != 0 the kernel and the shared partial are padded with zero columns to
-p*Hb and the result is sliced back to H, so no column is ever dropped (vLLM's CUDA tier 2 drops the
-last H mod p columns).
-
-Weight layouts (where the [L, H] kernel lives):
-  "replicated": every rank holds the whole kernel (vLLM's layout): 2LH bytes per rank.
-  "column": rank k holds only its block [L, Hb] (``P(None, axis)``): 2LH/p bytes per rank.
-A kernel quantised to FP8 (:class:`k3_tail.QuantizedKernel`) holds half those bytes, and its
-per-column scales are padded, sharded and sliced with its columns.
+Rank k owns the columns [k*Hb, (k+1)*Hb) of the [L, H] kernel, Hb = ceil(H / p). When H % p != 0 the
+kernel and the shared partial are padded with zero columns to p*Hb and the result sliced back to H, so
+no column is dropped (vLLM's CUDA tier 2 drops the last H mod p). Layouts: "replicated" (every rank
+holds the whole kernel, vLLM's layout: 2LH bytes per rank) and "column" (rank k holds its [L, Hb]
+block, ``P(None, axis)``: 2LH/p bytes); a :class:`k3_tail.QuantizedKernel` holds half of those.
 """
 
 from __future__ import annotations
@@ -35,9 +30,14 @@ def check_weight_layout(weight_layout: str) -> str:
 
 
 def padded_hidden_size(hidden_size: int, tp_size: int) -> int:
-    """``hidden_size`` rounded up to a multiple of ``tp_size``: the width the column tiers shard.
+    """The width the column tiers shard: a column-layout kernel is stored [L, padded_hidden_size(H, p)].
 
-    A column-layout kernel is stored [L, padded_hidden_size(H, p)], its extra columns zero.
+    Args:
+      hidden_size: H.
+      tp_size: p.
+
+    Returns:
+      ``hidden_size`` rounded up to a multiple of ``tp_size``; the extra columns are zero.
     """
     return -(-hidden_size // tp_size) * tp_size
 
@@ -54,13 +54,9 @@ def pad_columns(x: Kernel, width: int) -> Kernel:
 
 
 def own_kernel_block(up_proj_kernel: Kernel, *, hidden_size: int, weight_layout: str, axis_name: AxisName) -> Kernel:
-    """This rank's column block [L, Hb] of the up projection (inside ``jax.shard_map``).
-
-    "column": the local kernel already is the block. "replicated": the block is sliced out of the
-    whole kernel, reading 2*L*Hb bytes of it; when H % p != 0 the kernel is padded first, which
-    XLA may materialise as a per-call copy (the column layout stores the padded kernel once).
-    A QuantizedKernel's block is its values' and scales' block.
-    """
+    """This rank's column block [L, Hb] of the up projection (inside ``jax.shard_map``): the local
+    kernel itself for "column"; for "replicated" sliced out of the whole kernel (2*L*Hb bytes read),
+    padded first when H % p != 0, which XLA may materialise per call."""
     if weight_layout == "column":
         return up_proj_kernel
     tp_size = lax.axis_size(axis_name)
@@ -74,10 +70,8 @@ def project_all_columns(
     latent: jax.Array, up_proj_kernel: Kernel, *, hidden_size: int, weight_layout: str, axis_name: AxisName,
     fp8_activations: bool = False,
 ) -> jax.Array:
-    """``latent @ W`` for all H columns on every rank: [T, L] x [L, H] -> [T, H] (inside shard_map).
-
-    :func:`project_own_columns` followed by :func:`gather_columns`; see those for the costs.
-    """
+    """``latent @ W`` for all H columns on every rank, [T, L] x [L, H] -> [T, H]:
+    :func:`project_own_columns`, then :func:`gather_columns`."""
     projected = project_own_columns(latent, up_proj_kernel, weight_layout=weight_layout,
                                     fp8_activations=fp8_activations)
     return gather_columns(projected, hidden_size=hidden_size, weight_layout=weight_layout, axis_name=axis_name)
@@ -94,25 +88,18 @@ def project_own_columns(
 
 
 def gather_columns(projected: jax.Array, *, hidden_size: int, weight_layout: str, axis_name: AxisName) -> jax.Array:
-    """All H columns on every rank from :func:`project_own_columns`' result (inside shard_map).
-
-    "replicated": nothing to do. "column": an all-gather of the [T, Hb] blocks in the latent's dtype
-    assembles them: gathering the outputs moves 2TH bytes, where gathering the kernel would move
-    2LH per call.
-    """
+    """All H columns on every rank from :func:`project_own_columns`' result: nothing to do for
+    "replicated"; for "column" an all-gather of the [T, Hb] blocks (2TH bytes, where gathering the
+    kernel would move 2LH per call)."""
     if weight_layout == "replicated":
         return projected
     return assemble_column_blocks(projected, hidden_size=hidden_size, token_sharded=False, axis_name=axis_name)
 
 
 def assemble_column_blocks(own: jax.Array, *, hidden_size: int, token_sharded: bool, axis_name: AxisName) -> jax.Array:
-    """y from every rank's column block ``own`` [T, Hb] (inside shard_map), named ``k3_tail/output_gather``.
-
-    Replicated output: an all-gather of the blocks, [T, H] on every rank ((p-1)/p * T*p*Hb elements
-    per rank on a ring). Token-sharded output (T % p == 0): an all-to-all from column blocks to token
-    rows: rank k sends token block j of its column block to rank j and gets its own [T/p, H] rows
-    ((p-1)/p * T*Hb elements). Padding columns (H % p != 0) are sliced off.
-    """
+    """y from every rank's column block ``own`` [T, Hb], named ``k3_tail/output_gather``, padding columns
+    sliced off: an all-gather to [T, H] on every rank, or for token-sharded output (T % p == 0) an
+    all-to-all from column blocks to this rank's [T/p, H] rows (1/p of the all-gather's bytes)."""
     with jax.named_scope(OUTPUT_GATHER):
         if token_sharded:
             return lax.all_to_all(own, axis_name, split_axis=0, concat_axis=1, tiled=True)[:, :hidden_size]

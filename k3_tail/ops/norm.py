@@ -1,4 +1,10 @@
-"""The latent RMSNorm in float32, for any finite input: :func:`rms_norm` and one_shot's :func:`inverse_rms`."""
+"""The latent RMSNorm in float32, for any finite input: :func:`rms_norm` and one_shot's :func:`inverse_rms`.
+
+The plain formula's mean of squares overflows float32 from |x| of about 3e17 at L = 3584 (well inside
+bfloat16's range), and rsqrt then gives 0; both functions here scale each row by its largest magnitude
+instead, as a softmax subtracts its maximum (docs/design.md, "Extreme values"). NaN and infinity
+propagate as in the plain formula.
+"""
 
 from __future__ import annotations
 
@@ -10,35 +16,23 @@ from jax import lax
 
 
 def rms_norm(x: jax.Array, weight: jax.Array | None, *, eps: float, scale: float = 1.0) -> jax.Array:
-    """``RMSNorm_weight(scale * x)`` over the last axis, in float32; returns float32, for any finite x.
+    """``RMSNorm_weight(scale * x)`` over the last axis of x [..., L] (any float dtype), as float32.
 
-    x: [..., L] any float dtype; weight: [L] or None (no norm: only the scale is applied).
-    ``scale`` multiplies x before the norm (routed_scaling_factor), so with a norm it only matters
-    through eps; it never multiplies x here (scale x may overflow float32 where x does not).
-
-    The plain formula's mean of squares overflows float32 from |x| of about 3e17 at L = 3584 (well
-    inside bfloat16's range), and rsqrt then gives 0. Here each row is divided by its largest magnitude
-    first, as a softmax subtracts its maximum:
-
-        s = clip(max |x|, floor, 2^126),   v = x / s,   RMSNorm = sign(scale) * v * rsqrt(mean(v^2) + eps') * weight
-
-    with floor = :func:`_row_scale_floor` (a power of two about 2^12 sqrt(L eps) / |scale|) and
-    eps' = eps / (scale floor)^2 (about 2^-24 / L). A row below the floor is divided by the floor, which
-    is exact (eps' is its eps / (scale s)^2); a row above it has mean(v^2) >= 1/L, against which
-    eps' <= 2^-24 / L, and its own eps / (scale s)^2 is smaller still: both lie below float32's
-    resolution of the sum. The cap keeps 1/s a normal float32, since XLA divides by multiplying with
-    the reciprocal. Normalised values below about 2^-114 sqrt(L) (3e-33 at L = 3584) flush to zero.
-    s and each reduction's result have one use, so that XLA's GPU backend fuses the two reductions
-    (max, then the sum of squares) with the division and the products into one kernel, as it does a
-    softmax's: the latent is read once, as by the plain formula (docs/design.md, "Extreme values").
-    NaN and infinity propagate as in the plain formula: a NaN makes its row NaN, an infinity NaN at its
-    element and zeros beside it.
+    ``weight`` [L], or None for no norm (only ``scale``, routed_scaling_factor, applied). With a norm
+    ``scale`` matters only through eps, and never multiplies x (scale * x may overflow where x does not).
     """
     x = x.astype(jnp.float32)
     if weight is None:
         return x * scale
     if scale == 0:
         return x * 0.0  # keeps NaN and turns infinity into NaN, as 0 * x does
+    # s = clip(max |x|, floor, 2^126), v = x / s, RMSNorm = sign(scale) * v * rsqrt(mean(v^2) + eps') * weight,
+    # with floor a power of two about 2^12 sqrt(L eps) / |scale| and eps' = eps / (scale floor)^2 (about 2^-24 / L).
+    # A row below the floor is divided by the floor, which is exact (eps' is its eps / (scale s)^2); a row above
+    # has mean(v^2) >= 1/L, against which eps' and its own eps / (scale s)^2 lie below float32's resolution.
+    # Normalised values below about 2^-114 sqrt(L) flush to zero. s and each reduction's result have one use, so
+    # that XLA's GPU backend fuses both reductions with the division and products into one kernel (as a
+    # softmax's): the latent is read once, as by the plain formula.
     floor = _row_scale_floor(eps, scale, x.shape[-1])
     # Capped at 2^126 too: XLA divides by multiplying with the reciprocal, which float32 must hold.
     row_scale = jnp.clip(jnp.max(jnp.abs(x), axis=-1, keepdims=True), floor, _LARGEST_ROW_SCALE)
@@ -50,20 +44,14 @@ def rms_norm(x: jax.Array, weight: jax.Array | None, *, eps: float, scale: float
 
 def inverse_rms(x: jax.Array, *, eps: float, scale: float = 1.0) -> jax.Array:
     """``scale / sqrt(mean((scale * x)^2) + eps)`` over the last axis of float32 ``x`` [..., L]: [..., 1],
-    the row factor that one_shot applies to its projected rows, for any finite x.
-
-    One pass over x gives each row's largest magnitude m and the sum q of (x / m)^2 together (a
-    variadic reduction that rescales its partial sums to the larger maximum as it combines them, as
-    BLAS's nrm2 does), and then, with r = sqrt(eps) / |scale| (``scale`` never multiplies x),
-
-        m >= r:  sign(scale) / m * rsqrt(q / L + (r / m)^2)      m < r:  sign(scale) / r * rsqrt(1 + (m / r)^2 q / L).
-
-    Nothing overflows; the factor itself is below float32's normal range only for rows whose RMS
-    (times ``scale``) exceeds 2^126, where one_shot's projected rows, (x g) @ W, near float32's largest
-    value themselves. NaN or infinity in a row make its factor NaN.
-    """
+    the row factor one_shot applies to its projected rows, for any finite x (NaN or infinity: NaN)."""
     if scale == 0:
         return jnp.zeros(x.shape[:-1] + (1,), jnp.float32) * jnp.sum(x, axis=-1, keepdims=True)  # NaN stays
+    # One pass gives each row's largest magnitude m and q = sum (x / m)^2 (a reduction that rescales its partial
+    # sums to the larger maximum as it combines them, as BLAS's nrm2 does); then, with r = sqrt(eps) / |scale|,
+    #   m >= r: sign(scale) / m * rsqrt(q / L + (r / m)^2),   m < r: sign(scale) / r * rsqrt(1 + (m / r)^2 q / L).
+    # Nothing overflows; the factor is subnormal only for rows whose RMS (times scale) exceeds 2^126, where
+    # one_shot's projected rows near float32's largest value themselves.
     magnitude, scaled_squares = _max_and_scaled_sum_of_squares(x)
     mean = scaled_squares[..., None] / x.shape[-1]
     magnitude = magnitude[..., None]
@@ -96,9 +84,9 @@ _SMALLEST_NORMAL = 2.0**-126
 
 
 def norm_is_computable(eps: float, scale: float, width: int) -> bool:
-    """Whether float32 computes the norm of rows of ``width`` values with ``eps`` and a nonzero ``scale``:
-    sqrt(eps) / |scale| a normal float32 (:func:`inverse_rms`) and a row scale floor (:func:`rms_norm`)
-    within float32's normal range. eps / scale^2 from 2^-252 to about 2^228 / width."""
+    """Whether float32 computes the norm of rows of ``width`` values with ``eps`` and a nonzero ``scale``
+    (sqrt(eps) / |scale| normal, and :func:`_row_scale_floor` within range): eps / scale^2 from 2^-252 to
+    about 2^228 / width."""
     root_eps = math.sqrt(eps) / abs(scale)
     return _SMALLEST_NORMAL <= root_eps <= 2.0**127 and _row_scale_floor(eps, scale, width) is not None
 

@@ -1,13 +1,8 @@
 """Token-sharded (sequence-parallel) output: the last collective of a tier scatters tokens.
 
-With ``TailConfig(sequence_parallel=True)`` a tier returns rank k's rows [k*T/p, (k+1)*T/p) of y
-instead of all of y: the final all-reduce of [T, H] becomes a reduce-scatter over tokens (half the
-wire bytes: (p-1)/p * 2TH instead of 2(p-1)/p * 2TH), an all-gather over columns becomes an
-all-to-all, and a replicated intermediate is cut to the own rows. The tier functions need T % p == 0
-per rank; :func:`k3_tail.latent_moe_tail` pads the token dimension with zero rows (whose outputs
-are zero, since RMSNorm of a zero row is zero; at least p rows, also for T = 0). JAX arrays shard
-evenly only, so when p does not divide T (or T = 0) it gathers the padded rows and returns the T
-rows replicated instead (:func:`k3_tail.is_token_sharded_output` says which a call gets).
+The tier functions need T % p == 0 per rank, so :func:`k3_tail.latent_moe_tail` pads the tokens with
+zero rows (their outputs are zero: RMSNorm of a zero row is zero) and, where p does not divide T,
+gathers the T rows back replicated (JAX arrays shard evenly only).
 """
 
 from __future__ import annotations
@@ -21,14 +16,22 @@ from k3_tail.ops.scopes import OUTPUT_GATHER
 
 
 def padded_token_count(num_tokens: int, tp_size: int) -> int:
-    """The rows a tier works on for sequence-parallel output: the smallest multiple of ``tp_size``
-    that is >= ``num_tokens``, and at least ``tp_size`` (a reduce-scatter cannot split zero rows)."""
+    """The rows a tier works on for sequence-parallel output, T'.
+
+    Args:
+      num_tokens: T.
+      tp_size: p.
+
+    Returns:
+      The smallest multiple of ``tp_size`` that is >= ``num_tokens``, and at least ``tp_size`` (a
+      reduce-scatter cannot split zero rows).
+    """
     return max(-(-num_tokens // tp_size), 1) * tp_size
 
 
 def pad_tokens(x: jax.Array, tp_size: int) -> jax.Array:
-    """``x`` [T, W] with zero rows appended up to ``padded_token_count(T, tp_size)``, so that a
-    reduce-scatter over tokens gives every rank T'/p rows (no copy when T already is a multiple)."""
+    """``x`` [T, W] with zero rows appended up to ``padded_token_count(T, tp_size)`` (no copy when
+    T already is a multiple)."""
     padding = padded_token_count(x.shape[0], tp_size) - x.shape[0]
     return jnp.pad(x, [(0, padding), (0, 0)]) if padding else x
 

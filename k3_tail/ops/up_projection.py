@@ -1,33 +1,19 @@
 """The up projection's weights and its GEMM: the kernel in ``config.dtype`` or quantised to FP8.
 
-At decode the tail is bound by reading the [L, H] kernel (51 MB in bf16 at Kimi-K3's shapes, 6.4 MB
-per rank when column-sharded). :func:`quantize_up_proj` stores it in an 8-bit float format with one
-float32 scale per output column, which halves those bytes:
+At decode the tail is bound by reading the [L, H] kernel (51 MB in bf16 at Kimi-K3's shapes), so
+:func:`quantize_up_proj` stores it in FP8 with one float32 scale per output column (one loud channel
+does not cost the others their precision): W ~= values * scale, scale[j] = amax(|W[:, j]|) / the
+format's max. "float8_e4m3fn" is OCP E4M3 (MI355X, H100/H200); "float8_e4m3fnuz" is gfx942's
+(MI300X/MI325X: no infinity, no negative zero, largest value 240 where E4M3FN reaches 448).
 
-    W ~= values * scale        values: FP8 [L, H], scale: float32 [H] = amax(|W[:, j]|) / max of the format
+:func:`project` is every tier's GEMM. A :class:`QuantizedKernel` is converted to the activation's
+dtype inside the program (XLA's GPU backend fuses that into the GEMM, which reads the FP8 kernel).
+With ``fp8_activations`` the rows are quantised per token too and the GEMM takes two FP8 operands;
+that is an FP8 GEMM only in a format the GPU multiplies (XLA converts two operands of the other format
+to float16: FP8 bytes at the f16 rate), so :func:`check_fp8_activations` refuses the rest.
 
-Per-column scales keep one loud output channel from costing the others their precision. Formats:
-"float8_e4m3fn" (OCP E4M3: MI355X/gfx950, H100/H200) and "float8_e4m3fnuz" (MI300X/MI325X, gfx942;
-no infinity and no negative zero, largest value 240, where E4M3FN reaches 448).
-:func:`native_fp8_format` names the one a device multiplies (``quantize_up_proj(kernel, device=...)``).
-
-:func:`project` is the GEMM of every tier. With a :class:`QuantizedKernel` it multiplies by the FP8
-values converted to the activation's dtype inside the program (XLA's GPU backend fuses the
-conversion into the GEMM, which then reads the FP8 kernel: no copy of the kernel in another dtype)
-and scales the float32 result per column. With ``fp8_activations`` the activation rows are also
-quantised, per token, to the same format, and the GEMM takes two FP8 operands with float32
-accumulation; each row's scale is applied to the result with the column scales. That is an FP8 GEMM
-only in a format the GPU multiplies: XLA converts two operands of the other format to float16 for the
-GEMM (FP8 bytes, the f16 rate), so :func:`check_fp8_activations` refuses that combination where the
-tail is traced (:func:`k3_tail.latent_moe_tail`'s device). Weight-only FP8 runs in ``config.dtype``
-and takes either format everywhere.
-
-:func:`outside_gemm` keeps a GEMM's result from being added to anything inside the GEMM on ROCm (no
-hipBLASLt GEMM that accumulates into a C operand: docs/design.md, "No C-accumulating GEMM on ROCm").
-
-A :class:`QuantizedKernel` is a pytree whose leaves both have the kernel's columns as their last
-axis, so every column operation (padding, a rank's block, a column sharding) applies to them alike:
-:func:`map_columns`, :func:`column_spec` and :func:`column_sharding`.
+A QuantizedKernel's leaves both have the kernel's columns as their last axis, so every column
+operation (padding, a rank's block, a column sharding) applies to them alike (:func:`map_columns`).
 """
 
 from __future__ import annotations
@@ -56,9 +42,12 @@ FP8_FORMATS = ("float8_e4m3fn", "float8_e4m3fnuz")
 class QuantizedKernel:
     """An up-projection kernel in FP8 with one float32 scale per output column (a JAX pytree).
 
-    values: FP8 [L, N] (N = H, or a rank's column block); scale: float32 [N]. The kernel it stands
-    for is ``values * scale`` (:meth:`dequantize`). Made by :func:`quantize_up_proj`; the tail takes
-    it wherever it takes a kernel, when ``TailConfig.up_proj_dtype`` is its format.
+    Made by :func:`quantize_up_proj`; the tail takes it wherever it takes a kernel, when
+    ``TailConfig.up_proj_dtype`` is its format. The kernel it stands for is ``values * scale``.
+
+    Attributes:
+      values: FP8 [L, N] (N = H, or a rank's column block).
+      scale: float32 [N].
     """
 
     values: Any
@@ -100,12 +89,9 @@ _DEFAULT_FP8_FORMAT = "float8_e4m3fn"
 
 
 def native_fp8_format(device: Any) -> str:
-    """The FP8 format (dtype name) to store the up projection in for ``device`` (a ``jax.Device``):
-    the one its GPU multiplies natively ("float8_e4m3fnuz" on MI300X / MI325X, gfx942;
-    "float8_e4m3fn" on MI355X, gfx950, and H100 / H200), from the hardware presets' ``fp8_formats``
-    (:func:`k3_tail.hardware.native_fp8_formats`). A CPU device multiplies neither natively
-    (it computes in float32): "float8_e4m3fn". A GPU whose device kind is not known there is a
-    ValueError naming it."""
+    """The FP8 format (dtype name) ``device``'s GPU multiplies natively, from the hardware presets
+    (:func:`k3_tail.hardware.native_fp8_formats`); "float8_e4m3fn" on a CPU, which multiplies neither.
+    ValueError naming ``device`` for a GPU whose device kind is not known there."""
     platform = device_platform(device)
     if platform not in _FP8_CHECKED_PLATFORMS:
         return _DEFAULT_FP8_FORMAT
@@ -119,18 +105,9 @@ def native_fp8_format(device: Any) -> str:
 
 
 def check_fp8_activations(up_proj_dtype: np.dtype | None, fp8_activations: bool, device: Any) -> None:
-    """ValueError when an FP8 GEMM with ``fp8_activations`` in format ``up_proj_dtype`` would not be one on
-    ``device`` (a ``jax.Device`` of the mesh the tail is traced for).
-
-    On a GPU whose matrix units multiply another format (E4M3FN on MI300X, which multiplies E4M3FNUZ;
-    E4M3FNUZ on MI355X, H100 and H200, which multiply E4M3FN), XLA converts both FP8 operands to
-    float16 for the GEMM (inside its fusion on ROCm, in fusions before a cuBLASLt call on H100): FP8
-    bytes at the f16 rate, which nothing would say. The message names
-    the format, the device kind and the format it multiplies. So does a GPU whose device kind is not
-    known (:func:`k3_tail.hardware.native_fp8_formats`): the format cannot be vouched for there.
-    Weight-only FP8 (``fp8_activations`` False) multiplies in the activation dtype and takes either
-    format anywhere; on the CPU (no FP8 matrix units: XLA:CPU computes in float32) both are taken.
-    """
+    """ValueError when FP8 activations in format ``up_proj_dtype`` would not make an FP8 GEMM on
+    ``device`` (module docstring): its GPU multiplies another format, or its kind is not known. Weight-only
+    FP8 and the CPU (no FP8 matrix units: XLA:CPU computes in float32) take either format."""
     if not fp8_activations or up_proj_dtype is None:
         return
     platform = device_platform(device)
@@ -161,20 +138,27 @@ def _known_architectures() -> str:
 
 
 def quantize_up_proj(kernel: Any, dtype: Any = None, *, device: Any = None) -> QuantizedKernel:
-    """The [L, H] up-projection ``kernel`` quantised to FP8 ``dtype`` with per-column scales.
+    """The [L, H] up-projection ``kernel`` quantised to FP8 with per-column scales.
 
-    kernel: a float array [L, H] (numpy or jax, any float dtype; a checkpoint's bf16 kernel).
-    dtype: "float8_e4m3fn" or "float8_e4m3fnuz" (or the jnp dtype); None: the format ``device``
-      multiplies natively (:func:`native_fp8_format`), which FP8 activations need there.
-    device: a ``jax.Device`` of the mesh the tail runs on, when ``dtype`` is None (exactly one of
-      the two is given). The result's ``dtype.name`` is the ``TailConfig.up_proj_dtype`` to use.
-    Returns ``QuantizedKernel(values, scale)``: scale[j] = amax(|kernel[:, j]|) / max of the format
-    (1 for an all-zero column, whose values are zeros), values = kernel / scale rounded to the format,
-    clipped to its range first (a cast beyond the range of E4M3FNUZ, which has no infinity, is NaN).
-    Computed in float32; each value is off by at most half a unit in the last place of the format
-    (3 mantissa bits: a relative error <= 2^-4), or the format's subnormal spacing times the scale.
-    A kernel with a non-finite value is a ValueError when it is concrete; under ``jax.jit`` it cannot
-    be inspected, and its column's scale becomes non-finite.
+    Computed in float32: scale[j] = amax(|kernel[:, j]|) / the format's max (1 for an all-zero
+    column), values = kernel / scale clipped to the format's range and rounded to it (a cast beyond
+    E4M3FNUZ's range would be NaN). Each value is off by at most half a unit in the format's last
+    place (a relative error <= 2^-4), or the format's subnormal spacing times the scale.
+
+    Args:
+      kernel: a float array [L, H], numpy or jax, any float dtype (a checkpoint's bf16 kernel).
+      dtype: "float8_e4m3fn" or "float8_e4m3fnuz" (or the jnp dtype); None: the format ``device``
+        multiplies natively, which FP8 activations need there.
+      device: a ``jax.Device`` of the mesh the tail runs on, exactly when ``dtype`` is None.
+
+    Returns:
+      ``QuantizedKernel(values, scale)``; its ``dtype.name`` is the ``TailConfig.up_proj_dtype`` to use.
+
+    Raises:
+      ValueError: naming the argument, for neither or both of ``dtype`` and ``device``, an unknown
+        format or device, a kernel that is not a non-empty 2-d float array, or a concrete kernel with
+        a non-finite value (under ``jax.jit`` it cannot be inspected: its column's scale becomes
+        non-finite).
     """
     if dtype is None and device is None:
         raise ValueError(f"dtype: expected one of {FP8_FORMATS} (a name or a jnp dtype), or device=<a jax.Device> "
@@ -210,24 +194,18 @@ def _round_to(x: jax.Array, fp8: np.dtype) -> jax.Array:
 
 
 def project(latent: jax.Array, kernel: jax.Array | QuantizedKernel, *, fp8_activations: bool = False) -> jax.Array:
-    """``latent @ kernel``: [T, L] x [L, N] -> float32 [T, N], accumulated in float32.
+    """``latent @ kernel``: [T, L] x [L, N] -> float32 [T, N], 2TLN FLOPs, accumulated in float32.
 
-    A plain kernel: one GEMM of ``latent``'s dtype, 2TLN FLOPs, reading d*L*N kernel bytes.
-    A :class:`QuantizedKernel`: the GEMM reads the FP8 values (L*N bytes; the conversion to
-    ``latent``'s dtype is fused into it on GPU) and the result is scaled per column (4N bytes).
-    ``fp8_activations`` (only with a QuantizedKernel): ``latent`` is first quantised per row to the
-    kernel's format (a scale per token: amax / the format's max), so the GEMM multiplies two FP8
-    operands; the row and column scales are applied to its float32 result.
-
-    A single row (T = 1, or a rank's one row of a token-sharded call) is multiplied as two, the
-    second zero, and the zero row's result dropped: XLA turns a one-row product with a narrow kernel
-    into a multiply that writes a float32, transposed copy of the kernel and a reduce that reads it
-    back (GPU), or a slower matrix-vector path (CPU); with two rows it stays one GEMM that reads the
-    kernel once in its stored dtype (docs/design.md, "One-row GEMMs").
+    A :class:`QuantizedKernel` is read as FP8 (L*N bytes) and its result scaled per column; with
+    ``fp8_activations`` the rows are quantised per token to its format first (module docstring).
     """
     rows = latent.shape[0]
     with jax.named_scope(UP_PROJECTION):
-        padded = jnp.pad(latent, [(0, gemm_rows(rows) - rows), (0, 0)])  # no-op but for one row
+        # One row is multiplied as two, the second zero: XLA turns a one-row product with a narrow kernel into
+        # a multiply that writes a float32 transposed copy of the kernel and a reduce (GPU), or a slower
+        # matrix-vector path (CPU); two rows stay one GEMM that reads the kernel once in its stored dtype
+        # (docs/design.md, "One-row GEMMs").
+        padded = jnp.pad(latent, [(0, gemm_rows(rows) - rows), (0, 0)])
         return _project_rows(padded, kernel, fp8_activations=fp8_activations)[:rows]
 
 
@@ -251,26 +229,19 @@ def _project_rows(latent: jax.Array, kernel: jax.Array | QuantizedKernel, *, fp8
 
 
 def outside_gemm(projected: jax.Array, *, platform: str | None) -> jax.Array:
-    """``projected``, a GEMM's result, as a value that XLA cannot add to inside the GEMM on ROCm.
-
-    XLA's GEMM rewriter folds ``dot + x`` into a library GEMM that accumulates into a C operand
-    (beta = 1, the output aliased to C: ``__cublas$lt$matmul`` with ``output_to_operand_aliasing``),
-    the form vLLM ROCm removed from this tail because hipBLASLt's C-accumulating GEMM faults at some
-    row counts (docs/design.md, "No C-accumulating GEMM on ROCm"). On ``platform`` "rocm"
-    (:func:`k3_tail.hardware.device_platform`) the result passes an optimisation barrier,
-    which the rewriter cannot see through, so the add stays a fusion of its own after the GEMM; the
-    barrier emits no kernel. Elsewhere (CUDA keeps its fused form) ``projected`` is returned as is.
-    """
+    """``projected``, a GEMM's result, as a value XLA cannot add to inside the GEMM on ``platform`` "rocm"
+    (an optimisation barrier, which emits no kernel); elsewhere ``projected`` as is."""
+    # XLA's GEMM rewriter folds ``dot + x`` into a library GEMM that accumulates into a C operand, the form
+    # vLLM ROCm removed from this tail: hipBLASLt's C-accumulating GEMM faults at some row counts
+    # (docs/design.md, "No C-accumulating GEMM on ROCm"). The rewriter cannot see through a barrier.
     if platform != "rocm":
         return projected
     return lax.optimization_barrier(projected)
 
 
 def map_columns(function: Callable[[jax.Array], jax.Array], kernel: jax.Array | QuantizedKernel):
-    """``function`` applied to the kernel, or to a QuantizedKernel's values and scale alike.
-
-    ``function`` must act on the last (column) axis only: pad columns, take a block of them.
-    """
+    """``function``, which acts on the last (column) axis only, applied to the kernel or to a
+    QuantizedKernel's values and scale alike."""
     return jax.tree.map(function, kernel)
 
 
@@ -294,12 +265,9 @@ def column_sharding(kernel: jax.Array | QuantizedKernel, mesh: Mesh, axis_name: 
 def check_up_proj_kernel(
     kernel: Any, *, dtype: np.dtype, up_proj_dtype: np.dtype | None, shapes: Sequence[tuple[int, int]], sizes: str
 ) -> None:
-    """ValueError naming ``up_proj_kernel`` unless ``kernel`` is what the config expects.
-
-    ``up_proj_dtype`` None: an array of ``dtype`` with one of ``shapes``. An FP8 format: a
-    :class:`QuantizedKernel` of that format whose values have one of ``shapes`` [L, N] and whose
-    scale is float32 [N]. ``sizes`` names the sizes the shapes come from, for the message.
-    """
+    """ValueError naming ``up_proj_kernel`` unless ``kernel`` is an array of ``dtype`` with one of
+    ``shapes`` (``up_proj_dtype`` None), or a QuantizedKernel of ``up_proj_dtype`` whose values have one
+    of ``shapes`` [L, N] and whose scale is float32 [N]; ``sizes`` names the sizes, for the message."""
     if up_proj_dtype is None:
         if isinstance(kernel, QuantizedKernel):
             raise ValueError(

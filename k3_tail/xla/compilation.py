@@ -1,13 +1,9 @@
 """Compile one tail call ahead of time, with the per-executable XLA options the library chooses.
 
-A tier's options are its record's ``compiler_options`` (per platform family; the tier modules say
-why each is needed: on GPU the overlap tier turns the all-reduce combiner off and pins async
-collectives on, scatter-gather pins async collectives on, the others need none, and CPU needs none).
-Per-executable options override the user's ``XLA_FLAGS``, so a flag that makes all-reduces
-synchronous cannot undo a schedule the library rests on.
-
-A model that calls the tail inside its own ``jit`` passes the same options
-(:func:`compiler_options`) to its own ``.compile(compiler_options=...)`` to keep the overlap there.
+A tier's options are its record's ``compiler_options`` per platform family (the tier modules say why).
+Per-executable options override the user's ``XLA_FLAGS``, so a flag that makes all-reduces synchronous
+cannot undo a schedule the library rests on. A model that calls the tail inside its own ``jit`` passes
+:func:`compiler_options` to its own ``.compile(compiler_options=...)`` to keep the overlap there.
 """
 
 from __future__ import annotations
@@ -30,25 +26,37 @@ from k3_tail.ops.up_projection import QuantizedKernel, column_sharding
 
 
 def compiler_options(tier: Tier | str, platform: str) -> dict[str, Any]:
-    """The per-executable XLA options the library applies to ``tier`` on ``platform`` (a device's
-    ``.platform``: "gpu" for CUDA and ROCm devices alike, "cpu", ...): the tier record's
-    ``compiler_options`` for that platform's family. See the module docstring."""
+    """The per-executable XLA options the library applies to ``tier``.
+
+    Args:
+      tier: a :class:`k3_tail.Tier` or its value.
+      platform: a device's ``.platform`` ("gpu" for CUDA and ROCm alike, "cpu", ...).
+
+    Returns:
+      The tier record's ``compiler_options`` for that platform's family (empty when it needs none).
+    """
     return Tier.parse(tier).record.options_for(platform)
 
 
 def tail_arguments(
     config: TailConfig, mesh: Mesh, num_tokens: int, *, axis_name: AxisName = "tp", weight_layout: str = "replicated"
 ) -> tuple[jax.ShapeDtypeStruct | None, ...]:
-    """Abstract (routed, shared, norm_weight, kernel) arguments of one :func:`tail_forward` call.
+    """Abstract arguments of one :func:`k3_tail.tail_forward` call, placed on ``mesh``.
 
-    Shapes and shardings: routed [p, T, L] split over ``axis_name`` on dim 0 ([T, L] replicated when
-    ``config.fused_output_is_reduced``); shared [p, T, H] split on dim 0 ([T, H] when
-    ``config.shared_output_is_reduced``: split over tokens where the output is token-sharded, else
-    replicated), or None without shared experts; norm weight [L] replicated, or None without the
-    norm; kernel [L, H] replicated, or the padded [L, padded_hidden_size(H, p)] column storage split
-    on dim 1 for ``weight_layout="column"``. With an FP8 ``config.up_proj_dtype`` the kernel is a
-    :class:`k3_tail.QuantizedKernel` of FP8 values shaped and sharded as above and float32 scales [H]
-    (or [padded_hidden_size(H, p)] split over ``axis_name``).
+    Args:
+      config: the tail's :class:`k3_tail.TailConfig`.
+      mesh: the Mesh, with the TP axis ``axis_name``.
+      num_tokens: T.
+      axis_name: the TP axis.
+      weight_layout: "replicated" or "column".
+
+    Returns:
+      ``(routed, shared, norm_weight, kernel)`` as ``jax.ShapeDtypeStruct``: routed [p, T, L] split
+      on dim 0 ([T, L] replicated with ``config.fused_output_is_reduced``); shared [p, T, H] split on
+      dim 0 ([T, H] with ``config.shared_output_is_reduced``: split over tokens where the output is
+      token-sharded, else replicated), or None; norm weight [L] replicated, or None; kernel [L, H]
+      replicated, or [L, padded_hidden_size(H, p)] split on dim 1 for "column", a
+      :class:`k3_tail.QuantizedKernel` (float32 scales split alike) with an FP8 ``config.up_proj_dtype``.
     """
     tp_size = check_mesh(mesh, axis_name)
     num_tokens = check_int("num_tokens", num_tokens, minimum=0)
@@ -90,14 +98,26 @@ def compile_tail(
     axis_name: AxisName = "tp",
     weight_layout: str = "replicated",
 ) -> jax.stages.Compiled:
-    """The compiled executable of one :func:`tail_forward` call for T = ``num_tokens`` on ``mesh``.
+    """The compiled executable of one :func:`k3_tail.tail_forward` call for T = ``num_tokens`` on ``mesh``.
 
-    ``mesh`` may hold real devices or those of a deviceless topology
-    (:func:`k3_tail.topology_mesh`); ``tier`` None compiles what :func:`select_tier`
-    picks. The program's arguments are :func:`tail_arguments` in that order (flat, Nones dropped:
-    an FP8 kernel is two arguments, values then scales), so the shared partial is argument 1.
-    :func:`compiler_options` of the tier and the mesh's platform are applied. Inspect it with
+    :func:`compiler_options` of the tier and the mesh's platform are applied. Inspect the result with
     :func:`k3_tail.xla.report.report`.
+
+    Args:
+      config: the tail's :class:`k3_tail.TailConfig`.
+      mesh: a Mesh of real devices or of a deviceless topology (:func:`k3_tail.topology_mesh`).
+      num_tokens: T.
+      tier: a :class:`k3_tail.Tier` (or its value) to compile, or None for what :func:`k3_tail.select_tier`
+        picks.
+      axis_name: the TP axis.
+      weight_layout: "replicated" or "column".
+
+    Returns:
+      The ``jax.stages.Compiled`` program. Its arguments are :func:`tail_arguments` in that order,
+      flat, Nones dropped (an FP8 kernel is two: values, then scales), so the shared partial is argument 1.
+
+    Raises:
+      ValueError: naming the argument, for a bad config, mesh, token count, tier or layout.
     """
     check_config(config)
     arguments = tail_arguments(config, mesh, num_tokens, axis_name=axis_name, weight_layout=weight_layout)

@@ -147,16 +147,12 @@ def array_shapes(type_text: str) -> tuple[ArrayShape, ...]:
 
 
 def dot_flops(instruction: Instruction, symbols: dict[str, Instruction], exact: frozenset[str] = frozenset()) -> int:
-    """The GEMM FLOPs one instruction performs (0 for any other instruction).
-
-    A ``dot`` or GEMM custom call: 2 * (output elements) * (contracted length); XLA's split-K GEMMs
-    carry the split as a batch dimension, so they still add up to 2*M*N*K. A matrix-vector product
-    that XLA rewrote into a multiply and a reduce (it does so for a single token) keeps the
-    ``dot_general`` op name in its metadata: its multiply counts one FLOP per output element and its
-    reduce one per input element, 2*M*N*K together; that is counted only for op names not in
-    ``exact`` (:func:`exact_gemm_names`), so the reduce of a split-K GEMM does not count twice.
-    ``symbols`` maps the names of the same computation to their instructions (for operand shapes).
-    """
+    """The GEMM FLOPs one instruction performs: 2 * (output elements) * (contracted length) for a ``dot`` or
+    GEMM custom call, 0 for others. ``symbols`` maps the computation's names to their instructions."""
+    # XLA's split-K GEMMs carry the split as a batch dimension, so they still add up to 2*M*N*K. A matrix-vector
+    # product that XLA rewrote into a multiply and a reduce (for a single token) keeps the dot_general op name:
+    # its multiply counts one FLOP per output element and its reduce one per input element, only for op names
+    # not in ``exact`` (:func:`exact_gemm_names`), so the reduce of a split-K GEMM does not count twice.
     if instruction.opcode == "dot":
         contracting = _dims(instruction.attribute("lhs_contracting_dims"))
     elif is_gemm_custom_call(instruction):

@@ -1,34 +1,9 @@
 """What XLA made of a compiled tail: per-device cost, every collective, and the overlap verdict.
 
 :func:`report` reads a compiled executable (:func:`k3_tail.compile_tail`, or any ``jax.jit(...)
-.lower(...).compile()`` of a tail) and returns an :class:`XlaReport`, per device:
-
-- ``flops`` and ``bytes_accessed``: from ``compiled.cost_analysis()`` where the backend gives it
-  (CPU does); else derived from the HLO shapes (``cost_source`` says which): FLOPs of the GEMMs
-  (2*M*N*K of every dot and GEMM custom call, fusion bodies included) and bytes as the operand plus
-  result bytes of every top-level instruction that touches data.
-- ``arguments``: the program's arguments as each device holds them (its shard), in order: the
-  weights' bytes per device (an FP8 kernel's half of bf16's) are there.
-- ``gemms``: each top-level instruction that runs a GEMM, with its FLOPs, schedule position and the
-  arrays it reads (``operands``, ``operand_types``: an FP8 kernel read by the GEMM shows as f8e4m3fn).
-- ``collectives``: kind, the full buffer (the gathered result of an all-gather, the input of a
-  reduce-scatter, the reduced buffer of an all-reduce, the send buffer of an all-to-all; a collective
-  that XLA combined from several lists all of its buffers), bytes, group size, per-rank wire bytes on
-  a ring (all-reduce 2(g-1)/g * B, the others (g-1)/g * B), whether it is an async start/done pair,
-  the compute instructions the schedule puts between its start and done, and for the two shots of a
-  quantised sum its codec (``quantization``, ``form``) and payload type (``payload_dtypes``: u8).
-- ``shared_reduction``: the first collective whose input derives from the shared partial (program
-  argument ``shared_argument``), and ``overlapped``: whether it is async with a GEMM between its start
-  and done. On the CPU backend every collective is synchronous, so ``overlapped`` is False there.
-- ``scopes`` of each collective and GEMM: the tail's named scopes (:mod:`k3_tail.ops.scopes`:
-  "latent_reduction", "shared_reduction", "packed_reduction", "output_gather", "up_projection") its
-  ``op_name`` carries; several when XLA combined reduce-scatters of different scopes, none for an
-  all-reduce that XLA's GPU all-reduce combiner merged from others (it drops their metadata).
-  :meth:`XlaReport.in_scope` finds the tail's parts by name in a whole model's program, where the
-  shared partial is no program argument.
-
-The entry computation of a compiled module is scheduled, so its instruction order is the order the
-device runs it in (one stream of compute; async collectives run beside it).
+.lower(...).compile()`` of a tail) into an :class:`XlaReport`. The entry computation of a compiled
+module is scheduled, so its instruction order is the order the device runs it in (one stream of
+compute; async collectives run beside it).
 """
 
 from __future__ import annotations
@@ -69,9 +44,8 @@ _NO_DATA = {
 
 @dataclasses.dataclass(frozen=True)
 class Gemm:
-    """A top-level instruction that runs a GEMM: its name, per-device FLOPs, schedule position, and
-    the arrays it reads (its operands as the program passes them: the dtypes and bytes the GEMM
-    loads from memory, e.g. an FP8 kernel that the fusion converts as it multiplies)."""
+    """A top-level instruction that runs a GEMM: its name, per-device FLOPs, schedule position, and the
+    arrays it reads as the program passes them (an FP8 kernel that the fusion converts shows as f8e4m3fn)."""
 
     name: str
     flops: int
@@ -89,9 +63,16 @@ class Gemm:
 class Collective:
     """One collective of the compiled program (a start/done pair counts once, named by its start).
 
-    ``quantization``: the codec ("int8", "int6", "int4") when it is one of the two shots of a
-    quantised sum (:mod:`k3_tail.ops.collectives`: the all-to-all, or the all-gather), else None;
-    its ``arrays`` then are the uint8 payload (values and scales packed), ``payload_dtypes`` says so.
+    Attributes:
+      arrays: the full buffer: an all-gather's gathered result, a reduce-scatter's input, an
+        all-reduce's reduced buffer, an all-to-all's send buffer; all of them for a combined one.
+      wire_bytes: per rank on a ring, from ``bytes`` (docs/design.md, Conventions).
+      between: the compute instructions the schedule puts between start and done (async only).
+      carries_shared: whether an input derives from the shared partial.
+      scopes: the tail's named scopes in its ``op_name``: several when XLA combined reduce-scatters of
+        different scopes, none for an all-reduce that XLA's GPU combiner merged (it drops their metadata).
+      quantization: the codec ("int8", "int6", "int4") of one of the two shots of a quantised sum
+        (the all-to-all or the all-gather; its ``arrays`` are then the uint8 payload), else None.
     """
 
     name: str
@@ -122,7 +103,23 @@ class Collective:
 
 @dataclasses.dataclass(frozen=True)
 class XlaReport:
-    """Per-device figures and the collective schedule of one compiled program (module docstring)."""
+    """Per-device figures and the collective schedule of one compiled program.
+
+    Attributes:
+      platform: the devices' ``.platform``; device_kind: their ``device_kind``.
+      num_devices: the program's partitions.
+      arguments: the program's arguments as each device holds them (its shard), in order.
+      flops: from ``compiled.cost_analysis()`` where the backend gives it (CPU does), else the GEMMs'
+        2*M*N*K from the HLO shapes (fusion bodies included).
+      bytes_accessed: the same, else the operand and result bytes of every top-level instruction that
+        touches data.
+      cost_source: which of the two: "cost_analysis" or "hlo shapes (GEMM FLOPs only)".
+      gemms: every top-level GEMM, in schedule order.
+      collectives: every collective, in schedule order.
+      shared_reduction: the first collective whose input derives from the shared partial (argument
+        ``shared_argument`` of :func:`report`), or None. In a whole model's program, where the shared
+        partial is no argument, :meth:`in_scope` finds the tail's parts by their named scopes.
+    """
 
     platform: str
     device_kind: str
@@ -142,7 +139,8 @@ class XlaReport:
 
     @property
     def overlapped(self) -> bool | None:
-        """Whether the shared reduction runs async with a GEMM inside it; None without one."""
+        """Whether the shared reduction runs async with a GEMM inside it (never on CPU, whose collectives
+        are synchronous); None without one."""
         if self.shared_reduction is None:
             return None
         return self.shared_reduction.is_async and bool(self.shared_reduction.between_gemms)
@@ -191,11 +189,19 @@ class XlaReport:
 
 
 def report(compiled: jax.stages.Compiled, *, shared_argument: int | None = 1) -> XlaReport:
-    """The :class:`XlaReport` of ``compiled``.
+    """The :class:`XlaReport` of a compiled tail.
 
-    ``shared_argument`` is the flat index of the shared partial among the program's arguments (1 for
-    :func:`k3_tail.compile_tail`'s programs and for a jitted ``tail_forward(routed, shared, ...)``);
-    None when there is none, which leaves ``shared_reduction`` and ``overlapped`` None.
+    Args:
+      compiled: a ``jax.stages.Compiled`` program.
+      shared_argument: the flat index of the shared partial among the program's arguments (1 for
+        :func:`k3_tail.compile_tail`'s programs and for a jitted ``tail_forward(routed, shared, ...)``);
+        None when there is none, which leaves ``shared_reduction`` and ``overlapped`` None.
+
+    Returns:
+      The report, per device.
+
+    Raises:
+      ValueError: naming ``shared_argument`` when it is not an index or None.
     """
     if not isinstance(shared_argument, (int, type(None))) or isinstance(shared_argument, bool):
         raise ValueError(f"shared_argument: expected an argument index or None, got {shared_argument!r}")
@@ -316,12 +322,8 @@ def _scopes(instruction: Instruction) -> tuple[str, ...]:
 
 
 def _derives_from(name: str, *, symbols: dict[str, Instruction], argument: int | None, memo: dict[str, bool]) -> bool:
-    """Whether the value ``name`` is computed from entry parameter ``argument``.
-
-    A get-tuple-element of a ``tuple`` (or of an optimization barrier over one) follows only the
-    element it takes, so a barrier that ties the shared partial to the latent does not make the
-    latent look like shared data.
-    """
+    """Whether the value ``name`` is computed from entry parameter ``argument``, following only the
+    element a get-tuple-element takes (:func:`_followed_operands`)."""
     if argument is None or name not in symbols:
         return False
     if name not in memo:
@@ -338,6 +340,8 @@ def _derives_from(name: str, *, symbols: dict[str, Instruction], argument: int |
 
 
 def _followed_operands(instruction: Instruction, symbols: dict[str, Instruction]) -> tuple[str, ...]:
+    """The operands a value derives from; of a ``tuple`` (or an optimization barrier over one) only the element
+    a get-tuple-element takes, so a barrier tying the shared partial to the latent does not make the latent shared."""
     if instruction.opcode != "get-tuple-element" or not instruction.operands:
         return instruction.operands
     source = symbols.get(instruction.operands[0])

@@ -1,45 +1,32 @@
 """Deviceless ROCm compiles: stand-in ROCm runtime libraries for JAX's ROCm plugin, and its registration
 without a GPU.
 
-JAX's ROCm 7 PJRT plugin (the wheels ``jax-rocm7-pjrt`` and ``jax-rocm7-plugin`` of the installed jax)
-contains XLA's whole AMDGPU compiler, but its shared libraries link the ROCm runtime (libamdhip64,
-libhsa-runtime64, hipBLASLt, rocBLAS, MIOpen, RCCL, ...), and its ``initialize()`` refuses to register
-when the KFD driver lists no GPU. Compiling for a deviceless topology calls none of those libraries
-beyond the kernel registration functions the plugin runs when it loads, so on a machine without ROCm:
+JAX's ROCm 7 PJRT plugin (``jax-rocm7-pjrt`` and ``jax-rocm7-plugin``) contains XLA's whole AMDGPU
+compiler, but its shared libraries link the ROCm runtime (libamdhip64, hipBLASLt, rocBLAS, MIOpen, RCCL,
+...), and its ``initialize()`` refuses to register when the KFD driver lists no GPU. Compiling for a
+deviceless topology calls none of those libraries beyond the kernel registrations the plugin runs when it
+loads, so on a machine without ROCm:
 
-1. :func:`stand_ins` builds, once per plugin build, one stand-in library for every library that the
-   plugin (``xla_rocm_plugin.so``) and its extension modules (``jax_rocm7_plugin/*.so``) need and this
-   machine's loader cannot find. Everything comes from the plugin's own ELF files (``readelf``): their
-   NEEDED sonames, the symbol versions they need from each (``.gnu.version_r``; a symbol's version index
-   says which library it must come from) and their undefined functions and data that nothing already
-   loadable defines. Each stand-in is one C file and one linker version script (``gcc -shared``) with
-   that soname, every symbol at the version asked for, and every function failing (an error code; a
-   static message for the ones that return strings; a handle for ``__hipRegisterFatBinary``). They are
-   cached under ``$XDG_CACHE_HOME/k3_tail/rocm-stand-ins/<plugin version>-<digest>/`` (``~/.cache``
-   without XDG_CACHE_HOME), keyed by the plugin's version, its files' sizes and times and this module's
-   generator version, and written to a temporary directory renamed into place, so that processes
-   building at once do not race (the first rename wins, the others use it).
-2. :func:`preload` loads them by absolute path with ``RTLD_GLOBAL``, the library the others link first.
-   The dynamic loader then finds each soname already loaded when the plugin and its extension modules
-   are opened. (``LD_LIBRARY_PATH`` set after the process started does not reach ``dlopen``.)
-3. :func:`register_plugin` imports the plugin module now (again, if jax's plugin discovery imported it
-   before the stand-ins were there: its extension module failed to load then), lets jax's plugin
-   discovery and backends start with the plugin's ``initialize`` held back (so the plugin neither
-   logs "No AMD GPUs were found" nor becomes a backend that jax would try to start), and then calls
-   ``initialize()`` with jax's GPU-presence check (``jax._src.hardware_utils.num_available_amd_gpus``)
-   reporting one GPU, for that call only. No ROCm client is ever created: the plugin serves
-   ``jax.experimental.topologies.get_topology_desc(..., "rocm", ...)``, which is all
-   :func:`k3_tail.topology_mesh` needs.
+1. :func:`stand_ins` builds, once per plugin build, a stand-in for every library the plugin and its
+   extension modules need and the loader cannot find, from the plugin's own ELF files (``readelf``: NEEDED
+   sonames, the symbol versions needed from each, undefined symbols nothing loadable defines). Each is one
+   C file and linker version script (``gcc -shared``) whose functions all fail (an error code, a static
+   message, a handle for ``__hipRegisterFatBinary``). They are cached under
+   ``$XDG_CACHE_HOME/k3_tail/rocm-stand-ins/`` (``~/.cache`` without it), keyed by the plugin's version,
+   its files' sizes and times and the generator's version, and renamed into place from a temporary
+   directory, so that processes building at once do not race.
+2. :func:`preload` loads them by absolute path with ``RTLD_GLOBAL``, the hub first, so the loader finds
+   each soname already loaded (``LD_LIBRARY_PATH`` set after start does not reach ``dlopen``).
+3. :func:`register_plugin` (re)imports the plugin module, lets jax's plugin discovery and backends start
+   with its ``initialize`` held back (so it never becomes a backend jax tries to start), then calls
+   ``initialize()`` with jax's AMD GPU count reporting one for that call only. No ROCm client is created:
+   the plugin serves ``get_topology_desc(..., "rocm", ...)``, all :func:`k3_tail.topology_mesh` needs.
 
-:func:`ensure_rocm_plugin` does all three, only when asked for a ROCm topology and only on a machine
-without an AMD GPU (:func:`real_rocm_host`): a ROCm host keeps its real libraries, which jax's plugin
-discovery registers as usual. Nothing here runs at import time.
-
-What this can and cannot do: compile only (a stand-in runtime runs nothing); no autotuning, so GEMM
-tiles and the choice between Triton and hipBLASLt GEMMs are XLA's defaults; kernels that jax's own ROCm
-extension modules register when jax is imported (linear algebra, sparse, PRNG, RNN, Pallas's Triton
-calls) are missing when jax was imported before the stand-ins were loaded, which is the usual order.
-``K3_TAIL_ROCM_STAND_IN_TRACE=1`` makes every stand-in function log its name to stderr when called.
+:func:`ensure_rocm_plugin` does all three, only for a ROCm topology and only without an AMD GPU
+(:func:`real_rocm_host`); nothing runs at import time. Compile only: no autotuning (GEMM tiles and the
+choice between Triton and hipBLASLt are XLA's defaults), and the kernels jax's ROCm extension modules
+register when jax is imported (linear algebra, sparse, PRNG, RNN, Pallas's Triton calls) are missing when
+jax was imported first, the usual order. ``K3_TAIL_ROCM_STAND_IN_TRACE=1`` logs each stand-in call.
 """
 
 from __future__ import annotations
@@ -227,13 +214,11 @@ def _stem(soname: str) -> str:
 
 
 def plan_stand_ins(needs: Sequence[ElfNeeds]) -> tuple[list[StandInLibrary], str]:
-    """The stand-in libraries that ``needs`` call for, and the hub (the one the others link, loaded first).
-
-    A library gets a stand-in when some file needs it and this process's loader cannot load it. A versioned
-    undefined symbol belongs to the library its version index names; an unversioned one that nothing
-    loadable defines goes to the missing library of the referencing file whose name its own begins with
-    (``hipblasLtCreate`` -> libhipblaslt), else to the hub, which every stand-in links.
-    """
+    """The stand-in libraries that ``needs`` call for (a library loadable here gets none), and the hub: the one
+    the others link, loaded first, which takes the unversioned symbols no other stand-in claims."""
+    # A versioned undefined symbol belongs to the library its version index names; an unversioned one that
+    # nothing loadable defines goes to the missing library of the referencing file whose name its own begins
+    # with (hipblasLtCreate -> libhipblaslt), else to the hub.
     needed = list(dict.fromkeys(soname for need in needs for soname in need.needed))
     missing = [soname for soname in needed if not _loadable(soname)]
     if not missing:

@@ -19,11 +19,9 @@ mi355x     rocm      AMD MI355X             the same
 =========  ========  =====================  ===========================================================
 
 A topology is named ``<target>x<count>`` (``h100x8``, ``mi355xx8``; ``mi355x8`` reads the same).
-The process must not have initialised a GPU backend it cannot use: set ``JAX_PLATFORMS=cpu``
-(or ``jax.config.update("jax_platforms", "cpu")``) on a machine without a GPU. A ROCm topology on a
-machine without an AMD GPU also starts JAX's backends (as compiling would) before it registers the
-plugin, so that the plugin is never a backend JAX tries to start; compiles there run XLA's whole AMDGPU
-pipeline without autotuning (GEMM tiles and GEMM backends are XLA's defaults).
+The process must not have initialised a GPU backend it cannot use: set ``JAX_PLATFORMS=cpu`` on a
+machine without a GPU. Without an AMD GPU a ROCm topology compiles XLA's whole AMDGPU pipeline without
+autotuning (:mod:`k3_tail.xla.rocm_stand_ins`).
 """
 
 from __future__ import annotations
@@ -81,13 +79,22 @@ def parse_topology(topology: str) -> tuple[GpuTarget, int]:
 
 
 def topology_mesh(topology: str, *, axis_name: str = "tp") -> Mesh:
-    """A 1-d mesh with axis ``axis_name`` over the devices of a deviceless GPU topology.
+    """A 1-d mesh over the devices of a deviceless GPU topology.
 
-    Programs lowered on it compile (``.lower(...).compile()``) but cannot execute. The devices of one
-    topology are made once per process, so meshes of the same topology compare equal. For a ROCm target
-    on a machine without an AMD GPU, the ROCm plugin is made to load first (stand-in runtime libraries,
-    built once into a cache, and the plugin registered without a GPU: ``k3_tail.xla.rocm_stand_ins``).
-    Raises TopologyUnavailable naming what is missing and how to install it.
+    Programs lowered on it compile but cannot execute. The devices of one topology are made once per
+    process, so meshes of the same topology compare equal. For a ROCm target on a machine without an
+    AMD GPU the ROCm plugin is made to load first (:mod:`k3_tail.xla.rocm_stand_ins`).
+
+    Args:
+      topology: ``<target>x<count>`` with a target of :data:`GPU_TARGETS` ("h100x8", "mi355xx8").
+      axis_name: the mesh's one axis.
+
+    Returns:
+      The ``jax.sharding.Mesh``.
+
+    Raises:
+      ValueError: naming ``topology`` when it is not such a name.
+      TopologyUnavailable: naming what is missing to compile for it here and how to install it.
     """
     target, count = parse_topology(topology)
     return Mesh(np.array(_topology_devices(target, count)), (axis_name,))
