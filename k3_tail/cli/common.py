@@ -38,7 +38,7 @@ from k3_tail.tools.experiment import (  # the harness's, also for the commands t
     CommandError as CommandError,
     ProgressBar,
     add_shape_arguments,
-    choice_list,
+    choice_list as choice_list,
     cpu_device_count,
     demo_devices as demo_devices,
     format_ms,
