@@ -50,8 +50,8 @@ def config_changes(environ: Mapping[str, str]) -> dict[str, Any]:
         if variable in environ:
             changes[field] = _integer(environ[variable], variable, field)
     if QUICK_REDUCE_MAX_SIZE_MB in environ:
-        mebibytes = _integer(environ[QUICK_REDUCE_MAX_SIZE_MB], QUICK_REDUCE_MAX_SIZE_MB, "quantized_all_reduce_max_bytes")
-        changes["quantized_all_reduce_max_bytes"] = mebibytes * 2**20
+        field = "quantized_all_reduce_max_bytes"
+        changes[field] = _integer(environ[QUICK_REDUCE_MAX_SIZE_MB], QUICK_REDUCE_MAX_SIZE_MB, field) * 2**20
     if QUICK_REDUCE_QUANTIZATION in environ:
         changes.update(_quick_reduce_regime(environ[QUICK_REDUCE_QUANTIZATION]))
     for variable, field in _BOOLEANS:

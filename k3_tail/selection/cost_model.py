@@ -227,12 +227,11 @@ def _tier_cost(config: TailConfig, num_tokens: int, tp_size: int, tier: Tier, we
         kernel_bytes = element * latent * columns
     else:  # FP8 values and one float32 scale per column
         kernel_bytes = config.up_proj_dtype.itemsize * latent * columns + 4 * columns
-    sums = config.sum_plan(tp_size)
-    collectives = []
-    for buffer in collective_buffers(config, num_tokens, tp_size, tier=tier, weight_layout=weight_layout):
-        codec = sums.codec_for(buffer.nbytes) if buffer.kind in SUM_KINDS else None  # as the tiers decide it
-        collectives.append(CollectiveCost(buffer.kind, buffer.nbytes, tp_size, hidden=buffer.beside_gemm,
-                                          codec=None if codec is None else codec.name, element_bytes=element))
+    collectives = [
+        CollectiveCost(buffer.kind, buffer.nbytes, tp_size, hidden=buffer.beside_gemm, element_bytes=element,
+                       codec=None if buffer.codec is None else buffer.codec.name)
+        for buffer in collective_buffers(config, num_tokens, tp_size, tier=tier, weight_layout=weight_layout)
+    ]
     if config.sequence_parallel and not token_sharded:
         # latent_moe_tail gathers the padded token-sharded result: JAX arrays shard evenly only.
         collectives.append(CollectiveCost(ALL_GATHER, element * rows * hidden, tp_size))

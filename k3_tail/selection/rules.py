@@ -10,14 +10,14 @@ import dataclasses
 
 from k3_tail._checks import check_int
 from k3_tail.config import TailConfig, check_config
-from k3_tail.ops.collectives import SPLIT, SumPlan, describe_auto
+from k3_tail.ops.collectives import SPLIT, describe_auto
 from k3_tail.ops.columns import padded_hidden_size
 from k3_tail.ops.tokens import padded_token_count
 from k3_tail.policy import SelectionPolicy
-from k3_tail.selection.buffers import CollectiveBuffer, collective_buffers
+from k3_tail.selection.buffers import collective_buffers
 from k3_tail.selection.decision import TierDecision
 from k3_tail.tiers.context import is_token_sharded_output
-from k3_tail.tiers.record import ALL_REDUCE, SUM_KINDS
+from k3_tail.tiers.record import SUM_KINDS
 from k3_tail.tiers.registry import Tier
 
 
@@ -147,46 +147,42 @@ def _after_token_parallel(config: TailConfig, num_tokens: int, tp_size: int) -> 
 
 def _call_notes(config: TailConfig, tier: Tier, num_tokens: int, tp_size: int, weight_layout: str | None,
                 platform: str | None) -> tuple[str, ...]:
-    """The facts about this call of ``tier`` that apply to it: how its sums travel, which of them are
-    quantised, how a reduced shared output and token-sharded output change the tier."""
-    # The sums (all-reduces, reduce-scatters) of a tier do not depend on the kernel's layout.
+    """The facts about this call of ``tier``, each only where it applies: how its unquantised all-reduces
+    travel (where not as one all-reduce each), which of the sums it sends are quantised, how a reduced
+    shared output and token-sharded output change the tier."""
+    # The facts first, from the tier's record and the config, then the words. The sums (all-reduces,
+    # reduce-scatters) of a tier do not depend on the kernel's layout.
     layout = weight_layout or ("replicated" if tier.record.needs_whole_kernel else "column")
-    buffers = collective_buffers(config, num_tokens, tp_size, tier=tier, weight_layout=layout)
+    buffers = collective_buffers(config, num_tokens, tp_size, tier=tier, weight_layout=layout, platform=platform)
     sums = [buffer for buffer in buffers if buffer.kind in SUM_KINDS and buffer.nbytes] if tp_size > 1 else []
-    plan = config.sum_plan(tp_size, platform)
-    notes = [_form_note(config, plan, sums), _quantization_note(config, plan, sums, tp_size)]
+    token_sharded = is_token_sharded_output(config, num_tokens, tp_size)
+    minimum = config.quantization_min_bytes(tp_size)
+    split = describe_auto(platform, config.dtype)
+
+    notes = []
+    all_reduces = [buffer for buffer in sums if buffer.form is not None]
+    if config.all_reduce_form != "auto" and all_reduces:
+        notes.append(f"all_reduce_form={config.all_reduce_form!r}")
+    elif any(buffer.form == SPLIT for buffer in all_reduces):
+        notes.append(split)
+    codec = config.all_reduce_quantization
+    if codec is not None and sums and minimum is None:
+        notes.append(f"all_reduce_quantization={codec!r} quantises nothing here (vLLM has no minimum size for "
+                     f"{config.dtype.name})")
+    elif codec is not None and sums:
+        source = "" if config.quantized_all_reduce_min_bytes is not None else " (vLLM's minimum for the dtype and p)"
+        quantized = [f"{b.kind} of {b.nbytes / 1e6:.3g} MB" for b in sums if b.codec is not None]
+        plain = [f"{b.kind} of {b.nbytes / 1e6:.3g} MB" for b in sums if b.codec is None]
+        notes.append(f"{codec}-quantised two-shot sums for buffers of {minimum / 2**20:g} MiB{source} to "
+                     f"{config.quantized_all_reduce_max_bytes / 2**20:g} MiB: quantised here: "
+                     f"{', '.join(quantized) or 'none'}"
+                     + (f"; outside that range, in {config.dtype.name}: {', '.join(plain)}" if plain else ""))
     if config.shared_output_is_reduced:
         notes.append(f"shared output reduced before the tail: {tier.record.shared_reduced_form}")
     if config.sequence_parallel:
         notes.append(f"sequence-parallel output: {tier.record.token_sharded_form}")
-        if not is_token_sharded_output(config, num_tokens, tp_size):
-            why = "is empty" if num_tokens == 0 else f"is not divisible by tp_size={tp_size}"
-            notes.append(f"T={num_tokens} {why} and JAX arrays shard evenly only, so the tokens are padded to "
-                         f"{padded_token_count(num_tokens, tp_size)} and the [T, H] result is gathered (replicated)")
-    return tuple(note for note in notes if note is not None)
-
-
-def _form_note(config: TailConfig, plan: SumPlan, sums: list[CollectiveBuffer]) -> str | None:
-    """How this call's unquantised all-reduces travel, where that is not one all-reduce each: a fixed
-    ``all_reduce_form``, or the platform's "auto" rule for a buffer that reaches its size."""
-    all_reduces = [b.nbytes for b in sums if b.kind == ALL_REDUCE and plan.codec_for(b.nbytes) is None]
-    if config.all_reduce_form != "auto":
-        return f"all_reduce_form={config.all_reduce_form!r}" if all_reduces else None
-    if any(plan.form_for(config.dtype, nbytes) == SPLIT for nbytes in all_reduces):
-        return describe_auto(plan.platform, config.dtype)
-    return None
-
-
-def _quantization_note(config: TailConfig, plan: SumPlan, sums: list[CollectiveBuffer], tp_size: int) -> str | None:
-    """Which of the sums this call sends travel quantised, or None without a codec or without sums."""
-    codec = config.all_reduce_quantization
-    if codec is None or not sums:
-        return None
-    if plan.codec is None:
-        return f"all_reduce_quantization={codec!r} quantises nothing here (vLLM has no minimum size for {config.dtype.name})"
-    source = "" if config.quantized_all_reduce_min_bytes is not None else " (vLLM's minimum for the dtype and p)"
-    quantized = [f"{b.kind} of {b.nbytes / 1e6:.3g} MB" for b in sums if plan.codec_for(b.nbytes) is not None]
-    plain = [f"{b.kind} of {b.nbytes / 1e6:.3g} MB" for b in sums if plan.codec_for(b.nbytes) is None]
-    note = (f"{codec}-quantised two-shot sums for buffers of {config.quantization_min_bytes(tp_size) / 2**20:g} "
-            f"MiB{source} to {config.quantized_all_reduce_max_bytes / 2**20:g} MiB: quantised here: {', '.join(quantized) or 'none'}")
-    return note + (f"; outside that range, in {config.dtype.name}: {', '.join(plain)}" if plain else "")
+    if config.sequence_parallel and not token_sharded:
+        why = "is empty" if num_tokens == 0 else f"is not divisible by tp_size={tp_size}"
+        notes.append(f"T={num_tokens} {why} and JAX arrays shard evenly only, so the tokens are padded to "
+                     f"{padded_token_count(num_tokens, tp_size)} and the [T, H] result is gathered (replicated)")
+    return tuple(notes)
