@@ -13,31 +13,19 @@ import numpy as np
 
 from k3_tail._checks import check_int
 from k3_tail.hf_config import tail_fields
-from k3_tail.hardware import HARDWARE
 from k3_tail.ops.codecs import CODECS
-from k3_tail.ops.collectives import ALL_REDUCE_FORMS, QUICK_REDUCE_MIN_MIB, SPLIT, SumPlan
+from k3_tail.ops.collectives import ALL_REDUCE_FORMS, QUICK_REDUCE_MIN_MIB, SumPlan
 from k3_tail.ops.norm import norm_is_computable
 from k3_tail.ops.up_projection import FP8_FORMATS, fp8_format
+from k3_tail.policy import SelectionPolicy
+from k3_tail.vllm_env import config_changes
 
 _FLOAT_DTYPES = tuple(np.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32))
 _FLOAT32_TINY, _FLOAT32_MAX = float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max)
 
-# vLLM's environment variables, honoured by TailConfig.from_env.
-ENV_OVERLAP_TOKEN_THRESHOLD = "VLLM_SHARED_EXPERTS_STREAM_TOKEN_THRESHOLD"
-ENV_DISABLE_OVERLAP = "VLLM_DISABLE_SHARED_EXPERTS_STREAM"
-ENV_PREFILL_TOKEN_PARALLEL_MIN_TOKENS = "VLLM_KIMI_K3_AMD_PREFILL_SP_MIN_TOKENS"
-ENV_SHARED_OUTPUT_REDUCED = "VLLM_KIMI_K3_SHARED_OUTPUT_AR_OVERLAP"
-ENV_QUICK_REDUCE_QUANTIZATION = "VLLM_ROCM_QUICK_REDUCE_QUANTIZATION"
-ENV_QUICK_REDUCE_MAX_SIZE_MB = "VLLM_ROCM_QUICK_REDUCE_MAX_SIZE_BYTES_MB"
-ENV_QUICK_REDUCE_CAST_BF16_TO_FP16 = "VLLM_ROCM_QUICK_REDUCE_CAST_BF16_TO_FP16"
 ALL_REDUCE_QUANTIZATIONS = (None, *CODECS)
 # QuickReduce's largest buffer when VLLM_ROCM_QUICK_REDUCE_MAX_SIZE_BYTES_MB is unset: 2 GiB.
 DEFAULT_QUANTIZED_ALL_REDUCE_MAX_BYTES = 2**31
-
-SELECTION_POLICIES = ("vllm", "measured", "model")
-
-_TRUE_WORDS = ("1", "true", "yes", "on")
-_FALSE_WORDS = ("0", "false", "no", "off", "")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,14 +91,11 @@ class TailConfig:
       quantized_all_reduce_fp16_sizes_for_bf16: with the default minimum, bfloat16 buffers follow
         vLLM's float16 table (True, default: what vLLM's default bf16-to-fp16 cast does) or its far
         larger bfloat16 one (False). The codec itself computes in float32 either way.
-      selection_policy: how the tier is chosen for a token count. "vllm" (default): the rules above
-        (vLLM's fixed threshold). "measured": the ``selection_table`` measured on this hardware
-        (:mod:`k3_tail.selection.table`). "model": the tier :mod:`k3_tail.selection.cost_model` predicts fastest
-        on the ``hardware`` preset.
-      selection_table: a :class:`k3_tail.SelectionTable`; required by, and only allowed
-        with, the "measured" policy.
-      hardware: a :data:`k3_tail.selection.cost_model.HARDWARE` preset name; required by, and only allowed
-        with, the "model" policy.
+      selection_policy: how the tier is chosen for a token count (a
+        :class:`k3_tail.policy.SelectionPolicy`). None (default) or ``selection.rules.VllmRules()``:
+        the rules above (vLLM's fixed thresholds). A :class:`k3_tail.SelectionTable`: the table
+        measured on this hardware (:mod:`k3_tail.selection.table`). ``cost_model.CostModelPolicy("mi355x")``:
+        the tier :mod:`k3_tail.selection.cost_model` predicts fastest on that hardware preset.
     """
 
     hidden_size: int
@@ -135,9 +120,7 @@ class TailConfig:
     quantized_all_reduce_min_bytes: int | None = None
     quantized_all_reduce_max_bytes: int = DEFAULT_QUANTIZED_ALL_REDUCE_MAX_BYTES
     quantized_all_reduce_fp16_sizes_for_bf16: bool = True
-    selection_policy: str = "vllm"
-    selection_table: Any = None
-    hardware: str | None = None
+    selection_policy: SelectionPolicy | None = None
 
     def __post_init__(self):
         for name, minimum in (("hidden_size", 1), ("latent_size", 1),
@@ -182,7 +165,12 @@ class TailConfig:
         object.__setattr__(self, "up_proj_dtype", up_proj_dtype)
         if self.fp8_activations and up_proj_dtype is None:
             raise ValueError(f"fp8_activations: needs an FP8 up_proj_dtype (one of {FP8_FORMATS}), got None")
-        self._check_selection_policy()
+        if self.selection_policy is not None and not isinstance(self.selection_policy, SelectionPolicy):
+            raise ValueError(
+                "selection_policy: expected None (vLLM's rules) or a k3_tail.policy.SelectionPolicy "
+                "(selection.rules.VllmRules(), a k3_tail.SelectionTable, selection.cost_model.CostModelPolicy(name)), "
+                f"got {self.selection_policy!r}"
+            )
 
     def _check_quantization(self) -> None:
         if self.all_reduce_quantization not in ALL_REDUCE_QUANTIZATIONS:
@@ -196,26 +184,6 @@ class TailConfig:
             if minimum > maximum:
                 raise ValueError(f"quantized_all_reduce_min_bytes: expected at most quantized_all_reduce_max_bytes="
                                  f"{maximum}, got {minimum}")
-
-    def _check_selection_policy(self) -> None:
-        if self.selection_policy not in SELECTION_POLICIES:
-            raise ValueError(f"selection_policy: expected one of {SELECTION_POLICIES}, got {self.selection_policy!r}")
-        measured = self.selection_policy == "measured"
-        if measured != (self.selection_table is not None):
-            raise ValueError('selection_table: expected a SelectionTable exactly when selection_policy == "measured"')
-        # Checked by what a table does: the table's module builds on the tiers, which build on this one.
-        # select_tier checks the exact type where it reads the table.
-        table = self.selection_table
-        if measured and not all(callable(getattr(table, method, None)) for method in ("range_for", "check_matches")):
-            raise ValueError(
-                f"selection_table: expected a k3_tail.SelectionTable (SelectionTable.load(path) reads one), "
-                f"got {type(table).__name__}"
-            )
-        model = self.selection_policy == "model"
-        if model != (self.hardware is not None):
-            raise ValueError('hardware: expected a cost-model preset name exactly when selection_policy == "model"')
-        if model and self.hardware not in HARDWARE:
-            raise ValueError(f"hardware: expected one of {sorted(HARDWARE)}, got {self.hardware!r}")
 
     @classmethod
     def kimi_k3(cls, **overrides: Any) -> TailConfig:
@@ -266,67 +234,11 @@ class TailConfig:
 
     @classmethod
     def from_env(cls, base: TailConfig | None = None, environ: Mapping[str, str] | None = None) -> TailConfig:
-        """``base`` (default: Kimi-K3) with vLLM's selection variables applied.
-
-        VLLM_SHARED_EXPERTS_STREAM_TOKEN_THRESHOLD sets ``overlap_token_threshold`` (an integer >= 0);
-        VLLM_KIMI_K3_AMD_PREFILL_SP_MIN_TOKENS sets ``prefill_token_parallel_min_tokens`` (>= 0, 0: off);
-        VLLM_DISABLE_SHARED_EXPERTS_STREAM sets ``disable_overlap``,
-        VLLM_KIMI_K3_SHARED_OUTPUT_AR_OVERLAP sets ``shared_output_is_reduced`` and
-        VLLM_ROCM_QUICK_REDUCE_CAST_BF16_TO_FP16 sets ``quantized_all_reduce_fp16_sizes_for_bf16`` (each
-        1/0, true/false, yes/no, on/off). VLLM_ROCM_QUICK_REDUCE_QUANTIZATION (case-insensitive) sets
-        ``all_reduce_quantization``: INT8, INT6, INT4 the codec; NONE off; FP, QuickReduce's unquantised
-        two-shot form, sets ``all_reduce_form`` to "reduce-scatter+all-gather" (for every sum: both forms
-        are exact, so no size window is needed). VLLM_ROCM_QUICK_REDUCE_MAX_SIZE_BYTES_MB sets
-        ``quantized_all_reduce_max_bytes`` (an integer >= 1, in MiB). Unset variables leave ``base`` as it
-        is; unparsable values raise ValueError naming the variable.
-        """
+        """``base`` (default: Kimi-K3) with vLLM's variables in ``environ`` (default: ``os.environ``) applied
+        (:func:`k3_tail.vllm_env.config_changes` says which set what); ValueError naming the field for a
+        value that does not parse or that the field does not take."""
         base = cls.kimi_k3() if base is None else base
-        environ = os.environ if environ is None else environ
-        changes: dict[str, Any] = {}
-        for variable, field in ((ENV_OVERLAP_TOKEN_THRESHOLD, "overlap_token_threshold"),
-                                (ENV_PREFILL_TOKEN_PARALLEL_MIN_TOKENS, "prefill_token_parallel_min_tokens")):
-            raw = environ.get(variable)
-            if raw is not None:
-                try:
-                    changes[field] = int(raw.strip())
-                except ValueError:
-                    raise ValueError(f"{field}: {variable}={raw!r} is not an integer") from None
-        raw = environ.get(ENV_QUICK_REDUCE_MAX_SIZE_MB)
-        if raw is not None:
-            try:
-                changes["quantized_all_reduce_max_bytes"] = int(raw.strip()) * 2**20
-            except ValueError:
-                raise ValueError(f"quantized_all_reduce_max_bytes: {ENV_QUICK_REDUCE_MAX_SIZE_MB}={raw!r} is not an "
-                                 "integer") from None
-        raw = environ.get(ENV_QUICK_REDUCE_QUANTIZATION)
-        if raw is not None:
-            changes.update(_quick_reduce_regime(raw))
-        for variable, field in ((ENV_DISABLE_OVERLAP, "disable_overlap"),
-                                (ENV_SHARED_OUTPUT_REDUCED, "shared_output_is_reduced"),
-                                (ENV_QUICK_REDUCE_CAST_BF16_TO_FP16, "quantized_all_reduce_fp16_sizes_for_bf16")):
-            raw = environ.get(variable)
-            if raw is not None:
-                word = raw.strip().lower()
-                if word not in _TRUE_WORDS + _FALSE_WORDS:
-                    raise ValueError(
-                        f"{field}: {variable}={raw!r} is not a boolean "
-                        f"(expected one of {', '.join(w for w in _TRUE_WORDS + _FALSE_WORDS if w)})"
-                    )
-                changes[field] = word in _TRUE_WORDS
-        return dataclasses.replace(base, **changes)
-
-
-def _quick_reduce_regime(raw: str) -> dict[str, Any]:
-    """The config fields that QuickReduce's quantisation regime ``raw`` (its environment value) sets."""
-    regime = raw.strip().lower()
-    if regime == "fp":
-        return {"all_reduce_quantization": None, "all_reduce_form": SPLIT}
-    if regime == "none":
-        return {"all_reduce_quantization": None}
-    if regime in CODECS:
-        return {"all_reduce_quantization": regime}
-    raise ValueError(f"all_reduce_quantization: {ENV_QUICK_REDUCE_QUANTIZATION}={raw!r} is not a QuickReduce "
-                     f"regime (expected one of FP, {', '.join(name.upper() for name in CODECS)}, NONE)")
+        return dataclasses.replace(base, **config_changes(os.environ if environ is None else environ))
 
 
 def _float32_normal(name: str, value: Any, *, zero: bool) -> float:

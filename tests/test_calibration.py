@@ -10,6 +10,7 @@ import pytest
 
 from helpers import command_environment, make_tp_mesh
 from k3_tail import TailConfig, Tier, select_tier, tail_forward
+from k3_tail.selection.cost_model import CostModelPolicy
 from k3_tail.selection.table import (
     FORMAT, MAX_FILE_BYTES, MAX_RANGES, SelectionTable, TokenRange, table_from_measurements,
 )
@@ -93,14 +94,14 @@ def test_unreadable_file_is_a_value_error(tmp_path):
 @pytest.mark.parametrize(("num_tokens", "tier"), [(1, Tier.OVERLAP), (63, Tier.OVERLAP), (64, Tier.COLUMN_PARALLEL),
                                                   (10**6, Tier.COLUMN_PARALLEL)])
 def test_select_tier_follows_the_table_and_names_it(num_tokens, tier):
-    config = dataclasses.replace(CONFIG, selection_policy="measured", selection_table=table(TWO_RANGES))
+    config = dataclasses.replace(CONFIG, selection_policy=table(TWO_RANGES))
     decision = select_tier(config, num_tokens, 8, weight_layout="column", device_kind="cpu")
     assert decision.tier == tier
     assert decision.reason.startswith("measured selection table (cpu, p=8, column layout)")
 
 
 def test_preconditions_still_come_first():
-    config = dataclasses.replace(CONFIG, selection_policy="measured", selection_table=table(TWO_RANGES))
+    config = dataclasses.replace(CONFIG, selection_policy=table(TWO_RANGES))
     assert select_tier(config, 0, 8).tier == Tier.NATIVE
 
 
@@ -114,7 +115,7 @@ def test_preconditions_still_come_first():
     ids=["tp_size", "layout", "device_kind"],
 )
 def test_a_table_measured_elsewhere_is_a_value_error(call, message):
-    config = dataclasses.replace(CONFIG, selection_policy="measured", selection_table=table(TWO_RANGES))
+    config = dataclasses.replace(CONFIG, selection_policy=table(TWO_RANGES))
     arguments = {"tp_size": 8, "weight_layout": "column", "device_kind": "cpu", **call}
     with pytest.raises(ValueError, match=f"selection_table: measured with {message}"):
         select_tier(config, 16, arguments.pop("tp_size"), **arguments)
@@ -129,7 +130,7 @@ def test_a_table_measured_elsewhere_is_a_value_error(call, message):
 )
 def test_a_table_measured_with_other_up_projection_weights_is_a_value_error(measured_with, config_changes, message):
     measured = dataclasses.replace(table(TWO_RANGES), **measured_with)
-    config = dataclasses.replace(CONFIG, selection_policy="measured", selection_table=measured, **config_changes)
+    config = dataclasses.replace(CONFIG, selection_policy=measured, **config_changes)
     with pytest.raises(ValueError, match=f"selection_table: measured with {message}"):
         select_tier(config, 16, 8)
 
@@ -143,34 +144,25 @@ def test_a_table_written_before_fp8_weights_reads_as_measured_with_the_kernel_in
 
 
 def test_a_table_for_other_shapes_is_a_value_error():
-    config = TailConfig(hidden_size=99, latent_size=64, selection_policy="measured",
-                        selection_table=table(TWO_RANGES))
+    config = TailConfig(hidden_size=99, latent_size=64, selection_policy=table(TWO_RANGES))
     with pytest.raises(ValueError, match="hidden_size=96"):
         select_tier(config, 16, 8)
 
 
-@pytest.mark.parametrize(
-    ("changes", "argument"),
-    [
-        ({"selection_policy": "fastest"}, "selection_policy"),
-        ({"selection_policy": "measured"}, "selection_table"),
-        ({"selection_table": table(TWO_RANGES)}, "selection_table"),
-        ({"selection_policy": "measured", "selection_table": "table.json"}, "selection_table"),
-        ({"selection_policy": "model"}, "hardware"),
-        ({"hardware": "mi355x"}, "hardware"),
-        ({"selection_policy": "model", "hardware": "tpu"}, "hardware"),
-    ],
-    ids=["unknown_policy", "measured_without_table", "table_without_policy", "table_not_a_table",
-         "model_without_hardware", "hardware_without_policy", "unknown_hardware"],
-)
-def test_inconsistent_policy_settings_are_value_errors(changes, argument):
-    with pytest.raises(ValueError, match=f"^{argument}"):
-        dataclasses.replace(CONFIG, **changes)
+@pytest.mark.parametrize("policy", ["fastest", "measured", "table.json"])
+def test_a_policy_that_is_no_selection_policy_is_a_value_error(policy):
+    with pytest.raises(ValueError, match="^selection_policy"):
+        dataclasses.replace(CONFIG, selection_policy=policy)
+
+
+@pytest.mark.parametrize("hardware", [None, "tpu"], ids=["model_without_hardware", "unknown_hardware"])
+def test_the_cost_model_policy_needs_a_known_preset(hardware):
+    with pytest.raises(ValueError, match="^hardware"):
+        CostModelPolicy(hardware)
 
 
 def test_tail_forward_checks_the_device_kind_of_its_mesh():
-    config = dataclasses.replace(CONFIG, selection_policy="measured",
-                                 selection_table=table(TWO_RANGES, device_kind="AMD Instinct MI355X"))
+    config = dataclasses.replace(CONFIG, selection_policy=table(TWO_RANGES, device_kind="AMD Instinct MI355X"))
     inputs = make_inputs(config, 8, 4)
     with pytest.raises(ValueError, match="device_kind"):
         tail_forward(inputs.routed, inputs.shared, inputs.norm_weight, inputs.kernel, config=config,
@@ -191,7 +183,7 @@ def test_calibrate_writes_a_table_that_tail_forward_follows(tmp_path):
     measured_table = SelectionTable.load(path)
     assert (measured_table.device_kind, measured_table.tp_size, measured_table.weight_layout) == ("cpu", 4, "column")
     assert "selection table" in result.stdout and "Traceback" not in result.stderr
-    config = dataclasses.replace(CONFIG, selection_policy="measured", selection_table=measured_table)
+    config = dataclasses.replace(CONFIG, selection_policy=measured_table)
     inputs = make_inputs(config, 4, 8)
     y = tail_forward(inputs.routed, inputs.shared, inputs.norm_weight, inputs.kernel, config=config,
                      mesh=make_tp_mesh(4), weight_layout="column")
@@ -312,7 +304,7 @@ def test_a_table_with_the_most_ranges_loads_and_selects_each_range(tmp_path):
     original.save(path)
     loaded = SelectionTable.load(path)
     assert loaded == original
-    config = dataclasses.replace(CONFIG, selection_policy="measured", selection_table=loaded)
+    config = dataclasses.replace(CONFIG, selection_policy=loaded)
     for num_tokens, tier in [(1, Tier.OVERLAP), (2, Tier.OVERLAP), (3, Tier.COLUMN_PARALLEL),
                              (2 * MAX_RANGES - 2, Tier.OVERLAP), (2 * MAX_RANGES - 1, Tier.COLUMN_PARALLEL),
                              (10**9, Tier.COLUMN_PARALLEL)]:
@@ -327,7 +319,7 @@ def test_equal_tables_are_equal_and_hash_alike_as_do_their_configs(tmp_path):
     assert loaded == built and hash(loaded) == hash(built)
     assert loaded != table(TWO_RANGES, tp_size=4)
     assert loaded != table((TokenRange(1, 63, Tier.NATIVE), TWO_RANGES[1]))
-    configs = [dataclasses.replace(CONFIG, selection_policy="measured", selection_table=t) for t in (loaded, built)]
+    configs = [dataclasses.replace(CONFIG, selection_policy=t) for t in (loaded, built)]
     assert configs[0] == configs[1] and hash(configs[0]) == hash(configs[1])
     assert {configs[0]: "jit cache entry"}[configs[1]] == "jit cache entry"
 
@@ -360,7 +352,7 @@ def with_counting_ranges(measured_table):
 
 def test_hashing_a_table_or_a_config_holding_it_does_not_read_its_ranges():
     measured_table = table(many_ranges(64))
-    config = dataclasses.replace(CONFIG, selection_policy="measured", selection_table=measured_table)
+    config = dataclasses.replace(CONFIG, selection_policy=measured_table)
     with_counting_ranges(measured_table)
     hashes = {hash(measured_table) for _ in range(3)} | {hash(config) for _ in range(3)}
     assert len(hashes) == 2 and CountingRanges.calls == 0

@@ -157,7 +157,7 @@ def test_sequence_parallel_output_is_this_ranks_rows_when_p_divides_t(mesh, num_
         ({}, 1, "column"),
         ({}, 300, "column"),
         ({"use_scatter_gather": True}, 4, "column"),
-        ({"selection_policy": "model", "hardware": "mi355x"}, 1, "replicated"),
+        ({"selection_policy": k3_tail.selection.cost_model.CostModelPolicy("mi355x")}, 1, "replicated"),
         ({"sequence_parallel": True}, 16, "replicated"),
     ],
     ids=["overlap", "column_parallel", "scatter_gather", "model_policy", "sequence_parallel"],

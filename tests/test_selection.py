@@ -5,6 +5,7 @@ import dataclasses
 import pytest
 
 from k3_tail import TailConfig, Tier, select_tier
+from k3_tail.selection.rules import VllmRules
 
 K3 = TailConfig.kimi_k3()
 
@@ -165,3 +166,34 @@ def test_the_reason_says_where_all_reduces_run_as_reduce_scatter_and_all_gather(
 def test_a_fixed_all_reduce_form_is_named_in_the_reason():
     decision = select_tier(dataclasses.replace(K3, all_reduce_form="all-reduce"), 1024, 8, platform="cpu")
     assert decision.reason.endswith("; all_reduce_form='all-reduce'")
+
+
+def test_the_rule_and_the_notes_are_apart_and_the_reason_joins_them():
+    decision = select_tier(K3, 1024, 8, platform="cpu")
+    assert decision.rule == "T=1024 > overlap_token_threshold=256"
+    assert len(decision.notes) == 1 and "runs as reduce-scatter + all-gather" in decision.notes[0]
+    assert decision.reason == f"{decision.rule}; {decision.notes[0]}"
+
+
+def test_no_all_reduce_form_note_where_no_buffer_reaches_its_size():
+    """At T=16 the largest sum is 16 x 7168 bf16 (224 KiB), far below the 8 MiB from which cpu splits."""
+    assert select_tier(K3, 16, 8, platform="cpu").notes == ()
+
+
+@pytest.mark.parametrize("changes", [{}, {"all_reduce_form": "all-reduce"}], ids=["auto", "fixed"])
+def test_no_all_reduce_form_note_on_one_rank(changes):
+    """p = 1 sends nothing, so no note says how its sums travel."""
+    assert select_tier(dataclasses.replace(K3, **changes), 4096, 1, platform="cpu").notes == ()
+
+
+def test_no_quantisation_note_on_one_rank():
+    assert select_tier(dataclasses.replace(K3, all_reduce_quantization="int4"), 4096, 1).notes == ()
+
+
+def test_no_sequence_parallel_note_without_it():
+    assert not any("sequence-parallel" in note for note in select_tier(K3, 5, 8).notes)
+
+
+def test_the_vllm_rules_given_explicitly_are_the_default():
+    config = dataclasses.replace(K3, selection_policy=VllmRules())
+    assert [select_tier(config, t, 8) for t in (1, 300)] == [select_tier(K3, t, 8) for t in (1, 300)]

@@ -84,7 +84,7 @@ def test_the_reason_says_how_the_selected_tier_runs_with_a_reduced_shared_output
 
 def test_model_policy_prices_the_mode():
     """Without the shared all-reduce, the column tier's final collective is an all-gather (half the bytes)."""
-    config = dataclasses.replace(REDUCED, selection_policy="model", hardware="mi355x")
+    config = dataclasses.replace(REDUCED, selection_policy=k3_tail.selection.cost_model.CostModelPolicy("mi355x"))
     cost = k3_tail.selection.cost_model.tier_cost(config, 4096, 8, tier="column_parallel", weight_layout="column")
     assert [c.kind for c in cost.collectives] == ["all-reduce", "all-gather"]
     assert "predicted fastest on mi355x" in k3_tail.select_tier(config, 4096, 8, weight_layout="column").reason

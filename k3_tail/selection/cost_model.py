@@ -76,27 +76,26 @@ Assumptions a reader must know:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 
 from k3_tail._checks import check_int
 from k3_tail.config import TailConfig, check_config
-from k3_tail.selection.decision import TierDecision
 from k3_tail.hardware import HARDWARE, Hardware, hardware_preset
 from k3_tail.ops.codecs import CODECS
 from k3_tail.ops.columns import check_weight_layout
-from k3_tail.tiers.record import (
-    ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER, RING_WIRE_FACTORS, SUM_KINDS, CallShape,
-)
-from k3_tail.tiers.registry import Tier
-from k3_tail.ops.tokens import padded_token_count
-from k3_tail.tiers.context import is_token_sharded_output
 from k3_tail.ops.up_projection import gemm_rows
+from k3_tail.policy import SelectionPolicy
+from k3_tail.selection.buffers import collective_buffers, tier_rows
+from k3_tail.selection.decision import TierDecision
+from k3_tail.tiers.context import is_token_sharded_output
+from k3_tail.tiers.record import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER, RING_WIRE_FACTORS, SUM_KINDS
+from k3_tail.tiers.registry import Tier
 
 __all__ = [
-    "ALL_GATHER", "ALL_REDUCE", "ALL_TO_ALL", "HARDWARE", "REDUCE_SCATTER", "CollectiveCost", "Crossover", "Hardware",
-    "Prediction", "TierCost", "best_tier", "crossovers", "predict_time", "tier_cost",
+    "ALL_GATHER", "ALL_REDUCE", "ALL_TO_ALL", "HARDWARE", "REDUCE_SCATTER", "CollectiveCost", "CostModelPolicy",
+    "Crossover", "Hardware", "Prediction", "TierCost", "best_tier", "crossovers", "predict_time", "tier_cost",
 ]
 
 
@@ -129,8 +128,12 @@ class CollectiveCost:
 
     @property
     def payload_bytes(self) -> int:
-        """Bytes of the buffer as it travels: ``buffer_bytes``, or its p encoded chunks when quantised."""
-        return int(_payload_bytes(self.codec, self.buffer_bytes, self.element_bytes, self.group_size))
+        """Bytes of the buffer as it travels: ``buffer_bytes``, or its p encoded chunks when quantised
+        (each chunk 1/p of the elements rounded up, padded to whole blocks)."""
+        if self.codec is None:
+            return self.buffer_bytes
+        chunk = -(-(self.buffer_bytes // self.element_bytes) // self.group_size)
+        return self.group_size * CODECS[self.codec].encoded_bytes(chunk)
 
     @property
     def wire_bytes(self) -> float:
@@ -141,9 +144,24 @@ class CollectiveCost:
     def seconds(self, hardware: Hardware | str) -> float:
         """collective_latency_s per collective (two for a quantised all-reduce) + wire_bytes /
         link_bytes_per_s + the codec's memory passes at HBM bandwidth on ``hardware``; 0 over a group
-        of one rank."""
-        return float(_collective_seconds(self.kind, self.buffer_bytes, self.group_size, self.codec,
-                                         self.element_bytes, hardware_preset(hardware)))
+        of one rank.
+
+        The codec's passes: encode (read B, write the payload Q), decode and sum the received chunks
+        (read Q), then for an all-reduce re-encode the own chunk (write Q/p) and decode what the
+        all-gather brought (read Q, write B); a reduce-scatter writes its B/p chunk.
+        """
+        hardware = hardware_preset(hardware)
+        if self.group_size == 1:
+            return 0.0
+        wire = self.wire_bytes / hardware.link_bytes_per_s
+        if self.codec is None:
+            return hardware.collective_latency_s + wire
+        buffer, payload, group = self.buffer_bytes, self.payload_bytes, self.group_size
+        if self.kind == ALL_REDUCE:
+            shots, passes = 2, 2 * buffer + 3 * payload + payload / group
+        else:
+            shots, passes = 1, buffer + buffer / group + 2 * payload
+        return shots * hardware.collective_latency_s + wire + passes / hardware.hbm_bytes_per_s
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,27 +204,21 @@ def tier_cost(
     tier = Tier.parse(tier)
     weight_layout = check_weight_layout(weight_layout)
     tier.record.check_runs(weight_layout, config)
+    return _tier_cost(config, num_tokens, tp_size, tier, weight_layout)
 
+
+def _tier_cost(config: TailConfig, num_tokens: int, tp_size: int, tier: Tier, weight_layout: str) -> TierCost:
+    """:func:`tier_cost` of checked arguments."""
+    if num_tokens == 0 and not config.sequence_parallel:
+        return TierCost(tier, num_tokens, tp_size, weight_layout, 0, 0, 0, ())
     element = config.dtype.itemsize
     latent, hidden = config.latent_size, config.hidden_size
-    sequence_parallel = config.sequence_parallel
     record = tier.record
-    # The rows the tier works on: sequence-parallel output, and a tier that shards tokens itself, pad T
-    # to a multiple of p (at least p).
-    padded = sequence_parallel or record.shards_tokens
-    rows = padded_token_count(num_tokens, tp_size) if padded else num_tokens
-    if num_tokens == 0 and not sequence_parallel:
-        return TierCost(tier, num_tokens, tp_size, weight_layout, 0, 0, 0, ())
-    shape = CallShape(
-        rows=rows, latent_size=latent, hidden_size=hidden, tp_size=tp_size, weight_layout=weight_layout,
-        has_shared=config.has_shared_experts, use_norm=config.use_latent_norm,
-        routed_reduced=config.fused_output_is_reduced, token_sharded=sequence_parallel,
-        shared_reduced=config.shared_output_is_reduced,
-    )
+    rows = tier_rows(config, tier, num_tokens, tp_size)
     token_sharded = is_token_sharded_output(config, num_tokens, tp_size)
     output_rows = num_tokens // tp_size if token_sharded else num_tokens
-    shared_rows = num_tokens if shape.has_shared else 0
-    if shape.shared_reduced and token_sharded:
+    shared_rows = num_tokens if config.has_shared_experts else 0
+    if config.shared_output_is_reduced and token_sharded:
         shared_rows = output_rows  # this rank's rows of the reduced [T, H], sharded over tokens
     activation_bytes = element * (num_tokens * latent + shared_rows * hidden + output_rows * hidden)
     columns = record.gemm_columns(hidden, tp_size, weight_layout)
@@ -216,11 +228,11 @@ def tier_cost(
     else:  # FP8 values and one float32 scale per column
         kernel_bytes = config.up_proj_dtype.itemsize * latent * columns + 4 * columns
     collectives = [
-        CollectiveCost(term.kind, element * term.elements, tp_size, hidden=term.beside_gemm,
-                       codec=_codec_name(config, term.kind, element * term.elements, tp_size), element_bytes=element)
-        for term in tier.record.collectives(shape)
+        CollectiveCost(buffer.kind, buffer.nbytes, tp_size, hidden=buffer.beside_gemm, element_bytes=element,
+                       codec=None if buffer.codec is None else buffer.codec.name)
+        for buffer in collective_buffers(config, num_tokens, tp_size, tier=tier, weight_layout=weight_layout)
     ]
-    if sequence_parallel and not token_sharded:
+    if config.sequence_parallel and not token_sharded:
         # latent_moe_tail gathers the padded token-sharded result: JAX arrays shard evenly only.
         collectives.append(CollectiveCost(ALL_GATHER, element * rows * hidden, tp_size))
 
@@ -302,20 +314,43 @@ def best_tier(
     """The tier with the smallest predicted time for this call, and a reason quoting the predictions.
 
     ``tiers`` (default: every tier that runs with ``config`` and ``weight_layout``) are the candidates;
-    on equal times the one first in ``Tier``'s order wins.
+    on equal times (within a relative 1e-9, whichever way rounding tips them) the one first in
+    ``Tier``'s order wins. Bad arguments raise ValueError naming the argument.
     """
     hardware = hardware_preset(hardware)
+    check_config(config)
+    num_tokens = check_int("num_tokens", num_tokens, minimum=0)
+    tp_size = check_int("tp_size", tp_size, minimum=1)
     candidates = _candidates(config, weight_layout, tiers)
-    times = [
-        predict_time(tier_cost(config, num_tokens, tp_size, tier=tier, weight_layout=weight_layout), hardware).total_s
-        for tier in candidates
-    ]
+    times = _times(config, num_tokens, tp_size, hardware, weight_layout, candidates)
     ranked = sorted(zip(times, candidates, strict=True), key=lambda pair: pair[0])
     quoted = ", ".join(f"{tier.value} {seconds * 1e6:.2f} us" for seconds, tier in ranked)
     return TierDecision(
-        candidates[_first_fastest(np.array(times)[:, None])[0]],
+        candidates[_first_fastest(times)],
         f"predicted fastest on {hardware.name} at T={num_tokens}, p={tp_size}, {weight_layout} weights: {quoted}",
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class CostModelPolicy(SelectionPolicy):
+    """The selection policy that picks the tier :func:`best_tier` predicts fastest on the HARDWARE preset
+    named ``hardware`` (``TailConfig(selection_policy=CostModelPolicy("mi355x"))``)."""
+
+    hardware: str
+
+    def __post_init__(self):
+        if not isinstance(self.hardware, str) or self.hardware not in HARDWARE:
+            raise ValueError(f"hardware: expected one of {sorted(HARDWARE)}, got {self.hardware!r}")
+
+    def select(self, config: TailConfig, num_tokens: int, tp_size: int, *, weight_layout: str | None = None,
+               device_kind: str | None = None, platform: str | None = None) -> TierDecision:
+        """:func:`best_tier` among every tier that runs; ValueError without ``weight_layout``, which the
+        price depends on."""
+        if weight_layout is None:
+            raise ValueError('weight_layout: the cost-model selection policy prices the call, so it needs its '
+                             'weight layout')
+        decision = best_tier(config, num_tokens, tp_size, hardware=self.hardware, weight_layout=weight_layout)
+        return TierDecision(decision.tier, f"cost model: {decision.rule}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -338,128 +373,64 @@ def crossovers(
 ) -> tuple[Crossover, ...]:
     """Every token count in ``token_range`` (inclusive) where :func:`best_tier`'s tier changes, in order.
 
-    Every integer T is evaluated (vectorised: each time term is affine in the rows a tier works on),
-    so no change is missed however close two crossovers are. An empty tuple: one tier is fastest
-    over the whole range.
+    The fastest tier is evaluated on a grid of every multiple of p and the count after it, and each
+    change between two grid points is bisected to the exact count. That grid follows the padding: a
+    tier that works on T rounded up to a multiple of p (token_parallel; every tier with
+    sequence-parallel output) costs the same over a block of p counts but for the activation bytes,
+    while the others grow smoothly, so inside a block the fastest tier changes at most once. An
+    empty tuple: one tier is fastest over the whole range.
     """
     hardware = hardware_preset(hardware)
-    candidates = _candidates(config, weight_layout, tiers)
+    check_config(config)
     tp_size = check_int("tp_size", tp_size, minimum=1)
+    candidates = _candidates(config, weight_layout, tiers)
     if (not isinstance(token_range, tuple) or len(token_range) != 2
             or any(isinstance(t, bool) or not isinstance(t, (int, np.integer)) for t in token_range)
             or not 1 <= token_range[0] <= token_range[1]):
         raise ValueError(
             f"token_range: expected a tuple (first, last) of integers with 1 <= first <= last, got {token_range!r}"
         )
-    tokens = np.arange(token_range[0], token_range[1] + 1)
-    # With sequence-parallel output the gather that follows when p does not divide T is the same for
-    # every tier, so it cannot change which one is fastest.
-    totals = np.stack([_totals(config, tp_size, hardware, weight_layout, tier, tokens) for tier in candidates])
-    fastest = _first_fastest(totals)
-    return tuple(
-        Crossover(int(tokens[index]), candidates[fastest[index - 1]], candidates[fastest[index]])
-        for index in np.flatnonzero(fastest[1:] != fastest[:-1]) + 1
-    )
+    first, last = (int(t) for t in token_range)
+
+    def fastest(num_tokens: int) -> Tier:
+        return candidates[_first_fastest(_times(config, num_tokens, tp_size, hardware, weight_layout, candidates))]
+
+    grid = sorted({first, last} | {t for k in range(first // tp_size, last // tp_size + 1)
+                                   for t in (k * tp_size, k * tp_size + 1) if first <= t <= last})
+    changes = []
+    before = fastest(first)
+    for start, end in zip(grid, grid[1:], strict=False):
+        after = fastest(end)
+        if after is not before:
+            changes.append(_bisect(fastest, start, before, end))
+        before = after
+    return tuple(changes)
 
 
-def _totals(config, tp_size, hardware, weight_layout, tier, tokens: np.ndarray) -> np.ndarray:
-    """Predicted total seconds of ``tier`` for each token count in ``tokens`` (>= 1), padding gather excluded.
-
-    Every count of :func:`tier_cost` is a fixed part plus a part proportional to the rows the tier
-    works on (T, or T rounded up to a multiple of p for sequence-parallel output and for a tier that
-    shards tokens), except the activation bytes, which follow the caller's T and, with
-    sequence-parallel output, whether the result comes back token-sharded (p divides T) or gathered.
-    So is each of :func:`_time_terms`: two calls p tokens apart give each term's line, taken where the
-    GEMM has at least two rows; the GEMM of a single row is computed as two (its compute term doubles).
-    """
-    def costs(start: int) -> tuple[TierCost, TierCost]:
-        return tuple(tier_cost(config, n, tp_size, tier=tier, weight_layout=weight_layout)
-                     for n in (start, start + tp_size))
-
-    def lines(start: int) -> tuple[np.ndarray, np.ndarray]:
-        first, second = (np.array(_time_terms(cost, hardware)) for cost in costs(start))
-        return first - (second - first) / tp_size * start, (second - first) / tp_size  # intercept, slope
-
-    intercept, slope = lines(2 * tp_size)
-    record = Tier.parse(tier).record
-    padded = config.sequence_parallel or record.shards_tokens
-    rows = -(-tokens // tp_size) * tp_size if padded else tokens
-    compute = intercept[0] + slope[0] * rows
-    serial, hidden = _collective_totals(config, hardware, costs(2 * tp_size), rows)
-    compute = compute * np.where(record.gemm_rows(rows, tp_size) == 1, gemm_rows(1), 1)
-    memory = intercept[1] + slope[1] * tokens
-    if config.sequence_parallel and tp_size > 1:  # T not divisible by p: all T rows of y come back
-        gathered_intercept, gathered_slope = lines(tp_size + 1)
-        memory = np.where(tokens % tp_size != 0, gathered_intercept[1] + gathered_slope[1] * tokens, memory)
-    return serial + np.maximum(np.maximum(compute, memory), hidden)
-
-
-def _collective_totals(config: TailConfig, hardware: Hardware, costs: tuple[TierCost, TierCost],
-                       rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(serial, hidden) collective seconds of a tier for each row count in ``rows``, from ``costs`` at two
-    row counts p apart: each buffer is affine in the rows, and its time follows from its size, through
-    the quantisation window when the config has one (which makes it piecewise)."""
-    first, second = costs
-    tp_size = first.tp_size
-    plan = config.sum_plan(tp_size)
-    serial = hidden = np.zeros(rows.shape)
-    for start, later in zip(first.collectives, second.collectives, strict=True):
-        per_row = (later.buffer_bytes - start.buffer_bytes) // tp_size
-        nbytes = start.buffer_bytes + per_row * (rows - 2 * tp_size)
-        seconds = _collective_seconds(start.kind, nbytes, tp_size, None, start.element_bytes, hardware)
-        if plan.codec is not None and start.kind in SUM_KINDS:
-            smallest, largest = plan.quantized_bytes
-            quantized = _collective_seconds(start.kind, nbytes, tp_size, plan.codec.name, start.element_bytes,
-                                            hardware)
-            seconds = np.where((smallest <= nbytes) & (nbytes <= largest), quantized, seconds)
-        if start.hidden:
-            hidden = hidden + seconds
+def _bisect(fastest: Callable[[int], Tier], start: int, before: Tier, end: int) -> Crossover:
+    """The first count in (``start``, ``end``] where ``fastest`` differs from ``before`` (its tier at
+    ``start``; it differs at ``end``)."""
+    while end - start > 1:
+        middle = (start + end) // 2
+        if fastest(middle) is before:
+            start = middle
         else:
-            serial = serial + seconds
-    return serial, hidden
+            end = middle
+    return Crossover(end, before, fastest(end))
 
 
-def _first_fastest(totals: np.ndarray) -> np.ndarray:
-    """Per column of ``totals`` [tiers, cases], the first tier (Tier's order) within a relative 1e-9 of
-    the fastest: ties go to the earlier tier whichever way rounding tips them."""
-    return np.argmax(totals <= totals.min(axis=0) * (1 + 1e-9), axis=0)
+def _times(config: TailConfig, num_tokens: int, tp_size: int, hardware: Hardware, weight_layout: str,
+           candidates: list[Tier]) -> list[float]:
+    """The predicted total seconds of each candidate tier for the call."""
+    return [predict_time(_tier_cost(config, num_tokens, tp_size, tier, weight_layout), hardware).total_s
+            for tier in candidates]
 
 
-def _codec_name(config: TailConfig, kind: str, nbytes: int, tp_size: int) -> str | None:
-    """The codec a collective of ``kind`` over ``nbytes`` travels in: sums only, as the tiers decide it."""
-    codec = config.sum_plan(tp_size).codec_for(nbytes) if kind in SUM_KINDS else None
-    return None if codec is None else codec.name
-
-
-def _payload_bytes(codec: str | None, buffer_bytes, element_bytes: int, group_size: int):
-    """Bytes of a buffer as it travels (numpy arrays too): as it is, or its p chunks encoded, each
-    chunk 1/p of the elements rounded up and padded to whole blocks."""
-    if codec is None:
-        return buffer_bytes
-    chunk = -(-(buffer_bytes // element_bytes) // group_size)
-    return group_size * CODECS[codec].encoded_bytes(chunk)
-
-
-def _collective_seconds(kind: str, buffer_bytes, group_size: int, codec: str | None, element_bytes: int,
-                        hardware: Hardware):
-    """:meth:`CollectiveCost.seconds`, for ``buffer_bytes`` a number or a numpy array.
-
-    A quantised sum adds the codec's memory passes: encode (read B, write the payload Q), decode and
-    sum the received chunks (read Q), then for an all-reduce re-encode the own chunk (write Q/p) and
-    decode what the all-gather brought (read Q, write B); a reduce-scatter writes its B/p chunk.
-    """
-    if group_size == 1:
-        return 0.0 * buffer_bytes
-    payload = _payload_bytes(codec, buffer_bytes, element_bytes, group_size)
-    wire = RING_WIRE_FACTORS[kind](group_size) * payload
-    if codec is None:
-        return hardware.collective_latency_s + wire / hardware.link_bytes_per_s
-    if kind == ALL_REDUCE:
-        shots, passes = 2, 2 * buffer_bytes + 3 * payload + payload / group_size
-    else:
-        shots, passes = 1, buffer_bytes + buffer_bytes / group_size + 2 * payload
-    return (shots * hardware.collective_latency_s + wire / hardware.link_bytes_per_s
-            + passes / hardware.hbm_bytes_per_s)
+def _first_fastest(times: list[float]) -> int:
+    """The index of the first time within a relative 1e-9 of the smallest: ties go to the earlier tier
+    whichever way rounding tips them."""
+    limit = min(times) * (1 + 1e-9)
+    return next(index for index, seconds in enumerate(times) if seconds <= limit)
 
 
 def _check_kind(kind: str) -> None:
@@ -467,9 +438,8 @@ def _check_kind(kind: str) -> None:
         raise ValueError(f"kind: expected one of {tuple(RING_WIRE_FACTORS)}, got {kind!r}")
 
 
-def _candidates(config, weight_layout, tiers) -> list[Tier]:
+def _candidates(config: TailConfig, weight_layout: str, tiers: Iterable[Tier | str] | None) -> list[Tier]:
     """The tiers to compare, in Tier's order: ``tiers`` validated, or every tier that runs."""
-    check_config(config)
     weight_layout = check_weight_layout(weight_layout)
     if tiers is None:
         return [tier for tier in Tier if tier.supports(weight_layout, config)]

@@ -9,10 +9,18 @@ from k3_tail.tiers.registry import Tier
 
 @dataclasses.dataclass(frozen=True)
 class TierDecision:
-    """The tier chosen for one (config, token count, TP size), with the human-readable reason."""
+    """The tier chosen for one call (config, token count, TP size): ``rule``, why this tier, in one
+    clause; ``notes``, further facts about this call (how its sums travel, how it shards tokens), each
+    present only where it applies."""
 
     tier: Tier
-    reason: str
+    rule: str
+    notes: tuple[str, ...] = ()
+
+    @property
+    def reason(self) -> str:
+        """The rule and the notes, in words: "rule; note; note"."""
+        return "; ".join((self.rule, *self.notes))
 
     def __str__(self) -> str:
         return f"{self.tier.value}: {self.reason}"

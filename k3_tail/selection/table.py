@@ -2,10 +2,10 @@
 
 ``python -m k3_tail calibrate`` times every tier on the current mesh over a ladder of token counts
 (:func:`k3_tail.tools.benchmark.measure_tiers`), keeps the fastest tier per measured T and writes the
-result as JSON. ``TailConfig(selection_policy="measured", selection_table=SelectionTable.load(path))``
-then makes :func:`k3_tail.select_tier` follow it. Between two measured token counts T_a < T_b the
-tier measured fastest at T_a serves [T_a, T_b - 1]; the first range starts at T = 1 and the last
-one is open-ended.
+result as JSON. A table is a selection policy: ``TailConfig(selection_policy=SelectionTable.load(path))``
+makes :func:`k3_tail.select_tier` follow it. Between two measured token counts T_a < T_b the tier
+measured fastest at T_a serves [T_a, T_b - 1]; the first range starts at T = 1 and the last one is
+open-ended.
 
 A table is only valid where it was measured: the same device kind, TP size, weight layout, hidden
 and latent sizes, dtype, up-projection weights (``up_proj_dtype``, ``fp8_activations``; a table
@@ -48,8 +48,10 @@ from typing import Any
 
 from k3_tail.config import ALL_REDUCE_QUANTIZATIONS, TailConfig
 from k3_tail.ops.columns import WEIGHT_LAYOUTS
-from k3_tail.tiers.registry import Tier
 from k3_tail.ops.up_projection import FP8_FORMATS
+from k3_tail.policy import SelectionPolicy
+from k3_tail.selection.decision import TierDecision
+from k3_tail.tiers.registry import Tier
 
 FORMAT = "k3_tail.selection_table/1"
 # The largest table file load reads (checked before parsing) and the most ranges a table holds.
@@ -73,8 +75,9 @@ class TokenRange:
 
 
 @dataclasses.dataclass(frozen=True)
-class SelectionTable:
-    """Which tier to use for which token count, measured on ``device_kind`` at ``tp_size`` ranks.
+class SelectionTable(SelectionPolicy):
+    """Which tier to use for which token count, measured on ``device_kind`` at ``tp_size`` ranks: a
+    selection policy (``TailConfig(selection_policy=table)``).
 
     Frozen and hashable, so a :class:`TailConfig` holding one stays a valid static jit argument; the
     hash is computed once, at construction (equal tables hash alike). Every field is checked here
@@ -174,6 +177,16 @@ class SelectionTable:
         if index < 0:
             raise ValueError(f"num_tokens: expected an integer >= 1, got {num_tokens!r}")
         return self.ranges[index]
+
+    def select(self, config: TailConfig, num_tokens: int, tp_size: int, *, weight_layout: str | None = None,
+               device_kind: str | None = None, platform: str | None = None) -> TierDecision:
+        """The tier of the range that holds ``num_tokens``, after :meth:`check_matches` (ValueError when
+        the call is not where the table was measured)."""
+        self.check_matches(config, tp_size, weight_layout=weight_layout, device_kind=device_kind)
+        token_range = self.range_for(num_tokens)
+        source = f", {self.source}" if self.source else ""
+        return TierDecision(token_range.tier, f"measured selection table ({self.device_kind}, p={self.tp_size}, "
+                                              f"{self.weight_layout} layout{source}): T={num_tokens} in {token_range}")
 
     def check_matches(
         self, config: TailConfig, tp_size: int, *, weight_layout: str | None = None, device_kind: str | None = None
