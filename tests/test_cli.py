@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import operator
 import subprocess
 import sys
 
@@ -11,13 +12,14 @@ import pytest
 from helpers import command_environment
 from k3_tail.cli import build_parser, calibrate, demo, hlo, main
 from k3_tail.cli.common import (
-    MAX_CPU_DEVICES, all_reduce_quantization_options, describe_config, format_bytes, format_seconds,
-    format_selection_gap, format_table, measurement_config, up_projection_options,
+    all_reduce_quantization_options, describe_config, format_selection_gap, measurement_config, up_projection_options,
 )
 from k3_tail.config import TailConfig
 from k3_tail.selection.rules import select_tier
 from k3_tail.tiers.registry import TIER_RECORDS, Tier, tier_table
 from k3_tail.tools.benchmark import Measurement, Timing
+from k3_tail.tools.experiment import MAX_CPU_DEVICES
+from k3_tail.tools.tables import format_bytes, format_seconds, format_table
 
 AOT_MISSING = importlib.util.find_spec("jax_plugins.xla_cuda13") is None
 
@@ -302,15 +304,22 @@ def test_tiers_prints_a_plain_table_not_markdown_by_default(monkeypatch, capsys)
 
 
 def test_format_table_right_aligns_figures_and_wraps_only_text():
-    table = format_table(["name", "bytes"], [["a long name to wrap", "12.3 MiB"], ["b", "512 B"]], width=20, right={1})
+    columns = [("name", "<", operator.itemgetter(0)), ("bytes", ">", operator.itemgetter(1))]
+    table = format_table([["a long name to wrap", "12.3 MiB"], ["b", "512 B"]], columns, fit=True, width=20)
     assert table.splitlines() == ["name" + " " * 11 + "bytes", "-" * 10 + "  " + "-" * 8, "a long      12.3 MiB",
                                   "name to", "wrap", "", "b" + " " * 14 + "512 B"]
 
 
 def test_format_table_too_wide_for_the_terminal_prints_a_block_per_row():
-    table = format_table(["tier", "schedule"], [["overlap", "AR(r) + norm; AR(s) started; GEMM"]], width=12)
+    columns = [("tier", "<", operator.itemgetter(0)), ("schedule", "<", operator.itemgetter(1))]
+    table = format_table([["overlap", "AR(r) + norm; AR(s) started; GEMM"]], columns, fit=True, width=12)
     assert table.splitlines() == ["overlap", "  schedule:", "    AR(r) +", "    norm;", "    AR(s)", "    started;",
                                   "    GEMM"]
+
+
+def test_format_table_refuses_a_width_for_a_table_its_specs_lay_out():
+    with pytest.raises(ValueError, match="^width: "):
+        format_table([["a"]], [("name", "<8", operator.itemgetter(0))], width=20)
 
 
 def hlo_rows(capsys, *argv):

@@ -9,11 +9,12 @@ Commands:
              (:mod:`k3_tail.cli.calibrate`)
   tiers      the tier table (terminal-wide, or Markdown), or the tier records as JSON (:mod:`k3_tail.cli.tiers`)
 
-Each command module has ``add_parser(commands)``, which registers its subparser, and ``run(args)``,
-which takes the parsed arguments and returns the exit status; a
-:class:`~k3_tail.cli.common.CommandError` is reported in one line with exit status 2. What the
-commands share (argument types, devices, progress output, the measurement flags) is in
-:mod:`k3_tail.cli.common`.
+Each command module (:data:`COMMANDS`) has ``HELP`` and ``DESCRIPTION`` (its lines in
+``--help``), ``add_arguments(parser)``, which declares its flags, and ``run(args)``, which takes the
+parsed arguments and returns the exit status; a :class:`~k3_tail.tools.experiment.CommandError` is
+reported in one line with exit status 2. What the commands share is the harness
+(:mod:`k3_tail.tools.experiment`: argument types, devices, progress; :mod:`k3_tail.tools.tables`: figures
+and tables) and :mod:`k3_tail.cli.common` (the measurement flags and what their tables say).
 """
 
 from __future__ import annotations
@@ -23,7 +24,10 @@ import sys
 from collections.abc import Sequence
 
 from k3_tail.cli import bench, calibrate, demo, hlo, tiers
-from k3_tail.cli.common import PROG, CommandError, use_cpu_without_gpu
+from k3_tail.cli.common import PROG
+from k3_tail.tools.experiment import CommandError, use_cpu_without_gpu
+
+COMMANDS = {"demo": demo, "hlo": hlo, "bench": bench, "calibrate": calibrate, "tiers": tiers}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -38,11 +42,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser: one subparser per command module."""
+    """The argument parser: one subparser per command of :data:`COMMANDS`."""
     parser = argparse.ArgumentParser(
         prog=PROG, description="The Kimi-K3 latent MoE tail under tensor parallelism, in JAX."
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for command in (demo, hlo, bench, calibrate, tiers):
-        command.add_parser(commands)
+    for name, command in COMMANDS.items():
+        subparser = commands.add_parser(name, help=command.HELP, description=command.DESCRIPTION)
+        command.add_arguments(subparser)
+        subparser.set_defaults(run=command.run)
     return parser

@@ -25,22 +25,22 @@ from typing import IO
 import jax
 
 from k3_tail.cli.common import (
-    CommandError, add_measurement_arguments, demo_devices, describe_config, format_bench_table, measure,
-    measurement_config, measurement_tiers, positive_int_list, tp_mesh,
+    add_measurement_arguments, describe_config, format_bench_table, measure, measurement_config, measurement_tiers,
 )
 from k3_tail.tiers.registry import Tier
 from k3_tail.tools.benchmark import Measurement, config_dict, default_token_counts, machine_info
+from k3_tail.tools.experiment import CommandError, demo_devices, positive_int_list, tp_mesh
+
+HELP = "time the tiers over token counts x TP sizes; table, JSON, CSV, plot"
+DESCRIPTION = (
+    "Time tail_forward for every token count x tier x TP size on this machine's mesh (forced CPU devices without a "
+    "GPU): warm-up runs, then repeated timed runs; print the median and quartiles of each and its speedup over the "
+    "native tier. Kimi-K3 shapes unless the config flags say otherwise."
+)
 
 
-def add_parser(commands: argparse._SubParsersAction) -> None:
-    """Register ``bench``: time every tier over token counts x TP sizes (k3_tail.tools.benchmark)."""
-    bench = commands.add_parser(
-        "bench",
-        help="time the tiers over token counts x TP sizes; table, JSON, CSV, plot",
-        description="Time tail_forward for every token count x tier x TP size on this machine's mesh (forced CPU "
-        "devices without a GPU): warm-up runs, then repeated timed runs; print the median and quartiles of each and "
-        "its speedup over the native tier. Kimi-K3 shapes unless the config flags say otherwise.",
-    )
+def add_arguments(bench: argparse.ArgumentParser) -> None:
+    """``bench``'s flags: the TP sizes, the measurement flags and the outputs."""
     bench.add_argument(
         "--tp-sizes", type=positive_int_list, metavar="P,P,...",
         help="TP sizes, comma-separated; size p runs on the first p devices (default: all devices)",
@@ -52,7 +52,6 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     outputs.add_argument("--csv", metavar="FILE", help="write one row per measurement to FILE ('-': stdout)")
     outputs.add_argument("--plot", metavar="FILE.png", help="draw median time vs T, log-log, one line per tier and "
                          "one subplot per TP size, into a PNG (needs matplotlib: the [plot] extra)")
-    bench.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -20,29 +20,29 @@ from collections.abc import Sequence
 import jax
 
 from k3_tail.cli.common import (
-    CommandError, add_measurement_arguments, demo_devices, describe_config, format_bench_table, format_percent,
-    format_seconds, measure, measurement_config, measurement_tiers, positive_int, tp_mesh, within_noise,
+    add_measurement_arguments, describe_config, format_bench_table, measure, measurement_config, measurement_tiers,
 )
 from k3_tail.selection.table import table_from_measurements
 from k3_tail.tools.benchmark import Measurement, default_token_counts
+from k3_tail.tools.experiment import CommandError, demo_devices, positive_int, tp_mesh
+from k3_tail.tools.tables import format_percent, format_seconds, within_noise
+
+HELP = "measure the tiers on this mesh and write a selection table (JSON) for selection_policy='measured'"
+DESCRIPTION = (
+    "Time every tier at each token count on this machine's mesh (forced CPU devices without a GPU), keep the fastest "
+    "per T and write the token ranges -> tier table as JSON. Load it with TailConfig(selection_policy='measured', "
+    "selection_table=SelectionTable.load(FILE)); it is valid for this device kind, TP size, kernel layout, shapes and "
+    "dtype only."
+)
 
 
-def add_parser(commands: argparse._SubParsersAction) -> None:
-    """Register ``calibrate``: measure the tiers and write a selection table (k3_tail.selection.table)."""
-    calibrate = commands.add_parser(
-        "calibrate",
-        help="measure the tiers on this mesh and write a selection table (JSON) for selection_policy='measured'",
-        description="Time every tier at each token count on this machine's mesh (forced CPU devices without a GPU), "
-        "keep the fastest per T and write the token ranges -> tier table as JSON. Load it with "
-        "TailConfig(selection_policy='measured', selection_table=SelectionTable.load(FILE)); it is valid for this "
-        "device kind, TP size, kernel layout, shapes and dtype only.",
-    )
+def add_arguments(calibrate: argparse.ArgumentParser) -> None:
+    """``calibrate``'s flags: where the table goes, the TP size and the measurement flags."""
     calibrate.add_argument("--out", required=True, metavar="FILE.json", help="where to write the table")
     calibrate.add_argument(
         "--tp-size", type=positive_int, metavar="P", help="TP size: the first P devices (default: all devices)"
     )
     add_measurement_arguments(calibrate)
-    calibrate.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,64 +1,38 @@
 """What the commands share beyond the experiment harness: the measurement flags, the tail config
-they describe, and the tables.
+they describe, and what a measurement table says about the selection.
 
 Devices, argument types, progress and ``CommandError`` are the harness's
-(:mod:`k3_tail.tools.experiment`), imported here for the commands. ``--seed`` takes an integer in
-[0, 2**32), the range every numpy generator takes.
-
-``bench`` and ``calibrate`` share their measurement flags (:func:`add_measurement_arguments`: what
-to time, how often, and the tail config), their checks (:func:`measurement_config`,
-:func:`measurement_tiers`) and their table (:func:`format_bench_table`).
+(:mod:`k3_tail.tools.experiment`), figures and tables :mod:`k3_tail.tools.tables`'s; the commands
+import them from there. ``bench`` and ``calibrate`` share their measurement flags
+(:func:`add_measurement_arguments`: what to time, how often, and the tail config), their checks
+(:func:`measurement_config`, :func:`measurement_tiers`), their run (:func:`measure`) and their table
+(:func:`format_bench_table`).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import shutil
-import sys
-import textwrap
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from jax.sharding import Mesh
 
 from k3_tail.config import ALL_REDUCE_QUANTIZATIONS, TailConfig
-from k3_tail.selection.decision import TierDecision
-from k3_tail.selection.rules import select_tier
 from k3_tail.ops.collectives import ALL_REDUCE_FORMS
 from k3_tail.ops.columns import WEIGHT_LAYOUTS
-from k3_tail.tiers.registry import Tier
 from k3_tail.ops.up_projection import FP8_FORMATS
-from k3_tail.tools.benchmark import (
-    CPU_MAX_TOKENS, DEFAULT_MAX_TOKENS, Measurement, Timing, check_tiers, measure_tiers,
+from k3_tail.selection.decision import TierDecision
+from k3_tail.selection.rules import select_tier
+from k3_tail.tiers.registry import Tier
+from k3_tail.tools.benchmark import CPU_MAX_TOKENS, DEFAULT_MAX_TOKENS, Measurement, Timing, check_tiers, measure_tiers
+from k3_tail.tools.experiment import (
+    AXIS_NAME, CommandError, ProgressBar, add_devices_argument, add_seed_argument, add_shape_arguments,
+    non_negative_int, positive_int, positive_int_list, tier_list, tier_values,
 )
-from k3_tail.tools.experiment import (  # the harness's, also for the commands that import them from here
-    AXIS_NAME as AXIS_NAME,
-    DEFAULT_CPU_DEVICES as DEFAULT_CPU_DEVICES,
-    MAX_CPU_DEVICES as MAX_CPU_DEVICES,
-    CommandError as CommandError,
-    ProgressBar,
-    add_shape_arguments,
-    choice_list as choice_list,
-    cpu_device_count,
-    demo_devices as demo_devices,
-    format_ms,
-    non_negative_int,
-    positive_int,
-    positive_int_list,
-    progress as progress,
-    random_seed,
-    tier_list,
-    tier_values,
-    tp_mesh as tp_mesh,
-    use_cpu_without_gpu as use_cpu_without_gpu,
-)
+from k3_tail.tools.tables import format_ms, format_percent, format_seconds, quartiles_ms, within_noise
 
 PROG = "k3-tail"
 
 DEFAULT_REPEATS = 5
-DEFAULT_SEED = 0
-# The space between the columns of a plain-text table (format_table).
-TABLE_GAP = "  "
 
 
 # ---- argument types and flags ----
@@ -79,12 +53,6 @@ def add_weight_layout_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def add_seed_argument(parser: argparse.ArgumentParser) -> None:
-    """``--seed``: of the random inputs, 0 <= SEED < 2**32."""
-    parser.add_argument("--seed", type=random_seed, default=DEFAULT_SEED,
-                        help=f"random seed, 0 <= SEED < 2**32 (default: {DEFAULT_SEED})")
-
-
 def add_measurement_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags ``bench`` and ``calibrate`` share: what to measure, how often, and the tail config."""
     kimi = TailConfig.kimi_k3()
@@ -97,11 +65,7 @@ def add_measurement_arguments(parser: argparse.ArgumentParser) -> None:
         "--tiers", type=tier_list, metavar="TIER,...",
         help=f"tiers to time, comma-separated, of {tier_values()} (default: every tier that runs with --weight-layout)",
     )
-    parser.add_argument(
-        "--devices", type=cpu_device_count, default=DEFAULT_CPU_DEVICES, metavar="N",
-        help=f"CPU devices to make without an accelerator, at most {MAX_CPU_DEVICES} (default: "
-        f"{DEFAULT_CPU_DEVICES}); with a GPU all GPUs are used",
-    )
+    add_devices_argument(parser, "CPU devices to make without an accelerator", "with a GPU all GPUs are used")
     parser.add_argument(
         "--repeats", type=positive_int, default=DEFAULT_REPEATS, metavar="N",
         help=f"timed runs per (T, tier) and TP size (default: {DEFAULT_REPEATS})",
@@ -241,44 +205,6 @@ def describe_config(config: TailConfig) -> str:
     return ", ".join([text, *flags])
 
 
-def format_bytes(count: float) -> str:
-    """``count`` bytes in the binary unit that keeps about 3 significant digits: "512 B", "12.3 KiB",
-    "6.13 MiB", "1.50 GiB"."""
-    value, unit = float(count), "B"
-    for larger in ("KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024:
-            break
-        value, unit = value / 1024, larger
-    if unit == "B":
-        return f"{value:.0f} B"
-    return f"{value:.{_decimals(value)}f} {unit}"
-
-
-def format_seconds(seconds: float) -> str:
-    """``seconds`` in the unit that keeps about 3 significant digits: "812 us", "1.23 ms", "2.50 s"."""
-    for scale, unit in ((1e-3, "us"), (1.0, "ms")):
-        if seconds < scale:
-            value = seconds / scale * 1e3
-            return f"{value:.{_decimals(value)}f} {unit}"
-    return f"{seconds:.{_decimals(seconds)}f} s"
-
-
-def _decimals(value: float) -> int:
-    """Decimals that show about 3 significant digits of ``value`` (at least 1, under 1000)."""
-    return 2 if abs(value) < 10 else 1 if abs(value) < 100 else 0
-
-
-def format_percent(fraction: float) -> str:
-    """``fraction`` as a percentage: one decimal under 10% ("0.4%", "7.1%"), none above ("23%")."""
-    percent = 100 * fraction
-    return f"{percent:.1f}%" if abs(percent) < 10 else f"{percent:.0f}%"
-
-
-def within_noise(a: Timing, b: Timing) -> bool:
-    """Whether two timings' q25-q75 ranges overlap: the runs cannot tell which of the two is faster."""
-    return a.q25_s <= b.q75_s and b.q25_s <= a.q75_s
-
-
 def format_vs_fastest(timing: Timing, fastest: Timing) -> str:
     """One tier's median against the fastest's at the same call: "fastest", or how much slower ("+7.1%")."""
     if timing is fastest:
@@ -322,7 +248,7 @@ def format_bench_table(measurements: Sequence[Measurement], config: TailConfig, 
                                 device_kind=device_kind)
         for m in block:
             speedup = "-" if native is None else f"{native.median_s / m.timing.median_s:.2f}x"
-            spread = f"{format_ms(m.timing.q25_s)}-{format_ms(m.timing.q75_s)}"
+            spread = quartiles_ms(m.timing)
             selected = " *" if selection.tier == m.tier else ""
             lines.append(f"{tp_size:>4}{num_tokens:>7}  {m.tier.value:<16}{format_ms(m.timing.median_s):>11}"
                          f"{spread:>19}{speedup:>11}{format_vs_fastest(m.timing, fastest):>12}{selected}")
@@ -330,64 +256,3 @@ def format_bench_table(measurements: Sequence[Measurement], config: TailConfig, 
     lines += ["", "* the tier select_tier picks for that call (config, T, p, layout, device kind)",
               "vs fastest: the median against the fastest tier's at that (p, T)"]
     return "\n".join(lines)
-
-
-def terminal_width() -> int | None:
-    """The width to fit output to: ``COLUMNS`` when set, else that of the terminal stdout is on
-    (``shutil.get_terminal_size``); None off a terminal (a pipe, a file), where lines may be long."""
-    if not os.environ.get("COLUMNS") and not sys.stdout.isatty():
-        return None
-    return shutil.get_terminal_size().columns
-
-
-def format_table(header: Sequence[str], rows: Sequence[Sequence[str]], *, width: int | None,
-                 right: Collection[int] = ()) -> str:
-    """``rows`` under ``header`` as plain text that fits in ``width`` characters (None: any width;
-    :func:`terminal_width` gives the terminal's): columns two spaces apart, the columns in ``right``
-    (figures) right-aligned. When the natural widths do not fit, the widest columns of text narrow
-    and their cells wrap at spaces, down to their longest word; figures never wrap. Rows then stand
-    a blank line apart, so a wrapped row reads as one. Where even that is too wide, each row becomes
-    a block of "label: value" lines (:func:`format_blocks`)."""
-    columns = list(zip(header, *rows, strict=True))
-    widths = [max(map(len, column)) for column in columns]
-    words = [max(len(word) for cell in column for word in cell.split() or [""]) for column in columns]
-    budget = sum(widths) if width is None else width - len(TABLE_GAP) * (len(widths) - 1)
-    while sum(widths) > budget:
-        narrowable = [index for index in range(len(widths)) if index not in right and widths[index] > words[index]]
-        if not narrowable:
-            return format_blocks(header, rows, width=width)
-        widths[max(narrowable, key=widths.__getitem__)] -= 1
-    wrapped = [[textwrap.wrap(cell, column_width, break_on_hyphens=False) or [""]
-                for cell, column_width in zip(row, widths, strict=True)] for row in (header, *rows)]
-    spaced = any(len(lines) > 1 for row in wrapped[1:] for lines in row)
-
-    def text_lines(cells: list[list[str]]) -> list[str]:
-        return [TABLE_GAP.join(
-            (str.rjust if index in right else str.ljust)(lines[line] if line < len(lines) else "", widths[index])
-            for index, lines in enumerate(cells)).rstrip() for line in range(max(map(len, cells)))]
-
-    lines = [*text_lines(wrapped[0]), TABLE_GAP.join("-" * column_width for column_width in widths)]
-    for index, cells in enumerate(wrapped[1:]):
-        lines += [""] * (spaced and index > 0) + text_lines(cells)
-    return "\n".join(lines)
-
-
-def format_blocks(header: Sequence[str], rows: Sequence[Sequence[str]], *, width: int) -> str:
-    """``rows`` as blocks a blank line apart, for a terminal too narrow for their table: the first
-    cell, then one "label: value" line per other cell, indented, wrapped to ``width``."""
-    blocks = []
-    for row in rows:
-        lines = textwrap.wrap(row[0], width, break_on_hyphens=False) or [""]
-        for label, cell in zip(header[1:], row[1:], strict=True):
-            lines += textwrap.wrap(f"{label}: {cell}", width, initial_indent="  ", subsequent_indent="    ",
-                                   break_on_hyphens=False)
-        blocks.append("\n".join(lines))
-    return "\n\n".join(blocks)
-
-
-def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]], *, right: Collection[int] = ()) -> str:
-    """``rows`` under ``header`` as a Markdown table (a "|" in a cell escaped), the columns in ``right``
-    right-aligned."""
-    rule = ["---:" if index in right else "---" for index in range(len(header))]
-    return "\n".join("| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |"
-                     for row in (header, rule, *rows))

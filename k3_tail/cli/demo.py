@@ -1,7 +1,7 @@
 """``k3-tail demo``: the Kimi-K3 tail on every tier, checked against native and timed.
 
 Runs the Kimi-K3 tail (H=7168, L=3584, bf16) on a TP mesh (all GPUs, or ``--devices`` CPU devices, at
-most ``MAX_CPU_DEVICES`` = 512: :func:`k3_tail.cli.common.demo_devices`) for a few token counts, on
+most ``MAX_CPU_DEVICES`` = 512: :func:`k3_tail.tools.experiment.demo_devices`) for a few token counts, on
 every tier that runs with the kernel layout, and prints a table: for each token count T the tier
 :func:`k3_tail.select_tier` picks and why, for each tier its error against the native tier, its median
 run time and how much slower it is than the fastest tier, and a line on how far the selected tier
@@ -26,17 +26,20 @@ import jax
 import numpy as np
 
 from k3_tail.cli.common import (
-    AXIS_NAME, DEFAULT_CPU_DEVICES, DEFAULT_REPEATS, MAX_CPU_DEVICES, CommandError,
-    add_all_reduce_quantization_arguments, add_seed_argument, add_up_projection_arguments, add_weight_layout_argument,
-    all_reduce_quantization_options, cpu_device_count, demo_devices, describe_config, format_selection_gap,
-    format_vs_fastest, mesh_decision, positive_int, positive_int_list, progress, tp_mesh, up_projection_options,
+    DEFAULT_REPEATS, add_all_reduce_quantization_arguments, add_up_projection_arguments, add_weight_layout_argument,
+    all_reduce_quantization_options, describe_config, format_selection_gap, format_vs_fastest, mesh_decision,
+    up_projection_options,
 )
 from k3_tail.config import TailConfig
 from k3_tail.forward import tail_forward
-from k3_tail.selection.decision import TierDecision
 from k3_tail.ops.codecs import CODECS
+from k3_tail.selection.decision import TierDecision
 from k3_tail.tiers.registry import Tier
 from k3_tail.tools.benchmark import Timing, place_partials, place_weights, tiers_for, time_runs
+from k3_tail.tools.experiment import (
+    AXIS_NAME, CommandError, add_devices_argument, add_seed_argument, demo_devices, positive_int, positive_int_list,
+    progress, tp_mesh,
+)
 
 DEFAULT_TOKEN_COUNTS = (1, 16, 64, 320)
 # bf16 keeps 8 significand bits: tiers that sum and round in another order differ by a few 1e-3.
@@ -45,15 +48,13 @@ RELATIVE_ERROR_TOLERANCE = 1e-2
 # the others the reduced latent): about 2e-2 from the exact result each (scripts/fp8_error.py).
 FP8_ACTIVATIONS_TOLERANCE = 5e-2
 
+HELP = "run every tier on Kimi-K3 shapes, check it against native, time it"
+DESCRIPTION = ("Run the Kimi-K3 tail (H=7168, L=3584, bf16) on every tier for a few token counts; print the tier "
+               "select_tier picks and why, each tier's error against native and its median time.")
 
-def add_parser(commands: argparse._SubParsersAction) -> None:
-    """Register ``demo``: every tier on Kimi-K3 shapes, checked against native and timed."""
-    demo = commands.add_parser(
-        "demo",
-        help="run every tier on Kimi-K3 shapes, check it against native, time it",
-        description="Run the Kimi-K3 tail (H=7168, L=3584, bf16) on every tier for a few token counts; "
-        "print the tier select_tier picks and why, each tier's error against native and its median time.",
-    )
+
+def add_arguments(demo: argparse.ArgumentParser) -> None:
+    """``demo``'s flags: token counts, repeats, devices, layout, seed, FP8 and quantised sums."""
     demo.add_argument(
         "--tokens", type=positive_int_list, default=DEFAULT_TOKEN_COUNTS, metavar="T,T,...",
         help=f"token counts to run, comma-separated (default: {','.join(map(str, DEFAULT_TOKEN_COUNTS))})",
@@ -62,16 +63,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "--repeats", type=positive_int, default=DEFAULT_REPEATS, metavar="N",
         help=f"timed runs per (T, tier) after the warm-up run (default: {DEFAULT_REPEATS})",
     )
-    demo.add_argument(
-        "--devices", type=cpu_device_count, default=DEFAULT_CPU_DEVICES, metavar="N",
-        help=f"CPU devices to make, the TP size without an accelerator, at most {MAX_CPU_DEVICES} (default: "
-        f"{DEFAULT_CPU_DEVICES}); with a GPU all GPUs are used",
-    )
+    add_devices_argument(demo, "CPU devices to make, the TP size without an accelerator",
+                         "with a GPU all GPUs are used")
     add_weight_layout_argument(demo)
     add_seed_argument(demo)
     add_up_projection_arguments(demo)
     add_all_reduce_quantization_arguments(demo)
-    demo.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:

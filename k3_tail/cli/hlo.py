@@ -26,14 +26,17 @@ import jax
 from jax.sharding import Mesh
 
 from k3_tail.cli.common import (
-    AXIS_NAME, DEFAULT_CPU_DEVICES, MAX_CPU_DEVICES, QUANTIZATION_CHOICES, CommandError, ProgressBar,
-    add_reduced_shared_argument, add_up_projection_arguments, choice_list, cpu_device_count, demo_devices,
-    describe_config, format_bytes, format_table, markdown_table, mesh_decision, non_negative_int, positive_int,
-    positive_int_list, terminal_width, tp_mesh, up_projection_options,
+    QUANTIZATION_CHOICES, add_reduced_shared_argument, add_up_projection_arguments, describe_config, mesh_decision,
+    up_projection_options,
 )
 from k3_tail.config import TailConfig
 from k3_tail.ops.columns import WEIGHT_LAYOUTS
 from k3_tail.tiers.registry import Tier
+from k3_tail.tools.experiment import (
+    AXIS_NAME, CommandError, ProgressBar, add_devices_argument, choice_list, demo_devices, non_negative_int,
+    positive_int, positive_int_list, tier_values, tp_mesh,
+)
+from k3_tail.tools.tables import format_bytes, format_table, markdown_table, terminal_width
 from k3_tail.xla import report as xla_report
 from k3_tail.xla.compilation import compile_tail, compiler_options
 from k3_tail.xla.topologies import TopologyUnavailable, topology_mesh
@@ -150,22 +153,24 @@ COLUMNS = {
 DEFAULT_COLUMNS = ("accessed", "temp", "gemms", "wire", "overlapped")
 
 
-def add_parser(commands: argparse._SubParsersAction) -> None:
-    """Register ``hlo``: the XLA report of compiled tail calls."""
-    hlo = commands.add_parser(
-        "hlo",
-        help="compile tail calls (one, or a sweep) and report their cost, collectives and overlap",
-        description="Compile Kimi-K3 tail calls for deviceless GPU topologies (no GPU needed), a CPU mesh or this "
-        "machine's accelerators. Each flag that names a case takes a comma-separated list; the command compiles "
-        "every combination. One case prints its full report: per-device FLOPs and bytes, every collective (kind, "
-        "shape, bytes, async or not, what is scheduled inside it) and whether the shared reduction overlaps the "
-        "GEMM. Several cases (or --columns) print a table, one row per case.",
-        epilog=help_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+HELP = "compile tail calls (one, or a sweep) and report their cost, collectives and overlap"
+DESCRIPTION = (
+    "Compile Kimi-K3 tail calls for deviceless GPU topologies (no GPU needed), a CPU mesh or this machine's "
+    "accelerators. Each flag that names a case takes a comma-separated list; the command compiles every combination. "
+    "One case prints its full report: per-device FLOPs and bytes, every collective (kind, shape, bytes, async or not, "
+    "what is scheduled inside it) and whether the shared reduction overlaps the GEMM. Several cases (or --columns) "
+    "print a table, one row per case."
+)
+
+
+def add_arguments(hlo: argparse.ArgumentParser) -> None:
+    """``hlo``'s flags: the cases to compile and the output; its ``--help`` ends with :func:`help_epilog`."""
+    # The epilog keeps its own line breaks: a label per line.
+    hlo.epilog, hlo.formatter_class = help_epilog(), argparse.RawDescriptionHelpFormatter
     hlo.add_argument(
         "--tier", "--tiers", dest="tiers", type=hlo_tier_list, default=(AUTO,), metavar="TIER,...",
-        help=f"tiers to compile, of {', '.join(tier.value for tier in Tier)}; {AUTO}: what select_tier picks for "
-        f"each case; {ALL}: every tier that runs with the case's layout and config (default: {AUTO})",
+        help=f"tiers to compile, of {tier_values()}; {AUTO}: what select_tier picks for each case; {ALL}: every "
+        f"tier that runs with the case's layout and config (default: {AUTO})",
     )
     hlo.add_argument(
         "--tokens", type=positive_int_list, default=(DEFAULT_HLO_TOKENS,), metavar="T,...",
@@ -177,10 +182,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help=f"h100x8, h200x8, mi300xx8, mi355xx8 (<target>x<count>, deviceless), cpu (--devices CPU devices) or "
         f"local (this machine's accelerators) (default: {DEFAULT_TOPOLOGY})",
     )
-    hlo.add_argument(
-        "--devices", type=cpu_device_count, default=DEFAULT_CPU_DEVICES, metavar="N",
-        help=f"CPU devices for --topology cpu, at most {MAX_CPU_DEVICES} (default: {DEFAULT_CPU_DEVICES})",
-    )
+    add_devices_argument(hlo, "CPU devices for --topology cpu")
     hlo.add_argument(
         "--weight-layout", type=choice_list(WEIGHT_LAYOUTS, "layouts"), default=("column",), metavar="LAYOUT,...",
         help="where the up-projection kernel lives, of column (column-sharded) and replicated (default: column)",
@@ -216,7 +218,6 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     )
     output.add_argument("--markdown", action="store_true", help="print the table as Markdown")
     output.add_argument("--json", action="store_true", help="print the report, or the table's rows, as JSON")
-    hlo.set_defaults(run=run)
 
 
 def help_epilog() -> str:
@@ -253,7 +254,7 @@ def hlo_tier_list(text: str) -> tuple[Tier | str, ...]:
             tiers.append(item if item in (AUTO, ALL) else Tier.parse(item))
         except ValueError:
             raise argparse.ArgumentTypeError(
-                f"expected tiers among {', '.join(tier.value for tier in Tier)}, {AUTO}, {ALL}, got {item!r}"
+                f"expected tiers among {tier_values()}, {AUTO}, {ALL}, got {item!r}"
             ) from None
     return tuple(dict.fromkeys(tiers))
 
@@ -456,11 +457,12 @@ def format_rows(rows: Sequence[dict[str, Any]], columns: Sequence[str], baseline
     shown = [column for name, column in CASE_COLUMNS.items() if name not in constant]
     shown += [COLUMNS[name] for name in columns]
     header = [column.label.format(baseline=baseline_tokens) for column in shown]
-    cells = [[column.text(row) for column in shown] for row in rows]
-    right = {index for index, column in enumerate(shown) if column.numeric}
     if markdown:
-        table = markdown_table(header, cells, right=right)
+        right = {index for index, column in enumerate(shown) if column.numeric}
+        table = markdown_table(header, [[column.text(row) for column in shown] for row in rows], right=right)
     else:
-        table = format_table(header, cells, width=terminal_width(), right=right)
+        table = format_table(rows, [(title, ">" if column.numeric else "<", column.text)
+                                    for title, column in zip(header, shown, strict=True)],
+                             fit=True, width=terminal_width())
     above = "; ".join(f"{column.label} {column.text(rows[0])}" for column in constant.values())
     return f"{above}\n\n{table}" if above else table

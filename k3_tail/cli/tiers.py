@@ -2,7 +2,7 @@
 
 Prints the tier table (schedule, per-rank GEMM FLOPs and kernel bytes, collectives, what each
 needs) laid out for the terminal: as wide as it is, long cells wrapped
-(:func:`k3_tail.cli.common.format_table`). ``--markdown`` prints it as
+(:func:`k3_tail.tools.tables.format_table`). ``--markdown`` prints it as
 :func:`k3_tail.tiers.registry.tier_table` writes it, the README's tier table. ``--json`` prints the
 records as plain data instead: a list in the registry's order,
 one object per tier with its name, summary, schedule, collectives_text, needs_whole_kernel,
@@ -14,12 +14,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import operator
 import re
 from typing import Any
 
-from k3_tail.cli.common import format_table, terminal_width
 from k3_tail.tiers.record import TierRecord
 from k3_tail.tiers.registry import TIER_RECORDS, tier_table
+from k3_tail.tools.tables import format_table, terminal_width
+
+HELP = "list the tiers: schedule, cost and collectives per rank, what each needs"
+DESCRIPTION = (
+    "Print the tiers as a table as wide as the terminal (schedule, per-rank GEMM FLOPs and kernel bytes, "
+    "collectives, what each needs), as Markdown with --markdown, or with --json each tier's record as plain data."
+)
 
 # The record's fields that are plain data, in the order --json writes them.
 RECORD_FIELDS = (
@@ -28,19 +35,11 @@ RECORD_FIELDS = (
 )
 
 
-def add_parser(commands: argparse._SubParsersAction) -> None:
-    """Register ``tiers``: the tier table, or the tier records as JSON."""
-    tiers = commands.add_parser(
-        "tiers",
-        help="list the tiers: schedule, cost and collectives per rank, what each needs",
-        description="Print the tiers as a table as wide as the terminal (schedule, per-rank GEMM FLOPs and kernel "
-        "bytes, collectives, what each needs), as Markdown with --markdown, or with --json each tier's record as "
-        "plain data.",
-    )
+def add_arguments(tiers: argparse.ArgumentParser) -> None:
+    """``tiers``' flags: the table as Markdown, or the records as JSON."""
     output = tiers.add_mutually_exclusive_group()
     output.add_argument("--markdown", action="store_true", help="print the table as Markdown (the README's)")
     output.add_argument("--json", action="store_true", help="print the tier records as JSON")
-    tiers.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -51,7 +50,8 @@ def run(args: argparse.Namespace) -> int:
         print(tier_table())
     else:
         header, *rows = markdown_cells(tier_table())
-        print(format_table(header, rows, width=terminal_width()))
+        columns = [(title, "<", operator.itemgetter(index)) for index, title in enumerate(header)]
+        print(format_table(rows, columns, fit=True, width=terminal_width()))
     return 0
 
 

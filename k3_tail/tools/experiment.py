@@ -9,7 +9,8 @@ would otherwise print its failed start (a cuDNN traceback) before JAX falls back
 
 Flags, declared once (:class:`Experiment`): ``--devices N``, ``--repeats N`` (also spelt ``--rounds``:
 timed runs or interleaved rounds), ``--warmup N``, ``--seed S`` (an integer in [0, 2**32), what numpy
-takes) and ``--json FILE`` (``-``: stdout, the tables then go to stderr). Progress goes to stderr.
+takes) and ``--json FILE`` (``-``: stdout, the tables then go to stderr). Progress goes to stderr; the
+tables and figures are :mod:`k3_tail.tools.tables`'s, the experiments' five also importable from here.
 """
 
 from __future__ import annotations
@@ -19,10 +20,9 @@ import dataclasses
 import enum
 import json
 import os
-import re
 import sys
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import IO, Any
 
 import jax
@@ -31,12 +31,20 @@ from jax.sharding import Mesh
 
 from k3_tail.config import TailConfig
 from k3_tail.tiers.registry import Tier
-from k3_tail.tools.benchmark import Timing, machine_info
+from k3_tail.tools.benchmark import machine_info
+from k3_tail.tools.tables import (  # the experiments take their table and figures from the harness
+    format_ms as format_ms,
+    format_table as format_table,
+    markdown_table as markdown_table,
+    quartiles_ms as quartiles_ms,
+    spread_ms as spread_ms,
+)
 
 AXIS_NAME = "tp"
 DEFAULT_CPU_DEVICES = 8
 MAX_CPU_DEVICES = 512
 SEED_LIMIT = 2**32
+DEFAULT_SEED = 0
 CONFIG_DTYPES = ("bfloat16", "float16", "float32")
 # Device nodes whose presence means a GPU backend can start (CUDA, ROCm).
 GPU_DEVICE_NODES = ("/dev/nvidiactl", "/dev/kfd")
@@ -178,6 +186,20 @@ def tier_list(text: str) -> tuple[Tier, ...]:
     return tuple(tiers)
 
 
+def add_devices_argument(parser: argparse.ArgumentParser, what: str, gpus: str | None = None) -> None:
+    """``--devices N``, the CPU devices to force (:func:`cpu_device_count`), on ``parser``: its help says
+    ``what`` they are for, the maximum and the default, then ``gpus`` (what happens with GPUs) if given."""
+    after = "" if gpus is None else f"; {gpus}"
+    parser.add_argument("--devices", type=cpu_device_count, default=DEFAULT_CPU_DEVICES, metavar="N",
+                        help=f"{what}, at most {MAX_CPU_DEVICES} (default: {DEFAULT_CPU_DEVICES}){after}")
+
+
+def add_seed_argument(parser: argparse.ArgumentParser) -> None:
+    """``--seed S``, of the random inputs (:func:`random_seed`), on ``parser``."""
+    parser.add_argument("--seed", type=random_seed, default=DEFAULT_SEED,
+                        help=f"random seed, 0 <= SEED < 2**32 (default: {DEFAULT_SEED})")
+
+
 def add_shape_arguments(group: argparse._ArgumentGroup) -> argparse._ArgumentGroup:
     """``--hidden-size``, ``--latent-size`` and ``--dtype`` (Kimi-K3's by default) on ``group``; returns it."""
     kimi = TailConfig.kimi_k3()
@@ -188,7 +210,6 @@ def add_shape_arguments(group: argparse._ArgumentGroup) -> argparse._ArgumentGro
     group.add_argument("--dtype", choices=CONFIG_DTYPES, default=kimi.dtype.name,
                        help=f"activation and weight dtype (default: {kimi.dtype.name})")
     return group
-
 
 
 # ---- the experiment ----
@@ -210,16 +231,14 @@ class Experiment:
         self.machine: dict | None = None
         add = self.parser.add_argument
         if devices:
-            add("--devices", type=cpu_device_count, default=DEFAULT_CPU_DEVICES, metavar="N",
-                help=f"CPU devices to make without a GPU, at most {MAX_CPU_DEVICES} (default: {DEFAULT_CPU_DEVICES}); "
-                "with GPUs all GPUs are used")
+            add_devices_argument(self.parser, "CPU devices to make without a GPU", "with GPUs all GPUs are used")
         if repeats is not None:
             add("--repeats", "--rounds", dest="repeats", type=positive_int, default=repeats, metavar="N",
                 help=f"timed runs, or interleaved rounds each running every call once (default: {repeats})")
         if warmup is not None:
             add("--warmup", type=positive_int, default=warmup, metavar="N",
                 help=f"untimed runs of each call first, the first compiling (default: {warmup})")
-        add("--seed", type=random_seed, default=0, help="random seed, 0 <= SEED < 2**32 (default: 0)")
+        add_seed_argument(self.parser)
         add("--json", metavar="FILE", help="also write the machine, the settings and every result ('-': stdout)")
 
     def parse(self, argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -330,49 +349,3 @@ class ProgressBar:
 def progress(message: str, end: str = "\n") -> None:
     """``message`` to stderr at once, so a long run shows what it is doing."""
     print(message, end=end, file=sys.stderr, flush=True)
-
-
-def format_ms(seconds: float) -> str:
-    """``seconds`` in milliseconds with about 3 significant digits (0.0123, 1.23, 123)."""
-    milliseconds = 1e3 * seconds
-    digits = next((d for d, bound in ((4, 0.1), (3, 1), (2, 10), (1, 100)) if milliseconds < bound), 0)
-    return f"{milliseconds:.{digits}f}"
-
-
-def quartiles_ms(timing: Timing | Mapping[str, float]) -> str:
-    """"q25-q75" in milliseconds of a :class:`Timing` or of a row holding its fields."""
-    fields = timing if isinstance(timing, Mapping) else vars(timing)
-    return f"{format_ms(fields['q25_s'])}-{format_ms(fields['q75_s'])}"
-
-
-def spread_ms(timing: Timing | Mapping[str, float]) -> str:
-    """"median (q25-q75)" in milliseconds of a :class:`Timing` or of a row holding its fields."""
-    fields = timing if isinstance(timing, Mapping) else vars(timing)
-    return f"{format_ms(fields['median_s'])} ({quartiles_ms(fields)})"
-
-
-# A column of format_table: (title, format spec of its cells such as ">9.2f" or "<16", the cell's value).
-Column = tuple[str, str, Callable[[Any], Any]]
-_ALIGN_AND_WIDTH = re.compile(r"[<>^]?\d*")
-
-
-def format_table(rows: Iterable[Any], columns: Sequence[Column], *, group: Callable[[Any], Any] | None = None,
-                 notes: Sequence[str] = ()) -> str:
-    """A text table: the titles, one line per row (each cell ``format(value(row), spec)``), a blank line
-    where ``group(row)`` changes, then ``notes``."""
-    lines = ["".join(format(title, _ALIGN_AND_WIDTH.match(spec).group()) for title, spec, _ in columns)]
-    previous = None
-    for index, row in enumerate(rows):
-        key = group(row) if group is not None else None
-        if index and key != previous:
-            lines.append("")
-        previous = key
-        lines.append("".join(format(value(row), spec) for _, spec, value in columns))
-    return "\n".join([*lines, *notes])
-
-
-def markdown_table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
-    """A Markdown table of ``header`` and ``rows`` (cells as given), right-aligned columns."""
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---:" for _ in header) + "|"]
-    lines += ["| " + " | ".join(map(str, row)) + " |" for row in rows]
-    return "\n".join(lines)

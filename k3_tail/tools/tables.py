@@ -1,0 +1,177 @@
+"""How results are written out, for the commands and the experiments: figures in scaled units,
+whether two timings can be told apart, text tables (laid out by their specs, or fitted to the
+terminal) and Markdown tables."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import sys
+import textwrap
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from typing import Any
+
+from k3_tail.tools.benchmark import Timing
+
+# The space between the columns of a fitted table (format_table(fit=True)).
+TABLE_GAP = "  "
+
+# ---- figures ----
+
+
+def format_ms(seconds: float) -> str:
+    """``seconds`` in milliseconds with about 3 significant digits (0.0123, 1.23, 123)."""
+    milliseconds = 1e3 * seconds
+    digits = next((d for d, bound in ((4, 0.1), (3, 1), (2, 10), (1, 100)) if milliseconds < bound), 0)
+    return f"{milliseconds:.{digits}f}"
+
+
+def quartiles_ms(timing: Timing | Mapping[str, float]) -> str:
+    """"q25-q75" in milliseconds of a :class:`Timing` or of a row holding its fields."""
+    fields = timing if isinstance(timing, Mapping) else vars(timing)
+    return f"{format_ms(fields['q25_s'])}-{format_ms(fields['q75_s'])}"
+
+
+def spread_ms(timing: Timing | Mapping[str, float]) -> str:
+    """"median (q25-q75)" in milliseconds of a :class:`Timing` or of a row holding its fields."""
+    fields = timing if isinstance(timing, Mapping) else vars(timing)
+    return f"{format_ms(fields['median_s'])} ({quartiles_ms(fields)})"
+
+
+def format_bytes(count: float) -> str:
+    """``count`` bytes in the binary unit that keeps about 3 significant digits: "512 B", "12.3 KiB",
+    "6.13 MiB", "1.50 GiB"."""
+    value, unit = float(count), "B"
+    for larger in ("KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024:
+            break
+        value, unit = value / 1024, larger
+    if unit == "B":
+        return f"{value:.0f} B"
+    return f"{value:.{_decimals(value)}f} {unit}"
+
+
+def format_seconds(seconds: float) -> str:
+    """``seconds`` in the unit that keeps about 3 significant digits: "812 us", "1.23 ms", "2.50 s"."""
+    for scale, unit in ((1e-3, "us"), (1.0, "ms")):
+        if seconds < scale:
+            value = seconds / scale * 1e3
+            return f"{value:.{_decimals(value)}f} {unit}"
+    return f"{seconds:.{_decimals(seconds)}f} s"
+
+
+def _decimals(value: float) -> int:
+    """Decimals that show about 3 significant digits of ``value`` (at least 1, under 1000)."""
+    return 2 if abs(value) < 10 else 1 if abs(value) < 100 else 0
+
+
+def format_percent(fraction: float) -> str:
+    """``fraction`` as a percentage: one decimal under 10% ("0.4%", "7.1%"), none above ("23%")."""
+    percent = 100 * fraction
+    return f"{percent:.1f}%" if abs(percent) < 10 else f"{percent:.0f}%"
+
+
+def within_noise(a: Timing, b: Timing) -> bool:
+    """Whether two timings' q25-q75 ranges overlap: the runs cannot tell which of the two is faster."""
+    return a.q25_s <= b.q75_s and b.q25_s <= a.q75_s
+
+
+# ---- tables ----
+
+# A column of format_table: (title, format spec of its cells such as ">9.2f" or "<16", the cell's value).
+Column = tuple[str, str, Callable[[Any], Any]]
+_ALIGN_AND_WIDTH = re.compile(r"[<>^]?\d*")
+
+
+def terminal_width() -> int | None:
+    """The width to fit output to: ``COLUMNS`` when set, else that of the terminal stdout is on
+    (``shutil.get_terminal_size``); None off a terminal (a pipe, a file), where lines may be long."""
+    if not os.environ.get("COLUMNS") and not sys.stdout.isatty():
+        return None
+    return shutil.get_terminal_size().columns
+
+
+def format_table(rows: Iterable[Any], columns: Sequence[Column], *, group: Callable[[Any], Any] | None = None,
+                 notes: Sequence[str] = (), fit: bool = False, width: int | None = None) -> str:
+    """A text table: the titles, one line per row (each cell ``format(value(row), spec)``), a blank line
+    where ``group(row)`` changes, then ``notes``.
+
+    By default the specs' widths lay the columns out, side by side. With ``fit`` each column is as
+    wide as its longest cell, columns stand two spaces apart under a rule, and a column whose spec
+    starts with ">" (figures) is right-aligned; within ``width`` characters (None: any width;
+    :func:`terminal_width` gives the terminal's) the widest columns of text narrow and their cells
+    wrap at spaces, down to their longest word, while figures never wrap. Rows then stand a blank
+    line apart, so a wrapped row reads as one. Where even that is too wide, each row becomes a block
+    of "title: value" lines (:func:`format_blocks`).
+
+    Raises:
+        ValueError: ``width`` without ``fit``.
+    """
+    if width is not None and not fit:
+        raise ValueError(f"width: {width} lays out a fitted table only (fit=True)")
+    rows = list(rows)
+    if fit:
+        return "\n".join([_fitted_table(rows, columns, group, width), *notes])
+    lines = ["".join(format(title, _ALIGN_AND_WIDTH.match(spec).group()) for title, spec, _ in columns)]
+    for row, blank in zip(rows, _group_breaks(rows, group), strict=True):
+        lines += [""] * blank + ["".join(format(value(row), spec) for _, spec, value in columns)]
+    return "\n".join([*lines, *notes])
+
+
+def _group_breaks(rows: Sequence[Any], group: Callable[[Any], Any] | None) -> list[bool]:
+    """For each row, whether a blank line goes before it: where ``group(row)`` changes."""
+    keys = [None if group is None else group(row) for row in rows]
+    return [index > 0 and key != keys[index - 1] for index, key in enumerate(keys)]
+
+
+def _fitted_table(rows: Sequence[Any], columns: Sequence[Column], group: Callable[[Any], Any] | None,
+                  width: int | None) -> str:
+    """``format_table(fit=True)`` without its notes."""
+    header = [title for title, _, _ in columns]
+    cells = [[format(value(row), spec) for _, spec, value in columns] for row in rows]
+    right = {index for index, (_, spec, _) in enumerate(columns) if spec.startswith(">")}
+    widths = [max(map(len, column)) for column in zip(header, *cells, strict=True)]
+    words = [max(len(word) for cell in column for word in cell.split() or [""])
+             for column in zip(header, *cells, strict=True)]
+    budget = sum(widths) if width is None else width - len(TABLE_GAP) * (len(widths) - 1)
+    while sum(widths) > budget:
+        narrowable = [index for index in range(len(widths)) if index not in right and widths[index] > words[index]]
+        if not narrowable:
+            return format_blocks(header, cells, width=width)
+        widths[max(narrowable, key=widths.__getitem__)] -= 1
+    wrapped = [[textwrap.wrap(cell, column_width, break_on_hyphens=False) or [""]
+                for cell, column_width in zip(row, widths, strict=True)] for row in (header, *cells)]
+    spaced = any(len(lines) > 1 for row in wrapped[1:] for lines in row)
+
+    def text_lines(row_lines: list[list[str]]) -> list[str]:
+        return [TABLE_GAP.join(
+            (str.rjust if index in right else str.ljust)(lines[line] if line < len(lines) else "", widths[index])
+            for index, lines in enumerate(row_lines)).rstrip() for line in range(max(map(len, row_lines)))]
+
+    lines = [*text_lines(wrapped[0]), TABLE_GAP.join("-" * column_width for column_width in widths)]
+    for index, (row_lines, blank) in enumerate(zip(wrapped[1:], _group_breaks(rows, group), strict=True)):
+        lines += [""] * (blank or (spaced and index > 0)) + text_lines(row_lines)
+    return "\n".join(lines)
+
+
+def format_blocks(header: Sequence[str], rows: Sequence[Sequence[str]], *, width: int) -> str:
+    """``rows`` as blocks a blank line apart, for a terminal too narrow for their table: the first
+    cell, then one "label: value" line per other cell, indented, wrapped to ``width``."""
+    blocks = []
+    for row in rows:
+        lines = textwrap.wrap(row[0], width, break_on_hyphens=False) or [""]
+        for label, cell in zip(header[1:], row[1:], strict=True):
+            lines += textwrap.wrap(f"{label}: {cell}", width, initial_indent="  ", subsequent_indent="    ",
+                                   break_on_hyphens=False)
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks)
+
+
+def markdown_table(header: Sequence[str], rows: Iterable[Sequence[Any]], *,
+                   right: Collection[int] | None = None) -> str:
+    """A Markdown table of ``header`` and ``rows`` (each cell ``str()``, a "|" in it escaped); the columns
+    in ``right`` right-aligned, the others left-aligned (None: every column right-aligned)."""
+    rule = ["---:" if right is None or index in right else "---" for index in range(len(header))]
+    return "\n".join("| " + " | ".join(str(cell).replace("|", "\\|") for cell in row) + " |"
+                     for row in (header, rule, *rows))
