@@ -5,7 +5,7 @@ Commands:
   hlo        compile tail calls (one, or a sweep over tiers, layouts, kernels, sums, T, topologies) and report
              their cost, collectives and overlap (:mod:`k3_tail.cli.hlo`)
   bench      time the tiers over token counts x TP sizes; table, JSON, CSV, plot (:mod:`k3_tail.cli.bench`)
-  calibrate  measure the tiers and write a selection table for ``selection_policy="measured"``
+  calibrate  measure the tiers and write a selection table for ``TailConfig.selection_policy``
              (:mod:`k3_tail.cli.calibrate`)
   tiers      the tier table (terminal-wide, or Markdown), or the tier records as JSON (:mod:`k3_tail.cli.tiers`)
 

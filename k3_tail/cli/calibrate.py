@@ -3,7 +3,7 @@
 Measures the tiers as ``bench`` does (the same measurement flags), on one TP size (``--tp-size``:
 the first P devices, default all), keeps the fastest tier per token count and writes the token
 ranges -> tier table as JSON (:class:`k3_tail.selection.table.SelectionTable`) to ``--out``, for
-``TailConfig(selection_policy="measured", selection_table=SelectionTable.load(FILE))``. The table is
+``TailConfig(selection_policy=SelectionTable.load(FILE))``. The table is
 valid for this device kind, TP size, kernel layout, shapes and dtype only. It warns where a winner is
 within the noise of the runs (its q25-q75 range overlaps the runner-up's: more ``--repeats`` may
 pick the other) and says that the last range, above the largest T measured, is extrapolated. Every
@@ -27,11 +27,11 @@ from k3_tail.tools.benchmark import Measurement, default_token_counts
 from k3_tail.tools.experiment import CommandError, demo_devices, positive_int, tp_mesh
 from k3_tail.tools.tables import format_percent, format_seconds, within_noise
 
-HELP = "measure the tiers on this mesh and write a selection table (JSON) for selection_policy='measured'"
+HELP = "measure the tiers on this mesh and write a selection table (JSON) for TailConfig.selection_policy"
 DESCRIPTION = (
     "Time every tier at each token count on this machine's mesh (forced CPU devices without a GPU), keep the fastest "
-    "per T and write the token ranges -> tier table as JSON. Load it with TailConfig(selection_policy='measured', "
-    "selection_table=SelectionTable.load(FILE)); it is valid for this device kind, TP size, kernel layout, shapes and "
+    "per T and write the token ranges -> tier table as JSON. Load it with "
+    "TailConfig(selection_policy=SelectionTable.load(FILE)); it is valid for this device kind, TP size, kernel layout, shapes and "
     "dtype only."
 )
 
@@ -77,8 +77,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"  T in {token_range}")
     print(f"  T > {max(tokens)} is extrapolated: no larger T was measured, so the last range's tier "
           f"({table.ranges[-1].tier.value}) is assumed there")
-    print("use it with TailConfig(..., selection_policy='measured', "
-          f"selection_table=k3_tail.SelectionTable.load({args.out!r}))")
+    print(f"use it with TailConfig(..., selection_policy=k3_tail.SelectionTable.load({args.out!r}))")
     return 0
 
 
