@@ -54,6 +54,12 @@ def cpu_layer_config(experiment: Experiment, **fields) -> layer_module.LayerConf
     return config
 
 
+def random_hidden_states(config: layer_module.LayerConfig, mesh, num_tokens: int, rng: np.random.Generator):
+    """Standard normal hidden states [T, H] in the layer's dtype, replicated on ``mesh``."""
+    hidden = jnp.asarray(rng.standard_normal((num_tokens, config.hidden_size)), config.dtype)
+    return jax.device_put(hidden, NamedSharding(mesh, P()))
+
+
 def main(argv: list[str] | None = None) -> int:
     experiment = Experiment(__doc__, repeats=5, warmup=1)
     add = experiment.parser.add_argument
@@ -71,8 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     bar = ProgressBar(len(args.tokens) * (len(args.methods) + args.repeats))
     rows = []
     for num_tokens in args.tokens:
-        hidden = jax.device_put(jnp.asarray(rng.standard_normal((num_tokens, config.hidden_size)), config.dtype),
-                                NamedSharding(mesh, P()))
+        hidden = random_hidden_states(config, mesh, num_tokens, rng)
         calls = {method: functools.partial(layer_module.layer_forward, parameters, hidden,
                                            config=cpu_layer_config(experiment, routed_experts=method), mesh=mesh)
                  for method in args.methods}
