@@ -5,33 +5,31 @@
         [--cost-tokens 1,16,256,2048,8192] [--model-tokens 1,16,64,256,1024,8192]
         [--weight-layout replicated] [--topology h100x8] [--json FILE]
 
-Five parts, each a table (progress on stderr):
+Five parts (--parts), each a table:
 
-cpu    The whole layer and the tail alone, per tier, on an 8-device CPU mesh. The layer is
+cpu    The whole layer and the tail alone, per tier, on the --devices (8) CPU devices. The layer is
        :class:`KimiK3MoELayer` with stand-in weights at Kimi-K3's widths divided by --width-divisor
        (default 4: H 1792, L 896, m 768, F 1536; at full widths one call at T = 1024 takes about 45 s
        on 2 cores) and --experts / --top-k (8 / 2); bf16. Per T, the same hidden states go through the
        layer with each tier forced, and the layer's own partials (``layer.partials``) through
-       ``k3_tail.tail_forward`` with that tier: "tail alone, same inputs". Each call is compiled and run
-       --warmup times, then timed in --repeats interleaved rounds, each running every tier's layer and
-       tail once (``k3_tail.tools.benchmark.time_round_robin``). Reported: median and q25-q75 in ms,
-       the tail's share (tail median / layer median) and the layer's speed against the native tier's
-       layer. The --devices (8) CPU devices share the host's cores: this ranks tiers on this machine only.
+       ``k3_tail.tail_forward`` with that tier: "tail alone, same inputs". --warmup untimed runs, then
+       --repeats interleaved rounds of every tier's layer and tail (``time_round_robin``). Reported:
+       median and q25-q75 in ms, the tail's share (tail median / layer median) and the layer's speed
+       against the native tier's layer. The CPU devices share the host's cores: this ranks tiers on
+       this machine only.
 
-h100   The whole layer at Kimi-K3's shapes (896 experts, top 16, bf16) compiled per tier for a
-       deviceless 8 x H100 (``k3_tail.topology_mesh("h100x8")``, XLA's CUDA pipeline; ``compile_layer``
-       of examples/kimi_k3_moe_layer.py: the tier's ``k3_tail.xla.compilation.compiler_options`` and the
-       layer's own ``GPU_COMPILER_OPTIONS``), at each --compile-tokens, with the shared reduction
-       inside the tail (``early_shared_reduction=False``: where the tiers differ). The tail's
-       collectives carry named scopes, so the shared reduction is the first collective named
-       ``k3_tail/shared_reduction`` or ``k3_tail/packed_reduction`` (``XlaReport.in_scope``), or where
-       there is none the first unnamed one: XLA's GPU all-reduce combiner drops the names of the
-       all-reduces it merges (native's latent and shared reductions), while a combined reduce-scatter
-       keeps both. Reported:
-       its buffers, whether it is an async start/done pair, the GEMMs XLA scheduled between start and
-       done, the share of the tier's up-projection FLOPs (the GEMMs named ``k3_tail/up_projection``)
-       inside it, and "overlapped": async with all of the up projection inside. Also the GEMM FLOPs per
-       rank XLA compiled against the layer's useful ones (k3_tail.tools.layer_cost).
+h100   The whole layer at Kimi-K3's shapes (896 experts, top 16, bf16) compiled per tier for the
+       deviceless --topology (``k3_tail.topology_mesh``; ``compile_layer``: the tier's compiler
+       options and the layer's own ``GPU_COMPILER_OPTIONS``) at each --compile-tokens, the shared
+       reduction inside the tail (``early_shared_reduction=False``: where the tiers differ). The
+       shared reduction is the first collective named ``k3_tail/shared_reduction`` or
+       ``k3_tail/packed_reduction``, else the first unnamed one: XLA's GPU all-reduce combiner drops
+       the names of the all-reduces it merges (native's latent and shared reductions), while a
+       combined reduce-scatter keeps both. Reported: its buffers, whether it is an async start/done
+       pair, the GEMMs XLA scheduled between start and done, the share of the tier's up-projection
+       FLOPs (the GEMMs named ``k3_tail/up_projection``) inside it, and "overlapped": async with all
+       of the up projection inside; also the GEMM FLOPs per rank XLA compiled against the layer's
+       useful ones (k3_tail.tools.layer_cost).
 
 early  Where the shared reduction runs in the same compiled layer with the tier it selects, issued
        inside the tail (``early_shared_reduction=False``) and before the routed experts (``True``,
@@ -41,40 +39,34 @@ early  Where the shared reduction runs in the same compiled layer with the tier 
        start and done.
 
 cost   What the layer costs per device at each --cost-tokens, compiled as in h100 but with the tail
-       tier the layer selects (``k3_tail.select_tier(..., platform="gpu")``), with the routed-expert
-       method it selects (examples/kimi_k3_routed_experts.py). Reported: the GEMM FLOPs XLA compiled
-       (``k3_tail.xla.report``, from the HLO shapes: dots and GEMM custom calls; a while loop's body counts
-       once; the gather method's multiply + reduce fusions are not GEMMs) against the layer's useful
-       FLOPs, the bytes every top-level instruction reads and writes (the report's HLO-shape
-       estimate: an operand counts whole, so a fusion that gathers a few experts' blocks counts every
-       expert's), XLA's temp memory (``memory_analysis().temp_size_in_bytes``), and that temp memory
-       over the routed-expert weight bytes the step reads (3 L m/p bf16 per expert, times the
-       expected distinct experts of k3_tail.tools.layer_cost).
+       tier (``select_tier(..., platform="gpu")``) and the routed-expert method
+       (examples/kimi_k3_routed_experts.py) it selects: the GEMM FLOPs XLA compiled
+       (``k3_tail.xla.report``, from the HLO shapes: a while loop's body counts once; the gather
+       method's multiply + reduce fusions are not GEMMs) against the layer's useful FLOPs, the bytes
+       every top-level instruction reads and writes (the report's HLO-shape estimate: an operand
+       counts whole, so a fusion that gathers a few experts' blocks counts every expert's), XLA's
+       temp memory, and that over the routed-expert weight bytes the step reads (3 L m/p bf16 per
+       expert, times the expected distinct experts of k3_tail.tools.layer_cost).
 
 model  The cost model's layer-level gain of each tier over native on the MI355X preset, TP 8, at
-       each --model-tokens, the shared reduction inside the tail: the tail from the cost model
-       and the rest of the layer from the roofline of k3_tail.tools.layer_cost, with the routed
-       experts' weights in bf16 and in MXFP4 (Kimi-K3's release), next to vLLM's published end-to-end
-       figures. Ours is the MoE layer alone; theirs is a whole serving run. Then the gain of issuing the
-       shared reduction early (``layer_cost.early_reduction_gain``: each way with its fastest tier) on
+       each --model-tokens, the shared reduction inside the tail: the tail from the cost model and
+       the rest of the layer from the roofline of k3_tail.tools.layer_cost, with the routed experts'
+       weights in bf16 and in MXFP4 (Kimi-K3's release), next to vLLM's published end-to-end figures
+       (a whole serving run; ours is the MoE layer alone). Then the gain of issuing the shared
+       reduction early (``layer_cost.early_reduction_gain``: each way with its fastest tier) on
        MI355X and H200.
 
---topology (default h100x8) is the deviceless topology the h100, early and cost parts compile for
-(``k3_tail.topology_mesh``: h100x8, mi300xx8 and mi355xx8 among them; a ROCm one needs the [rocm-aot] extra).
-
---parts picks parts; progress goes to stderr.
+--topology (h100x8, mi300xx8, mi355xx8, ...; a ROCm one needs the [rocm-aot] extra) is what the
+h100, early and cost parts compile for.
 """
 
 import dataclasses
 import functools
-from collections.abc import Callable
+import itertools
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 import k3_tail
 from examples.kimi_k3_moe_layer import (
@@ -87,12 +79,12 @@ from examples.kimi_k3_moe_layer import (
     up_projection,
 )
 from examples.kimi_k3_routed_experts import routed_expert_method
-from examples.kimi_k3_routed_experts_bench import add_layer_arguments, cpu_layer_config
+from examples.kimi_k3_routed_experts_bench import add_layer_arguments, cpu_layer_config, random_hidden_states
 from k3_tail.tools import layer_cost
-from k3_tail.tools.benchmark import Timing, time_round_robin
+from k3_tail.tools.benchmark import Timing, tiers_for, time_round_robin
 from k3_tail.tools.blocks import WEIGHT_LAYOUTS
 from k3_tail.tools.experiment import (
-    AXIS_NAME, Experiment, ProgressBar, choice_list, positive_int_list, progress, spread_ms,
+    AXIS_NAME, Experiment, ProgressBar, choice_list, format_table, positive_int_list, progress, spread_ms,
 )
 from k3_tail.tools.layer_schedule import shared_reduction_placement
 from k3_tail.xla import report as xla_report
@@ -104,6 +96,9 @@ EARLY_REDUCTION_HARDWARE = ("mi355x", "h200")
 EXPERT_PRECISIONS = {"bf16": None, "MXFP4": layer_cost.MXFP4_BYTES}
 # vLLM's published end-to-end gains of its tail tiers over its base path (Kimi-K3, 8k input / 1k output).
 VLLM_FIGURES = ("8 x MI355X: TTFT -5.1 .. -5.5 %, output throughput +3.05 .. +4.91 %; SM100 (B200): TTFT -4 %")
+# The first columns of the tables whose rows are per (T, tier): a blank line where T changes.
+T_COLUMNS = [("T", ">6", lambda r: r["num_tokens"]), ("", "2", lambda r: "")]
+BY_TOKENS = {"group": lambda r: r["num_tokens"]}
 
 
 def parse_args(experiment: Experiment, argv: list[str] | None):
@@ -132,8 +127,39 @@ def parse_args(experiment: Experiment, argv: list[str] | None):
     return args
 
 
-def layer_tiers(weight_layout: str) -> list[k3_tail.Tier]:
-    return [tier for tier in k3_tail.Tier if tier.supports(weight_layout)]
+def kimi_k3_layer(**fields: Any) -> LayerConfig:
+    """The layer at Kimi-K3's shapes: 896 experts, top 16, bf16, with ``fields``."""
+    return LayerConfig.kimi_k3(num_experts=KIMI_K3_NUM_EXPERTS, top_k=KIMI_K3_TOP_K, **fields)
+
+
+def gpu_tier(config: LayerConfig, num_tokens: int, tp_size: int, weight_layout: str) -> k3_tail.Tier:
+    """The tier the layer's tail selects on a GPU (vLLM's rule)."""
+    return k3_tail.select_tier(config.tail, num_tokens, tp_size, weight_layout=weight_layout, platform="gpu").tier
+
+
+def compiled_flops(config: LayerConfig, mesh, num_tokens: int, weight_layout: str, tier: k3_tail.Tier | None):
+    """(The layer compiled for ``mesh`` with ``tier``, or the one it selects when None; its XLA report; the
+    layer's useful GEMM FLOPs per rank with ``tier``, or the selected one)."""
+    compiled = compile_layer(config, mesh, num_tokens, weight_layout=weight_layout, tier=tier)
+    useful = layer_cost.layer_flops(config.sizes, num_tokens, mesh.shape[AXIS_NAME], weight_layout=weight_layout,
+                                    tier=tier or gpu_tier(config, num_tokens, mesh.shape[AXIS_NAME], weight_layout))
+    return compiled, xla_report.report(compiled, shared_argument=None), useful
+
+
+def compiled_layer(args) -> str:
+    """What the h100, early and cost parts compile, for their titles."""
+    return (f"the layer compiled for a deviceless {args.topology} (Kimi-K3: {KIMI_K3_NUM_EXPERTS} experts, top "
+            f"{KIMI_K3_TOP_K}, bf16, {args.weight_layout} up projection)")
+
+
+def stepped(items: Iterable[Any], label: Callable[[Any], str]) -> Iterator[Any]:
+    """``items`` one at a time, with a progress bar that names each ``label(item)``."""
+    items = list(items)
+    bar = ProgressBar(len(items))
+    for item in items:
+        bar.step(label(item))
+        yield item
+    bar.finish()
 
 
 # ---- cpu ----
@@ -146,13 +172,12 @@ def measure_cpu(experiment: Experiment) -> tuple[LayerConfig, list[dict[str, Any
     mesh = experiment.cpu_mesh
     layer = build_layer(config, mesh, seed=args.seed, weight_layout=args.weight_layout)
     parameters = layer.parameter_values()
-    tiers = layer_tiers(args.weight_layout)
+    tiers = tiers_for(args.weight_layout)
     rng = np.random.default_rng(args.seed)
     bar = ProgressBar(len(args.tokens) * (2 * len(tiers) + args.repeats))
     rows = []
     for num_tokens in args.tokens:
-        hidden = jax.device_put(jnp.asarray(rng.standard_normal((num_tokens, config.hidden_size)), config.dtype),
-                                NamedSharding(mesh, P()))
+        hidden = random_hidden_states(config, mesh, num_tokens, rng)
         routed, shared = layer.partials(hidden)
         calls = {}
         for tier in tiers:
@@ -177,33 +202,18 @@ def measure_cpu(experiment: Experiment) -> tuple[LayerConfig, list[dict[str, Any
 
 
 def format_cpu(config: LayerConfig, rows: list[dict[str, Any]], args) -> str:
-    lines = [
+    return "\n".join([
         f"cpu: the layer on {args.devices} CPU devices: H={config.hidden_size}, L={config.latent_size}, "
         f"m={config.expert_intermediate_size}, F={config.shared_intermediate_size} (Kimi-K3 / {args.width_divisor}), "
         f"{config.num_experts} experts, top {config.top_k}, {config.dtype.name}, {args.weight_layout} up projection; "
-        f"{args.warmup} warm-up + {args.repeats} rounds",
-        f"{'T':>6}  {'tier':<17}{'layer ms (q25-q75)':>24}{'tail ms (q25-q75)':>24}{'tail share':>12}"
-        f"{'layer vs native':>17}",
-    ]
-
-    def line(row):
-        name = row["tier"] + (" *" if row["selected"] else "")
-        return (f"{row['num_tokens']:>6}  {name:<17}{spread_ms(row['layer_s']):>24}{spread_ms(row['tail_s']):>24}"
-                f"{row['tail_share']:>12.1%}{row['layer_speedup_vs_native']:>16.2f}x")
-
-    lines += grouped_by_token_count(rows, line)
-    lines.append("* the tier the tail selects for that T (vLLM's rule); tail share: tail median / layer median")
-    return "\n".join(lines)
-
-
-def grouped_by_token_count(rows: list[dict[str, Any]], line: Callable[[dict[str, Any]], str]) -> list[str]:
-    """``line(row)`` for every row, with a blank line where the token count changes."""
-    lines = []
-    for index, row in enumerate(rows):
-        if index and row["num_tokens"] != rows[index - 1]["num_tokens"]:
-            lines.append("")
-        lines.append(line(row))
-    return lines
+        f"{args.warmup} warm-up + {args.repeats} rounds", format_table(rows, [
+            *T_COLUMNS, ("tier", "<17", lambda r: r["tier"] + (" *" if r["selected"] else "")),
+            ("layer ms (q25-q75)", ">24", lambda r: spread_ms(r["layer_s"])),
+            ("tail ms (q25-q75)", ">24", lambda r: spread_ms(r["tail_s"])),
+            ("tail share", ">12.1%", lambda r: r["tail_share"]),
+            ("layer vs native", ">17", lambda r: f"{r['layer_speedup_vs_native']:.2f}x"),
+        ], **BY_TOKENS, notes=["* the tier the tail selects for that T (vLLM's rule); tail share: tail median / layer "
+                               "median"])])
 
 
 # ---- h100 ----
@@ -212,30 +222,20 @@ def grouped_by_token_count(rows: list[dict[str, Any]], line: Callable[[dict[str,
 def compile_h100(experiment: Experiment) -> tuple[LayerConfig, list[dict[str, Any]]]:
     """One row per (T, tier): the shared reduction of the compiled 8 x H100 layer (module docstring)."""
     args = experiment.args
-    config = LayerConfig.kimi_k3(num_experts=KIMI_K3_NUM_EXPERTS, top_k=KIMI_K3_TOP_K, early_shared_reduction=False)
+    config = kimi_k3_layer(early_shared_reduction=False)
     mesh = k3_tail.topology_mesh(args.topology)
-    tp_size = mesh.shape[AXIS_NAME]
-    tiers = layer_tiers(args.weight_layout)
-    bar = ProgressBar(len(args.compile_tokens) * len(tiers))
     rows = []
-    for num_tokens in args.compile_tokens:
-        for tier in tiers:
-            bar.step(f"h100 T={num_tokens} {tier.value}: compile")
-            compiled = compile_layer(config, mesh, num_tokens, weight_layout=args.weight_layout, tier=tier)
-            report = xla_report.report(compiled, shared_argument=None)
-            rows.append({"num_tokens": num_tokens, "tier": tier.value, **shared_reduction_schedule(report),
-                         "compiled_gemm_flops": report.gemm_flops,
-                         "useful_gemm_flops": layer_cost.layer_flops(config.sizes, num_tokens, tp_size, tier=tier,
-                                                                     weight_layout=args.weight_layout)})
-    bar.finish()
+    for num_tokens, tier in stepped(itertools.product(args.compile_tokens, tiers_for(args.weight_layout)),
+                                    lambda case: f"h100 T={case[0]} {case[1].value}: compile"):
+        _, report, useful = compiled_flops(config, mesh, num_tokens, args.weight_layout, tier)
+        rows.append({"num_tokens": num_tokens, "tier": tier.value, **shared_reduction_schedule(report),
+                     "compiled_gemm_flops": report.gemm_flops, "useful_gemm_flops": useful})
     return config, rows
 
 
 def shared_reduction_schedule(report: k3_tail.XlaReport) -> dict[str, Any]:
-    """The shared reduction (the first collective named k3_tail/shared_reduction or packed_reduction, else the
-    first unnamed one: XLA's all-reduce combiner drops the names of what it merges), whether it is async, the
-    GEMMs inside it, and the share of the up projection (the GEMMs named k3_tail/up_projection) among them
-    (module docstring)."""
+    """The shared reduction, whether it is async, the GEMMs inside it and the up projection's share of
+    them (module docstring: h100)."""
     named = [c for c in report.collectives if {"shared_reduction", "packed_reduction"} & set(c.scopes)]
     shared = (named or [c for c in report.collectives if not c.scopes])[0]
     gemms = {gemm.name: gemm for gemm in report.gemms}
@@ -251,6 +251,26 @@ def shared_reduction_schedule(report: k3_tail.XlaReport) -> dict[str, Any]:
     }
 
 
+def gemms_inside(row: dict[str, Any]) -> str:
+    inside = row["gemms_inside"]
+    return f"{len(inside)} ({sum(gemm['flops'] for gemm in inside) / 1e9:.3f})" if inside else "-"
+
+
+def format_h100(config: LayerConfig, rows: list[dict[str, Any]], args) -> str:
+    return f"h100: {compiled_layer(args)}, each tier with its compiler options\n" + format_table(rows, [
+        *T_COLUMNS, ("tier", "<17", lambda r: r["tier"]),
+        ("shared reduction", "<48", lambda r: r["shared_reduction"]),
+        ("async", "<7", lambda r: "yes" if r["is_async"] else "no"), ("GEMMs inside (GFLOP)", ">21", gemms_inside),
+        ("up projection inside", ">22.0%", lambda r: r["up_projection_inside"]),
+        ("overlapped", ">12", lambda r: str(r["overlapped"])),
+        ("GEMM GFLOP/rank: compiled / useful", ">37",
+         lambda r: f"{r['compiled_gemm_flops'] / 1e9:.1f} / {r['useful_gemm_flops'] / 1e9:.1f}"),
+    ], **BY_TOKENS, notes=[
+        "up projection inside: the share of the tier's up-projection FLOPs scheduled between the shared",
+        "reduction's start and done; overlapped: async, with all of it inside. useful GEMM FLOPs: the layer's",
+        "(k3_tail.tools.layer_cost)"])
+
+
 # ---- early ----
 
 
@@ -258,64 +278,34 @@ def compile_early(experiment: Experiment) -> tuple[LayerConfig, list[dict[str, A
     """One row per (T, early or not): where the shared reduction runs in the compiled layer (module docstring)."""
     args = experiment.args
     mesh = k3_tail.topology_mesh(args.topology)
-    bar = ProgressBar(2 * len(args.compile_tokens))
     rows = []
-    for num_tokens in args.compile_tokens:
-        for early in (False, True):
-            config = LayerConfig.kimi_k3(num_experts=KIMI_K3_NUM_EXPERTS, top_k=KIMI_K3_TOP_K,
-                                         early_shared_reduction=early)
-            bar.step(f"early T={num_tokens} {'early' if early else 'in the tail'}: compile")
-            tier = k3_tail.select_tier(config.tail, num_tokens, mesh.shape[AXIS_NAME], weight_layout=args.weight_layout,
-                                       platform="gpu").tier
-            compiled = compile_layer(config, mesh, num_tokens, weight_layout=args.weight_layout)
-            placement = shared_reduction_placement(compiled, ROUTED_EXPERT_WEIGHTS)
-            rows.append({"num_tokens": num_tokens, "early_shared_reduction": early, "tier": tier.value,
-                         **dataclasses.asdict(placement),
-                         "starts_before_the_routed_experts": placement.starts_before_the_routed_experts,
-                         "ends_after_the_routed_experts": placement.ends_after_the_routed_experts,
-                         "routed_share_inside": placement.routed_share_inside})
-    bar.finish()
+    for num_tokens, early in stepped(itertools.product(args.compile_tokens, (False, True)), lambda case:
+                                     f"early T={case[0]} {'early' if case[1] else 'in the tail'}: compile"):
+        config = kimi_k3_layer(early_shared_reduction=early)
+        tier = gpu_tier(config, num_tokens, mesh.shape[AXIS_NAME], args.weight_layout)
+        compiled = compile_layer(config, mesh, num_tokens, weight_layout=args.weight_layout)
+        placement = shared_reduction_placement(compiled, ROUTED_EXPERT_WEIGHTS)
+        rows.append({"num_tokens": num_tokens, "early_shared_reduction": early, "tier": tier.value,
+                     **dataclasses.asdict(placement),
+                     "starts_before_the_routed_experts": placement.starts_before_the_routed_experts,
+                     "ends_after_the_routed_experts": placement.ends_after_the_routed_experts,
+                     "routed_share_inside": placement.routed_share_inside})
     return config, rows
 
 
 def format_early(config: LayerConfig, rows: list[dict[str, Any]], args) -> str:
-    lines = [
-        f"early: where the shared reduction runs in the layer compiled for a deviceless {args.topology} (Kimi-K3: 896 "
-        f"experts, top 16, bf16, {args.weight_layout} up projection), the tier it selects; schedule positions",
-        f"{'T':>6}  {'shared reduction':<18}{'tier':<17}{'start..done':>13}{'routed reads from':>19}"
-        f"{'last routed':>13}{'routed inside':>15}{'starts before':>15}{'ends after':>12}",
-    ]
-    for row in rows:
-        where = "early" if row["early_shared_reduction"] else "in the tail"
-        lines.append(f"{row['num_tokens']:>6}  {where:<18}{row['tier']:<17}{row['start']:>6}..{row['done']:<5}"
-                     f"{row['first_routed_read']:>19}{row['last_routed']:>13}{row['routed_share_inside']:>15.0%}"
-                     f"{str(row['starts_before_the_routed_experts']):>15}{str(row['ends_after_the_routed_experts']):>12}")
-    lines += ["routed inside: the share of the routed-expert instructions (those computed from a routed-expert weight",
-              "before the latent reduction) scheduled between the shared reduction's start and done"]
-    return "\n".join(lines)
-
-
-def format_h100(config: LayerConfig, rows: list[dict[str, Any]], args) -> str:
-    lines = [
-        f"h100: the layer compiled for a deviceless {args.topology} (Kimi-K3: {config.num_experts} experts, top "
-        f"{config.top_k}, bf16, {args.weight_layout} up projection), each tier with its compiler options",
-        f"{'T':>6}  {'tier':<17}{'shared reduction':<48}{'async':<7}{'GEMMs inside (GFLOP)':>21}"
-        f"{'up projection inside':>22}{'overlapped':>12}{'GEMM GFLOP/rank: compiled / useful':>37}",
-    ]
-
-    def line(row):
-        inside = row["gemms_inside"]
-        inside = f"{len(inside)} ({sum(gemm['flops'] for gemm in inside) / 1e9:.3f})" if inside else "-"
-        flops = f"{row['compiled_gemm_flops'] / 1e9:.1f} / {row['useful_gemm_flops'] / 1e9:.1f}"
-        return (f"{row['num_tokens']:>6}  {row['tier']:<17}{row['shared_reduction']:<48}"
-                f"{'yes' if row['is_async'] else 'no':<7}{inside:>21}{row['up_projection_inside']:>22.0%}"
-                f"{str(row['overlapped']):>12}{flops:>37}")
-
-    lines += grouped_by_token_count(rows, line)
-    lines += ["up projection inside: the share of the tier's up-projection FLOPs scheduled between the shared",
-              "reduction's start and done; overlapped: async, with all of it inside. useful GEMM FLOPs: the layer's",
-              "(k3_tail.tools.layer_cost)"]
-    return "\n".join(lines)
+    return (f"early: where the shared reduction runs in {compiled_layer(args)}, the tier it selects; schedule "
+            "positions\n") + format_table(rows, [
+        *T_COLUMNS,
+        ("shared reduction", "<18", lambda r: "early" if r["early_shared_reduction"] else "in the tail"),
+        ("tier", "<17", lambda r: r["tier"]), ("start..done", ">13", lambda r: f"{r['start']:>6}..{r['done']:<5}"),
+        ("routed reads from", ">19", lambda r: r["first_routed_read"]),
+        ("last routed", ">13", lambda r: r["last_routed"]),
+        ("routed inside", ">15.0%", lambda r: r["routed_share_inside"]),
+        ("starts before", ">15", lambda r: str(r["starts_before_the_routed_experts"])),
+        ("ends after", ">12", lambda r: str(r["ends_after_the_routed_experts"])),
+    ], notes=["routed inside: the share of the routed-expert instructions (those computed from a routed-expert "
+              "weight", "before the latent reduction) scheduled between the shared reduction's start and done"])
 
 
 # ---- cost ----
@@ -324,47 +314,35 @@ def format_h100(config: LayerConfig, rows: list[dict[str, Any]], args) -> str:
 def compile_cost(experiment: Experiment) -> tuple[LayerConfig, list[dict[str, Any]]]:
     """One row per T: the cost of the layer compiled for 8 x H100 with the tier it selects (module docstring)."""
     args = experiment.args
-    config = LayerConfig.kimi_k3(num_experts=KIMI_K3_NUM_EXPERTS, top_k=KIMI_K3_TOP_K)
+    config = kimi_k3_layer()
     mesh = k3_tail.topology_mesh(args.topology)
     tp_size = mesh.shape[AXIS_NAME]
     expert_bytes = 3 * config.latent_size * config.expert_intermediate_size // tp_size * config.dtype.itemsize
-    bar = ProgressBar(len(args.cost_tokens))
     rows = []
-    for num_tokens in args.cost_tokens:
-        bar.step(f"cost T={num_tokens}: compile")
-        tier = k3_tail.select_tier(config.tail, num_tokens, tp_size, weight_layout=args.weight_layout,
-                                   platform="gpu").tier
-        compiled = compile_layer(config, mesh, num_tokens, weight_layout=args.weight_layout)
-        report = xla_report.report(compiled, shared_argument=None)
+    for num_tokens in stepped(args.cost_tokens, lambda tokens: f"cost T={tokens}: compile"):
+        compiled, report, useful = compiled_flops(config, mesh, num_tokens, args.weight_layout, None)
         rows.append({
-            "num_tokens": num_tokens, "tier": tier.value,
+            "num_tokens": num_tokens, "tier": gpu_tier(config, num_tokens, tp_size, args.weight_layout).value,
             "routed_expert_method": routed_expert_method(config, num_tokens).method,
-            "compiled_gemm_flops": report.gemm_flops,
-            "useful_flops": layer_cost.layer_flops(config.sizes, num_tokens, tp_size, tier=tier,
-                                                   weight_layout=args.weight_layout),
+            "compiled_gemm_flops": report.gemm_flops, "useful_flops": useful,
             "bytes_accessed": report.bytes_accessed, "temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
             "routed_weight_bytes_read": expert_bytes * layer_cost.experts_read(config.sizes, num_tokens),
         })
-    bar.finish()
     return config, rows
 
 
 def format_cost(config: LayerConfig, rows: list[dict[str, Any]], args) -> str:
-    lines = [
-        f"cost: the layer compiled for a deviceless {args.topology} (Kimi-K3: {config.num_experts} experts, top "
-        f"{config.top_k}, bf16, {args.weight_layout} up projection) with the tier and routed-expert method it selects",
-        f"{'T':>6}  {'tier':<17}{'method':<10}{'GEMM GFLOP compiled / useful':>30}{'ratio':>8}{'GB accessed':>13}"
-        f"{'temp MB':>11}{'temp / routed weights read':>28}",
-    ]
-    for row in rows:
-        flops = f"{row['compiled_gemm_flops'] / 1e9:,.1f} / {row['useful_flops'] / 1e9:,.1f}"
-        lines.append(f"{row['num_tokens']:>6}  {row['tier']:<17}{row['routed_expert_method']:<10}{flops:>30}"
-                     f"{row['compiled_gemm_flops'] / row['useful_flops']:>7.2f}x{row['bytes_accessed'] / 1e9:>13.2f}"
-                     f"{row['temp_bytes'] / 1e6:>11,.1f}{row['temp_bytes'] / row['routed_weight_bytes_read']:>27.2f}x")
-    lines += ["GEMM FLOPs from the HLO shapes (a while loop's body once; the gather method's multiply + reduce",
-              "fusions are not GEMMs); GB accessed: the XLA report's HLO-shape estimate (a gathering fusion counts its",
-              "whole weight operand); routed weights read: 3 L m/p bf16 per expected distinct expert"]
-    return "\n".join(lines)
+    return f"cost: {compiled_layer(args)} with the tier and routed-expert method it selects\n" + format_table(rows, [
+        *T_COLUMNS, ("tier", "<17", lambda r: r["tier"]), ("method", "<10", lambda r: r["routed_expert_method"]),
+        ("GEMM GFLOP compiled / useful", ">30",
+         lambda r: f"{r['compiled_gemm_flops'] / 1e9:,.1f} / {r['useful_flops'] / 1e9:,.1f}"),
+        ("ratio", ">8", lambda r: f"{r['compiled_gemm_flops'] / r['useful_flops']:.2f}x"),
+        ("GB accessed", ">13.2f", lambda r: r["bytes_accessed"] / 1e9),
+        ("temp MB", ">11,.1f", lambda r: r["temp_bytes"] / 1e6),
+        ("temp / routed weights read", ">28", lambda r: f"{r['temp_bytes'] / r['routed_weight_bytes_read']:.2f}x"),
+    ], notes=["GEMM FLOPs from the HLO shapes (a while loop's body once; the gather method's multiply + reduce",
+              "fusions are not GEMMs); GB accessed: the XLA report's HLO-shape estimate (a gathering fusion counts "
+              "its", "whole weight operand); routed weights read: 3 L m/p bf16 per expected distinct expert"])
 
 
 # ---- model ----
@@ -373,54 +351,46 @@ def format_cost(config: LayerConfig, rows: list[dict[str, Any]], args) -> str:
 def predict_model(experiment: Experiment) -> tuple[LayerConfig, list[dict[str, Any]]]:
     """One row per (expert weight precision, T): the layer's predicted time with native and each tier's gain."""
     args = experiment.args
-    config = LayerConfig.kimi_k3(num_experts=KIMI_K3_NUM_EXPERTS, top_k=KIMI_K3_TOP_K, early_shared_reduction=False)
-    sizes = config.sizes
-    tiers = layer_tiers(args.weight_layout)
+    config = kimi_k3_layer(early_shared_reduction=False)
+    tiers = tiers_for(args.weight_layout)
     rows = []
-    for precision, expert_bytes in EXPERT_PRECISIONS.items():
-        for num_tokens in args.model_tokens:
-            options = dict(hardware=MODEL_HARDWARE, weight_layout=args.weight_layout, expert_weight_bytes=expert_bytes)
-            native = layer_cost.predict_layer(sizes, num_tokens, MODEL_TP_SIZE, tier=k3_tail.Tier.NATIVE, **options)
-            selected = k3_tail.select_tier(config.tail, num_tokens, MODEL_TP_SIZE, weight_layout=args.weight_layout,
-                                           platform="gpu").tier
-            rows.append({
-                "expert_weights": precision, "num_tokens": num_tokens, "native_layer_s": native.total_s,
-                "native_tail_share": native.tail_share, "selected": selected.value,
-                "gain": {tier.value: layer_cost.layer_gain(sizes, num_tokens, MODEL_TP_SIZE, tier=tier, **options)
-                         for tier in tiers},
-                "early_reduction_gain": {
-                    name: layer_cost.early_reduction_gain(sizes, num_tokens, MODEL_TP_SIZE, hardware=name,
-                                                          weight_layout=args.weight_layout,
-                                                          expert_weight_bytes=expert_bytes)
-                    for name in EARLY_REDUCTION_HARDWARE},
-            })
+    for (precision, expert_bytes), num_tokens in itertools.product(EXPERT_PRECISIONS.items(), args.model_tokens):
+        options = dict(weight_layout=args.weight_layout, expert_weight_bytes=expert_bytes)
+        native = layer_cost.predict_layer(config.sizes, num_tokens, MODEL_TP_SIZE, tier=k3_tail.Tier.NATIVE,
+                                          hardware=MODEL_HARDWARE, **options)
+        rows.append({
+            "expert_weights": precision, "num_tokens": num_tokens, "native_layer_s": native.total_s,
+            "native_tail_share": native.tail_share,
+            "selected": gpu_tier(config, num_tokens, MODEL_TP_SIZE, args.weight_layout).value,
+            "gain": {tier.value: layer_cost.layer_gain(config.sizes, num_tokens, MODEL_TP_SIZE, tier=tier,
+                                                       hardware=MODEL_HARDWARE, **options) for tier in tiers},
+            "early_reduction_gain": {name: layer_cost.early_reduction_gain(config.sizes, num_tokens, MODEL_TP_SIZE,
+                                                                           hardware=name, **options)
+                                     for name in EARLY_REDUCTION_HARDWARE},
+        })
     return config, rows
 
 
 def format_model(config: LayerConfig, rows: list[dict[str, Any]], args) -> str:
-    tiers = [tier.value for tier in layer_tiers(args.weight_layout) if tier != k3_tail.Tier.NATIVE]
+    tiers = [tier.value for tier in tiers_for(args.weight_layout) if tier != k3_tail.Tier.NATIVE]
     lines = [f"model: cost-model layer-level gain over native, {MODEL_HARDWARE.upper()} TP {MODEL_TP_SIZE}, Kimi-K3 "
              f"(896 experts, top 16), {args.weight_layout} up projection; the MoE layer alone"]
     for precision in EXPERT_PRECISIONS:
-        lines += ["", f"routed experts' weights in {precision}:",
-                  f"{'T':>6}{'layer us (native)':>19}{'tail share (native)':>21}" + "".join(f"{t:>17}" for t in tiers)
-                  + f"{'vLLM rule picks':>22}"]
-        for row in (r for r in rows if r["expert_weights"] == precision):
-            gains = "".join(f"{row['gain'][t]:>+16.1%} " for t in tiers)
-            picked = f"{row['selected']} ({row['gain'][row['selected']]:+.1%})"
-            lines.append(f"{row['num_tokens']:>6}{row['native_layer_s'] * 1e6:>19.1f}{row['native_tail_share']:>21.1%}"
-                         f"{gains}{picked:>21}")
+        lines += ["", f"routed experts' weights in {precision}:", format_table(
+            [row for row in rows if row["expert_weights"] == precision], [
+                T_COLUMNS[0], ("layer us (native)", ">19.1f", lambda r: r["native_layer_s"] * 1e6),
+                ("tail share (native)", ">21.1%", lambda r: r["native_tail_share"]),
+                *((tier, ">17", lambda r, tier=tier: f"{r['gain'][tier]:+.1%}") for tier in tiers),
+                ("vLLM rule picks", ">22", lambda r: f"{r['selected']} ({r['gain'][r['selected']]:+.1%})")])]
+    gains = [(name, precision) for name in EARLY_REDUCTION_HARDWARE for precision in EXPERT_PRECISIONS]
+    by_key = {(row["expert_weights"], row["num_tokens"]): row for row in rows}
     lines += ["", f"vLLM's published end-to-end gains, for comparison: {VLLM_FIGURES}.",
               "Those are whole serving runs (every layer, attention, sampling); these are the MoE layer alone.", "",
               f"the shared reduction issued before the routed experts: layer-level gain over it inside the tail, each "
-              f"with its fastest tier, TP {MODEL_TP_SIZE}, {args.weight_layout} up projection",
-              f"{'T':>6}" + "".join(f"{f'{name}, {precision}':>18}" for name in EARLY_REDUCTION_HARDWARE
-                                     for precision in EXPERT_PRECISIONS)]
-    by_key = {(row["expert_weights"], row["num_tokens"]): row for row in rows}
-    for num_tokens in args.model_tokens:
-        lines.append(f"{num_tokens:>6}" + "".join(
-            f"{by_key[precision, num_tokens]['early_reduction_gain'][name]:>+17.2%} "
-            for name in EARLY_REDUCTION_HARDWARE for precision in EXPERT_PRECISIONS))
+              f"with its fastest tier, TP {MODEL_TP_SIZE}, {args.weight_layout} up projection", format_table(
+                  args.model_tokens, [("T", ">6", lambda t: t), *(
+                      (f"{name}, {precision}", ">18", lambda t, name=name, precision=precision:
+                       f"{by_key[precision, t]['early_reduction_gain'][name]:+.2%}") for name, precision in gains)])]
     return "\n".join(lines)
 
 

@@ -1,19 +1,18 @@
 """The Kimi-K3 layer's time on the CPU mesh with each routed-expert method (examples/kimi_k3_routed_experts.py).
 
     python -m examples.kimi_k3_routed_experts_bench [--tokens 64,256,1024] [--methods ragged_dot,capacity]
-        [--repeats 5] [--warmup 1] [--width-divisor 4] [--experts 8] [--top-k 2] [--seed 0] [--json FILE]
+        [--width-divisor 4] [--experts 8] [--top-k 2] [--json FILE]
 
 The layer is :class:`KimiK3MoELayer` on --devices (8) CPU devices with stand-in weights at Kimi-K3's
 widths divided by --width-divisor (default 4: H 1792, L 896, m 768, F 1536, as
 examples/kimi_k3_layer_share.py's cpu part), --experts / --top-k (8 / 2), bf16, the up projection
 replicated, the tail tier it selects. Per T, the same hidden states go through the layer once per
 method of --methods (default: ragged_dot, the layer's method above T*k = E before, and capacity, its
-method now), each forced with ``LayerConfig(routed_experts=method)`` on the same parameters: compiled
-and run --warmup times, then timed in --repeats interleaved rounds
-(``k3_tail.tools.benchmark.time_round_robin``). Reported: median and q25-q75 in ms and the speed
-against the first method (its median over the method's); * marks the method the layer selects for
-that T. The CPU devices share the host's cores, and ragged_dot runs densely over the E experts on
-CPU: this ranks the methods on this machine only.
+method now), each forced with ``LayerConfig(routed_experts=method)`` on the same parameters, timed in
+--repeats interleaved rounds after --warmup runs (``benchmark.time_round_robin``). Reported: median
+and q25-q75 in ms and the speed against the first method (its median over the method's); * marks the
+method the layer selects for that T. The CPU devices share the host's cores, and ragged_dot runs
+densely over the E experts on CPU: this ranks the methods on this machine only.
 """
 
 import functools
@@ -54,6 +53,12 @@ def cpu_layer_config(experiment: Experiment, **fields) -> layer_module.LayerConf
     return config
 
 
+def random_hidden_states(config: layer_module.LayerConfig, mesh, num_tokens: int, rng: np.random.Generator):
+    """Standard normal hidden states [T, H] in the layer's dtype, replicated on ``mesh``."""
+    hidden = jnp.asarray(rng.standard_normal((num_tokens, config.hidden_size)), config.dtype)
+    return jax.device_put(hidden, NamedSharding(mesh, P()))
+
+
 def main(argv: list[str] | None = None) -> int:
     experiment = Experiment(__doc__, repeats=5, warmup=1)
     add = experiment.parser.add_argument
@@ -71,8 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     bar = ProgressBar(len(args.tokens) * (len(args.methods) + args.repeats))
     rows = []
     for num_tokens in args.tokens:
-        hidden = jax.device_put(jnp.asarray(rng.standard_normal((num_tokens, config.hidden_size)), config.dtype),
-                                NamedSharding(mesh, P()))
+        hidden = random_hidden_states(config, mesh, num_tokens, rng)
         calls = {method: functools.partial(layer_module.layer_forward, parameters, hidden,
                                            config=cpu_layer_config(experiment, routed_experts=method), mesh=mesh)
                  for method in args.methods}

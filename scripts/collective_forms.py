@@ -1,8 +1,7 @@
 """One all-reduce against reduce-scatter + all-gather, for a sum over the TP ranks of a [rows, width] buffer.
 
-    python scripts/collective_forms.py [--devices 8] [--rows 16,64,256,1024,2048] [--widths 3584,7168,17920]
-                                       [--dtypes bfloat16,float32] [--quantized int8,int6,int4] [--repeats 7]
-                                       [--json FILE]
+    python scripts/collective_forms.py [--rows 16,64,256,1024,2048] [--widths 3584,7168,17920]
+                                       [--dtypes bfloat16,float32] [--quantized int8,int6,int4] [--json FILE]
 
 Decides, per backend, which form of the same sum is faster, and whether the dtype moved matters; with
 --quantized, what the tail's quantised two-shot sum (vLLM ROCm QuickReduce) costs against them.
@@ -19,10 +18,9 @@ jax.jit(jax.shard_map(..., in_specs=P("tp"), out_specs=P())), every rank ending 
   (``k3_tail.tools.blocks.all_reduce``, Kimi-K3 config of the buffer's dtype, that codec, every buffer
   quantised): block-encode, all-to-all, float32 sum of the own chunk, re-encode, all-gather, decode.
 
-Timing: per buffer, each form compiled and run --warmup times, then --repeats rounds each running
-every form once, the order rotating (``k3_tail.tools.benchmark.time_round_robin``): load drifts hit all
-forms of a buffer alike. Per form: median and quartiles in ms; per pair: the ratio of medians
-RS+AG / all-reduce and the quartiles of the per-round ratios. Numerics: each result against the
+Timing: per buffer, --warmup untimed runs of each form, then --repeats interleaved rounds
+(``benchmark.time_round_robin``). Per form: median and quartiles in ms; per pair: the ratio of
+medians RS+AG / all-reduce and the quartiles of the per-round ratios. Numerics: each result against the
 all-reduce of the same moved dtype (a quantised one: the all-reduce of the buffer as is) and a float64
 sum on the host, max |a - b| / max |b|. The collectives in each compiled program are counted (a
 backend could rewrite one form into the other); a mismatch is flagged "HLO!".

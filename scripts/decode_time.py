@@ -11,10 +11,9 @@ gemm     the bare rank-local GEMM [T, L] x [L, H/p] in a ``jax.shard_map`` over 
          at once, the column block each column-layout rank holds): as the library computes it
          (``project``) and as a plain ``jnp.dot`` of T rows, which for T = 1 is what XLA got before.
 
-Timing: inputs placed first; every call runs once to compile, then --rounds rounds each run every
-call once, the order rotating (``k3_tail.tools.benchmark.time_round_robin``). Reported per call:
-the median and quartiles in ms and its median over the same call's at T = 2 ("x T=2"; at most
-about 1 where one row costs no more than two).
+Timing: inputs placed first, then --rounds interleaved rounds (``benchmark.time_round_robin``).
+Reported per call: median and quartiles in ms, and its median over the same call's at T = 2 ("x T=2";
+at most about 1 where one row costs no more than two).
 """
 
 import functools
@@ -56,11 +55,9 @@ def main(argv: list[str] | None = None) -> int:
                 rank_gemm, routed, weights["column"][1], mesh=mesh, gemm=gemm)
     seconds = time_round_robin(calls, rounds=args.repeats, on_progress=progress)
     rows = [{"part": part, "name": name, "weight_layout": layout, "num_tokens": num_tokens,
-             "timing": Timing.of(runs), "seconds": runs}
+             "timing": Timing.of(runs), "seconds": runs,
+             "vs_two_rows": Timing.of(runs).median_s / Timing.of(seconds[part, name, layout, 2]).median_s}
             for (part, name, layout, num_tokens), runs in seconds.items()]
-    two = {(r["part"], r["name"], r["weight_layout"]): r["timing"].median_s for r in rows if r["num_tokens"] == 2}
-    for row in rows:
-        row["vs_two_rows"] = row["timing"].median_s / two[row["part"], row["name"], row["weight_layout"]]
     rows.sort(key=lambda r: (r["part"] != "tiers", r["name"], r["weight_layout"], r["num_tokens"]))
     experiment.print(format_table(rows, [
         ("part", "<7", lambda r: r["part"]), ("tier / GEMM", "<16", lambda r: r["name"]),

@@ -5,54 +5,40 @@
 
 What is timed: what one TP rank of a tier computes between its collectives, built from the tier's
 record (k3_tail.tiers.registry.TIER_RECORDS), for every TP size p of --tp-sizes, token count T of
---tokens and weight layout of --weight-layout the tier runs with (a tier that needs the whole
-kernel only with "replicated"):
+--tokens and weight layout of --weight-layout the tier runs with:
 
   token rows   rows = T, or for a tier that shards tokens (record.shards_tokens) T rounded up to a
-               multiple of p (padded_token_count); the rank works on record.gemm_rows(rows, p) of
-               them (T'/p for token_parallel, all T for the others);
+               multiple of p; the rank works on record.gemm_rows(rows, p) of them (T'/p for
+               token_parallel, all T for the others);
   columns      record.gemm_columns(H, p, layout): H for a tier that projects all columns with the
                replicated kernel, else its column block padded_hidden_size(H, p) / p;
-  work         latent [rows, L] in config.dtype -> RMSNorm in float32 with the norm weight [L]
-               (k3_tail.ops.norm.rms_norm, config's eps and scale) -> cast to config.dtype -> dot
-               with the kernel block [L, columns] (preferred_element_type float32) -> + the shared
-               partial's rows [rows, columns] in float32 -> cast to config.dtype.
+  work         latent [rows, L] -> RMSNorm in float32 with the norm weight [L] (config's eps and
+               scale) -> cast to config.dtype -> dot with the kernel block [L, columns] (float32
+               accumulated) -> + the shared partial's rows [rows, columns] in float32 -> cast.
 
-That is the shape of every tier's local work. Approximations, all elementwise: one_shot really
-scales and weights its own routed partial before the GEMM, packs [z | s | x] for its all-reduce and
-applies the row RMS factor after it; native and overlap with the column layout add the shared sum
-after gathering the blocks (on [T, H]); column_parallel writes its block back into its [T, H]
-buffer. Here each is the same-shaped norm, GEMM, add and casts above.
+That is the shape of every tier's local work; the tiers differ from it only elementwise (one_shot
+scales its partial before the GEMM and applies the row RMS factor after its all-reduce; native and
+overlap with the column layout add the shared sum after gathering; column_parallel writes its block
+back into [T, H]).
 
-How: one jax.jit of that function on jax.devices()[0] (a GPU when there is one; otherwise the CPU,
-selected before JAX starts as the k3-tail commands do, so that an installed CUDA plugin prints no
-traceback). Inputs are random (--seed) and put on the device before timing. Each case runs
---warmup times untimed (the first run of a new shape compiles), then --repeats timed runs
-(k3_tail.tools.benchmark.time_runs: wall time with Python dispatch, each run waiting for its
-result). Default repeats: 20 on a GPU, 5 on the CPU. Default tokens: 1, 2, 4, ... 8192; on the
-CPU up to 1024, as `k3-tail bench` (Kimi-K3's 2TLH = 421 GFLOP at T = 8192 takes seconds per run
-on a few cores). The dispatch floor, a jitted one-element add timed the same way, is printed
-first: a median near it is Python dispatch and launch, not the work.
+How: one jax.jit of that function on jax.devices()[0] (a GPU when there is one, else the CPU),
+random inputs (--seed) on the device; per case --warmup untimed runs (the first compiles), then
+--repeats timed runs (k3_tail.tools.benchmark.time_runs: wall time with Python dispatch). The
+dispatch floor, a jitted one-element add timed the same way, is printed first: a median near it is
+dispatch and launch, not the work.
 
-Reported per (p, T, tier, layout): median and quartiles (s); GEMM FLOPs 2 * rows * L * columns
-(the norm's and the add's few FLOPs not counted); bytes moved, the sizes of the arrays read and
-written: kernel block, norm weight, latent and shared rows in, the output out; achieved TFLOP/s
-and GB/s (over the median), and their fractions of the hardware preset's peak_flops (dense BF16,
-whatever --dtype is) and hbm_bytes_per_s. The preset (k3_tail.hardware.HARDWARE) is
---hardware, or by default the one of the device kind: "H200" -> h200, "MI300X" -> mi300x,
-"MI325X" -> mi325x, "MI355X" -> mi355x; on another GPU --hardware is required. On the CPU any
-preset may be given and the fractions are then meaningless (a GPU's peaks against the host's
-cores); without --hardware the CPU run reports no fractions.
-
-Config: Kimi-K3 (TailConfig.kimi_k3(): H = 7168, L = 3584, bf16) unless --hidden-size,
---latent-size or --dtype say otherwise. Output: the table on stdout (on stderr with --json -),
-progress on stderr; --json FILE (or - for stdout) writes the machine (machine_info), the device,
-the settings, the config, the preset, the dispatch floor and every row. Exit status 0, or 2 for
-bad arguments.
+Reported per (p, T, tier, layout): median and quartiles; GEMM FLOPs 2 * rows * L * columns; bytes
+moved (kernel block, norm weight, latent and shared rows in, the output out); TFLOP/s and GB/s over
+the median, and their fractions of the preset's peak_flops (dense BF16, whatever --dtype is) and
+hbm_bytes_per_s. The preset (k3_tail.hardware.HARDWARE) is --hardware, or the device kind's
+(DEVICE_KIND_PRESETS; another GPU needs --hardware). On the CPU a preset's fractions are
+meaningless; without --hardware there are none. --json also writes the device, the config (Kimi-K3
+unless --hidden-size, --latent-size or --dtype), the preset and the dispatch floor.
 """
 
 import dataclasses
 import functools
+import itertools
 from typing import Any
 
 import jax
@@ -61,7 +47,6 @@ import numpy as np
 
 from k3_tail import TailConfig, padded_token_count
 from k3_tail.hardware import HARDWARE, Hardware
-from k3_tail.tiers.record import TierRecord
 from k3_tail.tiers.registry import TIER_RECORDS
 from k3_tail.tools.benchmark import config_dict, default_token_counts, time_runs
 from k3_tail.tools.blocks import WEIGHT_LAYOUTS, rms_norm
@@ -77,29 +62,16 @@ CPU_REPEATS = 5
 DEVICE_KIND_PRESETS = (("MI300X", "mi300x"), ("MI325X", "mi325x"), ("MI355X", "mi355x"), ("H200", "h200"))
 
 
-@dataclasses.dataclass(frozen=True)
-class Case:
-    """One (tier, layout, p, T) and the shapes of its rank's local work."""
-
-    record: TierRecord
-    weight_layout: str
-    tp_size: int
-    num_tokens: int
-    rows: int  # the token rows the tier works on: T, or T padded to a multiple of p when it shards tokens
-    gemm_rows: int  # this rank's rows of them: record.gemm_rows(rows, p)
-    columns: int  # record.gemm_columns(H, p, layout)
-
-
-def cases(config: TailConfig, tp_sizes, token_counts, layouts) -> list[Case]:
-    """Every (p, T, layout, tier) the registry's tiers run, p-major, then T, layout, registry order."""
+def cases(config: TailConfig, tp_sizes, token_counts, layouts) -> list[dict[str, Any]]:
+    """Every (p, T, layout, tier) the registry's tiers run, p-major, then T, layout, registry order: the
+    first fields of its row, with the shapes of its rank's local work (module docstring)."""
     result = []
-    for tp_size in tp_sizes:
-        for num_tokens in token_counts:
-            for layout in layouts:
-                for record in (record for record in TIER_RECORDS if record.why_not(layout, config) is None):
-                    rows = padded_token_count(num_tokens, tp_size) if record.shards_tokens else num_tokens
-                    result.append(Case(record, layout, tp_size, num_tokens, rows, record.gemm_rows(rows, tp_size),
-                                       record.gemm_columns(config.hidden_size, tp_size, layout)))
+    for tp_size, num_tokens, layout in itertools.product(tp_sizes, token_counts, layouts):
+        for record in (record for record in TIER_RECORDS if record.why_not(layout, config) is None):
+            rows = padded_token_count(num_tokens, tp_size) if record.shards_tokens else num_tokens
+            result.append({"tier": record.name, "weight_layout": layout, "tp_size": tp_size, "num_tokens": num_tokens,
+                           "rows": rows, "gemm_rows": record.gemm_rows(rows, tp_size),
+                           "gemm_columns": record.gemm_columns(config.hidden_size, tp_size, layout)})
     return result
 
 
@@ -110,34 +82,26 @@ def local_work(latent, norm_weight, kernel, shared, *, config: TailConfig):
     return (projected + shared.astype(jnp.float32)).astype(config.dtype)
 
 
-class Inputs:
-    """Random inputs on ``device``: the norm weight and the kernel blocks (made once; every block a slice
-    of one [L, H] kernel), and the activations of the current (p, T) (kept until :meth:`clear`)."""
+def input_maker(config: TailConfig, device: jax.Device, seed: int):
+    """(A function giving a case's random arguments on ``device``: latent rows, norm weight, kernel block,
+    shared rows; a function dropping the activations kept so far). Every kernel block is a slice of one
+    [L, H] kernel, made once; the activations are kept for the cases of one (p, T)."""
+    rng = np.random.default_rng(seed)
 
-    def __init__(self, config: TailConfig, device: jax.Device, seed: int):
-        self.config, self.device = config, device
-        self.rng = np.random.default_rng(seed)
-        self.norm_weight = self._put(1 + 0.1 * self.rng.standard_normal(config.latent_size, dtype=np.float32))
-        self._host_kernel = (self.rng.standard_normal((config.latent_size, config.hidden_size), dtype=np.float32)
-                             / np.sqrt(config.latent_size))
-        self._kernels: dict[int, jax.Array] = {}
-        self._activations: dict[tuple[int, int], jax.Array] = {}
+    def put(host: np.ndarray) -> jax.Array:
+        return jax.device_put(jnp.asarray(host, dtype=config.dtype), device)
 
-    def _put(self, host: np.ndarray) -> jax.Array:
-        return jax.device_put(jnp.asarray(host, dtype=self.config.dtype), self.device)
+    norm_weight = put(1 + 0.1 * rng.standard_normal(config.latent_size, dtype=np.float32))
+    host_kernel = (rng.standard_normal((config.latent_size, config.hidden_size), dtype=np.float32)
+                   / np.sqrt(config.latent_size))
+    kernel = functools.cache(lambda columns: put(host_kernel[:, :columns]))
+    activation = functools.cache(lambda rows, columns: put(rng.standard_normal((rows, columns), dtype=np.float32)))
 
-    def kernel(self, columns: int) -> jax.Array:
-        if columns not in self._kernels:
-            self._kernels[columns] = self._put(self._host_kernel[:, :columns])
-        return self._kernels[columns]
+    def arguments(case: dict[str, Any]) -> tuple[jax.Array, ...]:
+        return (activation(case["gemm_rows"], config.latent_size), norm_weight, kernel(case["gemm_columns"]),
+                activation(case["gemm_rows"], case["gemm_columns"]))
 
-    def activation(self, rows: int, columns: int) -> jax.Array:
-        if (rows, columns) not in self._activations:
-            self._activations[rows, columns] = self._put(self.rng.standard_normal((rows, columns), dtype=np.float32))
-        return self._activations[rows, columns]
-
-    def clear(self) -> None:
-        self._activations.clear()
+    return arguments, activation.cache_clear
 
 
 def choose_hardware(requested: str | None, device: jax.Device) -> tuple[Hardware | None, str | None]:
@@ -161,22 +125,18 @@ def choose_hardware(requested: str | None, device: jax.Device) -> tuple[Hardware
     return HARDWARE[requested], None
 
 
-def measure(case: Case, inputs: Inputs, run_jitted, *, repeats: int, warmup: int,
+def measure(case: dict[str, Any], arguments: tuple[jax.Array, ...], run_jitted, *, repeats: int, warmup: int,
             hardware: Hardware | None) -> dict[str, Any]:
-    """Time ``case``'s local work and return its row (module docstring)."""
-    config = inputs.config
-    arguments = (inputs.activation(case.gemm_rows, config.latent_size), inputs.norm_weight,
-                 inputs.kernel(case.columns), inputs.activation(case.gemm_rows, case.columns))
+    """Time ``case``'s local work on ``arguments`` and return its row (module docstring)."""
     output, warmup_s, timing = time_runs(functools.partial(run_jitted, *arguments), repeats=repeats, warmup=warmup)
     nbytes = dict(zip(("latent", "norm_weight", "kernel", "shared"), (a.nbytes for a in arguments), strict=True))
     nbytes["output"] = output.nbytes
-    flops = 2 * case.gemm_rows * config.latent_size * case.columns
+    flops = 2 * case["gemm_rows"] * arguments[0].shape[1] * case["gemm_columns"]
     flops_per_s, bytes_per_s = flops / timing.median_s, sum(nbytes.values()) / timing.median_s
     return {
-        "tier": case.record.name, "weight_layout": case.weight_layout, "tp_size": case.tp_size,
-        "num_tokens": case.num_tokens, "rows": case.rows, "gemm_rows": case.gemm_rows, "gemm_columns": case.columns,
-        **dataclasses.asdict(timing), "warmup_s": warmup_s, "gemm_flops": flops, "bytes_moved": sum(nbytes.values()),
-        "bytes": nbytes, "tflops_per_s": flops_per_s / 1e12, "gb_per_s": bytes_per_s / 1e9,
+        **case, **dataclasses.asdict(timing), "warmup_s": warmup_s, "gemm_flops": flops,
+        "bytes_moved": sum(nbytes.values()), "bytes": nbytes, "tflops_per_s": flops_per_s / 1e12,
+        "gb_per_s": bytes_per_s / 1e9,
         "peak_flops_fraction": None if hardware is None else flops_per_s / hardware.peak_flops,
         "hbm_bandwidth_fraction": None if hardware is None else bytes_per_s / hardware.hbm_bytes_per_s,
     }
@@ -236,18 +196,18 @@ def main(argv: list[str] | None = None) -> int:
                      f"{quartiles_ms(floor)} ms")
 
     todo = cases(config, args.tp_sizes, token_counts, layouts)
-    inputs = Inputs(config, device, args.seed)
+    arguments, drop_activations = input_maker(config, device, args.seed)
     run_jitted = jax.jit(functools.partial(local_work, config=config))
     bar = ProgressBar(len(todo))
     rows, group = [], None
     for case in todo:
-        if (case.tp_size, case.num_tokens) != group:
-            inputs.clear()
-            group = case.tp_size, case.num_tokens
-        bar.step(f"p={case.tp_size} T={case.num_tokens} {case.record.name} {case.weight_layout}")
-        rows.append(measure(case, inputs, run_jitted, repeats=repeats, warmup=args.warmup, hardware=hardware))
+        if (case["tp_size"], case["num_tokens"]) != group:
+            drop_activations()
+            group = case["tp_size"], case["num_tokens"]
+        bar.step(f"p={case['tp_size']} T={case['num_tokens']} {case['tier']} {case['weight_layout']}")
+        rows.append(measure(case, arguments(case), run_jitted, repeats=repeats, warmup=args.warmup, hardware=hardware))
     bar.finish()
-    inputs.clear()
+    drop_activations()
     experiment.print("", format_table(rows, [
         ("p", ">3", lambda r: r["tp_size"]), ("T", ">6", lambda r: r["num_tokens"]), ("", "2", lambda r: ""),
         ("tier", "<16", lambda r: r["tier"]), ("layout", "<11", lambda r: r["weight_layout"]),

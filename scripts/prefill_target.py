@@ -9,10 +9,9 @@ run as reduce-scatter + all-gather), with each weight layout it supports, for re
 for token-sharded output (``sequence_parallel=True``; the baseline then is the column tier's
 token-sharded form).
 
-Timing: Kimi-K3 shapes (bf16) on the TP mesh, inputs placed first; every variant runs once to
-compile, then --rounds rounds each run every variant once (round robin), so load drifts hit all of
-them alike. Reported per variant: the median and quartiles, and its median over the baseline's
-median (below 1: faster than before).
+Timing: Kimi-K3 shapes (bf16) on the TP mesh, inputs placed first, then --rounds interleaved rounds
+(``benchmark.time_round_robin``). Reported per variant: the median and quartiles, and its median
+over the baseline's (below 1: faster than before).
 """
 
 import functools

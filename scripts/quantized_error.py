@@ -27,11 +27,11 @@ import time
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from k3_tail import TailConfig, Tier, tail_forward
 from k3_tail.tools.accuracy import random_partials, random_weights, reference_tail, relative_error
+from k3_tail.tools.benchmark import place, tiers_for
 from k3_tail.tools.blocks import CODEC_NAMES
 from k3_tail.tools.experiment import (
     AXIS_NAME, Experiment, ProgressBar, choice_list, markdown_table, positive_int, positive_int_list, tier_list,
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     add("--large-tiers", type=tier_list, default=None, metavar="TIER,...",
         help="the tiers to run at T >= --large-tokens (default: the same as at smaller T)")
     args = experiment.parse(argv)
-    tiers = args.tiers or tuple(tier for tier in Tier if tier.supports(WEIGHT_LAYOUT))
+    tiers = args.tiers or tiers_for(WEIGHT_LAYOUT)
     unsupported = [tier.value for tier in (*tiers, *(args.large_tiers or ())) if not tier.supports(WEIGHT_LAYOUT)]
     if unsupported:
         experiment.error(f"tiers {', '.join(unsupported)}: do not run with the {WEIGHT_LAYOUT} kernel")
@@ -66,24 +66,26 @@ def main(argv: list[str] | None = None) -> int:
     kimi = TailConfig.kimi_k3()
     rng = np.random.default_rng(args.seed)
     norm_weight, kernel = random_weights(kimi, rng)
-    placed_norm, placed_kernel = (jax.device_put(x, NamedSharding(mesh, P())) for x in (norm_weight, kernel))
+    placed_norm, placed_kernel = (place(x, kimi, mesh, P()) for x in (norm_weight, kernel))
 
     def tiers_at(num_tokens: int) -> tuple[Tier, ...]:
         return args.large_tiers if args.large_tiers and num_tokens >= args.large_tokens else tiers
 
+    configs = {codec: TailConfig.kimi_k3() if codec == BASELINE else TailConfig.kimi_k3(
+        all_reduce_quantization=codec, quantized_all_reduce_min_bytes=0) for codec in args.codecs}
     bar = ProgressBar(sum(len(tiers_at(t)) * len(args.codecs) + 1 for t in args.tokens))
     rows = []
     for num_tokens in args.tokens:
         bar.step(f"T={num_tokens}: inputs and the float64 reference")
         routed, shared = random_partials(kimi, p, num_tokens, rng)
         exact = reference_tail(kimi, routed, shared, norm_weight, kernel)
-        placed_routed, placed_shared = (jax.device_put(x, NamedSharding(mesh, P(AXIS_NAME))) for x in (routed, shared))
+        placed_routed, placed_shared = (place(x, kimi, mesh, P(AXIS_NAME)) for x in (routed, shared))
         del routed, shared
         for tier in tiers_at(num_tokens):
             for codec in args.codecs:
                 bar.step(f"T={num_tokens} {tier.value} {codec}")
                 began = time.perf_counter()
-                y = tail_forward(placed_routed, placed_shared, placed_norm, placed_kernel, config=codec_config(codec),
+                y = tail_forward(placed_routed, placed_shared, placed_norm, placed_kernel, config=configs[codec],
                                  mesh=mesh, tier=tier, weight_layout=WEIGHT_LAYOUT)
                 error = relative_error(np.asarray(y), exact)
                 rows.append({"num_tokens": num_tokens, "tier": tier.value, "codec": codec,
@@ -107,12 +109,6 @@ def main(argv: list[str] | None = None) -> int:
     return experiment.finish(tp_size=p, rows=rows, default_minimum_sizes=defaults)
 
 
-def codec_config(codec: str) -> TailConfig:
-    if codec == BASELINE:
-        return TailConfig.kimi_k3()
-    return TailConfig.kimi_k3(all_reduce_quantization=codec, quantized_all_reduce_min_bytes=0)
-
-
 def default_sizes(tokens, p: int, config: TailConfig) -> list[dict]:
     """Per T, the tail's sum buffers in bytes and which of them each codec quantises under vLLM's minimum."""
     widths = {"latent [T, L]": config.latent_size, "[T, H]": config.hidden_size,
@@ -134,7 +130,8 @@ def error_table(rows: list[dict], codecs) -> str:
     cells = {(r["num_tokens"], r["tier"], r["codec"]): r for r in rows}
     return markdown_table(["T", "tier", *codecs, *(f"{codec}/{BASELINE}" for codec in quantised)], [
         [num_tokens, tier, *(f"{cells[num_tokens, tier, c]['relative_error']:.2e}" for c in codecs),
-         *(ratio(cells[num_tokens, tier, c]["vs_bf16"]) for c in quantised)]
+         *(f"{cells[num_tokens, tier, c]['vs_bf16']:.2f}" if cells[num_tokens, tier, c]["vs_bf16"] is not None else "-"
+           for c in quantised)]
         for num_tokens, tier in dict.fromkeys((r["num_tokens"], r["tier"]) for r in rows)])
 
 
@@ -149,10 +146,6 @@ def default_table(entries: list[dict], p: int) -> str:
     return "\n".join([f"minimum buffer sizes at p={p}: {minimum}", "", table, "",
                       "[T, H]: native, overlap and scatter_gather's shared sum, column_parallel's output sum; "
                       "token_parallel pads T to a multiple of p."])
-
-
-def ratio(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}"
 
 
 if __name__ == "__main__":

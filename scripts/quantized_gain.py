@@ -15,6 +15,8 @@ Pure arithmetic: it runs in seconds and needs no device.
 
 from __future__ import annotations
 
+import bisect
+
 from k3_tail import TailConfig
 from k3_tail.selection import cost_model
 from k3_tail.tools.blocks import CODEC_NAMES
@@ -43,13 +45,8 @@ def gain(codec: str, minimum: int | None, num_tokens: int, hardware: str) -> flo
 def break_even(codec: str, hardware: str, last: int = 16384) -> int | None:
     """The smallest T in [1, last] from which quantising every sum is predicted faster (bisection: the
     gain grows with T, as the bytes it saves do), or None when it never is."""
-    if gain(codec, 0, last, hardware) <= 0:
-        return None
-    low, high = 0, last  # gain(low) <= 0 (or low = 0), gain(high) > 0
-    while high - low > 1:
-        middle = (low + high) // 2
-        low, high = (low, middle) if gain(codec, 0, middle, hardware) > 0 else (middle, high)
-    return high
+    index = bisect.bisect_left(range(1, last + 1), True, key=lambda tokens: gain(codec, 0, tokens, hardware) > 0)
+    return index + 1 if index < last else None
 
 
 def lasting(changes: tuple[cost_model.Crossover, ...]) -> list[cost_model.Crossover]:

@@ -29,7 +29,6 @@ with SIGABRT (status 134; --local then exits with 1), when a peer dies after joi
 from __future__ import annotations
 
 import argparse
-import itertools
 import os
 import socket
 import subprocess
@@ -43,7 +42,7 @@ import numpy as np
 import k3_tail
 from k3_tail.tools.accuracy import random_partials, random_weights, reference_tail, relative_error
 from k3_tail.tools.blocks import WEIGHT_LAYOUTS
-from k3_tail.tools.experiment import positive_int, positive_int_list, random_seed
+from k3_tail.tools.experiment import positive_int, positive_int_list, random_seed, tp_mesh
 from k3_tail.tools.multiprocess import CoordinatorError, initialize, split_address
 
 LOCAL_HOST = "127.0.0.1"
@@ -55,6 +54,7 @@ DEFAULT_CONNECT_TIMEOUT_S = 60
 SMALL_SHAPES = {"hidden_size": 99, "latent_size": 64}  # 99: no TP size > 1 divides it, the column tiers pad
 # Relative Frobenius error allowed against float64: bf16 keeps 8 significand bits.
 TOLERANCE = {"bfloat16": 1e-2, "float32": 1e-5}
+TIERS_AND_LAYOUTS = tuple((tier, layout) for tier in k3_tail.Tier for layout in WEIGHT_LAYOUTS if tier.supports(layout))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,50 +79,32 @@ def main(argv: list[str] | None = None) -> int:
 
 def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     summary, _, details = __doc__.partition("\n\n")
-    parser = argparse.ArgumentParser(
-        prog=os.path.basename(__file__), description=summary, epilog=details,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = argparse.ArgumentParser(prog=os.path.basename(__file__), description=summary, epilog=details,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     where = parser.add_mutually_exclusive_group(required=True)
     where.add_argument("--local", type=positive_int, metavar="N", help=f"run N processes on {LOCAL_HOST}")
-    where.add_argument(
-        "--coordinator", type=coordinator_address, metavar="HOST:PORT", help="address of process 0's coordinator"
-    )
-    parser.add_argument("--num-processes", type=positive_int, metavar="N", help="processes in all (with --coordinator)")
-    parser.add_argument("--process-id", type=int, metavar="I", help="this process, 0 <= I < N (with --coordinator)")
-    parser.add_argument(
-        "--cpu-devices", type=positive_int, metavar="K",
-        help=f"K CPU devices per process (default: the platform's own; {DEFAULT_LOCAL_CPU_DEVICES} with --local)",
-    )
-    parser.add_argument("--small", action="store_true", help="H=99, L=64 instead of Kimi-K3's H=7168, L=3584")
-    parser.add_argument(
-        "--dtype", choices=sorted(TOLERANCE), default="bfloat16", help="activation dtype (default: bfloat16)"
-    )
-    parser.add_argument(
-        "--tokens", type=positive_int_list, default=DEFAULT_TOKENS, metavar="T,T,...",
-        help=f"token counts (default: {','.join(map(str, DEFAULT_TOKENS))})",
-    )
-    parser.add_argument(
-        "--seed", type=random_seed, default=0,
-        help="random seed of the inputs, the same in every process, 0 <= SEED < 2**32 (default: 0)",
-    )
-    parser.add_argument(
-        "--initialization-timeout", type=positive_int, default=300, metavar="SECONDS",
-        help="how long to wait for every process to join (default: 300)",
-    )
-    parser.add_argument(
-        "--connect-timeout", type=positive_int, default=DEFAULT_CONNECT_TIMEOUT_S, metavar="SECONDS",
-        help="how long a process I > 0 retries connecting to the coordinator before it gives up with exit "
-        f"status 1; at most --initialization-timeout (default: {DEFAULT_CONNECT_TIMEOUT_S})",
-    )
-    parser.add_argument(
-        "--heartbeat-timeout", type=positive_int, default=100, metavar="SECONDS",
-        help="silence after which a process counts as dead and the others abort (default: 100)",
-    )
-    parser.add_argument(
-        "--timeout", type=positive_int, default=1800, metavar="SECONDS",
-        help="with --local: stop every process after this long (default: 1800)",
-    )
+    where.add_argument("--coordinator", type=coordinator_address, metavar="HOST:PORT",
+                       help="address of process 0's coordinator")
+    add = parser.add_argument
+    add("--num-processes", type=positive_int, metavar="N", help="processes in all (with --coordinator)")
+    add("--process-id", type=int, metavar="I", help="this process, 0 <= I < N (with --coordinator)")
+    add("--cpu-devices", type=positive_int, metavar="K",
+        help=f"K CPU devices per process (default: the platform's own; {DEFAULT_LOCAL_CPU_DEVICES} with --local)")
+    add("--small", action="store_true", help="H=99, L=64 instead of Kimi-K3's H=7168, L=3584")
+    add("--dtype", choices=sorted(TOLERANCE), default="bfloat16", help="activation dtype (default: bfloat16)")
+    add("--tokens", type=positive_int_list, default=DEFAULT_TOKENS, metavar="T,T,...",
+        help=f"token counts (default: {','.join(map(str, DEFAULT_TOKENS))})")
+    add("--seed", type=random_seed, default=0,
+        help="random seed of the inputs, the same in every process, 0 <= SEED < 2**32 (default: 0)")
+    add("--initialization-timeout", type=positive_int, default=300, metavar="SECONDS",
+        help="how long to wait for every process to join (default: 300)")
+    add("--connect-timeout", type=positive_int, default=DEFAULT_CONNECT_TIMEOUT_S, metavar="SECONDS",
+        help="how long a process I > 0 retries connecting to the coordinator before it gives up with exit status "
+        f"1; at most --initialization-timeout (default: {DEFAULT_CONNECT_TIMEOUT_S})")
+    add("--heartbeat-timeout", type=positive_int, default=100, metavar="SECONDS",
+        help="silence after which a process counts as dead and the others abort (default: 100)")
+    add("--timeout", type=positive_int, default=1800, metavar="SECONDS",
+        help="with --local: stop every process after this long (default: 1800)")
     args = parser.parse_args(argv)
     if args.coordinator is not None and (args.num_processes is None or args.process_id is None):
         parser.error("--coordinator needs --num-processes and --process-id")
@@ -138,9 +120,8 @@ def coordinator_address(text: str) -> str:
     try:
         split_address(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected HOST:PORT with a port in 1..65535 (an IPv6 host in brackets), got {text!r}"
-        ) from None
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT with a port in 1..65535 (an IPv6 host in brackets), "
+                                         f"got {text!r}") from None
     return text
 
 
@@ -159,14 +140,10 @@ def run_local(args: argparse.Namespace) -> int:
         "--connect-timeout", str(args.connect_timeout), "--heartbeat-timeout", str(args.heartbeat_timeout),
         *(["--small"] if args.small else []),
     ]
-    processes = [
-        # The other processes' stdout only repeats process 0's (gloo's connection notices).
-        subprocess.Popen(
-            [sys.executable, __file__, *shared_options, "--process-id", str(process_id)],
-            stdout=None if process_id == 0 else subprocess.DEVNULL,
-        )
-        for process_id in range(args.local)
-    ]
+    # The other processes' stdout only repeats process 0's (gloo's connection notices).
+    processes = [subprocess.Popen([sys.executable, __file__, *shared_options, "--process-id", str(process_id)],
+                                  stdout=None if process_id == 0 else subprocess.DEVNULL)
+                 for process_id in range(args.local)]
     deadline = time.monotonic() + args.timeout
     while None in (statuses := [process.poll() for process in processes]):
         failed = [i for i, status in enumerate(statuses) if status not in (None, 0)]
@@ -190,23 +167,17 @@ def free_loopback_port() -> int:
 
 def run_process(args: argparse.Namespace) -> int:
     """This process's part: join, run every (T, tier, layout) on the global mesh, check, report on process 0."""
-    initialize(
-        args.coordinator, args.num_processes, args.process_id,
-        local_cpu_devices=args.cpu_devices,
-        initialization_timeout=args.initialization_timeout,
-        connect_timeout=args.connect_timeout,
-        heartbeat_timeout_seconds=args.heartbeat_timeout,
-    )
+    initialize(args.coordinator, args.num_processes, args.process_id, local_cpu_devices=args.cpu_devices,
+               initialization_timeout=args.initialization_timeout, connect_timeout=args.connect_timeout,
+               heartbeat_timeout_seconds=args.heartbeat_timeout)
     shapes = SMALL_SHAPES if args.small else {}
     config = k3_tail.TailConfig.kimi_k3(**shapes, dtype=args.dtype)
     devices = jax.devices()
-    mesh = jax.make_mesh((len(devices),), ("tp",), devices=devices)
-    tp_size = mesh.shape["tp"]
+    mesh = tp_mesh(devices)
+    tp_size = mesh.size
     tolerance = TOLERANCE[args.dtype]
-    show(
-        f"mesh: tp={tp_size} over {len(devices)} {devices[0].platform} devices in {jax.process_count()} processes "
-        f"(jax {jax.__version__}); tail H={config.hidden_size}, L={config.latent_size}, {args.dtype}"
-    )
+    show(f"mesh: tp={tp_size} over {len(devices)} {devices[0].platform} devices in {jax.process_count()} processes "
+         f"(jax {jax.__version__}); tail H={config.hidden_size}, L={config.latent_size}, {args.dtype}")
 
     failures = 0
     for num_tokens in args.tokens:
@@ -217,12 +188,9 @@ def run_process(args: argparse.Namespace) -> int:
         expected = reference_tail(config, routed, shared, norm_weight, kernel)
         picked = k3_tail.select_tier(config, num_tokens, tp_size)
         show(f"T={num_tokens} (select_tier picks {picked})")
-        for tier, weight_layout in itertools.product(k3_tail.Tier, WEIGHT_LAYOUTS):
-            if not tier.supports(weight_layout):
-                continue
-            y = k3_tail.tail_forward(
-                routed, shared, norm_weight, kernel, config=config, mesh=mesh, tier=tier, weight_layout=weight_layout
-            )
+        for tier, weight_layout in TIERS_AND_LAYOUTS:
+            y = k3_tail.tail_forward(routed, shared, norm_weight, kernel, config=config, mesh=mesh, tier=tier,
+                                     weight_layout=weight_layout)
             error = relative_error(np.asarray(y.addressable_shards[0].data), expected)
             ok = error <= tolerance  # False for NaN too
             failures += not ok
