@@ -31,8 +31,8 @@ HELP = "measure the tiers on this mesh and write a selection table (JSON) for Ta
 DESCRIPTION = (
     "Time every tier at each token count on this machine's mesh (forced CPU devices without a GPU), keep the fastest "
     "per T and write the token ranges -> tier table as JSON. Load it with "
-    "TailConfig(selection_policy=SelectionTable.load(FILE)); it is valid for this device kind, TP size, kernel layout, shapes and "
-    "dtype only."
+    "TailConfig(selection_policy=SelectionTable.load(FILE)); it is valid for this device kind, TP size, kernel "
+    "layout, shapes and dtype only."
 )
 
 
