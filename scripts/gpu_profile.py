@@ -7,7 +7,7 @@ What is timed: what one TP rank of a tier computes between its collectives, buil
 record (k3_tail.tiers.registry.TIER_RECORDS), for every TP size p of --tp-sizes, token count T of
 --tokens and weight layout of --weight-layout the tier runs with:
 
-  token rows   rows = T, or for a tier that shards tokens (record.shards_tokens) T rounded up to a
+  token rows   rows = T, or for a tier that shards tokens (record.splits_tokens) T rounded up to a
                multiple of p; the rank works on record.gemm_rows(rows, p) of them (T'/p for
                token_parallel, all T for the others);
   columns      record.gemm_columns(H, p, layout): H for a tier that projects all columns with the
@@ -68,7 +68,7 @@ def cases(config: TailConfig, tp_sizes, token_counts, layouts) -> list[dict[str,
     result = []
     for tp_size, num_tokens, layout in itertools.product(tp_sizes, token_counts, layouts):
         for record in (record for record in TIER_RECORDS if record.why_not(layout, config) is None):
-            rows = padded_token_count(num_tokens, tp_size) if record.shards_tokens else num_tokens
+            rows = padded_token_count(num_tokens, tp_size) if record.splits_tokens else num_tokens
             result.append({"tier": record.name, "weight_layout": layout, "tp_size": tp_size, "num_tokens": num_tokens,
                            "rows": rows, "gemm_rows": record.gemm_rows(rows, tp_size),
                            "gemm_columns": record.gemm_columns(config.hidden_size, tp_size, layout)})

@@ -53,7 +53,7 @@ def test_compiler_options_are_looked_up_by_platform_family(platform, family):
 
 def test_cost_terms_follow_the_call_shape():
     shape = CallShape(rows=16, latent_size=64, hidden_size=96, tp_size=8, weight_layout="column", has_shared=True,
-                      use_norm=True, routed_reduced=False, token_sharded=False)
+                      use_norm=True, fused_output_is_reduced=False, token_sharded=False)
     terms = k3_tail.Tier.OVERLAP.record.collectives(shape)
     assert [(t.kind, t.elements, t.beside_gemm) for t in terms] == [
         ("all-reduce", 16 * 64, False), ("all-reduce", 16 * 96, True), ("all-gather", 16 * 96, False)]

@@ -33,7 +33,7 @@ class CollectiveBuffer:
 def tier_rows(config: TailConfig, tier: Tier, num_tokens: int, tp_size: int) -> int:
     """The token rows ``tier`` works on: T, or for sequence-parallel output and for a tier that shards
     tokens itself, T rounded up to a multiple of p (at least p)."""
-    if config.sequence_parallel or tier.record.shards_tokens:
+    if config.sequence_parallel or tier.record.splits_tokens:
         return padded_token_count(num_tokens, tp_size)
     return num_tokens
 
@@ -50,8 +50,8 @@ def collective_buffers(config: TailConfig, num_tokens: int, tp_size: int, *, tie
         rows=tier_rows(config, tier, num_tokens, tp_size), latent_size=config.latent_size,
         hidden_size=config.hidden_size, tp_size=tp_size, weight_layout=weight_layout,
         has_shared=config.has_shared_experts, use_norm=config.use_latent_norm,
-        routed_reduced=config.fused_output_is_reduced, token_sharded=config.sequence_parallel,
-        shared_reduced=config.shared_output_is_reduced,
+        fused_output_is_reduced=config.fused_output_is_reduced, token_sharded=config.sequence_parallel,
+        shared_output_is_reduced=config.shared_output_is_reduced,
     )
     sums = config.sum_plan(tp_size, platform)
     buffers = []

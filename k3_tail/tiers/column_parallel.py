@@ -62,7 +62,7 @@ def _own_block(up_proj_kernel, call: TailCall):
 
 
 def _collectives(shape: CallShape) -> tuple[CollectiveTerm, ...]:
-    if shape.shared_reduced:
+    if shape.shared_output_is_reduced:
         return shape.latent_reduction() + (shape.block_assembly(),)
     # The [T, H] buffer is reduced with or without shared experts: it carries the column blocks.
     return shape.latent_reduction() + (CollectiveTerm(shape.output_reduction, shape.rows * shape.hidden_size),)

@@ -78,5 +78,5 @@ RECORD = TierRecord(
     shared_reduced_form="the packed all-reduce loses s (T(H+L) elements); the reduced shared output is added after it",
     collectives=_collectives,
     needs_whole_kernel=True,
-    needs_unreduced_routed=True,
+    serves_fused_output_is_reduced=False,
 )

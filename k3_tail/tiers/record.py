@@ -6,7 +6,7 @@ Selection, the cost model, compilation, benchmarking, the command line and the R
 read a tier's facts from its record:
 
 - ``function``: the per-rank function, run inside ``jax.shard_map`` over the TP axis;
-- what it needs (``needs_whole_kernel``, ``needs_unreduced_routed``) and so the reason it gives
+- what it needs (``needs_whole_kernel``) or cannot serve (``serves_fused_output_is_reduced``) and so the reason it gives
   when it cannot run (:meth:`TierRecord.why_not`);
 - ``token_sharded_form``: how it makes token-sharded output (``TailConfig.sequence_parallel``);
 - ``shared_reduced_form``: how its schedule changes when the shared output arrives already reduced
@@ -74,14 +74,14 @@ class CallShape:
     weight_layout: str
     has_shared: bool
     use_norm: bool
-    routed_reduced: bool
+    fused_output_is_reduced: bool
     token_sharded: bool
-    shared_reduced: bool = False
+    shared_output_is_reduced: bool = False
 
     @property
     def sums_shared(self) -> bool:
         """Whether the tier itself sums shared partials: they exist and do not arrive reduced."""
-        return self.has_shared and not self.shared_reduced
+        return self.has_shared and not self.shared_output_is_reduced
 
     @property
     def block_width(self) -> int:
@@ -95,7 +95,7 @@ class CallShape:
 
     def latent_reduction(self) -> tuple[CollectiveTerm, ...]:
         """AR(T*L) of the routed partials, which every tier but one_shot starts with (none when reduced)."""
-        return () if self.routed_reduced else (CollectiveTerm(ALL_REDUCE, self.rows * self.latent_size),)
+        return () if self.fused_output_is_reduced else (CollectiveTerm(ALL_REDUCE, self.rows * self.latent_size),)
 
     def column_gather(self) -> tuple[CollectiveTerm, ...]:
         """AG(T*p*Hb) of the [T, Hb] output blocks, when a full-width tier runs on the column layout."""
@@ -121,9 +121,9 @@ class TierRecord:
     summary: one line. schedule: its steps in the notation AR/RS/AG (all-reduce, reduce-scatter,
     all-gather), r the routed and s the shared partial. collectives_text: the collectives per rank in
     that notation. needs_whole_kernel: runs only with the replicated kernel.
-    needs_unreduced_routed: cannot serve ``fused_output_is_reduced``. projects_all_columns: with
+    serves_fused_output_is_reduced: takes a reduced routed output. projects_all_columns: with
     the replicated kernel each rank projects all H columns (else its own block of Hb).
-    shards_tokens: the tier splits the tokens over the ranks itself: it works on T rounded up to a
+    splits_tokens: the tier splits the tokens over the ranks itself: it works on T rounded up to a
     multiple of p (at least p) whatever the output, and its GEMM on this rank's T/p rows.
     token_sharded_form: how it returns token-sharded output. shared_reduced_form: how its schedule
     changes when the shared output arrives reduced. compiler_options: per platform family
@@ -141,8 +141,8 @@ class TierRecord:
     shared_reduced_form: str
     collectives: Callable[[CallShape], tuple[CollectiveTerm, ...]]
     needs_whole_kernel: bool = False
-    needs_unreduced_routed: bool = False
-    shards_tokens: bool = False
+    serves_fused_output_is_reduced: bool = True
+    splits_tokens: bool = False
     compiler_options: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
 
     def why_not(self, weight_layout: str, config: TailConfig | None = None) -> str | None:
@@ -150,7 +150,7 @@ class TierRecord:
         if self.needs_whole_kernel and weight_layout != "replicated":
             return (f"{self.name} needs the whole [L, H] kernel on every rank (weight_layout='replicated'), "
                     f"got weight_layout={weight_layout!r}")
-        if self.needs_unreduced_routed and config is not None and config.fused_output_is_reduced:
+        if not self.serves_fused_output_is_reduced and config is not None and config.fused_output_is_reduced:
             return (f"{self.name} reduces the routed partials itself, so it cannot serve "
                     "fused_output_is_reduced=True")
         return None
@@ -171,7 +171,7 @@ class TierRecord:
     def gemm_rows(self, rows: int, tp_size: int) -> int:
         """The rows of one rank's projection when the tier works on ``rows`` token rows: its own
         rows / p when it shards tokens, else all of them."""
-        return rows // tp_size if self.shards_tokens else rows
+        return rows // tp_size if self.splits_tokens else rows
 
     def options_for(self, platform: str) -> dict[str, Any]:
         """The per-executable XLA options for a device ``platform`` ("gpu", "cuda", "rocm", "cpu", ...)."""

@@ -87,12 +87,13 @@ def tier_table() -> str:
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for record in TIER_RECORDS:
-        gemm = "2TLH/p" if record.shards_tokens or not record.projects_all_columns else "2TLH"
+        gemm = "2TLH/p" if record.splits_tokens or not record.projects_all_columns else "2TLH"
         kernel = "2LH" if record.projects_all_columns else "2LH/p"
         if record.projects_all_columns and not record.needs_whole_kernel:
             gemm, kernel = f"{gemm} (column layout: 2TLH/p)", f"{kernel} (column layout: 2LH/p)"
         needs = [text for flag, text in ((record.needs_whole_kernel, "replicated kernel"),
-                                         (record.needs_unreduced_routed, "unreduced routed partials")) if flag]
+                                         (not record.serves_fused_output_is_reduced, "unreduced routed partials"))
+                 if flag]
         cells = (record.name, record.summary, record.schedule, gemm, kernel, record.collectives_text,
                  record.shared_reduced_form, ", ".join(needs) or "-")
         lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")

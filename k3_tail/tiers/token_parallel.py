@@ -78,10 +78,10 @@ RECORD = TierRecord(
              "(replicated output only)",
     collectives_text="RS(TL), RS(TH), + AG(TH) for replicated output",
     projects_all_columns=True,
-    shards_tokens=True,
+    splits_tokens=True,
     token_sharded_form="the final all-gather over tokens is left out: each rank keeps its own rows",
     shared_reduced_form="RS(s) is left out: each rank takes its own rows of the reduced shared output",
     collectives=_collectives,
     needs_whole_kernel=True,
-    needs_unreduced_routed=True,
+    serves_fused_output_is_reduced=False,
 )
