@@ -1,69 +1,16 @@
 """What the tail's tiers are worth inside the Kimi-K3 latent MoE layer (examples/kimi_k3_moe_layer.py).
 
     python -m examples.kimi_k3_layer_share [--parts cpu,h100,early,cost,model] [--tokens 1,4,16,64,256,1024]
-        [--repeats 3] [--width-divisor 4] [--experts 8] [--top-k 2] [--compile-tokens 1,16,256]
-        [--cost-tokens 1,16,256,2048,8192] [--model-tokens 1,16,64,256,1024,8192]
+        [--repeats 3] [--compile-tokens 1,16,256] [--cost-tokens 1,16,256,2048,8192]
+        [--model-tokens 1,16,64,256,1024,8192] [--width-divisor 4] [--experts 8] [--top-k 2]
         [--weight-layout replicated] [--topology h100x8] [--json FILE]
 
-Five parts (--parts), each a table:
-
-cpu    The whole layer and the tail alone, per tier, on the --devices (8) CPU devices. The layer is
-       :class:`KimiK3MoELayer` with stand-in weights at Kimi-K3's widths divided by --width-divisor
-       (default 4: H 1792, L 896, m 768, F 1536; at full widths one call at T = 1024 takes about 45 s
-       on 2 cores) and --experts / --top-k (8 / 2); bf16. Per T, the same hidden states go through the
-       layer with each tier forced, and the layer's own partials (``layer.partials``) through
-       ``k3_tail.tail_forward`` with that tier: "tail alone, same inputs". --warmup untimed runs, then
-       --repeats interleaved rounds of every tier's layer and tail (``time_round_robin``). Reported:
-       median and q25-q75 in ms, the tail's share (tail median / layer median) and the layer's speed
-       against the native tier's layer. The CPU devices share the host's cores: this ranks tiers on
-       this machine only.
-
-h100   The whole layer at Kimi-K3's shapes (896 experts, top 16, bf16) compiled per tier for the
-       deviceless --topology (``k3_tail.topology_mesh``; ``compile_layer``: the tier's compiler
-       options and the layer's own ``GPU_COMPILER_OPTIONS``) at each --compile-tokens, the shared
-       reduction inside the tail (``early_shared_reduction=False``: where the tiers differ). The
-       shared reduction is the first collective named ``k3_tail/shared_reduction`` or
-       ``k3_tail/packed_reduction``, else the first unnamed one: XLA's GPU all-reduce combiner drops
-       the names of the all-reduces it merges (native's latent and shared reductions), while a
-       combined reduce-scatter keeps both. Reported: its buffers, whether it is an async start/done
-       pair, the GEMMs XLA scheduled between start and done, the share of the tier's up-projection
-       FLOPs (the GEMMs named ``k3_tail/up_projection``) inside it, and "overlapped": async with all
-       of the up projection inside; also the GEMM FLOPs per rank XLA compiled against the layer's
-       useful ones (k3_tail.tools.layer_cost).
-
-early  Where the shared reduction runs in the same compiled layer with the tier it selects, issued
-       inside the tail (``early_shared_reduction=False``) and before the routed experts (``True``,
-       the default), at each --compile-tokens (k3_tail.tools.layer_schedule): the schedule
-       positions of its start and done, of the first instruction that reads a routed-expert weight and
-       of the last routed-expert instruction, and the share of the routed-expert instructions between
-       start and done.
-
-cost   What the layer costs per device at each --cost-tokens, compiled as in h100 but with the tail
-       tier (``select_tier(..., platform="gpu")``) and the routed-expert method
-       (examples/kimi_k3_routed_experts.py) it selects: the GEMM FLOPs XLA compiled
-       (``k3_tail.xla.report``, from the HLO shapes: a while loop's body counts once; the gather
-       method's multiply + reduce fusions are not GEMMs) against the layer's useful FLOPs, the bytes
-       every top-level instruction reads and writes (the report's HLO-shape estimate: an operand
-       counts whole, so a fusion that gathers a few experts' blocks counts every expert's), XLA's
-       temp memory, and that over the routed-expert weight bytes the step reads (3 L m/p bf16 per
-       expert, times the expected distinct experts of k3_tail.tools.layer_cost).
-
-model  The cost model's layer-level gain of each tier over native on the MI355X preset, TP 8, at
-       each --model-tokens, the shared reduction inside the tail: the tail from the cost model and
-       the rest of the layer from the roofline of k3_tail.tools.layer_cost, with the routed experts'
-       weights in bf16 and in MXFP4 (Kimi-K3's release), next to vLLM's published end-to-end figures
-       (a whole serving run; ours is the MoE layer alone). Then the gain of issuing the shared
-       reduction early (``layer_cost.early_reduction_gain``: each way with its fastest tier) on
-       MI355X and H200.
-
---topology (h100x8, mi300xx8, mi355xx8, ...; a ROCm one needs the [rocm-aot] extra) is what the
-h100, early and cost parts compile for.
+Method and results: docs/performance.md, "The tail inside the Kimi-K3 latent MoE layer" (and the sections it links).
 """
 
 import dataclasses
 import functools
 import itertools
-from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -84,7 +31,7 @@ from k3_tail.tools import layer_cost
 from k3_tail.tools.benchmark import Timing, tiers_for, time_round_robin
 from k3_tail.tools.blocks import WEIGHT_LAYOUTS
 from k3_tail.tools.experiment import (
-    AXIS_NAME, Experiment, ProgressBar, choice_list, format_table, positive_int_list, progress, spread_ms,
+    AXIS_NAME, Experiment, ProgressBar, choice_list, format_table, positive_int_list, progress, spread_ms, stepped,
 )
 from k3_tail.tools.layer_schedule import shared_reduction_placement
 from k3_tail.xla import report as xla_report
@@ -150,16 +97,6 @@ def compiled_layer(args) -> str:
     """What the h100, early and cost parts compile, for their titles."""
     return (f"the layer compiled for a deviceless {args.topology} (Kimi-K3: {KIMI_K3_NUM_EXPERTS} experts, top "
             f"{KIMI_K3_TOP_K}, bf16, {args.weight_layout} up projection)")
-
-
-def stepped(items: Iterable[Any], label: Callable[[Any], str]) -> Iterator[Any]:
-    """``items`` one at a time, with a progress bar that names each ``label(item)``."""
-    items = list(items)
-    bar = ProgressBar(len(items))
-    for item in items:
-        bar.step(label(item))
-        yield item
-    bar.finish()
 
 
 # ---- cpu ----

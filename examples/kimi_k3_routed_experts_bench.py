@@ -3,16 +3,7 @@
     python -m examples.kimi_k3_routed_experts_bench [--tokens 64,256,1024] [--methods ragged_dot,capacity]
         [--width-divisor 4] [--experts 8] [--top-k 2] [--json FILE]
 
-The layer is :class:`KimiK3MoELayer` on --devices (8) CPU devices with stand-in weights at Kimi-K3's
-widths divided by --width-divisor (default 4: H 1792, L 896, m 768, F 1536, as
-examples/kimi_k3_layer_share.py's cpu part), --experts / --top-k (8 / 2), bf16, the up projection
-replicated, the tail tier it selects. Per T, the same hidden states go through the layer once per
-method of --methods (default: ragged_dot, the layer's method above T*k = E before, and capacity, its
-method now), each forced with ``LayerConfig(routed_experts=method)`` on the same parameters, timed in
---repeats interleaved rounds after --warmup runs (``benchmark.time_round_robin``). Reported: median
-and q25-q75 in ms and the speed against the first method (its median over the method's); * marks the
-method the layer selects for that T. The CPU devices share the host's cores, and ragged_dot runs
-densely over the E experts on CPU: this ranks the methods on this machine only.
+Method and results: docs/performance.md, "The routed experts at their real cost", "On the 8-device CPU mesh".
 """
 
 import functools

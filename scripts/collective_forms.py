@@ -1,35 +1,9 @@
-"""One all-reduce against reduce-scatter + all-gather, for a sum over the TP ranks of a [rows, width] buffer.
+"""One all-reduce against reduce-scatter + all-gather (and the tail's quantised two-shot sum), per buffer.
 
     python scripts/collective_forms.py [--rows 16,64,256,1024,2048] [--widths 3584,7168,17920]
                                        [--dtypes bfloat16,float32] [--quantized int8,int6,int4] [--json FILE]
 
-Decides, per backend, which form of the same sum is faster, and whether the dtype moved matters; with
---quantized, what the tail's quantised two-shot sum (vLLM ROCm QuickReduce) costs against them.
-
-Buffers: every [rows, width] of --rows x --widths (default widths: Kimi-K3's L = 3584, H = 7168 and
-one_shot's packed 2H + L = 17920) in each dtype of --dtypes; each rank holds its own random partial,
-a [p * rows, width] array sharded P("tp") on dim 0, placed before timing. Forms, each
-jax.jit(jax.shard_map(..., in_specs=P("tp"), out_specs=P())), every rank ending with the whole sum:
-
-  all-reduce  jax.lax.psum(x, "tp")
-  RS+AG       jax.lax.psum_scatter(x, "tp", scatter_dimension=0, tiled=True), then all_gather(tiled=True)
-  and, for a dtype narrower than float32, both again with the buffer cast to float32 around the
-  collective ("moved float32": twice the bytes). With --quantized CODEC,...: the tail's own sum
-  (``k3_tail.tools.blocks.all_reduce``, Kimi-K3 config of the buffer's dtype, that codec, every buffer
-  quantised): block-encode, all-to-all, float32 sum of the own chunk, re-encode, all-gather, decode.
-
-Timing: per buffer, --warmup untimed runs of each form, then --repeats interleaved rounds
-(``benchmark.time_round_robin``). Per form: median and quartiles in ms; per pair: the ratio of
-medians RS+AG / all-reduce and the quartiles of the per-round ratios. Numerics: each result against the
-all-reduce of the same moved dtype (a quantised one: the all-reduce of the buffer as is) and a float64
-sum on the host, max |a - b| / max |b|. The collectives in each compiled program are counted (a
-backend could rewrite one form into the other); a mismatch is flagged "HLO!".
-
-Then one summary line per dtype and moved dtype: the smallest buffer size (bytes per rank in its own
-dtype) from which RS+AG is faster by more than --margin in every measured case at or above it, or
-"never"; also with the per-round ratios' q75. With --quantized, a second table: the quantised sum
-against the all-reduce (lax.psum) and RS+AG of the buffer as is, and its numerics. Absolute times on a
-shared host drift; the ratios, taken within one run and round by round, are what to read.
+Method and results: docs/performance.md, "One all-reduce or reduce-scatter + all-gather, on the CPU backend".
 """
 
 import gc

@@ -1,19 +1,8 @@
-"""Every tier at decode token counts, T = 1, 2 and 16, in one interleaved run on this machine's mesh.
+"""Every tier and the bare rank-local GEMM at decode token counts, in one interleaved run on this machine's mesh.
 
     python scripts/decode_time.py [--tokens 1,2,16] [--devices 8] [--rounds 7] [--json FILE]
 
-A one-row GEMM should cost no more than a two-row one. The library multiplies a single row as two
-(``k3_tail.tools.blocks.project``); this checks that where it matters, and shows the cliff it avoids:
-
-tiers    ``k3_tail.tail_forward`` of the Kimi-K3 tail (bf16) by every tier with each weight layout
-         it runs with, at each T.
-gemm     the bare rank-local GEMM [T, L] x [L, H/p] in a ``jax.shard_map`` over the mesh (every rank
-         at once, the column block each column-layout rank holds): as the library computes it
-         (``project``) and as a plain ``jnp.dot`` of T rows, which for T = 1 is what XLA got before.
-
-Timing: inputs placed first, then --rounds interleaved rounds (``benchmark.time_round_robin``).
-Reported per call: median and quartiles in ms, and its median over the same call's at T = 2 ("x T=2";
-at most about 1 where one row costs no more than two).
+Method and results: docs/performance.md, "Decode: one-row GEMMs at their bytes".
 """
 
 import functools
@@ -27,7 +16,7 @@ from k3_tail import TailConfig, Tier, tail_forward
 from k3_tail.tools.benchmark import Timing, place_partials, place_weights, time_round_robin
 from k3_tail.tools.blocks import WEIGHT_LAYOUTS, project
 from k3_tail.tools.experiment import (
-    AXIS_NAME, Experiment, format_ms, format_table, positive_int_list, progress, quartiles_ms,
+    AXIS_NAME, Experiment, format_table, median_columns, positive_int_list, progress,
 )
 
 
@@ -62,8 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     experiment.print(format_table(rows, [
         ("part", "<7", lambda r: r["part"]), ("tier / GEMM", "<16", lambda r: r["name"]),
         ("layout", "<11", lambda r: r["weight_layout"]), ("T", ">5", lambda r: r["num_tokens"]),
-        ("median ms", ">11", lambda r: format_ms(r["timing"].median_s)),
-        ("q25-q75 ms", ">18", lambda r: quartiles_ms(r["timing"])), ("x T=2", ">8.2f", lambda r: r["vs_two_rows"]),
+        *median_columns(lambda r: r["timing"]), ("x T=2", ">8.2f", lambda r: r["vs_two_rows"]),
     ]))
     return experiment.finish(rows=rows)
 

@@ -2,18 +2,7 @@
 
     python scripts/fp8_error.py [--devices 8] [--tokens 1,16,256] [--tiers native,...] [--seed 0] [--json FILE]
 
-Inputs: bf16, drawn as the tests draw them (``k3_tail.tools.accuracy``; a checkpoint's kernel has its
-own distribution: per-column scales follow it, column by column).
-
-For the bf16 kernel and for each FP8 format x fp8_activations, every tier (replicated kernel) runs
-``k3_tail.tail_forward`` on the TP mesh, and its result is compared in float64 (relative Frobenius
-error) with:
-
-  vs bf16 W      the float64 tail with the unquantised bf16 kernel: what FP8 costs a user;
-  vs dequant W   the float64 tail with the quantised kernel's ``dequantize()``: the implementation's
-                 own error (bf16 rounding only, for weight-only FP8; plus the per-token activation
-                 quantisation with fp8_activations);
-  projection     "vs bf16 W" for the routed term alone, y - sum_i s_i against its float64 value.
+Method and results: docs/performance.md, "FP8 up-projection weights: accuracy, compiled kernel bytes, predicted effect".
 """
 
 import numpy as np

@@ -2,25 +2,14 @@
 
     python scripts/gemm_floor.py [--tokens 1024] [--devices 8] [--repeats 5] [--json FILE]
 
-times every tier with both weight layouts (k3_tail.tools.benchmark.measure_tiers) on the TP mesh,
-then the bare local GEMM each tier's rank runs, [T, L] x [L, columns]
-(k3_tail.tools.benchmark.measure_local_gemm) with columns = H/p for the tiers that project their own
-column block and H for those that project all columns (local_gemm_columns), twice:
-
-  1 device: on one device alone, the floor of one rank's compute when ranks have their own hardware;
-  p devices: every device of the mesh running its own such GEMM at once, the floor of the whole TP
-    step when the devices share hardware, as forced CPU devices share the host's cores.
-
-It prints, per (layout, tier): the median and quartiles, the speedup over native with the same
-layout and over native with the replicated kernel (vLLM's layout), and the tier's median over each
-GEMM floor's median.
+Method and results: docs/performance.md, "Measuring" and "Recorded: Kimi-K3, T = 1024, 8 forced CPU devices".
 """
 
 from k3_tail import TailConfig, Tier
 from k3_tail.tools.benchmark import config_dict, local_gemm_columns, measure_local_gemm, measure_tiers
 from k3_tail.tools.blocks import WEIGHT_LAYOUTS
 from k3_tail.tools.experiment import (
-    AXIS_NAME, Experiment, format_ms, format_table, positive_int, progress, quartiles_ms,
+    AXIS_NAME, Experiment, format_ms, format_table, median_columns, positive_int, progress,
 )
 
 
@@ -57,8 +46,7 @@ def main(argv: list[str] | None = None) -> int:
             "all_devices_gemm_median_s": every.median_s, "over_all_devices_gemm": m.timing.median_s / every.median_s})
     experiment.print("", format_table(rows, [
         ("layout", "<11", lambda r: r["weight_layout"]), ("tier", "<16", lambda r: r["tier"]),
-        ("median ms", ">10", lambda r: format_ms(r["median_s"])),
-        ("q25-q75 ms", ">18", lambda r: quartiles_ms(r)),
+        *median_columns(lambda r: r, (10, 18)),
         ("vs native", ">11", lambda r: f"{r['speedup_vs_native_same_layout']:.2f}x"),
         ("vs repl.", ">10", lambda r: f"{r['speedup_vs_native_replicated']:.2f}x"),
         ("GEMM cols", ">10", lambda r: r["gemm_columns"]),

@@ -3,37 +3,7 @@
     python scripts/gpu_profile.py [--tp-sizes 4,8] [--tokens 1,2,...,8192] [--weight-layout both]
                                   [--repeats 20] [--hardware PRESET] [--json FILE|-]
 
-What is timed: what one TP rank of a tier computes between its collectives, built from the tier's
-record (k3_tail.tiers.registry.TIER_RECORDS), for every TP size p of --tp-sizes, token count T of
---tokens and weight layout of --weight-layout the tier runs with:
-
-  token rows   rows = T, or for a tier that shards tokens (record.splits_tokens) T rounded up to a
-               multiple of p; the rank works on record.gemm_rows(rows, p) of them (T'/p for
-               token_parallel, all T for the others);
-  columns      record.gemm_columns(H, p, layout): H for a tier that projects all columns with the
-               replicated kernel, else its column block padded_hidden_size(H, p) / p;
-  work         latent [rows, L] -> RMSNorm in float32 with the norm weight [L] (config's eps and
-               scale) -> cast to config.dtype -> dot with the kernel block [L, columns] (float32
-               accumulated) -> + the shared partial's rows [rows, columns] in float32 -> cast.
-
-That is the shape of every tier's local work; the tiers differ from it only elementwise (one_shot
-scales its partial before the GEMM and applies the row RMS factor after its all-reduce; native and
-overlap with the column layout add the shared sum after gathering; column_parallel writes its block
-back into [T, H]).
-
-How: one jax.jit of that function on jax.devices()[0] (a GPU when there is one, else the CPU),
-random inputs (--seed) on the device; per case --warmup untimed runs (the first compiles), then
---repeats timed runs (k3_tail.tools.benchmark.time_runs: wall time with Python dispatch). The
-dispatch floor, a jitted one-element add timed the same way, is printed first: a median near it is
-dispatch and launch, not the work.
-
-Reported per (p, T, tier, layout): median and quartiles; GEMM FLOPs 2 * rows * L * columns; bytes
-moved (kernel block, norm weight, latent and shared rows in, the output out); TFLOP/s and GB/s over
-the median, and their fractions of the preset's peak_flops (dense BF16, whatever --dtype is) and
-hbm_bytes_per_s. The preset (k3_tail.hardware.HARDWARE) is --hardware, or the device kind's
-(DEVICE_KIND_PRESETS; another GPU needs --hardware). On the CPU a preset's fractions are
-meaningless; without --hardware there are none. --json also writes the device, the config (Kimi-K3
-unless --hidden-size, --latent-size or --dtype), the preset and the dispatch floor.
+Method and results: docs/performance.md, "Per-rank local work on one GPU".
 """
 
 import dataclasses
@@ -51,8 +21,8 @@ from k3_tail.tiers.registry import TIER_RECORDS
 from k3_tail.tools.benchmark import config_dict, default_token_counts, time_runs
 from k3_tail.tools.blocks import WEIGHT_LAYOUTS, rms_norm
 from k3_tail.tools.experiment import (
-    Experiment, ProgressBar, add_shape_arguments, announce_machine, format_ms, format_table, positive_int,
-    positive_int_list, progress, quartiles_ms, use_cpu_without_gpu,
+    Experiment, add_shape_arguments, announce_machine, format_ms, format_table, median_columns, positive_int,
+    positive_int_list, progress, quartiles_ms, stepped, use_cpu_without_gpu,
 )
 
 DEFAULT_TP_SIZES = (4, 8)
@@ -198,22 +168,19 @@ def main(argv: list[str] | None = None) -> int:
     todo = cases(config, args.tp_sizes, token_counts, layouts)
     arguments, drop_activations = input_maker(config, device, args.seed)
     run_jitted = jax.jit(functools.partial(local_work, config=config))
-    bar = ProgressBar(len(todo))
     rows, group = [], None
-    for case in todo:
+    for case in stepped(todo, lambda case: f"p={case['tp_size']} T={case['num_tokens']} {case['tier']} "
+                        f"{case['weight_layout']}"):
         if (case["tp_size"], case["num_tokens"]) != group:
             drop_activations()
             group = case["tp_size"], case["num_tokens"]
-        bar.step(f"p={case['tp_size']} T={case['num_tokens']} {case['tier']} {case['weight_layout']}")
         rows.append(measure(case, arguments(case), run_jitted, repeats=repeats, warmup=args.warmup, hardware=hardware))
-    bar.finish()
     drop_activations()
     experiment.print("", format_table(rows, [
         ("p", ">3", lambda r: r["tp_size"]), ("T", ">6", lambda r: r["num_tokens"]), ("", "2", lambda r: ""),
         ("tier", "<16", lambda r: r["tier"]), ("layout", "<11", lambda r: r["weight_layout"]),
         ("rows", ">6", lambda r: r["gemm_rows"]), ("cols", ">6", lambda r: r["gemm_columns"]),
-        ("median ms", ">11", lambda r: format_ms(r["median_s"])),
-        ("q25-q75 ms", ">19", lambda r: quartiles_ms(r)),
+        *median_columns(lambda r: r, (11, 19)),
         ("TFLOP/s", ">9", lambda r: three_digits(r["tflops_per_s"])),
         ("%peak", ">7", lambda r: percent(r["peak_flops_fraction"])),
         ("GB/s", ">8", lambda r: three_digits(r["gb_per_s"])),

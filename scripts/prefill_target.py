@@ -2,16 +2,7 @@
 
     python scripts/prefill_target.py [--tokens 16,1024] [--devices 8] [--rounds 5] [--json FILE]
 
-The baseline is column_parallel with the column kernel layout and ``all_reduce_form="all-reduce"``:
-the program the column tier compiled to before the library chose the form of its all-reduces.
-Every tier then runs with the default ``all_reduce_form="auto"`` (on CPU, bfloat16 sums of >= 8 MiB
-run as reduce-scatter + all-gather), with each weight layout it supports, for replicated output and
-for token-sharded output (``sequence_parallel=True``; the baseline then is the column tier's
-token-sharded form).
-
-Timing: Kimi-K3 shapes (bf16) on the TP mesh, inputs placed first, then --rounds interleaved rounds
-(``benchmark.time_round_robin``). Reported per variant: the median and quartiles, and its median
-over the baseline's (below 1: faster than before).
+Method and results: docs/performance.md, "Prefill: token_parallel and every tier against the column tier of before".
 """
 
 import functools
@@ -21,7 +12,7 @@ import numpy as np
 from k3_tail import TailConfig, Tier, tail_forward
 from k3_tail.tools.benchmark import Timing, place_partials, place_weights, time_round_robin
 from k3_tail.tools.blocks import WEIGHT_LAYOUTS
-from k3_tail.tools.experiment import Experiment, format_ms, format_table, positive_int_list, progress, quartiles_ms
+from k3_tail.tools.experiment import Experiment, format_table, median_columns, positive_int_list, progress
 
 BASELINE = ("column_parallel", "column", "all-reduce")
 
@@ -58,8 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         ("T", ">5", lambda r: r["num_tokens"]), ("", "2", lambda r: ""), ("output", "<14", lambda r: r["output"]),
         ("tier", "<16", lambda r: r["tier"]), ("layout", "<11", lambda r: r["weight_layout"]),
         ("all-reduce form", "<27", lambda r: r["all_reduce_form"]),
-        ("median ms", ">10", lambda r: format_ms(r["timing"].median_s)),
-        ("q25-q75 ms", ">18", lambda r: quartiles_ms(r["timing"])),
+        *median_columns(lambda r: r["timing"], (10, 18)),
         ("vs before", ">10", lambda r: f"{r['vs_baseline']:.2f}x"),
         ("", "", lambda r: " before" if (r["tier"], r["weight_layout"], r["all_reduce_form"]) == BASELINE else ""),
     ]))

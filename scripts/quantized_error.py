@@ -4,23 +4,7 @@
                                       [--codecs bf16,int8,int6,int4] [--large-tokens 8192 --large-tiers TIER,...]
                                       [--seed 0] [--json FILE]
 
-Inputs: bf16, drawn as the tests draw them (``k3_tail.tools.accuracy``); the kernel and the norm weight
-once, the partials once per T, placed on the mesh once and shared by every tier and codec. Reference:
-per T, the float64 tail of those bf16 values on the host.
-
-Runs: for each T, every tier of --tiers (default: every tier; the replicated kernel layout, which
-every tier runs on) runs ``k3_tail.tail_forward`` on the TP mesh once per codec of --codecs: "bf16"
-is the unquantised baseline (every sum moves bf16), int8 / int6 / int4 set
-``all_reduce_quantization`` with ``quantized_all_reduce_min_bytes=0``, so that every sum of the tier
-is quantised whatever its size and the codec's error shows at every T. With --large-tiers, token
-counts of at least --large-tokens run only those tiers (the float64 reference and the
-replicated-kernel GEMMs grow with T).
-
-Reported: ||y - y_ref|| / ||y_ref|| per (T, tier, codec) and its ratio to the bf16 baseline of the
-same (T, tier), a Markdown table; then, with vLLM's DEFAULT minimum sizes
-(``quantized_all_reduce_min_bytes=None``, the float16 table that bf16 follows by default, for the
-mesh's p), which of the tail's sums are quantised at each T: the [T, L] latent sum, a [T, H] sum
-(the shared partials, or column_parallel's output) and one_shot's packed [T, 2H + L] sum.
+Method and results: docs/performance.md, "Quantised sums (vLLM ROCm's QuickReduce)", "Accuracy".
 """
 
 import time

@@ -1,16 +1,8 @@
 """What the cost model predicts quantised sums are worth: the fastest tier's time per codec against bf16 sums.
 
-For each GPU preset (MI355X, MI300X, H200), TP 8, Kimi-K3 shapes, the replicated kernel layout (every tier
-runs on it) and each codec: the gain of the fastest tier's predicted time with quantised sums over the
-fastest with bf16 sums, at a list of token counts, with every sum quantised (minimum size 0) and with
-vLLM's default minimum sizes; the break-even token count from which quantising every sum pays; and the
-tiers' crossovers with int4 sums next to bf16's. A quantised all-reduce moves b/16 + 1/32 of the bytes
-but pays a second collective latency and three memory-bound codec passes
-(:mod:`k3_tail.selection.cost_model`), so it loses at decode and wins at prefill.
-
     python scripts/quantized_gain.py [--tokens 1,16,256,1024,2048,8192] [--json gains.json]
 
-Pure arithmetic: it runs in seconds and needs no device.
+Method and results: docs/performance.md, "Quantised sums (vLLM ROCm's QuickReduce)", "Predicted worth on the GPUs".
 """
 
 from __future__ import annotations

@@ -1,29 +1,10 @@
 """Run every tier of the Kimi-K3 tail on a TP mesh that spans several JAX processes, and check it.
 
-On several hosts, one process each: every host runs the same command, only --process-id differs,
+    python scripts/run_multiprocess.py --coordinator HOST0:PORT --num-processes N --process-id I   # on each host
+    python scripts/run_multiprocess.py --local 2 --small                                           # on one machine
 
-    python scripts/run_multiprocess.py --coordinator HOST0:PORT --num-processes N --process-id I
-
-where HOST0 runs process 0, which serves the coordinator on PORT (every host must reach it). The
-mesh "tp" spans the devices of all processes: each host's GPUs, or with --cpu-devices K, K CPU
-devices per process (their collectives go through gloo). To try it on one machine:
-
-    python scripts/run_multiprocess.py --local 2 --small
-
-spawns 2 processes of this script on 127.0.0.1 with 4 CPU devices each, and stops the others when
-one fails or --timeout passes.
-
-Every process runs every tier (k3_tail.Tier) with every weight layout it supports at each --tokens
-T, on the same random inputs (same --seed), passed as host numpy arrays; a model would pass its
-own global jax.Arrays instead. Every process compares its copy of the replicated output with a
-float64 numpy reference, and process 0 prints the relative errors. The exit status is 0 when every
-error is within the tolerance of the dtype; 1 when one is not, a process failed, or the coordinator's
-address cannot serve (process 0 cannot listen on its port; another process finds nothing accepting
-connections there within --connect-timeout), the last two with a one-line message naming the
-address; 2 for bad arguments, a malformed HOST:PORT included. JAX's runtime ends a process itself,
-with SIGABRT (status 134; --local then exits with 1), when a peer dies after joining
-(--heartbeat-timeout) or another program answers on the coordinator's port
-(--initialization-timeout).
+Exit status 0 when every tier is within the dtype's tolerance of the float64 reference, 1 when one is not or a
+process or the coordinator's address fails, 2 for bad arguments. Method: docs/guide.md, "Multi-process meshes".
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ would otherwise print its failed start (a cuDNN traceback) before JAX falls back
 Flags, declared once (:class:`Experiment`): ``--devices N``, ``--repeats N`` (also spelt ``--rounds``:
 timed runs or interleaved rounds), ``--warmup N``, ``--seed S`` (an integer in [0, 2**32), what numpy
 takes) and ``--json FILE`` (``-``: stdout, the tables then go to stderr). Progress goes to stderr; the
-tables and figures are :mod:`k3_tail.tools.tables`'s, the experiments' five also importable from here.
+tables and figures are :mod:`k3_tail.tools.tables`'s, the experiments' six also importable from here.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import IO, Any
 
 import jax
@@ -36,6 +36,7 @@ from k3_tail.tools.tables import (  # the experiments take their table and figur
     format_ms as format_ms,
     format_table as format_table,
     markdown_table as markdown_table,
+    median_columns as median_columns,
     quartiles_ms as quartiles_ms,
     spread_ms as spread_ms,
 )
@@ -344,6 +345,16 @@ class ProgressBar:
         # "\x1b[K" erases what a longer previous label left on the line.
         self.stream.write(f"\r{text}\x1b[K" if self.interactive else f"{text}\n")
         self.stream.flush()
+
+
+def stepped(items: Iterable[Any], label: Callable[[Any], str]) -> Iterator[Any]:
+    """``items`` one at a time, with a :class:`ProgressBar` on stderr that names each ``label(item)``."""
+    items = list(items)
+    bar = ProgressBar(len(items))
+    for item in items:
+        bar.step(label(item))
+        yield item
+    bar.finish()
 
 
 def progress(message: str, end: str = "\n") -> None:

@@ -84,6 +84,18 @@ Column = tuple[str, str, Callable[[Any], Any]]
 _ALIGN_AND_WIDTH = re.compile(r"[<>^]?\d*")
 
 
+def median_columns(timing: Callable[[Any], Timing | Mapping[str, float]],
+                   widths: tuple[int, int] = (11, 18)) -> list[Column]:
+    """The "median ms" and "q25-q75 ms" columns of :func:`format_table`, of the :class:`Timing` (or the
+    row holding its fields) ``timing(row)``, right-aligned in ``widths`` characters."""
+    def median(row: Any) -> str:
+        fields = timing(row)
+        return format_ms(fields["median_s"] if isinstance(fields, Mapping) else fields.median_s)
+
+    return [("median ms", f">{widths[0]}", median),
+            ("q25-q75 ms", f">{widths[1]}", lambda row: quartiles_ms(timing(row)))]
+
+
 def terminal_width() -> int | None:
     """The width to fit output to: ``COLUMNS`` when set, else that of the terminal stdout is on
     (``shutil.get_terminal_size``); None off a terminal (a pipe, a file), where lines may be long."""
