@@ -30,7 +30,7 @@ method issues a collective.
   (hipBLASLt); neither is verified here (no GPU). Never selected; call it by name.
 
 Why these. Compiled for a deviceless 8 x H100 at Kimi-K3's shapes (896 experts, top 16, L 3584,
-m/p 384, bf16), the whole layer with the tail tier it selects (``python scripts/layer_share.py
+m/p 384, bf16), the whole layer with the tail tier it selects (``python -m examples.kimi_k3_layer_share
 --parts cost``: GEMM FLOPs per device from the HLO, a while loop's body counted once, over the
 layer's useful FLOPs; XLA's temp memory):
 
