@@ -19,7 +19,8 @@ from k3_tail.selection.rules import select_tier
 from k3_tail.tiers.registry import TIER_RECORDS, Tier, tier_table
 from k3_tail.tools.benchmark import Measurement, Timing
 from k3_tail.tools.experiment import MAX_CPU_DEVICES
-from k3_tail.tools.tables import format_bytes, format_seconds, format_table
+from k3_tail.tools.tables import format_table
+from k3_tail.units import format_bytes, format_flops, format_seconds
 
 AOT_MISSING = importlib.util.find_spec("jax_plugins.xla_cuda13") is None
 
@@ -88,7 +89,7 @@ def test_hlo_shows_the_overlap_tier_overlapped_on_eight_h100s_reading_its_fp8_ke
     assert result.returncode == 0, result.stderr
     assert "overlapped: True" in result.stdout and "NVIDIA H100" in result.stdout
     assert "up projection float8_e4m3fn" in result.stdout
-    gemm_lines = [line for line in result.stdout.splitlines() if "GFLOP, reads" in line]
+    gemm_lines = [line for line in result.stdout.splitlines() if "FLOP, reads" in line]
     assert gemm_lines and all("f8e4m3fn[" in line for line in gemm_lines)
     assert "Traceback" not in result.stderr and "cuDNN" not in result.stderr
 
@@ -213,6 +214,10 @@ def timing(median_s, spread_s=0.0):
 def test_format_bytes_scales_to_the_figure():
     assert [format_bytes(count) for count in (512, 12.3 * 2**10, 6.13 * 2**20, 1.5 * 2**30)] == [
         "512 B", "12.3 KiB", "6.13 MiB", "1.50 GiB"]
+
+
+def test_format_flops_scales_to_the_figure():
+    assert [format_flops(count) for count in (512, 822e6, 13.15e9)] == ["512 FLOP", "822 MFLOP", "13.2 GFLOP"]
 
 
 def test_format_seconds_scales_to_the_figure():

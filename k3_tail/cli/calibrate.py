@@ -25,7 +25,8 @@ from k3_tail.cli.common import (
 from k3_tail.selection.table import table_from_measurements
 from k3_tail.tools.benchmark import Measurement, default_token_counts
 from k3_tail.tools.experiment import CommandError, demo_devices, positive_int, tp_mesh
-from k3_tail.tools.tables import format_percent, format_seconds, within_noise
+from k3_tail.tools.tables import format_percent, within_noise
+from k3_tail.units import format_seconds
 
 HELP = "measure the tiers on this mesh and write a selection table (JSON) for TailConfig.selection_policy"
 DESCRIPTION = (

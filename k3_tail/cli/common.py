@@ -28,7 +28,8 @@ from k3_tail.tools.experiment import (
     AXIS_NAME, CommandError, ProgressBar, add_devices_argument, add_seed_argument, add_shape_arguments,
     non_negative_int, positive_int, positive_int_list, tier_list, tier_values,
 )
-from k3_tail.tools.tables import format_ms, format_percent, format_seconds, quartiles_ms, within_noise
+from k3_tail.tools.tables import format_ms, format_percent, quartiles_ms, within_noise
+from k3_tail.units import format_seconds
 
 PROG = "k3-tail"
 

@@ -36,7 +36,8 @@ from k3_tail.tools.experiment import (
     AXIS_NAME, CommandError, ProgressBar, add_devices_argument, choice_list, demo_devices, non_negative_int,
     positive_int, positive_int_list, tier_values, tp_mesh,
 )
-from k3_tail.tools.tables import format_bytes, format_table, markdown_table, terminal_width
+from k3_tail.tools.tables import format_table, markdown_table, terminal_width
+from k3_tail.units import format_bytes
 from k3_tail.xla import report as xla_report
 from k3_tail.xla.compilation import compile_tail, compiler_options
 from k3_tail.xla.topologies import TopologyUnavailable, topology_mesh
@@ -232,10 +233,11 @@ def help_epilog() -> str:
         text = textwrap.fill(meaning, width=100, initial_indent=indent, subsequent_indent=indent)
         fits = len(label) < EPILOG_LABEL_WIDTH
         lines.append(f"  {label:<{EPILOG_LABEL_WIDTH}}{text.lstrip()}" if fits else f"  {label}\n{text}")
-    lines.append("Bytes in B, KiB, MiB, GiB (powers of 1024) as the figure needs; x: a ratio.")
+    lines.append("Bytes in B, KiB, MiB, GiB (powers of 1024) and FLOPs in MFLOP, GFLOP, ... (powers of 1000) as the "
+                 "figure needs; x: a ratio.")
     lines.append("")
     lines += textwrap.wrap(
-        "The report of one case, per device (its units: GFLOP = 1e9 FLOPs, MB = 1e6 B, kB = 1e3 B): \"per device\": "
+        "The report of one case, per device, in the same units: \"per device\": "
         "all FLOPs, bytes accessed (as above) and where they come from (XLA's cost analysis, or the HLO shapes where "
         "the backend has none), the GEMMs' FLOPs; \"arguments per device\": each argument's shard; \"GEMMs\": "
         "[schedule position] name: FLOPs, the arrays it reads; \"collectives\": form, buffers (named scopes): "

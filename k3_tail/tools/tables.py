@@ -39,33 +39,6 @@ def spread_ms(timing: Timing | Mapping[str, float]) -> str:
     return f"{format_ms(fields['median_s'])} ({quartiles_ms(fields)})"
 
 
-def format_bytes(count: float) -> str:
-    """``count`` bytes in the binary unit that keeps about 3 significant digits: "512 B", "12.3 KiB",
-    "6.13 MiB", "1.50 GiB"."""
-    value, unit = float(count), "B"
-    for larger in ("KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024:
-            break
-        value, unit = value / 1024, larger
-    if unit == "B":
-        return f"{value:.0f} B"
-    return f"{value:.{_decimals(value)}f} {unit}"
-
-
-def format_seconds(seconds: float) -> str:
-    """``seconds`` in the unit that keeps about 3 significant digits: "812 us", "1.23 ms", "2.50 s"."""
-    for scale, unit in ((1e-3, "us"), (1.0, "ms")):
-        if seconds < scale:
-            value = seconds / scale * 1e3
-            return f"{value:.{_decimals(value)}f} {unit}"
-    return f"{seconds:.{_decimals(seconds)}f} s"
-
-
-def _decimals(value: float) -> int:
-    """Decimals that show about 3 significant digits of ``value`` (at least 1, under 1000)."""
-    return 2 if abs(value) < 10 else 1 if abs(value) < 100 else 0
-
-
 def format_percent(fraction: float) -> str:
     """``fraction`` as a percentage: one decimal under 10% ("0.4%", "7.1%"), none above ("23%")."""
     percent = 100 * fraction

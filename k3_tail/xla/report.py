@@ -19,6 +19,7 @@ from k3_tail.ops.codecs import CODECS
 from k3_tail.tiers.record import RING_WIRE_FACTORS
 from k3_tail.ops.scopes import PREFIX as SCOPE_PREFIX
 from k3_tail.ops.scopes import SCOPES
+from k3_tail.units import format_bytes, format_flops
 from k3_tail.xla.hlo_text import (
     ArrayShape,
     Instruction,
@@ -164,11 +165,11 @@ class XlaReport:
         """The report as readable text."""
         lines = [
             f"compiled for: {self.platform} ({self.device_kind}), {self.num_devices} devices",
-            f"per device: {self.flops / 1e9:.4f} GFLOP, {self.bytes_accessed / 1e6:.3f} MB accessed "
-            f"({self.cost_source}); GEMMs {self.gemm_flops / 1e9:.4f} GFLOP",
+            f"per device: {format_flops(self.flops)}, {format_bytes(self.bytes_accessed)} accessed "
+            f"({self.cost_source}); GEMMs {format_flops(self.gemm_flops)}",
             f"arguments per device: {_arrays_text(self.arguments)}",
             "GEMMs:",
-            *(f"  [{gemm.position:3d}] {gemm.name}: {gemm.flops / 1e9:.4f} GFLOP, reads {_arrays_text(gemm.operands)}"
+            *(f"  [{gemm.position:3d}] {gemm.name}: {format_flops(gemm.flops)}, reads {_arrays_text(gemm.operands)}"
               for gemm in self.gemms),
             "collectives:",
         ]
@@ -179,8 +180,9 @@ class XlaReport:
             shared = "  <- shared reduction" if collective is self.shared_reduction else ""
             scopes = f" ({', '.join(collective.scopes)})" if collective.scopes else ""
             lines.append(
-                f"  {collective.form} {' + '.join(map(str, collective.arrays))}{scopes}: {collective.bytes / 1e3:.1f} "
-                f"kB, group {collective.group_size}, wire {collective.wire_bytes / 1e3:.1f} kB/rank, {timing}{shared}"
+                f"  {collective.form} {' + '.join(map(str, collective.arrays))}{scopes}: "
+                f"{format_bytes(collective.bytes)}, group {collective.group_size}, "
+                f"wire {format_bytes(collective.wire_bytes)}/rank, {timing}{shared}"
             )
             if collective.between:
                 lines.append(f"      scheduled inside: {', '.join(collective.between)}")
@@ -360,8 +362,8 @@ def _parameters(schedule: tuple[Instruction, ...]) -> list[Instruction]:
 
 
 def _arrays_text(arrays: tuple[ArrayShape, ...]) -> str:
-    """``bf16[16,3584] (0.115 MB), f8e4m3fn[3584,7168] (25.690 MB)``."""
-    return ", ".join(f"{array} ({array.bytes / 1e6:.3f} MB)" for array in arrays) or "none"
+    """``bf16[16,3584] (112 KiB), f8e4m3fn[3584,7168] (24.5 MiB)``."""
+    return ", ".join(f"{array} ({format_bytes(array.bytes)})" for array in arrays) or "none"
 
 
 def _first_device(compiled: jax.stages.Compiled):
