@@ -34,7 +34,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from k3_tail._checks import AxisName, check_axis_name, check_mesh
+from k3_tail._checks import AxisName, check_axis_name, check_int, check_mesh
 from k3_tail.config import TailConfig, check_config
 from k3_tail.ops.columns import check_weight_layout, padded_hidden_size
 from k3_tail.ops.up_projection import QuantizedKernel, quantize_up_proj
@@ -145,9 +145,7 @@ class Checkpoint:
           ValueError: naming the layer when it is not an integer >= 0, is past the last layer, has no
             tensors, or is a dense layer.
         """
-        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or layer < 0:
-            raise ValueError(f"layer: expected an integer >= 0, got {layer!r}")
-        layer = int(layer)
+        layer = check_int("layer", layer, minimum=0)
         layers = self.layers
         if layer not in self._layers:
             if not layers or layer > layers[-1]:

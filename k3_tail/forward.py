@@ -124,8 +124,8 @@ def _tail_forward_jit(routed_partials, shared_partials, norm_weight, up_proj_ker
 
 
 def _check_global_inputs(routed_partials, shared_partials, norm_weight, up_proj_kernel, *, config, tp_size,
-                         weight_layout) -> int:
-    """Validate the global shapes and dtypes against the config and p; return T."""
+                         weight_layout) -> None:
+    """Validate the global shapes and dtypes against the config and p."""
     hidden, latent = config.hidden_size, config.latent_size
     routed_shape = np.shape(routed_partials)
     if config.fused_output_is_reduced:
@@ -155,4 +155,3 @@ def _check_global_inputs(routed_partials, shared_partials, norm_weight, up_proj_
         kernel_shapes.append((latent, padded))
     check_up_proj_kernel(up_proj_kernel, dtype=config.dtype, up_proj_dtype=config.up_proj_dtype, shapes=kernel_shapes,
                          sizes=f"L={latent}, H={hidden}, p={tp_size}")
-    return num_tokens

@@ -13,6 +13,7 @@ from jax.sharding import Mesh
 
 from k3_tail._checks import AxisName, check_axis_name, check_mesh, expect_array
 from k3_tail.checkpoint import load_tail_weights
+from k3_tail.hardware import device_platform
 from k3_tail.config import TailConfig, check_config
 from k3_tail.forward import tail_forward
 from k3_tail.per_rank import latent_moe_tail
@@ -169,7 +170,7 @@ class LatentMoETail(nnx.Module):
         """
         device = self.mesh.devices.flat[0]
         return select_tier(self.config, num_tokens, self.tp_size, weight_layout=self.weight_layout,
-                           device_kind=device.device_kind, platform=device.platform)
+                           device_kind=device.device_kind, platform=device_platform(device))
 
     def __call__(self, routed_partials, shared_partials, *, tier: Tier | str | None = None) -> jax.Array:
         """y [T, H] from routed_partials [p, T, L] and shared_partials [p, T, H].

@@ -89,9 +89,11 @@ def latent_moe_tail(
     )
     device = jax.devices()[0] if device is None else device
     check_fp8_activations(config.up_proj_dtype, config.fp8_activations, device)
+    # One platform for the selection and for the sums ("rocm" or "cuda" for a GPU, not JAX's "gpu").
+    platform = device_platform(device)
     if tier is None:
         tier = select_tier(config, num_tokens, tp_size, weight_layout=weight_layout, device_kind=device.device_kind,
-                           platform=device.platform).tier
+                           platform=platform).tier
     else:
         tier = Tier.parse(tier)
         tier.record.check_runs(weight_layout, config)
@@ -104,7 +106,7 @@ def latent_moe_tail(
         if shared_partial is not None and not config.shared_output_is_reduced:
             shared_partial = pad_tokens(shared_partial, tp_size)
     call = TailCall.inside_shard_map(config, axis_name=axis_name, weight_layout=weight_layout,
-                                     platform=device_platform(device))
+                                     platform=platform)
     y = tier.record.function(routed_partial, shared_partial, norm_weight, up_proj_kernel, call)
     if config.sequence_parallel and not is_token_sharded_output(config, num_tokens, tp_size):
         return gather_tokens(y, num_tokens, axis_name=axis_name)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import jax
 
 from k3_tail._checks import AxisName, axis_size_in_scope, check_axis_name, expect_array, expect_rank
+from k3_tail.hardware import device_platform
 from k3_tail.config import TailConfig, check_config
 from k3_tail.ops.scopes import SHARED_REDUCTION
 from k3_tail.ops.tokens import pad_tokens
@@ -62,7 +63,7 @@ def reduce_shared(
     expect_rank(shared_partial, "shared_partial", "[T, H] (this rank's shared-expert partial)", 2)
     hidden = config.hidden_size
     expect_array(shared_partial, "shared_partial", [(shared_partial.shape[0], hidden)], config.dtype, f"H={hidden}")
-    platform = (jax.devices()[0] if device is None else device).platform
+    platform = device_platform(jax.devices()[0] if device is None else device)  # as latent_moe_tail's sums
     if config.sequence_parallel:
         shared_partial = pad_tokens(shared_partial, tp_size)
     # The layout is not read: the sum involves no kernel.

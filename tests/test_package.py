@@ -83,6 +83,16 @@ def test_no_import_runs_back_up_a_layer():
     assert not upward
 
 
+# The measurement experiments: the scripts and the two that measure the example layer beside it.
+EXPERIMENTS = ("scripts/*.py", "examples/kimi_k3_layer_share.py", "examples/kimi_k3_routed_experts_bench.py")
+
+
+def test_the_experiments_stay_thin_over_the_harness():
+    """Experiments are thin over k3_tail.tools: at most 1,700 lines of Python among them."""
+    lines = sum(len(path.read_text().splitlines()) for pattern in EXPERIMENTS for path in ROOT.glob(pattern))
+    assert 0 < lines <= 1700
+
+
 def test_import_loads_only_the_core():
     script = "import json, sys, k3_tail; print(json.dumps(sorted(sys.modules)))"
     environment = dict(os.environ, JAX_PLATFORMS="cpu")

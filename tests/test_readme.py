@@ -55,3 +55,8 @@ def test_every_relative_link_of_the_readme_and_docs_resolves():
             if not linked.is_file() or (section and section not in map(anchor, headings)):
                 broken.append(f"{page.relative_to(ROOT)}: {target}")
     assert not broken
+
+
+def test_the_readme_stays_a_page_of_at_most_200_lines():
+    """Set-up, demo, tests, use in a model, the tier table and pointers: the rest lives in docs/."""
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 200

@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 
 from jax.sharding import Mesh
 
+from k3_tail.hardware import device_platform
 from k3_tail.config import ALL_REDUCE_QUANTIZATIONS, TailConfig
 from k3_tail.ops.collectives import ALL_REDUCE_FORMS
 from k3_tail.ops.columns import WEIGHT_LAYOUTS
@@ -43,7 +44,7 @@ def mesh_decision(config: TailConfig, num_tokens: int, mesh: Mesh, weight_layout
     """What :func:`select_tier` picks for a call on ``mesh`` (its TP size, device kind and platform)."""
     device = mesh.devices.flat[0]
     return select_tier(config, num_tokens, mesh.shape[AXIS_NAME], weight_layout=weight_layout,
-                       device_kind=device.device_kind, platform=device.platform)
+                       device_kind=device.device_kind, platform=device_platform(device))
 
 
 def add_weight_layout_argument(parser: argparse.ArgumentParser) -> None:

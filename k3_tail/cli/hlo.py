@@ -33,7 +33,7 @@ from k3_tail.config import TailConfig
 from k3_tail.ops.columns import WEIGHT_LAYOUTS
 from k3_tail.tiers.registry import Tier
 from k3_tail.tools.experiment import (
-    AXIS_NAME, CommandError, ProgressBar, add_devices_argument, choice_list, demo_devices, non_negative_int,
+    AXIS_NAME, CommandError, add_devices_argument, stepped, choice_list, demo_devices, non_negative_int,
     positive_int, positive_int_list, tier_values, tp_mesh,
 )
 from k3_tail.tools.tables import format_table, markdown_table, terminal_width
@@ -248,6 +248,12 @@ def help_epilog() -> str:
     return "\n".join(lines)
 
 
+def _case_label(case) -> str:
+    """What the progress bar names for a sweep case."""
+    tier = case.tier if case.tier == AUTO else case.tier.value
+    return f"{case.topology} T={case.num_tokens} {tier} {case.weight_layout} {case.kernel} {case.sums}"
+
+
 def hlo_tier_list(text: str) -> tuple[Tier | str, ...]:
     """A comma-separated list of tier values, ``auto`` and ``all`` (argparse type)."""
     tiers = []
@@ -297,13 +303,8 @@ def run(args: argparse.Namespace) -> int:
     cases, left_out = sweep_cases(args, meshes, kernels, sums, fp8_format)
     if len(cases) == 1 and args.columns is None:
         return print_report(args, cases[0], meshes[cases[0].topology], fp8_format)
-    bar = ProgressBar(len(cases))
-    rows = []
-    for case in cases:
-        tier = case.tier if case.tier == AUTO else case.tier.value
-        bar.step(f"{case.topology} T={case.num_tokens} {tier} {case.weight_layout} {case.kernel} {case.sums}")
-        rows.append(case_row(case, meshes[case.topology], case.config(fp8_format, args.reduced_shared)))
-    bar.finish()
+    rows = [case_row(case, meshes[case.topology], case.config(fp8_format, args.reduced_shared))
+            for case in stepped(cases, _case_label)]
     add_ratios(rows, args.baseline_tokens)
     if args.json:
         print(json.dumps({"baseline_tokens": args.baseline_tokens, "left_out": left_out, "rows": rows}, indent=2))

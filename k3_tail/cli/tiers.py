@@ -15,11 +15,10 @@ from __future__ import annotations
 import argparse
 import json
 import operator
-import re
 from typing import Any
 
 from k3_tail.tiers.record import TierRecord
-from k3_tail.tiers.registry import TIER_RECORDS, tier_table
+from k3_tail.tiers.registry import TIER_RECORDS, TIER_TABLE_HEADER, tier_rows, tier_table
 from k3_tail.tools.tables import format_table, terminal_width
 
 HELP = "list the tiers: schedule, cost and collectives per rank, what each needs"
@@ -49,17 +48,9 @@ def run(args: argparse.Namespace) -> int:
     elif args.markdown:
         print(tier_table())
     else:
-        header, *rows = markdown_cells(tier_table())
-        columns = [(title, "<", operator.itemgetter(index)) for index, title in enumerate(header)]
-        print(format_table(rows, columns, fit=True, width=terminal_width()))
+        columns = [(title, "<", operator.itemgetter(index)) for index, title in enumerate(TIER_TABLE_HEADER)]
+        print(format_table(tier_rows(), columns, fit=True, width=terminal_width()))
     return 0
-
-
-def markdown_cells(table: str) -> list[list[str]]:
-    """The cells of a Markdown table, row by row, header first (the "---" rule left out, "\\|" unescaped)."""
-    rows = [line.strip().removeprefix("|").removesuffix("|") for line in table.splitlines()]
-    cells = [[cell.strip().replace("\\|", "|") for cell in re.split(r"(?<!\\)\|", row)] for row in rows]
-    return [row for row in cells if not all(set(cell) <= set("-:") for cell in row)]
 
 
 def record_dict(record: TierRecord) -> dict[str, Any]:

@@ -11,6 +11,7 @@ import dataclasses
 
 from k3_tail.config import TailConfig
 from k3_tail.ops.codecs import Codec
+from k3_tail.ops.collectives import SumPlan
 from k3_tail.ops.tokens import padded_token_count
 from k3_tail.tiers.record import ALL_REDUCE, SUM_KINDS, CallShape
 from k3_tail.tiers.registry import Tier
@@ -39,9 +40,10 @@ def tier_rows(config: TailConfig, tier: Tier, num_tokens: int, tp_size: int) -> 
 
 
 def collective_buffers(config: TailConfig, num_tokens: int, tp_size: int, *, tier: Tier, weight_layout: str,
-                       platform: str | None = None) -> tuple[CollectiveBuffer, ...]:
-    """The collectives ``tier`` issues per rank for T = ``num_tokens`` on ``tp_size`` ranks of
-    ``platform`` (None: not known), in issue order (its record's terms); none for T = 0 without
+                       sums: SumPlan) -> tuple[CollectiveBuffer, ...]:
+    """The collectives ``tier`` issues per rank for T = ``num_tokens`` on ``tp_size`` ranks whose sums
+    travel as ``sums`` says (``config.sum_plan(tp_size, platform)``, built once by the caller for all the
+    tiers and token counts it asks about), in issue order (its record's terms); none for T = 0 without
     sequence-parallel output (XLA drops the empty collectives). The gather of a padded token-sharded
     result is the entry point's, not listed here."""
     if num_tokens == 0 and not config.sequence_parallel:
@@ -53,7 +55,6 @@ def collective_buffers(config: TailConfig, num_tokens: int, tp_size: int, *, tie
         fused_output_is_reduced=config.fused_output_is_reduced, token_sharded=config.sequence_parallel,
         shared_output_is_reduced=config.shared_output_is_reduced,
     )
-    sums = config.sum_plan(tp_size, platform)
     buffers = []
     for term in tier.record.collectives(shape):
         nbytes = config.dtype.itemsize * term.elements

@@ -76,6 +76,7 @@ Assumptions a reader must know:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Iterable
 
 import numpy as np
@@ -84,6 +85,7 @@ from k3_tail._checks import check_int
 from k3_tail.config import TailConfig, check_config
 from k3_tail.hardware import HARDWARE, Hardware, hardware_preset
 from k3_tail.ops.codecs import CODECS
+from k3_tail.ops.collectives import SumPlan
 from k3_tail.ops.columns import check_weight_layout
 from k3_tail.ops.up_projection import gemm_rows
 from k3_tail.policy import SelectionPolicy
@@ -204,11 +206,12 @@ def tier_cost(
     tier = Tier.parse(tier)
     weight_layout = check_weight_layout(weight_layout)
     tier.record.check_runs(weight_layout, config)
-    return _tier_cost(config, num_tokens, tp_size, tier, weight_layout)
+    return _tier_cost(config, num_tokens, tp_size, tier, weight_layout, config.sum_plan(tp_size))
 
 
-def _tier_cost(config: TailConfig, num_tokens: int, tp_size: int, tier: Tier, weight_layout: str) -> TierCost:
-    """:func:`tier_cost` of checked arguments."""
+def _tier_cost(config: TailConfig, num_tokens: int, tp_size: int, tier: Tier, weight_layout: str,
+               sums: SumPlan) -> TierCost:
+    """:func:`tier_cost` of checked arguments, the sums travelling as ``sums`` says."""
     if num_tokens == 0 and not config.sequence_parallel:
         return TierCost(tier, num_tokens, tp_size, weight_layout, 0, 0, 0, ())
     element = config.dtype.itemsize
@@ -230,7 +233,8 @@ def _tier_cost(config: TailConfig, num_tokens: int, tp_size: int, tier: Tier, we
     collectives = [
         CollectiveCost(buffer.kind, buffer.nbytes, tp_size, hidden=buffer.beside_gemm, element_bytes=element,
                        codec=None if buffer.codec is None else buffer.codec.name)
-        for buffer in collective_buffers(config, num_tokens, tp_size, tier=tier, weight_layout=weight_layout)
+        for buffer in collective_buffers(config, num_tokens, tp_size, tier=tier, weight_layout=weight_layout,
+                                         sums=sums)
     ]
     if config.sequence_parallel and not token_sharded:
         # latent_moe_tail gathers the padded token-sharded result: JAX arrays shard evenly only.
@@ -322,7 +326,7 @@ def best_tier(
     num_tokens = check_int("num_tokens", num_tokens, minimum=0)
     tp_size = check_int("tp_size", tp_size, minimum=1)
     candidates = _candidates(config, weight_layout, tiers)
-    times = _times(config, num_tokens, tp_size, hardware, weight_layout, candidates)
+    times = _times(config, num_tokens, tp_size, hardware, weight_layout, candidates, config.sum_plan(tp_size))
     ranked = sorted(zip(times, candidates, strict=True), key=lambda pair: pair[0])
     quoted = ", ".join(f"{tier.value} {seconds * 1e6:.2f} us" for seconds, tier in ranked)
     return TierDecision(
@@ -392,8 +396,12 @@ def crossovers(
         )
     first, last = (int(t) for t in token_range)
 
+    sums = config.sum_plan(tp_size)
+
+    @functools.cache  # the bisections ask again for counts the grid has priced
     def fastest(num_tokens: int) -> Tier:
-        return candidates[_first_fastest(_times(config, num_tokens, tp_size, hardware, weight_layout, candidates))]
+        return candidates[_first_fastest(_times(config, num_tokens, tp_size, hardware, weight_layout, candidates,
+                                                sums))]
 
     grid = sorted({first, last} | {t for k in range(first // tp_size, last // tp_size + 1)
                                    for t in (k * tp_size, k * tp_size + 1) if first <= t <= last})
@@ -420,9 +428,9 @@ def _bisect(fastest: Callable[[int], Tier], start: int, before: Tier, end: int) 
 
 
 def _times(config: TailConfig, num_tokens: int, tp_size: int, hardware: Hardware, weight_layout: str,
-           candidates: list[Tier]) -> list[float]:
+           candidates: list[Tier], sums: SumPlan) -> list[float]:
     """The predicted total seconds of each candidate tier for the call."""
-    return [predict_time(_tier_cost(config, num_tokens, tp_size, tier, weight_layout), hardware).total_s
+    return [predict_time(_tier_cost(config, num_tokens, tp_size, tier, weight_layout, sums), hardware).total_s
             for tier in candidates]
 
 

@@ -153,18 +153,18 @@ def _call_notes(config: TailConfig, tier: Tier, num_tokens: int, tp_size: int, w
     # The facts first, from the tier's record and the config, then the words. The sums (all-reduces,
     # reduce-scatters) of a tier do not depend on the kernel's layout.
     layout = weight_layout or ("replicated" if tier.record.needs_whole_kernel else "column")
-    buffers = collective_buffers(config, num_tokens, tp_size, tier=tier, weight_layout=layout, platform=platform)
+    buffers = collective_buffers(config, num_tokens, tp_size, tier=tier, weight_layout=layout,
+                                 sums=config.sum_plan(tp_size, platform))
     sums = [buffer for buffer in buffers if buffer.kind in SUM_KINDS and buffer.nbytes] if tp_size > 1 else []
     token_sharded = is_token_sharded_output(config, num_tokens, tp_size)
     minimum = config.quantization_min_bytes(tp_size)
-    split = describe_auto(platform, config.dtype)
 
     notes = []
     all_reduces = [buffer for buffer in sums if buffer.form is not None]
     if config.all_reduce_form != "auto" and all_reduces:
         notes.append(f"all_reduce_form={config.all_reduce_form!r}")
     elif any(buffer.form == SPLIT for buffer in all_reduces):
-        notes.append(split)
+        notes.append(describe_auto(platform, config.dtype))
     codec = config.all_reduce_quantization
     if codec is not None and sums and minimum is None:
         notes.append(f"all_reduce_quantization={codec!r} quantises nothing here (vLLM has no minimum size for "

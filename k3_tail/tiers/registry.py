@@ -76,16 +76,23 @@ if [tier.value for tier in Tier] != [record.name for record in TIER_RECORDS]:
     raise ImportError("k3_tail.tiers.registry: the Tier members must be the registry's records, in its order")
 
 
+TIER_TABLE_HEADER = ("tier", "what it is", "schedule", "GEMM FLOPs", "kernel bytes (FP8 kernel: half, + 4 per column)",
+                     "collectives", "with the shared output reduced before the tail", "needs")
+
+
 def tier_table() -> str:
-    """The tiers as a Markdown table: schedule, per-rank GEMM FLOPs and kernel bytes, collectives
-    (T tokens, p ranks, L -> H, bf16; an FP8 kernel reads half the kernel bytes plus a float32
-    scale per column), how each runs when the shared output arrives reduced
-    (``TailConfig.shared_output_is_reduced``), and what each needs. The README's tier table is this text."""
-    lines = [
-        "| tier | what it is | schedule | GEMM FLOPs | kernel bytes (FP8 kernel: half, + 4 per column) | collectives "
-        "| with the shared output reduced before the tail | needs |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
+    """The tiers as a Markdown table (:func:`tier_rows`). The README's tier table is this text."""
+    lines = ["| " + " | ".join(TIER_TABLE_HEADER) + " |", "| " + " | ".join("---" for _ in TIER_TABLE_HEADER) + " |"]
+    lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |" for cells in tier_rows()]
+    return "\n".join(lines)
+
+
+def tier_rows() -> list[tuple[str, ...]]:
+    """One row of cells (:data:`TIER_TABLE_HEADER`) per tier: schedule, per-rank GEMM FLOPs and kernel
+    bytes, collectives (T tokens, p ranks, L -> H, bf16; an FP8 kernel reads half the kernel bytes plus a
+    float32 scale per column), how it runs when the shared output arrives reduced
+    (``TailConfig.shared_output_is_reduced``), and what it needs."""
+    rows = []
     for record in TIER_RECORDS:
         gemm = "2TLH/p" if record.splits_tokens or not record.projects_all_columns else "2TLH"
         kernel = "2LH" if record.projects_all_columns else "2LH/p"
@@ -94,7 +101,6 @@ def tier_table() -> str:
         needs = [text for flag, text in ((record.needs_whole_kernel, "replicated kernel"),
                                          (not record.serves_fused_output_is_reduced, "unreduced routed partials"))
                  if flag]
-        cells = (record.name, record.summary, record.schedule, gemm, kernel, record.collectives_text,
-                 record.shared_reduced_form, ", ".join(needs) or "-")
-        lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
-    return "\n".join(lines)
+        rows.append((record.name, record.summary, record.schedule, gemm, kernel, record.collectives_text,
+                     record.shared_reduced_form, ", ".join(needs) or "-"))
+    return rows

@@ -30,13 +30,15 @@ def random_partials(config: TailConfig, tp_size: int, num_tokens: int,
 
 
 def reference_latent(config: TailConfig, routed: np.ndarray, norm_weight: np.ndarray) -> np.ndarray:
-    """RMSNorm_g(c * sum_i r_i) in float64 [T, L], summed rank by rank (no float64 copy of the partials)."""
+    """RMSNorm_g(c * sum_i r_i) in float64 [T, L] (c * sum_i r_i without ``config.use_latent_norm``), summed
+    rank by rank (no float64 copy of the partials)."""
     latent = np.zeros(routed.shape[1:], np.float64)
     for partial in routed:
         latent += partial.astype(np.float64)
     latent *= config.routed_scaling_factor
-    latent *= norm_weight.astype(np.float64) / np.sqrt(np.mean(latent * latent, axis=-1, keepdims=True)
-                                                       + config.rms_norm_eps)
+    if config.use_latent_norm:
+        latent *= norm_weight.astype(np.float64) / np.sqrt(np.mean(latent * latent, axis=-1, keepdims=True)
+                                                           + config.rms_norm_eps)
     return latent
 
 

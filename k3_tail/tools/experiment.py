@@ -102,14 +102,6 @@ def announce_machine(stream: IO[str] | None = None) -> dict:
     return machine
 
 
-def timing_mesh(cpu_device_count: int) -> tuple[Mesh, dict]:
-    """(The TP mesh of all accelerators or ``cpu_device_count`` CPU devices, the machine it runs on,
-    announced); CommandError when the devices cannot be had."""
-    use_cpu_without_gpu()
-    mesh = tp_mesh(demo_devices(cpu_device_count))
-    return mesh, announce_machine()
-
-
 # ---- argument types ----
 
 

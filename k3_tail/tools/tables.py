@@ -10,9 +10,10 @@ import shutil
 import sys
 import textwrap
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from k3_tail.tools.benchmark import Timing
+if TYPE_CHECKING:  # annotations only: the tables need neither jax nor the benchmark
+    from k3_tail.tools.benchmark import Timing
 
 # The space between the columns of a fitted table (format_table(fit=True)).
 TABLE_GAP = "  "

@@ -45,9 +45,8 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 # Bump when what the generator writes changes: the cache key includes it.
@@ -320,7 +319,6 @@ class StandIns:
     libraries: tuple[str, ...]
     symbols: int
     built: bool
-    seconds: float
 
 
 def cache_root() -> Path:
@@ -352,7 +350,6 @@ def _read_manifest(directory: Path) -> dict | None:
 
 def stand_ins(plugin: Plugin | None = None, *, root: Path | None = None) -> StandIns:
     """The stand-ins for ``plugin`` (the installed one by default): from the cache, or built into it now."""
-    started = time.perf_counter()
     plugin = plugin or installed_plugin()
     root = Path(root) if root is not None else cache_root()
     directory = root / f"{plugin.version}-{plugin.digest()}"
@@ -376,8 +373,7 @@ def stand_ins(plugin: Plugin | None = None, *, root: Path | None = None) -> Stan
         manifest = _read_manifest(directory)
         if manifest is None:
             raise RocmUnavailable(f"the stand-in ROCm libraries in {directory} are incomplete: remove the directory")
-    return StandIns(directory, tuple(manifest["libraries"]), int(manifest["symbols"]), built,
-                    time.perf_counter() - started)
+    return StandIns(directory, tuple(manifest["libraries"]), int(manifest["symbols"]), built)
 
 
 def _build(plugin: Plugin, work: Path, compiler: str, readelf: str) -> None:
@@ -516,6 +512,3 @@ def ensure_rocm_plugin() -> StandIns | None:
         return built
 
 
-def loaded_stand_ins() -> Iterator[str]:
-    """The sonames of the stand-ins this process has loaded."""
-    return iter(tuple(_loaded))
