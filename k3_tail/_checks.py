@@ -56,12 +56,12 @@ def varies_over(x: Any, axis_name: AxisName) -> bool | None:
     (``check_vma=False``, or an axis of size 1)."""
     names = axis_names(axis_name)
     probe = lax.pcast(jnp.zeros((), jnp.float32), names, to="varying")
-    if not set(names) & _varying_axes(probe):
+    if not set(names) & varying_axes(probe):
         return None
-    return bool(set(names) & _varying_axes(x))
+    return bool(set(names) & varying_axes(x))
 
 
-def _varying_axes(x: Any) -> set:
+def varying_axes(x: Any) -> set:
     """The mesh axes ``x``'s type says it varies over (``jax.typeof(x).vma``; jax 0.10-0.12 keep them
     in ``.mat.varying``)."""
     aval = jax.typeof(x)

@@ -33,7 +33,7 @@ def rms_norm(x: jax.Array, weight: jax.Array | None, *, eps: float, scale: float
     # Normalised values below about 2^-114 sqrt(L) flush to zero. s and each reduction's result have one use, so
     # that XLA's GPU backend fuses both reductions with the division and products into one kernel (as a
     # softmax's): the latent is read once, as by the plain formula.
-    floor = _row_scale_floor(eps, scale, x.shape[-1])
+    floor = row_scale_floor(eps, scale, x.shape[-1])
     # Capped at 2^126 too: XLA divides by multiplying with the reciprocal, which float32 must hold.
     row_scale = jnp.clip(jnp.max(jnp.abs(x), axis=-1, keepdims=True), floor, _LARGEST_ROW_SCALE)
     normalised = x / row_scale
@@ -85,13 +85,13 @@ _SMALLEST_NORMAL = 2.0**-126
 
 def norm_is_computable(eps: float, scale: float, width: int) -> bool:
     """Whether float32 computes the norm of rows of ``width`` values with ``eps`` and a nonzero ``scale``
-    (sqrt(eps) / |scale| normal, and :func:`_row_scale_floor` within range): eps / scale^2 from 2^-252 to
+    (sqrt(eps) / |scale| normal, and :func:`row_scale_floor` within range): eps / scale^2 from 2^-252 to
     about 2^228 / width."""
     root_eps = math.sqrt(eps) / abs(scale)
-    return _SMALLEST_NORMAL <= root_eps <= 2.0**127 and _row_scale_floor(eps, scale, width) is not None
+    return _SMALLEST_NORMAL <= root_eps <= 2.0**127 and row_scale_floor(eps, scale, width) is not None
 
 
-def _row_scale_floor(eps: float, scale: float, width: int) -> float | None:
+def row_scale_floor(eps: float, scale: float, width: int) -> float | None:
     """:func:`rms_norm`'s floor of the row scale: the power of two at or above 2^12 sqrt(width eps) /
     |scale|, at least float32's smallest normal; None above 2^126, or where eps / (scale floor)^2 would
     be below float32's smallest normal."""

@@ -78,22 +78,31 @@ class TailCall:
                 return self.reduce_scatter(x, scatter_dimension=0)
             return self.all_reduce(x)
 
+    def reduced_latent(self, routed_partial: jax.Array) -> jax.Array:
+        """``psum(r)`` [T, L], the same on every rank: one all-reduce of T*L elements, or the argument itself
+        with ``config.fused_output_is_reduced`` (the reduced latent already)."""
+        if self.config.fused_output_is_reduced:
+            return routed_partial
+        with jax.named_scope(LATENT_REDUCTION):
+            return self.all_reduce(routed_partial)
+
     def normalised_latent(self, routed_partial: jax.Array, norm_weight: jax.Array | None) -> jax.Array:
         """``RMSNorm_g(c * psum(r))`` [T, L] in ``config.dtype``, the same on every rank.
 
-        routed_partial: this rank's [T, L] partial, or the reduced latent with
-        ``config.fused_output_is_reduced`` (then no collective). Cost: one all-reduce of T*L elements
-        and O(TL) elementwise work, which XLA fuses into the all-reduce's consumer. The norm is
-        nonlinear per row, so it must see the fully reduced latent.
+        routed_partial: as :meth:`reduced_latent` takes it. Cost: that all-reduce and O(TL) elementwise
+        work, which XLA fuses into the all-reduce's consumer. The norm is nonlinear per row, so it must
+        see the fully reduced latent.
         """
         config = self.config
-        latent = routed_partial
-        if not config.fused_output_is_reduced:
-            with jax.named_scope(LATENT_REDUCTION):
-                latent = self.all_reduce(routed_partial)
         weight = norm_weight if config.use_latent_norm else None
-        normed = rms_norm(latent, weight, eps=config.rms_norm_eps, scale=config.routed_scaling_factor)
+        normed = rms_norm(self.reduced_latent(routed_partial), weight, eps=config.rms_norm_eps,
+                          scale=config.routed_scaling_factor)
         return normed.astype(config.dtype)
+
+    def rank_index(self) -> jax.Array:
+        """This rank's index k along the TP axis, int32 [1] (``lax.axis_index``: on a GPU the partition id
+        and a one-thread convert kernel)."""
+        return lax.axis_index(self.axis_name).astype(jnp.int32).reshape(1)
 
     def project(self, latent: jax.Array, kernel: jax.Array | QuantizedKernel) -> jax.Array:
         """latent [T, L] @ kernel [L, W] in float32 (:func:`~k3_tail.ops.up_projection.project`)."""

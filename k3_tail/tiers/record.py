@@ -6,8 +6,8 @@ Selection, the cost model, compilation, benchmarking, the command line and the R
 read a tier's facts from its record:
 
 - ``function``: the per-rank function, run inside ``jax.shard_map`` over the TP axis;
-- what it needs (``needs_whole_kernel``) or cannot serve (``serves_fused_output_is_reduced``) and so the reason it gives
-  when it cannot run (:meth:`TierRecord.why_not`);
+- what it needs (``needs_whole_kernel``) or cannot serve (``serves_fused_output_is_reduced``, ``unavailable``)
+  and so the reason it gives when it cannot run (:meth:`TierRecord.why_not`);
 - ``token_sharded_form``: how it makes token-sharded output (``TailConfig.sequence_parallel``);
 - ``shared_reduced_form``: how its schedule changes when the shared output arrives already reduced
   (``TailConfig.shared_output_is_reduced``);
@@ -128,7 +128,8 @@ class TierRecord:
     token_sharded_form: how it returns token-sharded output. shared_reduced_form: how its schedule
     changes when the shared output arrives reduced. compiler_options: per platform family
     ("gpu", "cpu", "tpu"), the per-executable XLA options. collectives: its collectives for a
-    :class:`CallShape`, in issue order.
+    :class:`CallShape`, in issue order. unavailable: why it cannot run with a config (None: any config)
+    in this installation, or None when it can (one_kernel: Pallas's Triton backend, which a jax may lack).
     """
 
     name: str
@@ -144,6 +145,7 @@ class TierRecord:
     serves_fused_output_is_reduced: bool = True
     splits_tokens: bool = False
     compiler_options: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
+    unavailable: Callable[[TailConfig | None], str | None] | None = None
 
     def why_not(self, weight_layout: str, config: TailConfig | None = None) -> str | None:
         """Why the tier cannot run with ``weight_layout`` and ``config`` (None: not considered), or None."""
@@ -153,7 +155,7 @@ class TierRecord:
         if not self.serves_fused_output_is_reduced and config is not None and config.fused_output_is_reduced:
             return (f"{self.name} reduces the routed partials itself, so it cannot serve "
                     "fused_output_is_reduced=True")
-        return None
+        return None if self.unavailable is None else self.unavailable(config)
 
     def check_runs(self, weight_layout: str, config: TailConfig | None = None, *, argument: str = "tier") -> None:
         """ValueError naming ``argument`` with :meth:`why_not`'s reason when the tier cannot run."""

@@ -13,7 +13,7 @@ import enum
 from types import MappingProxyType
 
 from k3_tail.config import TailConfig
-from k3_tail.tiers import column_parallel, native, one_shot, overlap, scatter_gather, token_parallel
+from k3_tail.tiers import column_parallel, native, one_kernel, one_shot, overlap, scatter_gather, token_parallel
 from k3_tail.tiers.record import TierRecord
 
 TIER_RECORDS: tuple[TierRecord, ...] = (
@@ -23,6 +23,7 @@ TIER_RECORDS: tuple[TierRecord, ...] = (
     scatter_gather.RECORD,
     one_shot.RECORD,
     token_parallel.RECORD,
+    one_kernel.RECORD,
 )
 _BY_NAME = MappingProxyType({record.name: record for record in TIER_RECORDS})
 
@@ -41,6 +42,7 @@ class Tier(str, enum.Enum):
     SCATTER_GATHER = scatter_gather.RECORD.name
     ONE_SHOT = one_shot.RECORD.name
     TOKEN_PARALLEL = token_parallel.RECORD.name
+    ONE_KERNEL = one_kernel.RECORD.name
 
     @property
     def record(self) -> TierRecord:

@@ -8,6 +8,7 @@ cannot undo a schedule the library rests on. A model that calls the tail inside 
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import jax
@@ -97,6 +98,7 @@ def compile_tail(
     tier: Tier | str | None = None,
     axis_name: AxisName = "tp",
     weight_layout: str = "replicated",
+    dump_to: str | os.PathLike | None = None,
 ) -> jax.stages.Compiled:
     """The compiled executable of one :func:`k3_tail.tail_forward` call for T = ``num_tokens`` on ``mesh``.
 
@@ -111,6 +113,9 @@ def compile_tail(
         picks.
       axis_name: the TP axis.
       weight_layout: "replicated" or "column".
+      dump_to: a directory for XLA's dump of this compile (compiler option ``xla_dump_to``), from which
+        :func:`k3_tail.xla.report.report` reads the GPU kernels the program launches
+        (``report(compiled, dump_dir=dump_to)``); None: no dump.
 
     Returns:
       The ``jax.stages.Compiled`` program. Its arguments are :func:`tail_arguments` in that order,
@@ -135,5 +140,8 @@ def compile_tail(
         )
 
     platform = mesh.devices.flat[0].platform
-    return jax.jit(call).lower(*arguments).compile(compiler_options=compiler_options(resolved, platform))
+    options = compiler_options(resolved, platform)
+    if dump_to is not None:
+        options["xla_dump_to"] = os.fspath(dump_to)
+    return jax.jit(call).lower(*arguments).compile(compiler_options=options)
 

@@ -106,6 +106,12 @@ class Module:
         return next(computation for computation in self.computations.values() if computation.is_entry)
 
     @property
+    def name(self) -> str:
+        """The module's name ("jit_call"), as XLA names its dump files."""
+        match = re.match(r"HloModule\s+([\w.\-]+)", self.header)
+        return match.group(1) if match else ""
+
+    @property
     def num_partitions(self) -> int:
         match = re.search(r"\bnum_partitions=(\d+)", self.header)
         return int(match.group(1)) if match else 1

@@ -1,15 +1,17 @@
-"""What XLA made of a compiled tail: per-device cost, every collective, and the overlap verdict.
+"""What XLA made of a compiled tail: per-device cost, every collective, the overlap verdict, the kernels.
 
 :func:`report` reads a compiled executable (:func:`k3_tail.compile_tail`, or any ``jax.jit(...)
 .lower(...).compile()`` of a tail) into an :class:`XlaReport`. The entry computation of a compiled
 module is scheduled, so its instruction order is the order the device runs it in (one stream of
-compute; async collectives run beside it).
+compute; async collectives run beside it). The GPU kernels it launches come from XLA's dump of the
+compile (:mod:`k3_tail.xla.launches`), where one was written.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import re
 from typing import Any
 
@@ -20,6 +22,7 @@ from k3_tail.tiers.record import RING_WIRE_FACTORS
 from k3_tail.ops.scopes import PREFIX as SCOPE_PREFIX
 from k3_tail.ops.scopes import SCOPES
 from k3_tail.units import format_bytes, format_flops
+from k3_tail.xla.launches import read_launches
 from k3_tail.xla.hlo_text import (
     ArrayShape,
     Instruction,
@@ -120,6 +123,10 @@ class XlaReport:
       shared_reduction: the first collective whose input derives from the shared partial (argument
         ``shared_argument`` of :func:`report`), or None. In a whole model's program, where the shared
         partial is no argument, :meth:`in_scope` finds the tail's parts by their named scopes.
+      kernels: the GPU kernels the program launches, by the HLO instruction each runs, in order:
+        fusions, Triton and Pallas kernels and library GEMMs, not its collectives, memcpys (the copies
+        of jit parameters and contiguous slices) or memsets (:mod:`k3_tail.xla.launches`); None
+        where it is not known (no dump given, or a CPU program).
     """
 
     platform: str
@@ -132,6 +139,12 @@ class XlaReport:
     gemms: tuple[Gemm, ...]
     collectives: tuple[Collective, ...]
     shared_reduction: Collective | None
+    kernels: tuple[str, ...] | None = None
+
+    @property
+    def kernel_count(self) -> int | None:
+        """The number of GPU kernels the program launches (``len(kernels)``), or None where not known."""
+        return None if self.kernels is None else len(self.kernels)
 
     @property
     def gemm_flops(self) -> int:
@@ -159,7 +172,8 @@ class XlaReport:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (JSON-serialisable), with ``gemm_flops`` and ``overlapped`` included."""
-        return {**dataclasses.asdict(self), "gemm_flops": self.gemm_flops, "overlapped": self.overlapped}
+        return {**dataclasses.asdict(self), "gemm_flops": self.gemm_flops, "overlapped": self.overlapped,
+                "kernel_count": self.kernel_count}
 
     def format(self) -> str:
         """The report as readable text."""
@@ -187,10 +201,13 @@ class XlaReport:
             if collective.between:
                 lines.append(f"      scheduled inside: {', '.join(collective.between)}")
         lines.append(f"overlapped: {self.overlapped}")
+        if self.kernels is not None:
+            lines.append(f"GPU kernels besides collectives and copies: {len(self.kernels)} ({', '.join(self.kernels)})")
         return "\n".join(lines)
 
 
-def report(compiled: jax.stages.Compiled, *, shared_argument: int | None = 1) -> XlaReport:
+def report(compiled: jax.stages.Compiled, *, shared_argument: int | None = 1,
+           dump_dir: str | os.PathLike | None = None) -> XlaReport:
     """The :class:`XlaReport` of a compiled tail.
 
     Args:
@@ -198,12 +215,16 @@ def report(compiled: jax.stages.Compiled, *, shared_argument: int | None = 1) ->
       shared_argument: the flat index of the shared partial among the program's arguments (1 for
         :func:`k3_tail.compile_tail`'s programs and for a jitted ``tail_forward(routed, shared, ...)``);
         None when there is none, which leaves ``shared_reduction`` and ``overlapped`` None.
+      dump_dir: the directory XLA dumped this compile into (``compile_tail(..., dump_to=...)``, or the
+        compiler option ``xla_dump_to``), for ``kernels``; None leaves them None. Ignored for a CPU
+        program.
 
     Returns:
       The report, per device.
 
     Raises:
-      ValueError: naming ``shared_argument`` when it is not an index or None.
+      ValueError: naming ``shared_argument`` when it is not an index or None, or ``dump_dir`` when it holds
+        no dump of this program's compile, or several.
     """
     if not isinstance(shared_argument, (int, type(None))) or isinstance(shared_argument, bool):
         raise ValueError(f"shared_argument: expected an argument index or None, got {shared_argument!r}")
@@ -233,6 +254,9 @@ def report(compiled: jax.stages.Compiled, *, shared_argument: int | None = 1) ->
     shared = next((c for c in collectives if c.carries_shared), None) if shared_argument is not None else None
 
     flops, bytes_accessed, source = _cost(compiled, schedule, symbols, sum(gemm.flops for gemm in gemms))
+    kernels = None
+    if dump_dir is not None and device is not None and device.platform != "cpu":
+        kernels = tuple(launch.name for launch in read_launches(dump_dir, module.name) if launch.is_kernel)
     return XlaReport(
         platform=device.platform if device else "unknown",
         device_kind=getattr(device, "device_kind", "unknown"),
@@ -246,6 +270,7 @@ def report(compiled: jax.stages.Compiled, *, shared_argument: int | None = 1) ->
         gemms=tuple(gemms),
         collectives=collectives,
         shared_reduction=shared,
+        kernels=kernels,
     )
 
 

@@ -1,0 +1,435 @@
+"""One GPU kernel for the tail's local work: RMSNorm, this rank's column block of the up projection and
+the add, fused (Pallas, Triton backend), with its float32 reference :func:`norm_project_add_reference`.
+
+XLA launches 3-7 kernels for the same work (it fuses no row reduction into a GEMM and no ``x * g``
+prologue); at decode they, not the 6 MB of weights, are what costs. :func:`norm_project_add` computes,
+for this rank k of p, block width Hb and own columns C = [k*Hb, (k+1)*Hb) cut at H,
+
+    y[:, C] = round( RMSNorm_g(c * x) @ W[:, C] + a[:, C] )        (float32 inside, one rounding)
+
+with the library's overflow-safe norm contract (:func:`k3_tail.ops.norm.rms_norm`): any finite x gives a
+finite y, NaN and infinity give NaN. ``W`` is the whole [L, H] kernel or the rank's [L, Hb] block, in
+the activation dtype or a :class:`~k3_tail.ops.up_projection.QuantizedKernel` (FP8 values read as FP8,
+scaled per column in the kernel); both are read where they lie, never copied.
+
+The grid. A GEMV over a row-major [L, Hb] block reads whole rows of the block coalesced only if a program
+takes a run of columns over all of L, which leaves Hb/32 = 28 programs at Kimi-K3's p = 8: a GPU of 132
+SMs or 304 CUs needs about 1024. So K is split too: program (r, j, s) multiplies row tile r, column tile
+j (32 columns: 64-byte runs of bf16) and slab s of K, and the last of the S programs of a tile (an atomic
+counter, release/acquire at GPU scope) sums the S partials in a fixed order and applies the row scale
+and the add. Each slab is normalised by the power of two at or above its own largest magnitude, so no
+program needs the whole row first; the last program rescales the partials to the row's largest such
+power (exact: powers of two) and takes the row's sum of squares from the latent itself (L values a row).
+Partials, slab exponents and counters are the kernel's scratch outputs: S*T*Hb*4 + S*J*T*4 + R*J*4 bytes
+(200 KB at T = 1, p = 8).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from k3_tail._checks import varying_axes
+from k3_tail.ops.norm import rms_norm, row_scale_floor
+from k3_tail.ops.up_projection import QuantizedKernel
+
+# Tile sizes: the MMA needs at least 16 rows, columns and depth; 32 bf16 columns are a 64-byte run.
+COLUMN_TILE = 32
+K_STEP = 64
+LARGEST_ROW_TILE = 64
+SMALLEST_ROW_TILE = 16
+# Programs per call to aim for: AMD's MI300X tuning guide asks for at least about 1024 workgroups (304
+# CUs); on an H100 (132 SMs) that is about 8 a SM.
+TARGET_PROGRAMS = 1024
+NUM_WARPS = 4
+
+_PALLAS_TRITON = "jax.experimental.pallas.triton"
+# float32 exponents: a power of two 2^e is the bit pattern (e + 127) << 23, normal for e in [-126, 127].
+_EXPONENT_BIAS = 127
+_MANTISSA_BITS = 23
+_LARGEST_SLAB_EXPONENT = 126
+
+
+def triton_unavailable() -> str | None:
+    """Why the kernel cannot be built with this jax (its Pallas Triton backend cannot be imported), or None."""
+    try:
+        importlib.import_module(_PALLAS_TRITON)
+    except ImportError as error:  # a jax without the backend (deprecated since jax 0.11)
+        return f"this jax ({jax.__version__}) has no Pallas Triton backend ({_PALLAS_TRITON}: {error})"
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedGrid:
+    """The kernel's grid for T tokens, L = ``latent_size`` and a column block of Hb = ``block_width``.
+
+    row_tile: rows a program multiplies (a power of two, 16 to 64). rows, columns, splits: R, J, S, the
+    grid's extent over row tiles, column tiles of :data:`COLUMN_TILE` and slabs of K of ``split_depth``
+    (a multiple of :data:`K_STEP`): the largest slab for which R*J*S reaches :data:`TARGET_PROGRAMS`,
+    else the smallest (S = 1 when the row and column tiles alone reach it).
+    """
+
+    row_tile: int
+    rows: int
+    columns: int
+    splits: int
+    split_depth: int
+
+    @property
+    def programs(self) -> int:
+        """R * J * S."""
+        return self.rows * self.columns * self.splits
+
+    def scratch_bytes(self, num_tokens: int) -> int:
+        """Bytes of the kernel's scratch outputs: partials, slab exponents, counters (none when S = 1)."""
+        if self.splits == 1:
+            return 0
+        return 4 * (self.splits * num_tokens * self.columns * COLUMN_TILE
+                    + self.splits * self.columns * num_tokens + self.rows * self.columns)
+
+
+def fused_grid(num_tokens: int, latent_size: int, block_width: int) -> FusedGrid:
+    """The :class:`FusedGrid` for T = ``num_tokens`` >= 1, L = ``latent_size`` and Hb = ``block_width``."""
+    row_tile = min(max(SMALLEST_ROW_TILE, 1 << (num_tokens - 1).bit_length()), LARGEST_ROW_TILE)
+    rows = -(-num_tokens // row_tile)
+    columns = -(-block_width // COLUMN_TILE)
+    steps = -(-latent_size // K_STEP)
+    # The deepest slab (fewest partials to sum) that still gives TARGET_PROGRAMS programs.
+    depth_steps = next((d for d in range(steps, 0, -1) if rows * columns * -(-steps // d) >= TARGET_PROGRAMS), 1)
+    splits = -(-steps // depth_steps)
+    return FusedGrid(row_tile, rows, columns, splits, depth_steps * K_STEP)
+
+
+def norm_project_add(
+    latent: jax.Array,
+    norm_weight: jax.Array | None,
+    kernel: jax.Array | QuantizedKernel,
+    addend: jax.Array | None,
+    *,
+    rank: jax.Array,
+    block_width: int,
+    hidden_size: int,
+    eps: float,
+    scale: float,
+    into_addend: bool,
+    interpret: bool,
+) -> jax.Array:
+    """``round(RMSNorm_g(scale * latent) @ W[:, C] + addend[:, C])`` in one kernel (module docstring).
+
+    Args:
+      latent: [T, L], the reduced routed latent x (the activation dtype, bf16 or float32).
+      norm_weight: g [L]; None for no norm (then ``scale * x`` is rounded to the activation dtype and
+        projected, as :func:`~k3_tail.ops.norm.rms_norm` without a weight).
+      kernel: the whole [L, H] kernel (C is read at columns rank*Hb..) or this rank's [L, Hb] block,
+        an array of the latent's dtype or a QuantizedKernel.
+      addend: a [T, Wa] array in the latent's dtype whose columns C are added (Wa >= H), or None.
+      rank: int32 [1], this rank's index k.
+      block_width: Hb, the width of one rank's block (padded_hidden_size(H, p) / p).
+      hidden_size: H: the columns of C at or above H are left out.
+      eps, scale: the norm's epsilon and routed_scaling_factor c (norm_is_computable holds for them).
+      into_addend: return ``addend`` [T, Wa] with its columns C replaced (the output aliases it: the
+        column-parallel stitch), else the [T, Hb] block itself (``addend``'s columns C added when given;
+        columns past H are zero).
+      interpret: run in Pallas's interpret mode (a CPU has no Triton); the same kernel, programs in turn.
+
+    Returns:
+      [T, Wa] or [T, Hb] in the latent's dtype.
+
+    Cost: reads 2*L*Hb weight bytes (L*Hb for FP8), T*L latent values about twice, T*Hb addend values;
+    2*T*L*Hb FLOPs; :meth:`FusedGrid.scratch_bytes` of scratch; one kernel launch (and a memset of the
+    counters when S > 1).
+    """
+    from jax.experimental import pallas as pl  # noqa: PLC0415 (loaded with the first fused call only)
+    from jax.experimental.pallas import triton as plt  # noqa: PLC0415
+
+    num_tokens, latent_size = latent.shape
+    dtype = latent.dtype
+    if into_addend and addend is None:
+        raise ValueError("addend: expected the [T, W] array to write into with into_addend=True, got None")
+    if num_tokens == 0:
+        return addend if into_addend else jnp.zeros((0, block_width), dtype)
+    grid = fused_grid(num_tokens, latent_size, block_width)
+    quantized = isinstance(kernel, QuantizedKernel)
+    values = kernel.values if quantized else kernel
+    kernel_offset = values.shape[1] != block_width  # the whole kernel: C starts at rank * Hb
+    use_norm = norm_weight is not None and scale != 0
+    flags = _KernelFlags(
+        grid=grid, num_tokens=num_tokens, latent_size=latent_size, block_width=block_width, hidden_size=hidden_size,
+        use_norm=use_norm, scale=float(scale), sqrt_eps=math.sqrt(eps / scale**2) if use_norm else 0.0,
+        floor_exponent=int(math.log2(row_scale_floor(eps, scale, latent_size))) if use_norm else 0,
+        kernel_offset=kernel_offset, quantized=quantized, has_addend=addend is not None, into_addend=into_addend,
+        barriers=not interpret,
+    )
+    inputs = [rank.astype(jnp.int32).reshape(1), latent]
+    inputs += [norm_weight] if use_norm else []
+    inputs += [values] + ([kernel.scale] if quantized else [])
+    inputs += [] if addend is None else [addend]
+    if into_addend:
+        output = jax.ShapeDtypeStruct(addend.shape, dtype)
+        aliases = {len(inputs) - 1: 0}
+    else:
+        output = jax.ShapeDtypeStruct((num_tokens, block_width), dtype)
+        aliases = {}
+    outputs = [output]
+    if grid.splits > 1:
+        counters = jnp.asarray(_counter_starts(grid.rows * grid.columns))
+        aliases[len(inputs)] = 1
+        inputs.append(counters)
+        outputs += [jax.ShapeDtypeStruct(counters.shape, jnp.int32),
+                    jax.ShapeDtypeStruct((grid.splits, num_tokens, grid.columns * COLUMN_TILE), jnp.float32)]
+        if use_norm:
+            outputs.append(jax.ShapeDtypeStruct((grid.splits, grid.columns, num_tokens), jnp.int32))
+
+    def run(arrays):
+        """The pallas_call on ``arrays``, its outputs typed as varying over what the arrays vary over."""
+        arrays, varying = _vary_alike(arrays)
+        return pl.pallas_call(
+            functools.partial(_kernel, flags=flags, pl=pl, plt=plt),
+            out_shape=tuple(jax.ShapeDtypeStruct(o.shape, o.dtype, manual_axis_type=varying) for o in outputs),
+            grid=(grid.rows, grid.columns, grid.splits),
+            input_output_aliases=aliases,
+            interpret=interpret,
+            compiler_params=plt.CompilerParams(num_warps=NUM_WARPS),
+            name="k3_tail_norm_project_add",
+        )(*arrays)[0]
+
+    axes = tuple(sorted(set().union(*(varying_axes(array) for array in inputs)), key=str))
+    if interpret and axes:
+        # Pallas's interpreter cannot take values that vary over shard_map's axes (jax 0.10-0.12 fail with
+        # "Primitive ... requires varying manual axes to match"), so each device runs the kernel for every
+        # device, on their gathered inputs, and keeps its own result: p times the work, on a CPU only.
+        stacked = [lax.all_gather(a, axes, to="invarying") if varying_axes(a) else None for a in inputs]
+        shared = [None if s is not None else a for a, s in zip(inputs, stacked, strict=True)]
+
+        def one_device(rows):
+            rows = iter(rows)
+            return run([a if a is not None else next(rows) for a in shared])
+
+        every = lax.map(one_device, [s for s in stacked if s is not None])
+        return lax.dynamic_index_in_dim(every, lax.axis_index(axes), keepdims=False)
+    return run(inputs)
+
+
+def _vary_alike(arrays: list) -> tuple[list, object]:
+    """``arrays`` cast to vary over the same mesh axes (their union) inside ``jax.shard_map``, and their
+    manual-axis type then, which the kernel's outputs take (outside shard_map: the trivial one)."""
+    axes = set().union(*(varying_axes(array) for array in arrays))
+    cast = [array if axes <= varying_axes(array) else
+            lax.pcast(array, tuple(sorted(axes - varying_axes(array), key=str)), to="varying") for array in arrays]
+    aval = jax.typeof(cast[0])
+    return cast, getattr(aval, "manual_axis_type", None) or getattr(aval, "mat", None)
+
+
+@dataclasses.dataclass(frozen=True)
+class _KernelFlags:
+    """What the kernel body is specialised on (static)."""
+
+    grid: FusedGrid
+    num_tokens: int
+    latent_size: int
+    block_width: int
+    hidden_size: int
+    use_norm: bool
+    scale: float
+    sqrt_eps: float  # sqrt(eps) / |c|
+    floor_exponent: int  # log2 of rms_norm's row-scale floor
+    kernel_offset: bool
+    quantized: bool
+    has_addend: bool
+    into_addend: bool
+    barriers: bool  # the GPU's: interpret mode runs programs in turn
+
+
+def _kernel(*refs, flags: _KernelFlags, pl, plt):
+    """Program (r, j, s) of :func:`norm_project_add` (module docstring)."""
+    grid = flags.grid
+    refs = list(refs)
+    rank_ref, latent_ref = refs.pop(0), refs.pop(0)
+    weight_ref = refs.pop(0) if flags.use_norm else None
+    values_ref = refs.pop(0)
+    column_scale_ref = refs.pop(0) if flags.quantized else None
+    addend_ref = refs.pop(0) if flags.has_addend else None
+    if grid.splits > 1:
+        refs.pop(0)  # the zeroed counters, aliased to the counter output below
+    out_ref = refs.pop(0)
+    counter_ref, partial_ref = (refs.pop(0), refs.pop(0)) if grid.splits > 1 else (None, None)
+    exponent_ref = refs.pop(0) if grid.splits > 1 and flags.use_norm else None
+
+    r, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    rank = plt.load(rank_ref.at[jnp.zeros((1,), jnp.int32)])[0]  # array indices: see _kernel's docstring
+    rows = r * grid.row_tile + jnp.arange(grid.row_tile)
+    row_ok = rows < flags.num_tokens
+    tile_columns = j * COLUMN_TILE + jnp.arange(COLUMN_TILE)
+    global_columns = rank * flags.block_width + tile_columns
+    column_ok = (tile_columns < flags.block_width) & (global_columns < flags.hidden_size)
+    kernel_columns = global_columns if flags.kernel_offset else tile_columns
+    steps = grid.split_depth // K_STEP
+
+    def latent_tile(step):
+        """The latent's [row_tile, K_STEP] tile at K step ``step`` (zeros outside), in float32."""
+        ks = step * K_STEP + jnp.arange(K_STEP)
+        mask = row_ok[:, None] & (ks < flags.latent_size)[None, :]
+        return ks, plt.load(latent_ref.at[rows[:, None], ks[None, :]], mask=mask, other=0.0).astype(jnp.float32)
+
+    def slab_exponent(slab):
+        """e_s per row: the exponent of the power of two at or above the slab's largest magnitude, clipped to
+        [floor, 126] (NaN and infinity give 126; NaN also propagates through the products)."""
+        def body(step, largest):
+            _, x = latent_tile(slab * steps + step)
+            return jnp.maximum(largest, jnp.max(jnp.abs(x), axis=1))
+        largest = lax.fori_loop(0, steps, body, jnp.zeros((grid.row_tile,), jnp.float32))
+        return _exponent_at_or_above(largest, flags.floor_exponent)
+
+    exponent = slab_exponent(s) if flags.use_norm else None
+
+    def product_body(step, partial):
+        ks, x = latent_tile(s * steps + step)
+        if flags.use_norm:
+            g = plt.load(weight_ref.at[ks], mask=ks < flags.latent_size, other=0.0).astype(jnp.float32)
+            operand = x * _power_of_two(-exponent)[:, None] * g[None, :]
+        else:
+            operand = x * flags.scale
+        mask = (ks < flags.latent_size)[:, None] & column_ok[None, :]
+        w = plt.load(values_ref.at[ks[:, None], kernel_columns[None, :]], mask=mask, other=0)
+        # The operands of the product in the activation dtype, as every tier's GEMM has them (an FP8
+        # weight is exact in it); accumulated in float32.
+        return partial + jnp.dot(operand.astype(latent_ref.dtype), w.astype(latent_ref.dtype),
+                                 preferred_element_type=jnp.float32)
+
+    partial = lax.fori_loop(0, steps, product_body, jnp.zeros((grid.row_tile, COLUMN_TILE), jnp.float32))
+
+    def finish(projected, row_exponent):
+        """Row scale, column scale, the add, one rounding, the store."""
+        if flags.use_norm:
+            inverse_scale = _power_of_two(-row_exponent)
+
+            def squares(step, total):
+                _, x = latent_tile(step)
+                return total + jnp.sum(jnp.square(x * inverse_scale[:, None]), axis=1)
+
+            total = lax.fori_loop(0, -(-flags.latent_size // K_STEP), squares, jnp.zeros((grid.row_tile,), jnp.float32))
+            epsilon_term = jnp.square(flags.sqrt_eps * inverse_scale)
+            factor = lax.rsqrt(total / flags.latent_size + epsilon_term)
+            projected = projected * (factor if flags.scale > 0 else -factor)[:, None]
+        if flags.quantized:
+            projected = projected * plt.load(column_scale_ref.at[kernel_columns], mask=column_ok, other=0.0)[None, :]
+        mask = row_ok[:, None] & column_ok[None, :]
+        out_columns = global_columns if flags.into_addend else tile_columns
+        if flags.has_addend:
+            addend = plt.load(addend_ref.at[rows[:, None], global_columns[None, :]], mask=mask, other=0.0)
+            projected = projected + addend.astype(jnp.float32)
+        store_mask = mask if flags.into_addend else row_ok[:, None] & (tile_columns < flags.block_width)[None, :]
+        projected = jnp.where(column_ok[None, :], projected, 0.0)
+        plt.store(out_ref.at[rows[:, None], out_columns[None, :]], projected.astype(out_ref.dtype), mask=store_mask)
+
+    if grid.splits == 1:
+        finish(partial, exponent)
+        return
+
+    # Publish this slab's partial (and exponent), then count it; the last of the S slabs of tile (r, j)
+    # finishes the tile. The counter's atomic is acquire-release at GPU scope; the barriers order every
+    # thread's stores before it and every thread's loads after it.
+    valid_rows = row_ok[:, None]
+    plt.store(partial_ref.at[s, rows[:, None], tile_columns[None, :]], partial, mask=valid_rows)
+    if flags.use_norm:
+        plt.store(exponent_ref.at[s, j, rows], exponent, mask=row_ok)
+    if flags.barriers:
+        plt.debug_barrier()
+    tile = r * grid.columns + j
+    done_before = plt.atomic_add(counter_ref, (tile,), jnp.int32(1)) - _counter_start(tile)
+    if flags.barriers:
+        plt.debug_barrier()
+
+    @pl.when(done_before == grid.splits - 1)
+    def _():
+        def slab_partial(slab):
+            return plt.load(partial_ref.at[slab, rows[:, None], tile_columns[None, :]], mask=valid_rows, other=0.0)
+
+        if not flags.use_norm:
+            total = lax.fori_loop(0, grid.splits, lambda slab, acc: acc + slab_partial(slab), jnp.zeros_like(partial))
+            finish(total, None)
+            return
+
+        def slab_exponent_of(slab):
+            return plt.load(exponent_ref.at[slab, j, rows], mask=row_ok, other=flags.floor_exponent)
+
+        row_exponent = lax.fori_loop(0, grid.splits, lambda slab, e: jnp.maximum(e, slab_exponent_of(slab)),
+                                     jnp.full((grid.row_tile,), flags.floor_exponent, jnp.int32))
+
+        def rescaled(slab, acc):
+            # 2^(e_s - E) <= 1: exact, or zero below float32's normals (a slab 2^126 below the row's largest).
+            return acc + slab_partial(slab) * _power_of_two(slab_exponent_of(slab) - row_exponent)[:, None]
+
+        finish(lax.fori_loop(0, grid.splits, rescaled, jnp.zeros_like(partial)), row_exponent)
+
+
+# The counters start at these values, not at zero: XLA turns a constant of equal values (or an iota) into a
+# kernel that writes it, but copies any other constant in with a memcpy, which launches no kernel.
+_COUNTER_STRIDE, _COUNTER_MODULUS = 40503, 65521
+
+
+def _counter_starts(count: int) -> np.ndarray:
+    """The tiles' counter start values, int32 [count]: :func:`_counter_start` of 0..count-1."""
+    return (np.arange(count, dtype=np.int64) * _COUNTER_STRIDE % _COUNTER_MODULUS).astype(np.int32)
+
+
+def _counter_start(tile):
+    """The start value of tile ``tile``'s counter (the same formula, in the kernel)."""
+    return tile * _COUNTER_STRIDE % _COUNTER_MODULUS
+
+
+def _exponent_at_or_above(x: jax.Array, floor_exponent: int) -> jax.Array:
+    """int32 e with 2^e >= x (x >= 0 float32), clipped to [floor_exponent, 126]; NaN and infinity give 126."""
+    bits = lax.bitcast_convert_type(x, jnp.int32)
+    biased = lax.shift_right_logical(bits, jnp.int32(_MANTISSA_BITS))
+    exponent = biased - _EXPONENT_BIAS + jnp.where((bits & ((1 << _MANTISSA_BITS) - 1)) != 0, 1, 0)
+    return jnp.clip(exponent, floor_exponent, _LARGEST_SLAB_EXPONENT)
+
+
+def _power_of_two(exponent: jax.Array) -> jax.Array:
+    """float32 2^exponent for int32 exponents in [-126, 127]; 0 below."""
+    biased = jnp.clip(exponent + _EXPONENT_BIAS, 0, 2 * _EXPONENT_BIAS)
+    return lax.bitcast_convert_type(lax.shift_left(biased, jnp.int32(_MANTISSA_BITS)), jnp.float32)
+
+
+def norm_project_add_reference(
+    latent: jax.Array,
+    norm_weight: jax.Array | None,
+    kernel: jax.Array | QuantizedKernel,
+    addend: jax.Array | None,
+    *,
+    rank: int,
+    block_width: int,
+    hidden_size: int,
+    eps: float,
+    scale: float,
+    into_addend: bool,
+) -> jax.Array:
+    """:func:`norm_project_add` in plain float32 jnp (``rank`` a Python int): the norm of
+    :func:`~k3_tail.ops.norm.rms_norm`, the product at full float32 precision, one rounding."""
+    dtype = latent.dtype
+    weights = kernel.dequantize() if isinstance(kernel, QuantizedKernel) else jnp.asarray(kernel, jnp.float32)
+    start = rank * block_width
+    own = slice(start, min(start + block_width, hidden_size))
+    if weights.shape[1] == block_width:
+        block = weights[:, : own.stop - own.start]
+    else:
+        block = weights[:, own]
+    normed = rms_norm(latent, norm_weight if scale != 0 else None, eps=eps, scale=scale)
+    if norm_weight is None or scale == 0:
+        normed = normed.astype(dtype).astype(jnp.float32)
+    projected = jnp.dot(normed, block, precision=lax.Precision.HIGHEST)
+    if addend is not None:
+        projected = projected + addend[:, own].astype(jnp.float32)
+    projected = projected.astype(dtype)
+    if into_addend:
+        return addend.at[:, own].set(projected)
+    width = own.stop - own.start
+    return jnp.pad(projected, [(0, 0), (0, block_width - width)])

@@ -1,0 +1,102 @@
+"""The one_kernel tier: column_parallel's schedule with its local work in ONE GPU kernel (Pallas, Triton backend).
+
+AR(r); one kernel per rank normalises the reduced latent, multiplies it by the rank's column block of
+the kernel and adds the result into the rank's own columns of its shared partial, in float32, rounded
+once (:func:`k3_tail.ops.fused_projection.norm_project_add`); one all-reduce of that [T, H] buffer
+stitches the blocks and sums the shared partials. At decode, where the tail moves 6 MB of weights per
+rank and the XLA tiers launch 5-8 kernels, the whole call is one kernel besides its two all-reduces.
+
+The kernel is Pallas's Triton backend, the only Pallas GPU backend on ROCm (Mosaic GPU refuses AMD
+devices) and deprecated since jax 0.11 without a removal date; where a jax has no such backend the tier
+says so (:meth:`~k3_tail.tiers.record.TierRecord.why_not`) and selection takes the next tier. On a CPU
+the same kernel runs in Pallas's interpret mode, one program after another: correct and tested there,
+but slow, so selection picks the tier only on GPUs.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from k3_tail.config import TailConfig
+from k3_tail.ops.columns import assemble_column_blocks, padded_hidden_size
+from k3_tail.ops.fused_projection import norm_project_add, triton_unavailable
+from k3_tail.ops.scopes import SHARED_REDUCTION, UP_PROJECTION
+from k3_tail.tiers.context import TailCall
+from k3_tail.tiers.record import CallShape, TierRecord
+from k3_tail.tiers import column_parallel
+
+# The platforms whose devices run the kernel compiled; elsewhere it runs in interpret mode.
+GPU_PLATFORMS = ("cuda", "rocm")
+
+
+def one_kernel_tail(routed_partial, shared_partial, norm_weight, up_proj_kernel, call: TailCall) -> jax.Array:
+    """AR(r); one kernel: norm, own column block of the GEMM, added into own columns of s; AR (a
+    :class:`~k3_tail.tiers.context.TierFunction`).
+
+    As column_parallel: the final all-reduce sums the ranks' buffers (a reduce-scatter over tokens for
+    token-sharded output); with ``shared_output_is_reduced`` the kernel adds the own block into the
+    reduced shared output's own columns and an all-gather assembles the blocks (for token-sharded
+    output the blocks go to token rows by an all-to-all and the shared rows are added after it). Cost
+    per rank, either layout: 2TLH/p FLOPs, 2LH/p weight bytes read where they lie (the replicated
+    layout's block too), AR(T*L) then AR(T*H); one kernel.
+    """
+    config = call.config
+    hidden = config.hidden_size
+    latent = call.reduced_latent(routed_partial)
+    project_add = _project_add(latent, norm_weight, up_proj_kernel, call)
+    if not config.shared_output_is_reduced:
+        buffer = shared_partial if shared_partial is not None else jnp.zeros((latent.shape[0], hidden), config.dtype)
+        return call.reduce_output(project_add(buffer, into_addend=True), scope=SHARED_REDUCTION)
+    if call.token_sharded:
+        # This rank's shared rows are not its columns' rows: the blocks travel to token rows first.
+        own = project_add(None, into_addend=False)
+        return call.add_shared(assemble_column_blocks(own, hidden_size=hidden, token_sharded=True,
+                                                      axis_name=call.axis_name), shared_partial)
+    own = project_add(shared_partial, into_addend=False)
+    return assemble_column_blocks(own, hidden_size=hidden, token_sharded=False, axis_name=call.axis_name)
+
+
+def _project_add(latent, norm_weight, up_proj_kernel, call: TailCall):
+    """The kernel for this call, taking only what differs between its uses: the addend and where the
+    result goes."""
+    config = call.config
+
+    def project_add(addend, *, into_addend):
+        with jax.named_scope(UP_PROJECTION):
+            return norm_project_add(
+                latent, norm_weight if config.use_latent_norm else None, up_proj_kernel, addend,
+                rank=call.rank_index(), block_width=padded_hidden_size(config.hidden_size, call.tp_size) // call.tp_size,
+                hidden_size=config.hidden_size, eps=config.rms_norm_eps, scale=config.routed_scaling_factor,
+                into_addend=into_addend, interpret=call.platform not in GPU_PLATFORMS,
+            )
+
+    return project_add
+
+
+def _why_not(config: TailConfig | None) -> str | None:
+    if config is not None and config.fp8_activations:
+        return ("one_kernel reads FP8 weights but multiplies in the activation dtype: fp8_activations=True (FP8 x FP8 "
+                "GEMMs) is served by the other tiers")
+    unavailable = triton_unavailable()
+    return None if unavailable is None else f"one_kernel needs Pallas's Triton backend: {unavailable}"
+
+
+def _collectives(shape: CallShape):
+    return column_parallel.RECORD.collectives(shape)
+
+
+RECORD = TierRecord(
+    name="one_kernel",
+    function=one_kernel_tail,
+    summary="column_parallel's schedule with the norm, the own column block of the GEMM and the add in one "
+            "Pallas kernel: one GPU kernel per call besides the two all-reduces",
+    schedule="AR(r); ONE kernel: norm, own column block of the GEMM, added into own columns of s; AR",
+    collectives_text="AR(TL), AR(TH)",
+    projects_all_columns=False,
+    token_sharded_form=column_parallel.RECORD.token_sharded_form,
+    shared_reduced_form="the kernel adds the own block into the reduced shared output's own columns and an AG "
+                        "assembles the blocks (an all-to-all to token rows, then the add, for token-sharded output)",
+    collectives=_collectives,
+    unavailable=_why_not,
+)
