@@ -54,6 +54,9 @@ class TailConfig:
     Selection switches (see :func:`k3_tail.select_tier`):
       overlap_token_threshold: largest token count served by the overlap tier (vLLM: 256).
       disable_overlap: never pick the overlap tier (vLLM_DISABLE_SHARED_EXPERTS_STREAM).
+      one_kernel_max_tokens: on a GPU (CUDA or ROCm), pick the one_kernel tier for 0 < T <= this many
+        tokens (decode; 0: never), where one GPU kernel per call beats the XLA tiers' 5-8 (the default,
+        16, is where the cost model's per-kernel term stops paying on the presets: docs/design.md, 4).
       use_scatter_gather / scatter_gather_max_tokens: pick the scatter-gather tier for
         0 < T <= max tokens, as vLLM does with its fused tier-0 op (off by default: vLLM enables it
         only on SM100 GPUs).
@@ -108,6 +111,7 @@ class TailConfig:
     fp8_activations: bool = False
     overlap_token_threshold: int = 256
     disable_overlap: bool = False
+    one_kernel_max_tokens: int = 64
     use_scatter_gather: bool = False
     scatter_gather_max_tokens: int = 128
     has_shared_experts: bool = True
@@ -124,7 +128,8 @@ class TailConfig:
 
     def __post_init__(self):
         for name, minimum in (("hidden_size", 1), ("latent_size", 1),
-                              ("overlap_token_threshold", 0), ("scatter_gather_max_tokens", 0),
+                              ("overlap_token_threshold", 0), ("one_kernel_max_tokens", 0),
+                              ("scatter_gather_max_tokens", 0),
                               ("prefill_token_parallel_min_tokens", 0)):
             object.__setattr__(self, name, check_int(name, getattr(self, name), minimum=minimum))
         # The norm computes in float32, which flushes subnormal numbers to zero: an eps there would let an

@@ -26,6 +26,10 @@ class Hardware:
       peak_fp8_flops: dense FP8 FLOP/s, at which a GEMM of two FP8 operands in one of ``fp8_formats``
         runs (every other GEMM at ``peak_flops``); None without FP8 matrix units.
       fp8_formats: the FP8 dtype names its matrix units multiply natively.
+      platform: the XLA platform that compiles for it ("cuda" or "rocm"): which kernel counts apply
+        (:class:`k3_tail.tiers.record.KernelCounts`).
+      kernel_launch_s: the time one more GPU kernel adds to a call (its launch and the gap to the next
+        dependent one).
     """
 
     name: str
@@ -35,16 +39,19 @@ class Hardware:
     collective_latency_s: float
     peak_fp8_flops: float | None = None
     fp8_formats: tuple[str, ...] = ()
+    platform: str = "cuda"
+    kernel_launch_s: float = 0.0
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"name: expected a non-empty string, got {self.name!r}")
-        numbers = ("peak_flops", "hbm_bytes_per_s", "link_bytes_per_s", "collective_latency_s", "peak_fp8_flops")
+        numbers = ("peak_flops", "hbm_bytes_per_s", "link_bytes_per_s", "collective_latency_s", "peak_fp8_flops",
+                   "kernel_launch_s")
         for field in numbers:
             value = getattr(self, field)
             if field == "peak_fp8_flops" and value is None:
                 continue
-            zero_allowed = field == "collective_latency_s"
+            zero_allowed = field in ("collective_latency_s", "kernel_launch_s")
             is_number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
             if not is_number or value < 0 or (value == 0 and not zero_allowed):
                 raise ValueError(f"{field}: expected a finite number {'>=' if zero_allowed else '>'} 0, got {value!r}")
@@ -54,11 +61,20 @@ class Hardware:
                 f"fp8_formats: expected a tuple of FP8 dtype names, non-empty exactly when peak_fp8_flops is set, "
                 f"got {self.fp8_formats!r}"
             )
+        if self.platform not in GPU_PLATFORMS:
+            raise ValueError(f"platform: expected one of {GPU_PLATFORMS}, got {self.platform!r}")
 
 
 # Assumed, for every preset: no vendor publishes a per-collective latency. 10 us is the order of the
 # small-message all-reduce times that nccl-tests / rccl-tests report inside one 8-GPU node.
 _ASSUMED_COLLECTIVE_LATENCY_S = 10e-6
+# Assumed too, for every preset: 2 us for each GPU kernel of a call, what one kernel fewer saved in the one public
+# measurement of the tail's kernels (tokenspeed, MI355X, one token: the up projection and the add fused into one
+# kernel, 17.56 us p50 against 19.76 us). Dependent kernels cost their launch and the gap before the next; a CUDA
+# or HIP graph shortens the launch, not the gap.
+_ASSUMED_KERNEL_LAUNCH_S = 2e-6
+# The XLA platforms of GPUs, as device_platform names them.
+GPU_PLATFORMS = ("cuda", "rocm")
 
 # Each figure from the GPU's data sheet; link bandwidth is per GPU per direction, all links to its peers together.
 # mi300x: AMD Instinct MI300X data sheet (2023): peak BF16 1307.4 TFLOPs dense (2614.9 with sparsity); 192 GB HBM3,
@@ -75,16 +91,17 @@ _ASSUMED_COLLECTIVE_LATENCY_S = 10e-6
 #   4.8 TB/s; NVLink 900 GB/s per GPU (bidirectional, fourth-generation NVLink through NVSwitch): 450 GB/s;
 #   FP8 Tensor Core 3,958 TFLOPS with sparsity, 1978.9 dense; OCP FP8 (E4M3, E5M2).
 _PRESETS = (
-    # name      BF16 FLOP/s  HBM bytes/s  link bytes/s  FP8 FLOP/s  FP8 formats multiplied natively
-    ("mi300x", 1307.4e12, 5.3e12, 448e9, 2614.9e12, ("float8_e4m3fnuz",)),
-    ("mi325x", 1307.4e12, 6.0e12, 448e9, 2614.9e12, ("float8_e4m3fnuz",)),
-    ("mi355x", 2516.6e12, 8.0e12, 537.6e9, 5033.2e12, ("float8_e4m3fn",)),
-    ("h200", 989.4e12, 4.8e12, 450e9, 1978.9e12, ("float8_e4m3fn",)),
+    # name      BF16 FLOP/s  HBM bytes/s  link bytes/s  FP8 FLOP/s  FP8 formats multiplied natively  platform
+    ("mi300x", 1307.4e12, 5.3e12, 448e9, 2614.9e12, ("float8_e4m3fnuz",), "rocm"),
+    ("mi325x", 1307.4e12, 6.0e12, 448e9, 2614.9e12, ("float8_e4m3fnuz",), "rocm"),
+    ("mi355x", 2516.6e12, 8.0e12, 537.6e9, 5033.2e12, ("float8_e4m3fn",), "rocm"),
+    ("h200", 989.4e12, 4.8e12, 450e9, 1978.9e12, ("float8_e4m3fn",), "cuda"),
 )
 HARDWARE = MappingProxyType({
     name: Hardware(name, peak_flops=flops, hbm_bytes_per_s=hbm, link_bytes_per_s=link,
-                   collective_latency_s=_ASSUMED_COLLECTIVE_LATENCY_S, peak_fp8_flops=fp8_flops, fp8_formats=formats)
-    for name, flops, hbm, link, fp8_flops, formats in _PRESETS
+                   collective_latency_s=_ASSUMED_COLLECTIVE_LATENCY_S, peak_fp8_flops=fp8_flops, fp8_formats=formats,
+                   platform=platform, kernel_launch_s=_ASSUMED_KERNEL_LAUNCH_S)
+    for name, flops, hbm, link, fp8_flops, formats, platform in _PRESETS
 })
 
 

@@ -35,12 +35,17 @@ The model has two layers.
    [T', H] result follows (what :func:`k3_tail.latent_moe_tail`
    does). T = 0 without sequence-parallel output costs nothing: XLA drops the empty collectives.
 
-2. **Time** (:func:`predict_time`) from a roofline for the local work and an alpha-beta model for the
-   collectives, with the :class:`Hardware` figures:
+   - ``kernels``: the GPU kernels the tier's compiled call launches besides its collectives and
+     copies, per XLA platform: its record's :class:`~k3_tail.tiers.record.KernelCounts`, counted in
+     the compiled programs (one for one_kernel; 4-8 for the XLA tiers at decode).
+
+2. **Time** (:func:`predict_time`) from a roofline for the local work, an alpha-beta model for the
+   collectives and a fixed cost per kernel, with the :class:`Hardware` figures:
 
        local      = max(gemm_flops / peak, (weight_bytes + activation_bytes) / hbm_bytes_per_s)
        collective = collective_latency_s + wire_bytes / link_bytes_per_s   (0 for a group of 1 rank)
-       total      = sum(serial collectives) + max(local, sum(hidden collectives))
+       launches   = kernels (on the preset's platform) * kernel_launch_s
+       total      = sum(serial collectives) + max(local, sum(hidden collectives)) + launches
 
    where peak is the preset's ``peak_fp8_flops`` for a GEMM of two FP8 operands
    (``fp8_activations``) in a format the preset lists in ``fp8_formats``, else ``peak_flops``
@@ -58,7 +63,8 @@ Assumptions a reader must know:
 - Vendor peaks: the presets hold data-sheet peak dense BF16 FLOP/s, HBM and link bandwidth, which
   real kernels reach only in part, so predicted times are optimistic; the crossovers depend on the
   ratios between the terms. ``collective_latency_s`` is an
-  assumption (10 us), not a vendor figure. Replace any field with a measurement for a real decision:
+  assumption (10 us), not a vendor figure, and so is ``kernel_launch_s`` (2 us: what fusing one kernel
+  away saved in the one public measurement of this tail's kernels, on an MI355X). Replace any field with a measurement for a real decision:
   ``dataclasses.replace(HARDWARE["mi355x"], collective_latency_s=...)``.
 - ``link_bytes_per_s`` is one GPU's bandwidth in one direction over all its links, and a ring
   collective is assumed to drive it fully (AMD's fully connected xGMI node and NVSwitch both let
@@ -71,19 +77,22 @@ Assumptions a reader must know:
   that slice as a copy first (another 2*d*L*Hb bytes per call, not counted; the column layout has
   none).
 - Elementwise work (norm, adds, casts) costs no FLOPs here; its traffic is in ``activation_bytes``.
+- Every kernel runs at the roofline, one_kernel's Pallas kernel too, though its tiles are sized for
+  decode (at most 64 rows a tile: beyond 64 tokens it reads the weight block once per 64 rows, which
+  ``weight_bytes`` counts) and nothing tunes it; no measurement backs its time beyond decode.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 import numpy as np
 
 from k3_tail._checks import check_int
 from k3_tail.config import TailConfig, check_config
-from k3_tail.hardware import HARDWARE, Hardware, hardware_preset
+from k3_tail.hardware import GPU_PLATFORMS, HARDWARE, Hardware, hardware_preset
 from k3_tail.ops.codecs import CODECS
 from k3_tail.ops.collectives import SumPlan
 from k3_tail.ops.columns import check_weight_layout
@@ -172,7 +181,8 @@ class TierCost:
 
     gemm_flops: FLOPs of the up projection. weight_bytes: kernel (and norm weight) bytes read.
     activation_bytes: activation input and output bytes. collectives: in the order the tier issues them.
-    fp8_gemm: the FP8 format of both GEMM operands (``fp8_activations``), else None.
+    fp8_gemm: the FP8 format of both GEMM operands (``fp8_activations``), else None. kernels: the GPU
+    kernels the call launches, by XLA platform ("cuda", "rocm").
     """
 
     tier: Tier
@@ -184,6 +194,7 @@ class TierCost:
     activation_bytes: int
     collectives: tuple[CollectiveCost, ...]
     fp8_gemm: str | None = None
+    kernels: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
     def collective_bytes(self, kind: str) -> int:
         """Sum of ``buffer_bytes`` of the collectives of ``kind`` (0 when there is none)."""
@@ -213,7 +224,7 @@ def _tier_cost(config: TailConfig, num_tokens: int, tp_size: int, tier: Tier, we
                sums: SumPlan) -> TierCost:
     """:func:`tier_cost` of checked arguments, the sums travelling as ``sums`` says."""
     if num_tokens == 0 and not config.sequence_parallel:
-        return TierCost(tier, num_tokens, tp_size, weight_layout, 0, 0, 0, ())
+        return TierCost(tier, num_tokens, tp_size, weight_layout, 0, 0, 0, (), kernels=dict.fromkeys(GPU_PLATFORMS, 0))
     element = config.dtype.itemsize
     latent, hidden = config.latent_size, config.hidden_size
     record = tier.record
@@ -246,10 +257,11 @@ def _tier_cost(config: TailConfig, num_tokens: int, tp_size: int, tier: Tier, we
         tp_size=tp_size,
         weight_layout=weight_layout,
         gemm_flops=2 * gemm_rows(record.gemm_rows(rows, tp_size)) * latent * columns,
-        weight_bytes=kernel_bytes + norm_bytes,
+        weight_bytes=record.weight_reads(rows) * kernel_bytes + norm_bytes,
         activation_bytes=activation_bytes,
         collectives=tuple(collectives),
         fp8_gemm=config.up_proj_dtype.name if config.fp8_activations else None,
+        kernels={platform: record.kernels.of(platform, weight_layout, num_tokens) for platform in GPU_PLATFORMS},
     )
 
 
@@ -258,13 +270,15 @@ class Prediction:
     """Predicted per-call times in seconds (module docstring: formulas).
 
     compute_s: GEMM FLOPs at peak. memory_s: weight and activation bytes at HBM bandwidth.
-    collective_s: all collectives, hidden ones included. total_s: the call, hidden collectives overlapped.
+    collective_s: all collectives, hidden ones included. launch_s: the kernels' fixed costs. total_s: the
+    call, hidden collectives overlapped.
     """
 
     compute_s: float
     memory_s: float
     collective_s: float
     total_s: float
+    launch_s: float = 0.0
 
     @property
     def local_s(self) -> float:
@@ -275,17 +289,19 @@ class Prediction:
 def predict_time(cost: TierCost, hardware: Hardware | str) -> Prediction:
     """The :class:`Prediction` for ``cost`` on ``hardware`` (a :class:`Hardware` or a key of HARDWARE).
 
-    total = sum(serial collective times) + max(local, sum(hidden collective times)), where local =
-    max(gemm_flops / peak, (weight_bytes + activation_bytes) / hbm_bytes_per_s) (peak: the preset's
-    FP8 peak for a GEMM of two FP8 operands in a format it multiplies, else its BF16 peak) and a collective
-    takes collective_latency_s + wire_bytes / link_bytes_per_s (nothing over a group of one rank).
+    total = sum(serial collective times) + max(local, sum(hidden collective times)) + launches, where
+    local = max(gemm_flops / peak, (weight_bytes + activation_bytes) / hbm_bytes_per_s) (peak: the preset's
+    FP8 peak for a GEMM of two FP8 operands in a format it multiplies, else its BF16 peak), a collective
+    takes collective_latency_s + wire_bytes / link_bytes_per_s (nothing over a group of one rank) and
+    launches = kernels on the preset's platform * kernel_launch_s.
     """
     if not isinstance(cost, TierCost):
         raise ValueError(f"cost: expected a k3_tail.selection.cost_model.TierCost, got {type(cost).__name__}")
-    compute, memory, serial, hidden = _time_terms(cost, hardware_preset(hardware))
-    return Prediction(
-        compute_s=compute, memory_s=memory, collective_s=serial + hidden, total_s=serial + max(compute, memory, hidden)
-    )
+    hardware = hardware_preset(hardware)
+    compute, memory, serial, hidden = _time_terms(cost, hardware)
+    launches = cost.kernels.get(hardware.platform, 0) * hardware.kernel_launch_s
+    return Prediction(compute_s=compute, memory_s=memory, collective_s=serial + hidden,
+                      total_s=serial + max(compute, memory, hidden) + launches, launch_s=launches)
 
 
 def _time_terms(cost: TierCost, hardware: Hardware) -> tuple[float, float, float, float]:

@@ -10,6 +10,7 @@ import dataclasses
 
 from k3_tail._checks import check_int
 from k3_tail.config import TailConfig, check_config
+from k3_tail.hardware import GPU_PLATFORMS
 from k3_tail.ops.collectives import SPLIT, describe_auto
 from k3_tail.ops.columns import padded_hidden_size
 from k3_tail.ops.tokens import padded_token_count
@@ -95,10 +96,14 @@ class VllmRules(SelectionPolicy):
          ``prefill_token_parallel_min_tokens`` > 0, T >= it and the replicated kernel layout (vLLM's
          VLLM_KIMI_K3_AMD_PREFILL_SP_MIN_TOKENS; the rule says when only the layout kept it out).
       2. SCATTER_GATHER if ``config.use_scatter_gather`` and T <= ``scatter_gather_max_tokens``.
-      3. OVERLAP if T <= ``overlap_token_threshold`` and overlap is not disabled; NATIVE there when
+      3. ONE_KERNEL on a GPU platform ("cuda", "rocm") for T <= ``config.one_kernel_max_tokens`` (decode):
+         one GPU kernel per call besides the two all-reduces, where the XLA tiers launch 5-8; the rule
+         that follows says why not when the tier cannot run here (no Pallas Triton backend, FP8
+         activations). Not on a CPU, where its kernel runs in Pallas's interpret mode.
+      4. OVERLAP if T <= ``overlap_token_threshold`` and overlap is not disabled; NATIVE there when
          ``config.shared_output_is_reduced`` (vLLM's pre-reduced shared tail: nothing is left to
          overlap, and overlap's schedule then is native's).
-      4. COLUMN_PARALLEL otherwise; when H % p != 0 the projection's columns are padded to the next
+      5. COLUMN_PARALLEL otherwise; when H % p != 0 the projection's columns are padded to the next
          multiple of p and sliced back, so no columns are dropped and no fallback is needed.
 
     ONE_SHOT is never selected here: it trades a full GEMM per rank for one collective fewer, and only
@@ -109,23 +114,36 @@ class VllmRules(SelectionPolicy):
                device_kind: str | None = None, platform: str | None = None) -> TierDecision:
         minimum = config.prefill_token_parallel_min_tokens
         if not (config.sequence_parallel and minimum and num_tokens >= minimum):
-            return _after_token_parallel(config, num_tokens, tp_size)
+            return _after_token_parallel(config, num_tokens, tp_size, platform)
         why = f"sequence-parallel output and T={num_tokens} >= prefill_token_parallel_min_tokens={minimum}"
         if weight_layout == "replicated":
             return TierDecision(Tier.TOKEN_PARALLEL, f"{why} with the replicated kernel")
-        later = _after_token_parallel(config, num_tokens, tp_size)
+        later = _after_token_parallel(config, num_tokens, tp_size, platform)
         return dataclasses.replace(later, rule=f"{later.rule} (not token_parallel although {why}: it needs "
                                                f"weight_layout='replicated', got {weight_layout!r})")
 
 
-def _after_token_parallel(config: TailConfig, num_tokens: int, tp_size: int) -> TierDecision:
-    """Rules 2-4 of :class:`VllmRules`: scatter-gather, overlap, column-parallel."""
+def _after_token_parallel(config: TailConfig, num_tokens: int, tp_size: int, platform: str | None) -> TierDecision:
+    """Rules 2-5 of :class:`VllmRules`: scatter-gather, one_kernel, overlap, column-parallel."""
     if config.use_scatter_gather and num_tokens <= config.scatter_gather_max_tokens:
         return TierDecision(
             Tier.SCATTER_GATHER,
             f"use_scatter_gather is True and T={num_tokens} <= "
             f"scatter_gather_max_tokens={config.scatter_gather_max_tokens}",
         )
+    if platform in GPU_PLATFORMS and num_tokens <= config.one_kernel_max_tokens:
+        why = f"T={num_tokens} <= one_kernel_max_tokens={config.one_kernel_max_tokens} on {platform}"
+        reason = Tier.ONE_KERNEL.why_not("column", config)
+        if reason is None:
+            return TierDecision(Tier.ONE_KERNEL, f"{why}: one GPU kernel per call besides its two all-reduces "
+                                                 "(the XLA tiers launch 5 to 8)")
+        later = _after_one_kernel(config, num_tokens, tp_size)
+        return dataclasses.replace(later, rule=f"{later.rule} (not one_kernel although {why}: {reason})")
+    return _after_one_kernel(config, num_tokens, tp_size)
+
+
+def _after_one_kernel(config: TailConfig, num_tokens: int, tp_size: int) -> TierDecision:
+    """Rules 4-5 of :class:`VllmRules`: overlap, column-parallel."""
     within = num_tokens <= config.overlap_token_threshold
     if within and config.shared_output_is_reduced:
         return TierDecision(Tier.NATIVE, f"T={num_tokens} <= overlap_token_threshold={config.overlap_token_threshold}, "

@@ -19,16 +19,13 @@ import jax
 import jax.numpy as jnp
 
 from k3_tail.config import TailConfig
+from k3_tail.hardware import GPU_PLATFORMS
 from k3_tail.ops.columns import assemble_column_blocks, padded_hidden_size
-from k3_tail.ops.fused_projection import norm_project_add, triton_unavailable
+from k3_tail.ops.fused_projection import LARGEST_ROW_TILE, norm_project_add, triton_unavailable
 from k3_tail.ops.scopes import SHARED_REDUCTION, UP_PROJECTION
 from k3_tail.tiers.context import TailCall
-from k3_tail.tiers.record import CallShape, TierRecord
+from k3_tail.tiers.record import CallShape, KernelCounts, TierRecord
 from k3_tail.tiers import column_parallel
-
-# The platforms whose devices run the kernel compiled; elsewhere it runs in interpret mode.
-GPU_PLATFORMS = ("cuda", "rocm")
-
 
 def one_kernel_tail(routed_partial, shared_partial, norm_weight, up_proj_kernel, call: TailCall) -> jax.Array:
     """AR(r); one kernel: norm, own column block of the GEMM, added into own columns of s; AR (a
@@ -61,14 +58,15 @@ def _project_add(latent, norm_weight, up_proj_kernel, call: TailCall):
     """The kernel for this call, taking only what differs between its uses: the addend and where the
     result goes."""
     config = call.config
+    block_width = padded_hidden_size(config.hidden_size, call.tp_size) // call.tp_size
 
     def project_add(addend, *, into_addend):
         with jax.named_scope(UP_PROJECTION):
             return norm_project_add(
                 latent, norm_weight if config.use_latent_norm else None, up_proj_kernel, addend,
-                rank=call.rank_index(), block_width=padded_hidden_size(config.hidden_size, call.tp_size) // call.tp_size,
-                hidden_size=config.hidden_size, eps=config.rms_norm_eps, scale=config.routed_scaling_factor,
-                into_addend=into_addend, interpret=call.platform not in GPU_PLATFORMS,
+                rank=call.rank_index(), block_width=block_width, hidden_size=config.hidden_size,
+                eps=config.rms_norm_eps, scale=config.routed_scaling_factor, into_addend=into_addend,
+                interpret=call.platform not in GPU_PLATFORMS,
             )
 
     return project_add
@@ -98,5 +96,8 @@ RECORD = TierRecord(
     shared_reduced_form="the kernel adds the own block into the reduced shared output's own columns and an AG "
                         "assembles the blocks (an all-to-all to token rows, then the add, for token-sharded output)",
     collectives=_collectives,
+    kernels=KernelCounts.measured(cuda={"column": (2, 2), "replicated": (2, 2)},
+                                  rocm={"column": (2, 2), "replicated": (2, 2)}),
     unavailable=_why_not,
+    rows_per_weight_read=LARGEST_ROW_TILE,
 )

@@ -12,8 +12,9 @@ read a tier's facts from its record:
 - ``shared_reduced_form``: how its schedule changes when the shared output arrives already reduced
   (``TailConfig.shared_output_is_reduced``);
 - ``compiler_options``: the per-executable XLA options it needs, per platform family;
-- its cost terms: ``projects_all_columns`` (the GEMM's width) and ``collectives`` (the collectives
-  it issues, in order, and which of them run beside the GEMM);
+- its cost terms: ``projects_all_columns`` (the GEMM's width), ``collectives`` (the collectives
+  it issues, in order, and which of them run beside the GEMM) and ``kernels`` (the GPU kernels its
+  compiled call launches);
 - ``summary``, ``schedule`` and ``collectives_text``: its description in words.
 
 Collective buffers are counted as :mod:`k3_tail.xla.report` counts them: the reduced buffer of an
@@ -113,6 +114,34 @@ class CallShape:
 
 
 @dataclasses.dataclass(frozen=True)
+class KernelCounts:
+    """The GPU kernels a tier's compiled call launches besides its collectives and copies, as XLA's thunk
+    sequence lists them (:mod:`k3_tail.xla.launches`): for one token and for more, per XLA platform ("cuda",
+    "rocm") and weight layout.
+
+    Counted in the programs :func:`k3_tail.compile_tail` makes for Kimi-K3 at p = 8 (T = 1 and 16; the
+    same on jax 0.10.2 and 0.12, on MI300X and MI355X alike), which the compiled-program tests compare
+    them with. They are XLA's fusion decisions, not a formula: other shapes and forms (quantised sums,
+    a reduced shared output) may launch one or two more or fewer.
+    """
+
+    counts: Mapping[tuple[str, str], tuple[int, int]]
+
+    @classmethod
+    def measured(cls, *, cuda: Mapping[str, tuple[int, int]], rocm: Mapping[str, tuple[int, int]]) -> KernelCounts:
+        """From {layout: (one token, more)} per platform."""
+        return cls(MappingProxyType({(platform, layout): pair for platform, by_layout in
+                                     (("cuda", cuda), ("rocm", rocm)) for layout, pair in by_layout.items()}))
+
+    def of(self, platform: str, weight_layout: str, num_tokens: int) -> int:
+        """The kernels of a call of ``num_tokens`` (0 launches none) on ``platform`` with ``weight_layout``."""
+        if num_tokens == 0:
+            return 0
+        one, more = self.counts[(platform, weight_layout)]
+        return one if num_tokens == 1 else more
+
+
+@dataclasses.dataclass(frozen=True)
 class TierRecord:
     """Everything the library knows about one tier (module docstring).
 
@@ -128,8 +157,10 @@ class TierRecord:
     token_sharded_form: how it returns token-sharded output. shared_reduced_form: how its schedule
     changes when the shared output arrives reduced. compiler_options: per platform family
     ("gpu", "cpu", "tpu"), the per-executable XLA options. collectives: its collectives for a
-    :class:`CallShape`, in issue order. unavailable: why it cannot run with a config (None: any config)
-    in this installation, or None when it can (one_kernel: Pallas's Triton backend, which a jax may lack).
+    :class:`CallShape`, in issue order. kernels: its :class:`KernelCounts`. unavailable: why it cannot
+    run with a config (None: any config) in this installation, or None when it can (one_kernel: Pallas's
+    Triton backend, which a jax may lack). rows_per_weight_read: the token rows of the tier's GEMM tile,
+    when it reads its kernel once per tile of them (:meth:`weight_reads`), else None (once).
     """
 
     name: str
@@ -141,11 +172,13 @@ class TierRecord:
     token_sharded_form: str
     shared_reduced_form: str
     collectives: Callable[[CallShape], tuple[CollectiveTerm, ...]]
+    kernels: KernelCounts
     needs_whole_kernel: bool = False
     serves_fused_output_is_reduced: bool = True
     splits_tokens: bool = False
     compiler_options: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
     unavailable: Callable[[TailConfig | None], str | None] | None = None
+    rows_per_weight_read: int | None = None
 
     def why_not(self, weight_layout: str, config: TailConfig | None = None) -> str | None:
         """Why the tier cannot run with ``weight_layout`` and ``config`` (None: not considered), or None."""
@@ -169,6 +202,13 @@ class TierRecord:
         if self.projects_all_columns and weight_layout == "replicated":
             return hidden_size
         return padded_hidden_size(hidden_size, tp_size) // tp_size
+
+    def weight_reads(self, rows: int) -> int:
+        """How many times the tier's GEMM reads its kernel for ``rows`` token rows: once, or for a tier whose
+        tiles hold at most ``rows_per_weight_read`` rows (one_kernel's), once per such tile."""
+        if self.rows_per_weight_read is None:
+            return 1
+        return max(1, -(-rows // self.rows_per_weight_read))
 
     def gemm_rows(self, rows: int, tp_size: int) -> int:
         """The rows of one rank's projection when the tier works on ``rows`` token rows: its own

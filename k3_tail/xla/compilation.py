@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 from k3_tail._checks import AxisName, check_int, check_mesh
 from k3_tail.config import TailConfig, check_config
 from k3_tail.forward import tail_forward
+from k3_tail.hardware import device_platform
 from k3_tail.selection.rules import select_tier
 from k3_tail.ops.columns import check_weight_layout, padded_hidden_size
 from k3_tail.tiers.registry import Tier
@@ -126,10 +127,11 @@ def compile_tail(
     """
     check_config(config)
     arguments = tail_arguments(config, mesh, num_tokens, axis_name=axis_name, weight_layout=weight_layout)
+    device = mesh.devices.flat[0]
     if tier is None:
         tier = select_tier(
             config, num_tokens, check_mesh(mesh, axis_name), weight_layout=weight_layout,
-            device_kind=mesh.devices.flat[0].device_kind,
+            device_kind=device.device_kind, platform=device_platform(device),
         ).tier
     resolved = Tier.parse(tier)
 
@@ -139,8 +141,7 @@ def compile_tail(
             config=config, mesh=mesh, axis_name=axis_name, tier=resolved, weight_layout=weight_layout,
         )
 
-    platform = mesh.devices.flat[0].platform
-    options = compiler_options(resolved, platform)
+    options = compiler_options(resolved, device.platform)
     if dump_to is not None:
         options["xla_dump_to"] = os.fspath(dump_to)
     return jax.jit(call).lower(*arguments).compile(compiler_options=options)
