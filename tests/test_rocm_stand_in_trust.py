@@ -85,7 +85,8 @@ def test_a_relative_or_empty_xdg_cache_home_is_ignored_for_the_home_cache(value,
 def test_without_an_absolute_cache_or_home_directory_none_is_used(monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", "cache")
     monkeypatch.setenv("HOME", "home")
-    with pytest.raises(RocmUnavailable, match="XDG_CACHE_HOME is not an absolute path.*'home'.*set XDG_CACHE_HOME"):
+    with pytest.raises(RocmUnavailable, match=r"XDG_CACHE_HOME is unset or relative and so is the home directory "
+                                              r"\('home'\): set XDG_CACHE_HOME to an absolute directory"):
         rocm_stand_ins.cache_root()
 
 

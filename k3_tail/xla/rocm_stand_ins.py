@@ -15,10 +15,11 @@ loads, so on a machine without ROCm:
    ``$XDG_CACHE_HOME/k3_tail/rocm-stand-ins/`` (``~/.cache`` without it or when it is relative), keyed by
    the plugin's version, its files' sizes and times and the generator's version, and renamed into place
    from a temporary directory, so that processes building at once do not race. The cache is trusted as
-   OpenSSH trusts its files: each directory made 0700; everything in it yours and not writable by group or
-   others, the directories above it up to your home yours or root's, the manifest well-formed and listing
-   plain sonames, the names taken from the ELF files of a charset the generated files can hold; anything
-   else is a RocmUnavailable naming the path or name and the fix.
+   OpenSSH trusts its files: each directory made 0700; everything in it yours and not writable by group
+   or others; the directories above it, up to your home, yours or root's and not writable by others unless
+   sticky; the manifest well-formed and listing plain sonames; the names taken from the ELF files of a
+   charset the generated files can hold. Anything else is a RocmUnavailable naming the path or name and
+   the fix (see the comment on trust below).
 2. :func:`preload` loads them by absolute path with ``RTLD_GLOBAL``, the hub first, so the loader finds
    each soname already loaded (``LD_LIBRARY_PATH`` set after start does not reach ``dlopen``).
 3. :func:`register_plugin` (re)imports the plugin module, lets jax's plugin discovery and backends start
@@ -358,8 +359,9 @@ def cache_home() -> Path:
         return Path(base)
     home = os.path.expanduser("~")
     if not os.path.isabs(home):
-        raise RocmUnavailable(f"no cache directory for the stand-in ROCm libraries: XDG_CACHE_HOME is not an absolute "
-                              f"path and neither is the home directory ({home!r}): set XDG_CACHE_HOME to one")
+        raise RocmUnavailable(f"no cache directory for the stand-in ROCm libraries: XDG_CACHE_HOME is unset or "
+                              f"relative and so is the home directory ({home!r}): set XDG_CACHE_HOME to an absolute "
+                              "directory")
     return Path(home) / ".cache"
 
 
