@@ -12,9 +12,14 @@ loads, so on a machine without ROCm:
    sonames, the symbol versions needed from each, undefined symbols nothing loadable defines). Each is one
    C file and linker version script (``gcc -shared``) whose functions all fail (an error code, a static
    message, a handle for ``__hipRegisterFatBinary``). They are cached under
-   ``$XDG_CACHE_HOME/k3_tail/rocm-stand-ins/`` (``~/.cache`` without it), keyed by the plugin's version,
-   its files' sizes and times and the generator's version, and renamed into place from a temporary
-   directory, so that processes building at once do not race.
+   ``$XDG_CACHE_HOME/k3_tail/rocm-stand-ins/`` (``~/.cache`` without it or when it is relative), keyed by
+   the plugin's version, its files' sizes and times and the generator's version, and renamed into place
+   from a temporary directory, so that processes building at once do not race. The cache is trusted as
+   OpenSSH trusts its files: each directory made 0700; everything in it yours and not writable by group
+   or others; the directories above it, up to your home, yours or root's and not writable by others unless
+   sticky; the manifest well-formed and listing plain sonames; the names taken from the ELF files of a
+   charset the generated files can hold. Anything else is a RocmUnavailable naming the path or name and
+   the fix (see the comment on trust below).
 2. :func:`preload` loads them by absolute path with ``RTLD_GLOBAL``, the hub first, so the loader finds
    each soname already loaded (``LD_LIBRARY_PATH`` set after start does not reach ``dlopen``).
 3. :func:`register_plugin` (re)imports the plugin module, lets jax's plugin discovery and backends start
@@ -37,10 +42,12 @@ import hashlib
 import importlib
 import importlib.metadata
 import importlib.util
+import itertools
 import json
 import os
 import re
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -208,6 +215,26 @@ def _defined_by_other_than_stand_ins(handle: ctypes.CDLL, name: str) -> bool:
     return os.path.basename(os.fsdecode(info.dli_fname)) not in _loaded
 
 
+# What of the plugin's ELF files reaches the generated files. Symbol names are written as C string literals (each
+# function's asm label, the trace message: the C identifiers are the generator's own) that GNU as then reads as
+# unquoted symbols, and into the version script, where * ? [ would be glob patterns: letters, digits, _ $ and .
+# (C++ mangled names, "name.cold" clones), not first a digit, $ or . (an immediate or a directive to the
+# assembler). A versioned symbol's "@VERSION" is not part of its name (read_elf drops it); version names are
+# version-script nodes (GLIBC_2.2.5, hip_4.2). Sonames name files in the cache, "-Wl,-soname,..." arguments and
+# manifest entries: no "/", no ",", no leading "." (so neither "." nor "..").
+_SYMBOL = re.compile(r"[A-Za-z_][A-Za-z0-9_$.]*")
+_VERSION = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*")
+_SONAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+-]*")
+
+
+def _checked(pattern: re.Pattern, name: str, what: str, source: Path) -> str:
+    """``name``, where ``pattern`` matches it whole; RocmUnavailable naming it otherwise (it is never written)."""
+    if pattern.fullmatch(name) is None:
+        raise RocmUnavailable(f"{source} needs the {what} {name!r}, which no stand-in defines (a stand-in {what} "
+                              f"matches {pattern.pattern}): reinstall jax-rocm7-pjrt and jax-rocm7-plugin")
+    return name
+
+
 def _stem(soname: str) -> str:
     return re.sub(r"[^a-z0-9]", "", re.sub(r"\.so(\..*)?$", "", soname.removeprefix("lib")).lower())
 
@@ -230,15 +257,15 @@ def plan_stand_ins(needs: Sequence[ElfNeeds]) -> tuple[list[StandInLibrary], str
         return any(_defined_by_other_than_stand_ins(handle, name) for handle in present)
 
     for need in needs:
+        own_missing = [_checked(_SONAME, soname, "library", need.path) for soname in need.needed if soname in libraries]
         for soname, version in need.versions.values():  # every version node a file needs must exist
             if soname in libraries:
-                libraries[soname].symbols.setdefault(version, {})
-        own_missing = [soname for soname in need.needed if soname in libraries]
+                libraries[soname].symbols.setdefault(_checked(_VERSION, version, "symbol version", need.path), {})
         for name, kind, index in need.undefined:
             if index is not None and index in need.versions:
                 soname, version = need.versions[index]
                 if soname in libraries:
-                    libraries[soname].add(name, kind, version)
+                    libraries[soname].add(_checked(_SYMBOL, name, "symbol", need.path), kind, version)
                 continue
             if not own_missing or defined_elsewhere(name):
                 continue
@@ -246,7 +273,7 @@ def plan_stand_ins(needs: Sequence[ElfNeeds]) -> tuple[list[StandInLibrary], str
             matching = [soname for soname in own_missing if lowered.startswith(_stem(soname))]
             home = max(matching, key=lambda soname: len(_stem(soname))) if matching else hub
             if not any(name in names for names in libraries[home].symbols.values()):
-                libraries[home].add(name, kind)
+                libraries[home].add(_checked(_SYMBOL, name, "symbol", need.path), kind)
     order = [libraries[hub]] + [libraries[soname] for soname in sorted(libraries) if soname != hub]
     return order, hub
 
@@ -273,7 +300,8 @@ def _returns_text(name: str) -> bool:
 
 
 def c_source(library: StandInLibrary) -> str:
-    """The C file of one stand-in: each symbol under its exact name (an asm label: any ELF name works)."""
+    """The C file of one stand-in: each symbol under its exact name, an asm label (of the charset
+    :func:`plan_stand_ins` checks)."""
     lines = [_C_PRELUDE.format(soname=library.soname, trace=TRACE_VARIABLE)]
     names = sorted({(name, kind) for names in library.symbols.values() for name, kind in names.items()})
     for number, (name, kind) in enumerate(names):
@@ -319,12 +347,27 @@ class StandIns:
     libraries: tuple[str, ...]
     symbols: int
     built: bool
+    top: Path  # the cache's own top directory (``$XDG_CACHE_HOME/k3_tail``, or the root given): all of it yours
+
+
+def cache_home() -> Path:
+    """``$XDG_CACHE_HOME``, or ``~/.cache`` where it is unset, empty or relative (the XDG base directory
+    specification has relative values ignored: one would name a different directory in every working
+    directory). RocmUnavailable when neither is absolute."""
+    base = os.environ.get("XDG_CACHE_HOME", "")
+    if os.path.isabs(base):
+        return Path(base)
+    home = os.path.expanduser("~")
+    if not os.path.isabs(home):
+        raise RocmUnavailable(f"no cache directory for the stand-in ROCm libraries: XDG_CACHE_HOME is unset or "
+                              f"relative and so is the home directory ({home!r}): set XDG_CACHE_HOME to an absolute "
+                              "directory")
+    return Path(home) / ".cache"
 
 
 def cache_root() -> Path:
     """``$XDG_CACHE_HOME/k3_tail/rocm-stand-ins`` (``~/.cache/k3_tail/rocm-stand-ins`` by default)."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "k3_tail" / "rocm-stand-ins"
+    return cache_home() / "k3_tail" / "rocm-stand-ins"
 
 
 def find_tools() -> tuple[str, str]:
@@ -341,39 +384,145 @@ def find_tools() -> tuple[str, str]:
     return compiler, readelf
 
 
-def _read_manifest(directory: Path) -> dict | None:
+# What is loaded must be yours, as OpenSSH has it of its files. The cache's own directories and files (its top,
+# ``$XDG_CACHE_HOME/k3_tail``, and everything below it) must be your own real directories and regular files, not
+# writable by group or others. The directories above the top, up to your home directory (or / outside it), must be
+# yours or root's and not writable by group or others unless sticky (/tmp: others cannot rename what is yours
+# there): whoever can rename a directory on the path can put another cache in place of the checked one.
+_ELSEWHERE = "set XDG_CACHE_HOME to an absolute directory of your own"
+
+
+def _check(path: Path, *, directory: bool, own: bool) -> bool:
+    """Whether ``path`` exists; RocmUnavailable naming it and the fix when the stand-ins must not trust it.
+    ``own``: a part of the cache (yours only) rather than a directory above it (yours or root's, or sticky)."""
     try:
-        return json.loads((directory / MANIFEST).read_text())
-    except (OSError, ValueError):
+        status = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    except OSError as error:
+        raise RocmUnavailable(f"cannot inspect {path} for the stand-in ROCm libraries: {error}") from error
+    where = "in the stand-in cache" if own else "above the stand-in cache"
+    # A file's content may be another's once it is not to trust: its whole stand-in directory is rebuilt.
+    remove = ("remove it (the stand-ins are rebuilt)" if directory else
+              f"remove {path.parent} (the stand-ins are rebuilt)")
+    kind = "directory" if directory else "regular file"
+    if not (stat.S_ISDIR if directory else stat.S_ISREG)(status.st_mode):
+        what = "a symbolic link" if stat.S_ISLNK(status.st_mode) else f"not a {kind}"
+        raise RocmUnavailable(f"{path} ({where}) is {what}, where a {kind} belongs: {remove if own else _ELSEWHERE}")
+    user = os.geteuid()
+    if status.st_uid != user and (own or status.st_uid != 0):
+        raise RocmUnavailable(f"{path} ({where}) is owned by uid {status.st_uid}, not by you (uid {user})"
+                              f"{'' if own else ' or root'}: {remove if own else _ELSEWHERE}")
+    if status.st_mode & 0o022 and (own or not (directory and status.st_mode & stat.S_ISVTX)):
+        fix = f"chmod go-w {path}" if directory else remove
+        raise RocmUnavailable(f"{path} ({where}) is writable by group or others, who could replace the stand-in ROCm "
+                              f"libraries: {fix if own else f'{fix}, or {_ELSEWHERE}'}")
+    return True
+
+
+def _check_path(directory: Path, top: Path) -> bool:
+    """Whether ``directory`` (``top`` or within it) exists; each level is checked, from the highest down (so that
+    the first one in the way is named), and RocmUnavailable names the first one not to trust."""
+    levels = [directory, *directory.parents]
+    own = levels[:levels.index(top) + 1]
+    home = Path(os.path.realpath(os.path.expanduser("~")))
+    above = []
+    for level in top.parents:
+        above.append(level)
+        if level == home:
+            break
+    for level, is_own in [*((level, False) for level in reversed(above)), *((level, True) for level in reversed(own))]:
+        if not _check(level, directory=True, own=is_own):
+            return False
+    return True
+
+
+def _make_directories(directory: Path, top: Path) -> None:
+    """Make the missing levels of ``directory``, each 0700, and check the whole path."""
+    missing = list(itertools.takewhile(lambda level: not os.path.lexists(level), [directory, *directory.parents]))
+    for level in reversed(missing):
+        try:
+            os.mkdir(level, 0o700)
+        except FileExistsError:  # another process made it: checked below
+            pass
+        except OSError as error:
+            _check_path(directory, top)  # names a level in the way (a file where a directory belongs)
+            raise RocmUnavailable(f"cannot make the stand-in cache directory {level}: {error}") from error
+    _check_path(directory, top)
+
+
+def _locations(root: Path | None) -> tuple[Path, Path]:
+    """(where the stand-in directories go, the cache's top), symbolic links above the top resolved (the checks
+    then see the directories that hold the cache, not the links)."""
+    if root is None:
+        top = Path(os.path.realpath(cache_home() / "k3_tail"))
+        return top / "rocm-stand-ins", top
+    root = Path(os.path.realpath(root))
+    return root, root
+
+
+def _cached(directory: Path, top: Path) -> tuple[tuple[str, ...], int] | None:
+    """(libraries, symbols) of the stand-ins in ``directory`` (None when it does not exist), from its manifest;
+    RocmUnavailable naming what is not to trust or malformed, and the fix."""
+    if not _check_path(directory, top):
         return None
+    path = directory / MANIFEST
+    fix = f"remove {directory} (the stand-ins are rebuilt)"
+    if not _check(path, directory=False, own=True):
+        raise RocmUnavailable(f"{directory} has no {MANIFEST}: it is incomplete or not k3_tail's; {fix}")
+    try:
+        manifest = json.loads(path.read_bytes())
+    except (OSError, ValueError, RecursionError) as error:  # ValueError: JSON syntax and UTF-8
+        raise RocmUnavailable(f"the stand-in manifest {path} does not read as JSON ({error}): {fix}") from error
+    if not isinstance(manifest, dict):
+        raise RocmUnavailable(f"the stand-in manifest {path} is not a JSON object: {fix}")
+    libraries, symbols = manifest.get("libraries"), manifest.get("symbols")
+    if not isinstance(libraries, list) or not all(isinstance(soname, str) for soname in libraries):
+        raise RocmUnavailable(f"the stand-in manifest {path}: 'libraries' is {libraries!r}, not a list of sonames: "
+                              f"{fix}")
+    for soname in libraries:
+        if _SONAME.fullmatch(soname) is None:
+            raise RocmUnavailable(f"the stand-in manifest {path} lists the library {soname!r}, not a plain soname in "
+                                  f"its directory (no path, separator or '..'): {fix}")
+    if type(symbols) is not int or symbols < 0:
+        raise RocmUnavailable(f"the stand-in manifest {path}: 'symbols' is {symbols!r}, not a count: {fix}")
+    return tuple(libraries), symbols
 
 
 def stand_ins(plugin: Plugin | None = None, *, root: Path | None = None) -> StandIns:
-    """The stand-ins for ``plugin`` (the installed one by default): from the cache, or built into it now."""
+    """The stand-ins for ``plugin`` (the installed one by default): from the cache, or built into it now.
+
+    ``root``: where the stand-in directories go (``cache_root()`` by default; the top of the cache then is its
+    parent, ``$XDG_CACHE_HOME/k3_tail``). Every check of the module's comment on trust applies."""
     plugin = plugin or installed_plugin()
-    root = Path(root) if root is not None else cache_root()
+    root, top = _locations(root)
     directory = root / f"{plugin.version}-{plugin.digest()}"
-    manifest = _read_manifest(directory)
+    cached = _cached(directory, top)
     built = False
-    if manifest is None:
+    if cached is None:
         compiler, readelf = find_tools()
-        root.mkdir(parents=True, exist_ok=True)
-        work = Path(tempfile.mkdtemp(prefix=".building-", dir=root))
+        _make_directories(root, top)
+        try:
+            work = Path(tempfile.mkdtemp(prefix=".building-", dir=root))  # 0700
+        except OSError as error:
+            raise RocmUnavailable(f"cannot build the stand-in ROCm libraries in {root}: {error}") from error
         try:
             _build(plugin, work, compiler, readelf)
             try:
                 os.rename(work, directory)  # atomic: a complete directory or none
                 built = True
             except OSError as error:
-                if _read_manifest(directory) is None:  # not another process's finished build: a real failure
-                    raise RocmUnavailable(f"cannot put the stand-in ROCm libraries into {directory}: {error} "
-                                          "(remove that directory if it is left from something else)") from error
+                if not os.path.lexists(directory):  # not another process's finished build: a real failure
+                    raise RocmUnavailable(
+                        f"cannot put the stand-in ROCm libraries into {directory}: {error}") from error
+        except OSError as error:
+            raise RocmUnavailable(f"cannot build the stand-in ROCm libraries in {work}: {error}") from error
         finally:
             shutil.rmtree(work, ignore_errors=True)
-        manifest = _read_manifest(directory)
-        if manifest is None:
-            raise RocmUnavailable(f"the stand-in ROCm libraries in {directory} are incomplete: remove the directory")
-    return StandIns(directory, tuple(manifest["libraries"]), int(manifest["symbols"]), built)
+        cached = _cached(directory, top)
+        if cached is None:
+            raise RocmUnavailable(f"the stand-in ROCm libraries in {directory} went missing while built: try again")
+    return StandIns(directory, *cached, built, top)
 
 
 def _build(plugin: Plugin, work: Path, compiler: str, readelf: str) -> None:
@@ -406,6 +555,8 @@ def _build(plugin: Plugin, work: Path, compiler: str, readelf: str) -> None:
         "generator": GENERATOR_VERSION,
     }
     (work / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    for path in work.iterdir():  # private whatever the umask: group- or other-writable files are refused
+        path.chmod(stat.S_IMODE(path.stat().st_mode) & ~0o077)
 
 
 # --- loading and registering -----------------------------------------------------------------------------------
@@ -413,15 +564,25 @@ def _build(plugin: Plugin, work: Path, compiler: str, readelf: str) -> None:
 
 def preload(built: StandIns) -> None:
     """Load the stand-ins by absolute path, ``RTLD_GLOBAL``, the hub first, so that the plugin's NEEDED
-    sonames resolve to them; once per process (a soname already loaded is left alone)."""
+    sonames resolve to them; once per process (a soname already loaded is left alone). Each library and the
+    path to it are checked as :func:`stand_ins` checks the cache; RocmUnavailable names what is not to trust."""
     with _lock:
-        for soname in built.libraries:
-            if soname not in _loaded:
-                try:
-                    _loaded[soname] = ctypes.CDLL(str(built.directory / soname), mode=os.RTLD_GLOBAL)
-                except OSError as error:
-                    raise RocmUnavailable(
-                        f"cannot load the stand-in {soname} from {built.directory}: {error}") from error
+        pending = [soname for soname in built.libraries if soname not in _loaded]
+        # Checked now, just before their constructors run: nobody but you or root can change them after that.
+        if pending and not _check_path(built.directory, built.top):
+            raise RocmUnavailable(f"the stand-in directory {built.directory} is missing")
+        for soname in pending:
+            path = built.directory / soname
+            if _SONAME.fullmatch(soname) is None:
+                raise RocmUnavailable(f"the stand-in {soname!r} is not a plain soname in {built.directory}")
+            if not _check(path, directory=False, own=True):
+                raise RocmUnavailable(f"the stand-in {path} is missing: remove {built.directory} (the stand-ins "
+                                      "are rebuilt)")
+            try:
+                _loaded[soname] = ctypes.CDLL(str(path), mode=os.RTLD_GLOBAL)
+            except OSError as error:
+                raise RocmUnavailable(
+                    f"cannot load the stand-in {soname} from {built.directory}: {error}") from error
 
 
 def real_rocm_host() -> bool:
