@@ -12,16 +12,16 @@ finite y, NaN and infinity give NaN. ``W`` is the whole [L, H] kernel or the ran
 the activation dtype or a :class:`~k3_tail.ops.up_projection.QuantizedKernel` (FP8 values read as FP8,
 scaled per column in the kernel); both are read where they lie, never copied.
 
-The grid. A GEMV over a row-major [L, Hb] block reads whole rows of the block coalesced only if a program
-takes a run of columns over all of L, which leaves Hb/32 = 28 programs at Kimi-K3's p = 8: a GPU of 132
-SMs or 304 CUs needs about 1024. So K is split too: program (r, j, s) multiplies row tile r, column tile
-j (32 columns: 64-byte runs of bf16) and slab s of K, and the last of the S programs of a tile (an atomic
+The grid. A GEMV over a row-major [L, Hb] block reads the block coalesced only if a program takes a run
+of columns over all of L, which leaves Hb/16 = 56 programs at Kimi-K3's p = 8: a GPU of 132 SMs or 304
+CUs needs about 1024. So K is split too: program (r, j, s) multiplies row tile r, column tile j (16
+columns: 32-byte runs of bf16) and slab s of K (:func:`fused_grid`: 1568 programs at T <= 16, p = 8), and the last of the S programs of a tile (an atomic
 counter, release/acquire at GPU scope) sums the S partials in a fixed order and applies the row scale
 and the add. Each slab is normalised by the power of two at or above its own largest magnitude, so no
 program needs the whole row first; the last program rescales the partials to the row's largest such
 power (exact: powers of two) and takes the row's sum of squares from the latent itself (L values a row).
 Partials, slab exponents and counters are the kernel's scratch outputs: S*T*Hb*4 + S*J*T*4 + R*J*4 bytes
-(200 KB at T = 1, p = 8).
+(107 KB at T = 1, p = 8; the split is capped so that they stay about a quarter of the weight block's bytes).
 """
 
 from __future__ import annotations
@@ -40,8 +40,9 @@ from k3_tail._checks import varying_axes
 from k3_tail.ops.norm import rms_norm, row_scale_floor
 from k3_tail.ops.up_projection import QuantizedKernel
 
-# Tile sizes: the MMA needs at least 16 rows, columns and depth; 32 bf16 columns are a 64-byte run.
-COLUMN_TILE = 32
+# Tile sizes: the MMA needs at least 16 rows, columns and depth; 16 bf16 columns are a 32-byte run (an NVIDIA
+# sector; an AMD cache line's other half is the next tile's, read from the cache).
+COLUMN_TILE = 16
 K_STEP = 64
 LARGEST_ROW_TILE = 64
 SMALLEST_ROW_TILE = 16
@@ -51,6 +52,8 @@ TARGET_PROGRAMS = 1024
 NUM_WARPS = 4
 
 _PALLAS_TRITON = "jax.experimental.pallas.triton"
+# The key of the kernel's metadata entry that states its GEMM FLOPs (k3_tail.xla.hlo_text reads it).
+GEMM_FLOPS_KEY = "k3_tail_gemm_flops"
 # float32 exponents: a power of two 2^e is the bit pattern (e + 127) << 23, normal for e in [-126, 127].
 _EXPONENT_BIAS = 127
 _MANTISSA_BITS = 23
@@ -95,16 +98,23 @@ class FusedGrid:
                     + self.splits * self.columns * num_tokens + self.rows * self.columns)
 
 
-def fused_grid(num_tokens: int, latent_size: int, block_width: int) -> FusedGrid:
-    """The :class:`FusedGrid` for T = ``num_tokens`` >= 1, L = ``latent_size`` and Hb = ``block_width``."""
+def fused_grid(num_tokens: int, latent_size: int, block_width: int, *,
+               target_programs: int = TARGET_PROGRAMS) -> FusedGrid:
+    """The :class:`FusedGrid` for T = ``num_tokens`` >= 1, L = ``latent_size`` and Hb = ``block_width``.
+
+    K is split into the fewest slabs of whole K steps that give ``target_programs`` programs, but into at most
+    L / (8T): the partials (4*S*T*Hb bytes) stay within a quarter of a bf16 weight block's bytes.
+    """
     row_tile = min(max(SMALLEST_ROW_TILE, 1 << (num_tokens - 1).bit_length()), LARGEST_ROW_TILE)
     rows = -(-num_tokens // row_tile)
     columns = -(-block_width // COLUMN_TILE)
     steps = -(-latent_size // K_STEP)
-    # The deepest slab (fewest partials to sum) that still gives TARGET_PROGRAMS programs.
-    depth_steps = next((d for d in range(steps, 0, -1) if rows * columns * -(-steps // d) >= TARGET_PROGRAMS), 1)
-    splits = -(-steps // depth_steps)
-    return FusedGrid(row_tile, rows, columns, splits, depth_steps * K_STEP)
+    most = max(1, min(steps, latent_size // (8 * num_tokens)))
+    wanted = min(-(-target_programs // (rows * columns)), most)
+    depth_steps = max(1, steps // wanted)  # slabs of whole K steps: at least ``wanted`` of them
+    if -(-steps // depth_steps) > most:
+        depth_steps = -(-steps // most)
+    return FusedGrid(row_tile, rows, columns, -(-steps // depth_steps), depth_steps * K_STEP)
 
 
 def norm_project_add(
@@ -120,6 +130,7 @@ def norm_project_add(
     scale: float,
     into_addend: bool,
     interpret: bool,
+    target_programs: int = TARGET_PROGRAMS,
 ) -> jax.Array:
     """``round(RMSNorm_g(scale * latent) @ W[:, C] + addend[:, C])`` in one kernel (module docstring).
 
@@ -138,6 +149,7 @@ def norm_project_add(
         column-parallel stitch), else the [T, Hb] block itself (``addend``'s columns C added when given;
         columns past H are zero).
       interpret: run in Pallas's interpret mode (a CPU has no Triton); the same kernel, programs in turn.
+      target_programs: the programs the grid aims at (:func:`fused_grid`; 1: no split of K).
 
     Returns:
       [T, Wa] or [T, Hb] in the latent's dtype.
@@ -155,7 +167,7 @@ def norm_project_add(
         raise ValueError("addend: expected the [T, W] array to write into with into_addend=True, got None")
     if num_tokens == 0:
         return addend if into_addend else jnp.zeros((0, block_width), dtype)
-    grid = fused_grid(num_tokens, latent_size, block_width)
+    grid = fused_grid(num_tokens, latent_size, block_width, target_programs=target_programs)
     quantized = isinstance(kernel, QuantizedKernel)
     values = kernel.values if quantized else kernel
     kernel_offset = values.shape[1] != block_width  # the whole kernel: C starts at rank * Hb
@@ -198,6 +210,8 @@ def norm_project_add(
             interpret=interpret,
             compiler_params=plt.CompilerParams(num_warps=NUM_WARPS),
             name="k3_tail_norm_project_add",
+            # The product's FLOPs, which the compiled program's custom call carries for k3_tail.xla.report.
+            metadata={GEMM_FLOPS_KEY: str(2 * num_tokens * latent_size * block_width)},
         )(*arrays)[0]
 
     axes = tuple(sorted(set().union(*(varying_axes(array) for array in inputs)), key=str))

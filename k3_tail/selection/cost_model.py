@@ -62,9 +62,9 @@ The model has two layers.
 Assumptions a reader must know:
 - Vendor peaks: the presets hold data-sheet peak dense BF16 FLOP/s, HBM and link bandwidth, which
   real kernels reach only in part, so predicted times are optimistic; the crossovers depend on the
-  ratios between the terms. ``collective_latency_s`` is an
-  assumption (10 us), not a vendor figure, and so is ``kernel_launch_s`` (2 us: what fusing one kernel
-  away saved in the one public measurement of this tail's kernels, on an MI355X). Replace any field with a measurement for a real decision:
+  ratios between the terms. ``collective_latency_s`` is an assumption (10 us), not a vendor figure,
+  and so is ``kernel_launch_s`` (2 us: what fusing one kernel away saved in the one public measurement
+  of this tail's kernels, on an MI355X). Replace any field with a measurement for a real decision:
   ``dataclasses.replace(HARDWARE["mi355x"], collective_latency_s=...)``.
 - ``link_bytes_per_s`` is one GPU's bandwidth in one direction over all its links, and a ring
   collective is assumed to drive it fully (AMD's fully connected xGMI node and NVSwitch both let

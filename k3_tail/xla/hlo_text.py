@@ -16,6 +16,8 @@ import json
 import math
 import re
 
+from k3_tail.ops.fused_projection import GEMM_FLOPS_KEY
+
 _DTYPE_BYTES = {
     "pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "s32": 4, "u32": 4, "s64": 8, "u64": 8,
     "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3fnuz": 1, "f8e5m2fnuz": 1, "bf16": 2, "f16": 2, "f32": 4, "f64": 8,
@@ -159,6 +161,9 @@ def dot_flops(instruction: Instruction, symbols: dict[str, Instruction], exact: 
     # product that XLA rewrote into a multiply and a reduce (for a single token) keeps the dot_general op name:
     # its multiply counts one FLOP per output element and its reduce one per input element, only for op names
     # not in ``exact`` (:func:`exact_gemm_names`), so the reduce of a split-K GEMM does not count twice.
+    declared = declared_gemm_flops(instruction)
+    if declared is not None:
+        return declared
     if instruction.opcode == "dot":
         contracting = _dims(instruction.attribute("lhs_contracting_dims"))
     elif is_gemm_custom_call(instruction):
@@ -177,6 +182,23 @@ def dot_flops(instruction: Instruction, symbols: dict[str, Instruction], exact: 
     if contracting is None:  # a GEMM custom call without dimension numbers contracts the last lhs dimension
         contracting = (len(lhs_dims) - 1,)
     return 2 * math.prod(instruction.arrays[0].dims) * math.prod(lhs_dims[d] for d in contracting)
+
+
+def declared_gemm_flops(instruction: Instruction) -> int | None:
+    """The GEMM FLOPs a kernel custom call states in its metadata (k3_tail's Pallas kernel,
+    :data:`k3_tail.ops.fused_projection.GEMM_FLOPS_KEY`), or None."""
+    if instruction.opcode != "custom-call":
+        return None
+    match = re.search(re.escape(GEMM_FLOPS_KEY) + r"\W+(\d+)", instruction.attributes)
+    return int(match.group(1)) if match else None
+
+
+def kernel_grid(instruction: Instruction) -> tuple[int, int, int] | None:
+    """The launch grid (x, y, z) a Triton or Pallas custom call states in its backend config, or None."""
+    if instruction.opcode != "custom-call":
+        return None
+    found = dict(re.findall(r"\bgrid_([xyz])\s*=\s*(\d+)", instruction.attributes))
+    return (int(found["x"]), int(found["y"]), int(found["z"])) if len(found) == 3 else None
 
 
 def is_gemm_custom_call(instruction: Instruction) -> bool:

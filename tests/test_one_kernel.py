@@ -1,0 +1,175 @@
+"""The one_kernel tier's Pallas kernel (k3_tail.ops.fused_projection) and where selection uses the tier.
+
+The kernel runs here in Pallas's interpret mode, the same program as on a GPU, its programs in turn. Its
+float32 reference is plain jnp; the tier against the float64 reference is in the suite's covering designs
+(tests/test_tiers.py and the others that run every tier); the GPU programs are in tests/test_kernels.py.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import k3_tail
+from k3_tail.ops import fused_projection
+from k3_tail.ops.fused_projection import (
+    TARGET_PROGRAMS, fused_grid, norm_project_add, norm_project_add_reference,
+)
+from k3_tail.tiers import one_kernel
+from reference import relative_error
+
+L, H, P = 200, 100, 4  # L not a multiple of the 64-deep K step, H not of p: the edges are masked
+HB = -(-H // P)
+# A bf16 product rounds its operands to 2^-9; the reference does not: about 3e-3 relative, as every tier's GEMM.
+KERNEL_TOLERANCE = {jnp.bfloat16: 1e-2, jnp.float32: 1e-5}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    num_tokens: int
+    rank: int
+    whole_kernel: bool  # the [L, H] kernel (C read at rank * Hb) or the rank's [L, Hb] block
+    addend: str  # "into": the addend with its columns C replaced; "block": the block + addend[:, C]; "none"
+    scale: float
+    norm: bool
+    kernel: str  # "bf16" or an FP8 format
+    dtype: type = jnp.bfloat16
+    target_programs: int = TARGET_PROGRAMS  # 1: one slab of K, the epilogue in the same program
+
+    @property
+    def id(self):
+        return (f"T{self.num_tokens}-r{self.rank}-{'whole' if self.whole_kernel else 'block'}-{self.addend}-"
+                f"c{self.scale:g}-{'norm' if self.norm else 'nonorm'}-{self.kernel}-{jnp.dtype(self.dtype).name}"
+                f"-{'split' if self.target_programs > 1 else 'one_slab'}")
+
+
+# Pairwise over the modes, with a split and an unsplit K, one row and several row tiles (T = 70: two of 64).
+CASES = [
+    Case(1, 0, False, "into", 1.0, True, "bf16"),
+    Case(5, 3, True, "block", 2.0, True, "float8_e4m3fn"),
+    Case(16, 1, False, "none", -1.0, True, "float8_e4m3fnuz", target_programs=1),
+    Case(70, 2, True, "into", 1.0, False, "bf16", target_programs=1),
+    Case(3, 3, False, "into", 0.0, True, "bf16", dtype=jnp.float32),
+    Case(33, 1, False, "block", 1.0, False, "float8_e4m3fn", dtype=jnp.float32),
+]
+
+
+def inputs(case, seed=0):
+    rng = np.random.default_rng(seed)
+    latent = jnp.asarray(rng.standard_normal((case.num_tokens, L)), case.dtype)
+    weight = jnp.asarray(1 + 0.1 * rng.standard_normal(L), case.dtype) if case.norm else None
+    padded = rng.standard_normal((L, P * HB)) / np.sqrt(L)
+    padded[:, H:] = 0  # the column layout's zero padding
+    kernel = padded[:, :H] if case.whole_kernel else padded[:, case.rank * HB:(case.rank + 1) * HB]
+    kernel = jnp.asarray(kernel, case.dtype)
+    if case.kernel != "bf16":
+        kernel = k3_tail.quantize_up_proj(kernel, case.kernel)
+    addend = None if case.addend == "none" else jnp.asarray(rng.standard_normal((case.num_tokens, H)), case.dtype)
+    return latent, weight, kernel, addend
+
+
+def arguments(case):
+    return dict(block_width=HB, hidden_size=H, eps=1e-5, scale=case.scale, into_addend=case.addend == "into")
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda case: case.id)
+def test_the_kernel_computes_its_float32_reference(case):
+    """Norm, own columns of the product, the add, one rounding: within the dtype's product rounding; the
+    columns of the addend outside C are its own, bit for bit."""
+    latent, weight, kernel, addend = inputs(case)
+    got = jax.jit(lambda *a: norm_project_add(*a, rank=jnp.array([case.rank]), interpret=True,
+                                              target_programs=case.target_programs, **arguments(case)))(
+        latent, weight, kernel, addend)
+    want = norm_project_add_reference(latent, weight, kernel, addend, rank=case.rank, **arguments(case))
+    assert got.shape == want.shape and got.dtype == case.dtype
+    own = slice(case.rank * HB, min((case.rank + 1) * HB, H))
+    if case.addend == "into":
+        outside = np.ones(H, bool)
+        outside[own] = False
+        np.testing.assert_array_equal(np.asarray(got)[:, outside], np.asarray(addend)[:, outside])
+        got, want = got[:, own], want[:, own]
+    assert relative_error(got, np.asarray(want, np.float64)) <= KERNEL_TOLERANCE[case.dtype]
+
+
+def test_a_zero_latent_row_projects_to_the_addend():
+    """RMSNorm of a zero row is zero (eps keeps it finite): the row is the addend's."""
+    case = CASES[0]
+    latent, weight, kernel, addend = inputs(case)
+    got = norm_project_add(jnp.zeros_like(latent), weight, kernel, addend, rank=jnp.array([0]), interpret=True,
+                           **arguments(case))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(addend))
+
+
+@pytest.mark.parametrize(("value", "exponent"), [
+    (0.0, -20), (2.0**-30, -20), (1.0, 0), (1.5, 1), (2.0, 1), (3.0e38, 126), (np.inf, 126), (np.nan, 126),
+])
+def test_a_slab_scale_is_the_power_of_two_at_or_above_its_largest_magnitude(value, exponent):
+    """Clipped to [floor, 126], so that dividing by it stays exact and in range; NaN and infinity give 126."""
+    got = fused_projection._exponent_at_or_above(jnp.float32(value), -20)
+    assert int(got) == exponent
+    assert float(fused_projection._power_of_two(got)) == 2.0**exponent
+
+
+@pytest.mark.parametrize(("num_tokens", "tp_size"), [(1, 4), (16, 4), (1, 8), (16, 8), (1, 16)])
+def test_the_grid_fills_the_device_at_decode(num_tokens, tp_size):
+    """Kimi-K3: at least TARGET_PROGRAMS (1024, what AMD asks of MI300X's 304 CUs) programs."""
+    assert fused_grid(num_tokens, 3584, 7168 // tp_size).programs >= TARGET_PROGRAMS
+
+
+@pytest.mark.parametrize("tp_size", [4, 8, 16])
+@pytest.mark.parametrize("num_tokens", [1, 16, 64])
+def test_the_scratch_stays_a_fraction_of_the_weight_block(num_tokens, tp_size):
+    """Partials, exponents and counters: at most 0.3 of the bf16 block's bytes (at T = 1, p = 8: 0.017)."""
+    block_width = 7168 // tp_size
+    assert fused_grid(num_tokens, 3584, block_width).scratch_bytes(num_tokens) <= 0.3 * 2 * 3584 * block_width
+
+
+def test_the_counters_start_at_values_xla_cannot_fold_into_a_broadcast():
+    """Not all equal and not an iota (XLA writes those with a kernel), and the kernel's formula agrees."""
+    starts = fused_projection._counter_starts(28)
+    assert len(set(starts.tolist())) == 28 and not np.all(np.diff(starts) == np.diff(starts)[0])
+    assert [int(fused_projection._counter_start(jnp.int32(tile))) for tile in range(28)] == starts.tolist()
+
+
+# --- Where selection uses it --------------------------------------------------------------------------------
+
+K3 = k3_tail.TailConfig.kimi_k3()
+
+
+@pytest.mark.parametrize("platform", ["cuda", "rocm"])
+def test_vllm_rules_pick_one_kernel_on_gpus_up_to_its_token_limit(platform):
+    for num_tokens in (1, 16, K3.one_kernel_max_tokens):
+        decision = k3_tail.select_tier(K3, num_tokens, 8, weight_layout="column", platform=platform)
+        assert decision.tier is k3_tail.Tier.ONE_KERNEL
+        assert "one GPU kernel" in decision.rule and platform in decision.rule
+    later = k3_tail.select_tier(K3, K3.one_kernel_max_tokens + 1, 8, weight_layout="column", platform=platform)
+    assert later.tier is k3_tail.Tier.OVERLAP and "one_kernel" not in later.reason
+
+
+@pytest.mark.parametrize("platform", ["cpu", None])
+def test_vllm_rules_never_pick_one_kernel_off_a_gpu(platform):
+    """On a CPU its kernel runs interpreted; an unknown platform may be one."""
+    assert k3_tail.select_tier(K3, 1, 8, weight_layout="column", platform=platform).tier is k3_tail.Tier.OVERLAP
+
+
+def test_one_kernel_max_tokens_zero_turns_it_off():
+    config = dataclasses.replace(K3, one_kernel_max_tokens=0)
+    assert k3_tail.select_tier(config, 1, 8, weight_layout="column", platform="rocm").tier is k3_tail.Tier.OVERLAP
+
+
+def test_without_pallas_triton_the_tier_is_unavailable_and_selection_says_why(monkeypatch):
+    """A jax without the backend (deprecated since jax 0.11): the record refuses, selection takes the next tier."""
+    monkeypatch.setattr(one_kernel, "triton_unavailable", lambda: "this jax has no Pallas Triton backend")
+    assert "no Pallas Triton backend" in k3_tail.Tier.ONE_KERNEL.why_not("column", K3)
+    decision = k3_tail.select_tier(K3, 1, 8, weight_layout="column", platform="cuda")
+    assert decision.tier is k3_tail.Tier.OVERLAP
+    assert "not one_kernel" in decision.rule and "no Pallas Triton backend" in decision.rule
+
+
+def test_fp8_activations_are_served_by_the_other_tiers():
+    config = K3.__class__.kimi_k3(up_proj_dtype="float8_e4m3fn", fp8_activations=True)
+    assert "fp8_activations" in k3_tail.Tier.ONE_KERNEL.why_not("column", config)
+    decision = k3_tail.select_tier(config, 1, 8, weight_layout="column", platform="cuda")
+    assert decision.tier is k3_tail.Tier.OVERLAP and "fp8_activations" in decision.rule
