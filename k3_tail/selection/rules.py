@@ -179,10 +179,12 @@ def _call_notes(config: TailConfig, tier: Tier, num_tokens: int, tp_size: int, w
                      + (f"; outside that range, in {config.dtype.name}: {', '.join(plain)}" if plain else ""))
     if config.shared_output_is_reduced:
         notes.append(f"shared output reduced before the tail: {tier.record.shared_reduced_form}")
-    if config.sequence_parallel:
+    if token_sharded:
         notes.append(f"sequence-parallel output: {tier.record.token_sharded_form}")
-    if config.sequence_parallel and not token_sharded:
+    padded = padded_token_count(num_tokens, tp_size)
+    if token_sharded and padded != num_tokens:
         why = "is empty" if num_tokens == 0 else f"is not divisible by tp_size={tp_size}"
-        notes.append(f"T={num_tokens} {why} and JAX arrays shard evenly only, so the tokens are padded to "
-                     f"{padded_token_count(num_tokens, tp_size)} and the [T, H] result is gathered (replicated)")
+        notes.append(f"T={num_tokens} {why} and JAX arrays shard evenly only, so the tokens are padded with zero "
+                     f"rows to T'={padded}: each rank returns its {padded // tp_size} of the [{padded}, H] output, "
+                     f"whose rows from {num_tokens} on are padding")
     return tuple(notes)
