@@ -376,9 +376,10 @@ def layer_forward(parameters: Mapping[str, jax.Array], hidden_states: jax.Array,
 
     ``parameters``: global arrays by the names of :func:`layer_parameters` (placed here as
     :func:`partition_specs` says; a no-op for arrays already there). ``tier``: force a tail tier, or
-    None to let the tail select one for T (``k3_tail.select_tier``). y is replicated (``P()``), or with sequence-parallel
-    output (``k3_tail.is_token_sharded_output``) padded to T' = ``k3_tail.padded_token_count(T, p)`` rows, [T', H],
-    token-sharded over ``axis_name``, the padding rows zero. Jitted: compiled once
+    None to let the tail select one for T (``k3_tail.select_tier``). y is replicated (``P()``), or with
+    sequence-parallel output (``k3_tail.is_token_sharded_output``) padded to T' rows
+    (``k3_tail.padded_token_count(T, p)``), [T', H], token-sharded over ``axis_name``, the padding rows
+    zero. Jitted: compiled once
     per T, placement and static argument; ``.lower(...)`` takes :func:`abstract_parameters`.
     """
     tp_size = mesh.shape[axis_name]

@@ -137,7 +137,8 @@ def test_counts_agree_for_config_variants(gpu_mesh, variant, tier, weight_layout
 def test_padded_sequence_parallel_call_agrees_with_the_gpu_compiled_program(gpu_mesh, tier):
     """p does not divide T = 5: the tier runs on 8 rows and each rank returns its one row of them (tail_forward)."""
     config = TailConfig.kimi_k3(sequence_parallel=True)
-    assert_agree(model_figures(config, 5, tier, "replicated"), compiled_figures(config, gpu_mesh, 5, tier, "replicated"))
+    assert_agree(model_figures(config, 5, tier, "replicated"),
+                 compiled_figures(config, gpu_mesh, 5, tier, "replicated"))
 
 
 @pytest.mark.parametrize("tier, weight_layout", tier_layouts())

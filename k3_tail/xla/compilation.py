@@ -54,8 +54,9 @@ def tail_arguments(
       ``(routed, shared, norm_weight, kernel)`` as ``jax.ShapeDtypeStruct``: routed [p, T, L] split
       on dim 0 ([T, L] replicated with ``config.fused_output_is_reduced``); shared [p, T, H] split on
       dim 0 ([T, H] with ``config.shared_output_is_reduced``: split over tokens with
-      ``config.sequence_parallel`` where p divides T > 0, else replicated), or None; norm weight [L] replicated, or None; kernel [L, H]
-      replicated, or [L, padded_hidden_size(H, p)] split on dim 1 for "column", a
+      ``config.sequence_parallel`` where p divides T > 0, else replicated), or None; norm weight [L]
+      replicated, or None; kernel [L, H] replicated, or [L, padded_hidden_size(H, p)] split on dim 1
+      for "column", a
       :class:`k3_tail.QuantizedKernel` (float32 scales split alike) with an FP8 ``config.up_proj_dtype``.
     """
     tp_size = check_mesh(mesh, axis_name)
