@@ -63,7 +63,8 @@ def tail_forward(
       on its tokens, rows T..T'-1 padding (zero). It is not sliced back to [T, H]: where p does not
       divide T, JAX holds [T, H] over p ranks only replicated, so slicing here would all-gather T'H
       elements and silently drop the token-sharded output the config asks for. The caller takes the
-      first T rows where it wants them whole (``jax.sharding.reshard(y, P())[:T]``, an all-gather).
+      first T rows where it wants them whole: ``jax.sharding.reshard(y, NamedSharding(mesh, P()))[:T]``
+      (an all-gather), or ``np.asarray(y)[:T]`` on the host.
 
     Raises:
       ValueError: naming the argument, for bad shapes or dtypes, a mesh without the axis or a wrong p.

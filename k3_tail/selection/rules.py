@@ -166,9 +166,10 @@ def gpu_rules_note(config: TailConfig, platform: str | None) -> str | None:
 def _call_notes(config: TailConfig, tier: Tier, num_tokens: int, tp_size: int, weight_layout: str | None,
                 platform: str | None) -> tuple[str, ...]:
     """The facts about this call of ``tier``, each only where it applies: that vLLM's GPU thresholds
-    picked it on a platform that is no GPU (not where a precondition did, under every policy), how its
-    unquantised all-reduces travel (where not as one all-reduce each), which of the sums it sends are
-    quantised, how a reduced shared output and token-sharded output change the tier."""
+    picked it for a platform that is no GPU (:func:`gpu_rules_note`; not where a precondition picked
+    native, which no threshold decides), how its unquantised all-reduces travel (where not as one
+    all-reduce each), which of the sums it sends are quantised, how a reduced shared output and
+    token-sharded output (with the padded token count) change the tier."""
     # The facts first, from the tier's record and the config, then the words. The sums (all-reduces,
     # reduce-scatters) of a tier do not depend on the kernel's layout.
     layout = weight_layout or ("replicated" if tier.record.needs_whole_kernel else "column")
