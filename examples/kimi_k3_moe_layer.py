@@ -345,8 +345,8 @@ def layer_per_rank(parameters: Mapping[str, jax.Array], hidden_states: jax.Array
     experts' input waits for the shared partial, and the routed partial waits for the reduced
     shared output, so the tail cannot start before both are done.
 
-    Returns [T, H], or this rank's [T/p, H] rows when the tail's output is token-sharded
-    (``k3_tail.is_token_sharded_output``).
+    Returns [T, H], or with sequence-parallel output this rank's [T'/p, H] rows of y padded to
+    T' = ``k3_tail.padded_token_count(T, p)`` rows (``k3_tail.is_token_sharded_output``).
     """
     if config.early_shared_reduction:
         shared = shared_partial(parameters, hidden_states, config=config)
@@ -376,8 +376,10 @@ def layer_forward(parameters: Mapping[str, jax.Array], hidden_states: jax.Array,
 
     ``parameters``: global arrays by the names of :func:`layer_parameters` (placed here as
     :func:`partition_specs` says; a no-op for arrays already there). ``tier``: force a tail tier, or
-    None to let the tail select one for T (``k3_tail.select_tier``). y is replicated (``P()``), or token-sharded over
-    ``axis_name`` when ``k3_tail.is_token_sharded_output(config.tail, T, p)``. Jitted: compiled once
+    None to let the tail select one for T (``k3_tail.select_tier``). y is replicated (``P()``), or with
+    sequence-parallel output (``k3_tail.is_token_sharded_output``) padded to T' rows
+    (``k3_tail.padded_token_count(T, p)``), [T', H], token-sharded over ``axis_name``, the padding rows
+    zero. Jitted: compiled once
     per T, placement and static argument; ``.lower(...)`` takes :func:`abstract_parameters`.
     """
     tp_size = mesh.shape[axis_name]

@@ -57,9 +57,14 @@ def tail_forward(
         "column" (``P(None, axis_name)``: each rank holds [L, H/p]). one_shot needs "replicated".
 
     Returns:
-      y [T, H] in ``config.dtype``, replicated over the mesh; with ``config.sequence_parallel``
-      sharded over ``axis_name`` on its tokens, or replicated when p does not divide T (JAX
-      shards evenly only; :func:`select_tier`'s reason says so). T = 0 gives an empty [0, H].
+      y [T, H] in ``config.dtype``, replicated over the mesh; T = 0 gives an empty [0, H]. With
+      ``config.sequence_parallel``, for every T, what :func:`k3_tail.latent_moe_tail` returns with
+      it: y padded to T' = ``padded_token_count(T, p)`` rows, [T', H], sharded over ``axis_name``
+      on its tokens, rows T..T'-1 padding (zero). It is not sliced back to [T, H]: where p does not
+      divide T, JAX holds [T, H] over p ranks only replicated, so slicing here would all-gather T'H
+      elements and silently drop the token-sharded output the config asks for. The caller takes the
+      first T rows where it wants them whole: ``jax.sharding.reshard(y, NamedSharding(mesh, P()))[:T]``
+      (an all-gather), or ``np.asarray(y)[:T]`` on the host.
 
     Raises:
       ValueError: naming the argument, for bad shapes or dtypes, a mesh without the axis or a wrong p.

@@ -173,7 +173,7 @@ class LatentMoETail(nnx.Module):
                            device_kind=device.device_kind, platform=device_platform(device))
 
     def __call__(self, routed_partials, shared_partials, *, tier: Tier | str | None = None) -> jax.Array:
-        """y [T, H] from routed_partials [p, T, L] and shared_partials [p, T, H].
+        """y from routed_partials [p, T, L] and shared_partials [p, T, H].
 
         Args:
           routed_partials: as :func:`k3_tail.tail_forward` takes them.
@@ -181,7 +181,10 @@ class LatentMoETail(nnx.Module):
           tier: a tier to force, or None to select one.
 
         Returns:
-          What :func:`k3_tail.tail_forward` returns, on the module's weights and mesh.
+          What :func:`k3_tail.tail_forward` returns, on the module's weights and mesh: y [T, H]
+          replicated, or with ``config.sequence_parallel`` y padded to T' = ``padded_token_count(T, p)``
+          rows, [T', H], sharded over the TP axis on its tokens (rows from T on zero), as
+          :meth:`per_rank` returns each rank's [T'/p, H] of it.
         """
         return tail_forward(routed_partials, shared_partials, *self._weights(), config=self.config, mesh=self.mesh,
                             axis_name=self.axis_name, tier=tier, weight_layout=self.weight_layout)
@@ -198,7 +201,9 @@ class LatentMoETail(nnx.Module):
           tier: a tier to force, or None to select one.
 
         Returns:
-          What :func:`k3_tail.latent_moe_tail` returns (its docstring names the out_spec that fits).
+          What :func:`k3_tail.latent_moe_tail` returns: [T, H], or with ``config.sequence_parallel``
+          this rank's [T'/p, H] rows of y padded to T' = ``padded_token_count(T, p)`` rows, for every
+          T (out_spec ``P(axis_name)``; :func:`k3_tail.is_token_sharded_output`).
         """
         return latent_moe_tail(routed_partial, shared_partial, *self._weights(), config=self.config,
                                axis_name=self.axis_name, weight_layout=self.weight_layout, tier=tier,

@@ -16,8 +16,8 @@ from k3_tail.hardware import device_platform
 from k3_tail.selection.rules import select_tier
 from k3_tail.ops.columns import check_weight_layout, padded_hidden_size
 from k3_tail.tiers.registry import Tier
-from k3_tail.ops.tokens import gather_tokens, pad_tokens, padded_token_count
-from k3_tail.tiers.context import TailCall, is_token_sharded_output
+from k3_tail.ops.tokens import pad_tokens, padded_token_count
+from k3_tail.tiers.context import TailCall
 from k3_tail.ops.up_projection import QuantizedKernel, check_fp8_activations, check_up_proj_kernel
 
 
@@ -37,9 +37,8 @@ def latent_moe_tail(
 
     Call it inside a ``jax.shard_map`` (under ``jax.jit`` or not) whose mesh has the TP axis
     ``axis_name``. The tier is selected at trace time exactly as :func:`k3_tail.select_tier` does
-    for this call; what the tier needs padded is padded and sliced back. Never modifies its inputs;
-    costs are the selected tier's, plus an all-gather of the padded [T', H] rows when
-    sequence-parallel output is gathered.
+    for this call; what the tier needs padded is padded (columns are sliced back). Never modifies
+    its inputs; costs are the selected tier's.
 
     Args:
       routed_partial: [T, L] in ``config.dtype``, this rank's routed latent partial; the reduced
@@ -65,10 +64,13 @@ def latent_moe_tail(
         unless the mesh is made of other devices (a deviceless topology).
 
     Returns:
-      y [T, H] in ``config.dtype``, the same on every rank (out_spec ``P()``). With token-sharded
-      output (:func:`k3_tail.is_token_sharded_output`) this rank's rows [k*T/p, (k+1)*T/p) of y,
-      [T/p, H] (out_spec ``P(axis_name)``); with ``config.sequence_parallel`` and p not dividing T
-      the T rows come back replicated (JAX shards evenly only).
+      y [T, H] in ``config.dtype``, the same on every rank (out_spec ``P()``). With
+      ``config.sequence_parallel``, for every T: rank k's rows [k*T'/p, (k+1)*T'/p) of y padded to
+      T' = ``padded_token_count(T, p)`` rows, [T'/p, H] (out_spec ``P(axis_name)``, which gives the
+      [T', H] array whose first T rows are y). T' = T when p divides T > 0; otherwise rows T..T'-1
+      are padding: zero (the partials are padded with zero rows, and a zero latent projects to
+      zero) plus, with ``config.shared_output_is_reduced``, the given shared output's padding rows
+      (zero as :func:`k3_tail.reduce_shared` makes them). T = 0 gives T' = p: one zero row per rank.
 
     Raises:
       ValueError: naming the argument, for bad shapes or dtypes, a missing TP axis, a forced tier
@@ -100,17 +102,14 @@ def latent_moe_tail(
     _check_reduction_contract(routed_partial, shared_partial, config=config, axis_name=axis_name)
 
     if config.sequence_parallel:
-        # Zero token rows up to a multiple of p, so that each rank owns T'/p rows (a reduced shared
-        # output already is this rank's rows).
+        # Zero token rows up to a multiple of p, so that each rank owns T'/p rows of the output, for every
+        # T: JAX shards evenly only (a reduced shared output already is this rank's rows).
         routed_partial = pad_tokens(routed_partial, tp_size)
         if shared_partial is not None and not config.shared_output_is_reduced:
             shared_partial = pad_tokens(shared_partial, tp_size)
     call = TailCall.inside_shard_map(config, axis_name=axis_name, weight_layout=weight_layout,
                                      platform=platform)
-    y = tier.record.function(routed_partial, shared_partial, norm_weight, up_proj_kernel, call)
-    if config.sequence_parallel and not is_token_sharded_output(config, num_tokens, tp_size):
-        return gather_tokens(y, num_tokens, axis_name=axis_name)
-    return y
+    return tier.record.function(routed_partial, shared_partial, norm_weight, up_proj_kernel, call)
 
 
 def _check_reduction_contract(routed_partial, shared_partial, *, config: TailConfig, axis_name: AxisName) -> None:

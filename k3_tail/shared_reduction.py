@@ -44,7 +44,7 @@ def reduce_shared(
       In ``config.dtype``: without ``config.sequence_parallel`` the sum [T, H], the same on every
       rank (an all-reduce in the form ``config.all_reduce_form`` picks); with it this rank's rows of
       the sum, [T'/p, H], T' = ``padded_token_count(T, p)`` (zero rows appended): a reduce-scatter
-      over tokens, half the wire bytes, whether or not the tail's output then comes back token-sharded.
+      over tokens, half the wire bytes, in the rows the tail's token-sharded output then has.
 
     Raises:
       ValueError: naming the argument, for a wrong shape or dtype, a config without shared experts or

@@ -257,8 +257,8 @@ def tail_constraint(case: Mapping[str, Any]) -> bool:
     return True
 
 
-# Sequence-parallel output at every p > 1 both token-sharded (T = 24) and padded then gathered
-# (T = 5): three-way interactions that pairs alone would not guarantee.
+# Sequence-parallel output at every p > 1 both over T rows (T = 24) and over T rows padded to a multiple
+# of p (T = 5): three-way interactions that pairs alone would not guarantee.
 TAIL_SEEDS = tuple(
     {"tp_size": p, "num_tokens": num_tokens, "sequence_parallel": True}
     for num_tokens in (24, 5)

@@ -209,6 +209,18 @@ def run_case(case):
     return config, inputs, y
 
 
+def token_sharded_rows(y, config, num_tokens, tp_size):
+    """The caller's T rows of a sequence-parallel result ``y`` (float32 numpy), once ``y`` has the form
+    the library promises for every T: y padded to T' = ``padded_token_count(T, p)`` rows, [T', H] in
+    the config's dtype, each rank holding [T'/p, H], and its padding rows T..T'-1 exactly zero."""
+    padded = k3_tail.padded_token_count(num_tokens, tp_size)
+    assert y.shape == (padded, config.hidden_size) and y.dtype == config.dtype
+    assert {shard.data.shape for shard in y.addressable_shards} == {(padded // tp_size, config.hidden_size)}
+    values = np.asarray(y, np.float32)
+    assert not values[num_tokens:].any(), "the padding rows are not zero"
+    return values[:num_tokens]
+
+
 def reduced_shared(config, shared_partials):
     """The reduced shared output [T, H] a caller passes with ``shared_output_is_reduced``: the sum of the
     [p, T, H] partials in float32, rounded once to the config's dtype (the reference keeps the exact sum)."""

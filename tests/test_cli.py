@@ -15,7 +15,7 @@ from k3_tail.cli.common import (
     all_reduce_quantization_options, describe_config, format_selection_gap, measurement_config, up_projection_options,
 )
 from k3_tail.config import TailConfig
-from k3_tail.selection.rules import select_tier
+from k3_tail.selection.rules import gpu_rules_note, select_tier
 from k3_tail.tiers.registry import TIER_RECORDS, Tier, tier_table
 from k3_tail.tools.benchmark import Measurement, Timing
 from k3_tail.tools.experiment import MAX_CPU_DEVICES
@@ -41,6 +41,9 @@ def test_demo_builds_its_own_mesh_and_all_tiers_agree_with_native():
     assert "every tier agrees with native" in result.stdout
     assert "Traceback" not in result.stderr
     assert "T=257 (2/2) scatter_gather" in result.stderr  # progress while it works
+    # On the CPU mesh: once, before the table, that the rules are GPU thresholds and how to calibrate.
+    assert f"selection: {gpu_rules_note(TailConfig.kimi_k3(), 'cpu')}" in table
+    assert result.stdout.count("vLLM's GPU thresholds") == 1
 
 
 @pytest.mark.parametrize("argv", [["demo", "--tokens", "0"], ["demo", "--repeats", "x"], ["frobnicate"], []])
@@ -237,6 +240,14 @@ def test_the_selection_gap_says_when_the_two_are_within_noise():
 def test_the_selection_gap_of_the_fastest_tier_says_so():
     assert format_selection_gap(Tier.OVERLAP, {Tier.NATIVE: timing(2e-3), Tier.OVERLAP: timing(1e-3)}) == (
         "selected overlap, the fastest")
+
+
+def test_bench_on_the_cpu_says_once_that_its_selection_is_gpu_thresholds_and_how_to_calibrate(capsys):
+    assert main(["bench", "--tokens", "1,2", "--tiers", "native", "--repeats", "1", "--tp-sizes", "2",
+                 "--hidden-size", "16", "--latent-size", "8"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    note = gpu_rules_note(TailConfig.kimi_k3(), "cpu")  # the rules' note, whatever the shapes
+    assert [line for line in lines if "GPU thresholds" in line] == [f"selection (*): {note}"]
 
 
 def test_demo_table_marks_the_fastest_tier_beside_the_selected_one(capsys):

@@ -42,7 +42,7 @@ from examples.kimi_k3_routed_experts import ROUTED_EXPERTS, routed_expert_method
 from examples.kimi_k3_moe_reference import choice_margin, reference_layer, reference_partials
 from k3_tail.selection import cost_model
 from k3_tail.tools import layer_cost
-from helpers import FAST_COMPILE_OPTIONS, make_tp_mesh
+from helpers import FAST_COMPILE_OPTIONS, make_tp_mesh, token_sharded_rows
 from reference import TOLERANCE, relative_error, tolerance
 
 HIDDEN, LATENT, EXPERT_WIDTH, SHARED_WIDTH, EXPERTS, TOP_K = 64, 32, 16, 24, 8, 2
@@ -133,16 +133,15 @@ def expected(config, x):
 
 
 def assert_matches_reference(case):
-    """y of the case's layer matches the reference; it is replicated, or with sequence-parallel output and p
-    dividing T each rank holds its T/p rows."""
+    """y of the case's layer matches the reference; it is replicated, or with sequence-parallel output each
+    rank holds its T'/p rows of y padded to T' = padded_token_count(T, p), the padding zero."""
     layer = layer_on(case.tp_size, case.dtype, case.weight_layout, case.sequence_parallel, case.early_shared_reduction)
     x = hidden_states(case.num_tokens, case.dtype)
     y = run_layer(layer, x, tier=None if case.tier == "selected" else case.tier)
-    assert y.shape == (case.num_tokens, HIDDEN) and y.dtype == DTYPES[case.dtype]
-    if k3_tail.is_token_sharded_output(layer.config.tail, case.num_tokens, case.tp_size):
-        rows = case.num_tokens // case.tp_size
-        assert {shard.data.shape for shard in y.addressable_shards} == {(rows, HIDDEN)}
+    if case.sequence_parallel:
+        y = token_sharded_rows(y, layer.config.tail, case.num_tokens, case.tp_size)
     else:
+        assert y.shape == (case.num_tokens, HIDDEN) and y.dtype == DTYPES[case.dtype]
         assert y.sharding.is_fully_replicated
     assert relative_error(y, expected(layer.config, x)) <= TOLERANCE[np.dtype(DTYPES[case.dtype])]
 

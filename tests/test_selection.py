@@ -4,8 +4,10 @@ import dataclasses
 
 import pytest
 
-from k3_tail import TailConfig, Tier, select_tier
-from k3_tail.selection.rules import VllmRules
+from k3_tail import SelectionTable, TailConfig, Tier, select_tier
+from k3_tail.selection.cost_model import CostModelPolicy
+from k3_tail.selection.rules import VllmRules, gpu_rules_note
+from k3_tail.selection.table import TokenRange
 
 K3 = TailConfig.kimi_k3()
 
@@ -112,9 +114,16 @@ def test_sequence_parallel_keeps_the_fast_tiers_and_says_how_they_shard_tokens(c
     assert "padded" not in decision.reason
 
 
-def test_sequence_parallel_reason_says_when_tokens_do_not_divide():
-    decision = select_tier(dataclasses.replace(K3, sequence_parallel=True), 5, 8)
-    assert "T=5 is not divisible by tp_size=8" in decision.reason and "padded to 8" in decision.reason
+@pytest.mark.parametrize(("num_tokens", "why", "padding"), [(5, "is not divisible by tp_size=8", "from 5 on"),
+                                                           (0, "is empty", "from 0 on")])
+def test_sequence_parallel_reason_states_the_padded_token_sharded_output(num_tokens, why, padding):
+    """Where p does not divide T the notes state T', each rank's rows of it and where the padding starts; nothing
+    is gathered."""
+    decision = select_tier(dataclasses.replace(K3, sequence_parallel=True), num_tokens, 8)
+    assert f"T={num_tokens} {why}" in decision.reason
+    assert "padded with zero rows to T'=8: each rank returns its 1 of the [8, H] output" in decision.reason
+    assert f"whose rows {padding} are padding" in decision.reason
+    assert "gather" not in decision.reason and "replicated" not in decision.reason
 
 
 @pytest.mark.parametrize("num_tokens", [1, 256, 257, 8192])
@@ -171,13 +180,14 @@ def test_a_fixed_all_reduce_form_is_named_in_the_reason():
 def test_the_rule_and_the_notes_are_apart_and_the_reason_joins_them():
     decision = select_tier(K3, 1024, 8, platform="cpu")
     assert decision.rule == "T=1024 > overlap_token_threshold=256"
-    assert len(decision.notes) == 1 and "runs as reduce-scatter + all-gather" in decision.notes[0]
-    assert decision.reason == f"{decision.rule}; {decision.notes[0]}"
+    assert decision.notes[0] == gpu_rules_note(K3, "cpu")
+    assert len(decision.notes) == 2 and "runs as reduce-scatter + all-gather" in decision.notes[1]
+    assert decision.reason == f"{decision.rule}; {decision.notes[0]}; {decision.notes[1]}"
 
 
 def test_no_all_reduce_form_note_where_no_buffer_reaches_its_size():
     """At T=16 the largest sum is 16 x 7168 bf16 (224 KiB), far below the 8 MiB from which cpu splits."""
-    assert select_tier(K3, 16, 8, platform="cpu").notes == ()
+    assert select_tier(K3, 16, 8, platform="cpu").notes == (gpu_rules_note(K3, "cpu"),)
 
 
 @pytest.mark.parametrize("changes", [{}, {"all_reduce_form": "all-reduce"}], ids=["auto", "fixed"])
@@ -197,3 +207,31 @@ def test_no_sequence_parallel_note_without_it():
 def test_the_vllm_rules_given_explicitly_are_the_default():
     config = dataclasses.replace(K3, selection_policy=VllmRules())
     assert [select_tier(config, t, 8) for t in (1, 300)] == [select_tier(K3, t, 8) for t in (1, 300)]
+
+
+K3_TABLE = SelectionTable(device_kind="cpu", tp_size=8, weight_layout="column", hidden_size=K3.hidden_size,
+                          latent_size=K3.latent_size, dtype=K3.dtype.name, ranges=(TokenRange(1, None, Tier.NATIVE),))
+
+
+@pytest.mark.parametrize(("platform", "policy", "noted"), [
+    ("cpu", None, True), ("cpu", VllmRules(), True), ("tpu", None, True),
+    ("cuda", None, False), ("rocm", None, False), ("gpu", None, False), (None, None, False),
+    ("cpu", K3_TABLE, False), ("cpu", CostModelPolicy("h200"), False),
+], ids=["cpu", "cpu-vllm-rules", "tpu", "cuda", "rocm", "gpu", "platform-unknown", "cpu-table", "cpu-cost-model"])
+def test_the_gpu_thresholds_note_only_where_vllms_rules_pick_for_a_platform_that_is_no_gpu(platform, policy, noted):
+    config = dataclasses.replace(K3, selection_policy=policy)
+    decision = select_tier(config, 16, 8, weight_layout="column", device_kind="cpu", platform=platform)
+    assert any("vLLM's GPU thresholds" in note for note in decision.notes) == noted
+
+
+def test_the_gpu_thresholds_note_is_one_line_naming_calibrate_and_the_table_it_writes():
+    note = gpu_rules_note(K3, "cpu")
+    assert "\n" not in note and "not measured on this cpu platform" in note
+    assert "`python -m k3_tail calibrate --out table.json`" in note
+    assert "TailConfig(selection_policy=SelectionTable.load('table.json'))" in note
+
+
+@pytest.mark.parametrize(("num_tokens", "tp_size"), [(16, 1), (0, 8)], ids=["one-rank", "empty"])
+def test_no_gpu_thresholds_note_where_a_precondition_picks_native(num_tokens, tp_size):
+    """p = 1 and T = 0 take native under every policy: no threshold chose it."""
+    assert not any("GPU thresholds" in note for note in select_tier(K3, num_tokens, tp_size, platform="cpu").notes)

@@ -1,21 +1,25 @@
-"""Sequence-parallel output: every tier returns y token-sharded over the TP axis, and right.
+"""Sequence-parallel output: every tier returns y token-sharded over the TP axis, for every T, and right.
 
-JAX arrays shard evenly only: when p does not divide T the tokens are padded for the tier and the T
-rows come back whole (replicated). The parity cases are the sequence-parallel half of the covering
-design (tests/covering.py), which runs both forms at every p > 1.
+JAX arrays shard evenly only, so y comes back padded to T' = padded_token_count(T, p) rows: [T', H],
+rank k holding rows [k*T'/p, (k+1)*T'/p), rows T..T'-1 zero (helpers.token_sharded_rows checks that
+form). The parity cases are the sequence-parallel half of the covering design (tests/covering.py),
+which runs T both divisible by p and not at every p > 1, and T = 0.
 """
 
 import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import k3_tail
 from covering import DIVISIBLE_HIDDEN_SIZE, LATENT_SIZE, TAIL_CASES
-from helpers import make_tp_mesh, run_case, tier_layouts
-from reference import TOLERANCE, make_inputs, reference_tail, relative_error, tolerance
+from helpers import make_tp_mesh, run_case, tier_layouts, token_sharded_rows
+from reference import TOLERANCE, TailInputs, make_inputs, reference_tail, relative_error, tolerance
 
 SP = k3_tail.TailConfig(hidden_size=DIVISIBLE_HIDDEN_SIZE, latent_size=LATENT_SIZE, sequence_parallel=True)
 SEQUENCE_PARALLEL_CASES = [case for case in TAIL_CASES if case.sequence_parallel]
@@ -29,23 +33,18 @@ def run_tail(config, inputs, mesh, tier, weight_layout):
 
 
 @pytest.mark.parametrize("case", SEQUENCE_PARALLEL_CASES, ids=lambda case: case.id)
-def test_output_is_token_sharded_when_p_divides_t_and_matches_the_reference(case):
-    """Each rank holds [T/p, H] when p divides T, else every rank holds all T rows; y is right either way.
-
-    An empty batch (T = 0) only has to come back as an empty [0, H] of the config's dtype.
-    """
+def test_output_is_the_token_sharded_padded_rows_and_matches_the_reference(case):
+    """[T', H], [T'/p, H] per rank, zero padding rows, the first T rows right; T = 0: p zero rows."""
     config, inputs, y = run_case(case)
-    num_tokens, hidden_size, tp_size = case.num_tokens, case.hidden_size, case.tp_size
-    assert y.shape == (num_tokens, hidden_size) and y.dtype == config.dtype
-    if not num_tokens:
-        return
-    if num_tokens % tp_size == 0:
-        assert y.sharding.spec[0] == "tp"
-        assert {shard.data.shape for shard in y.addressable_shards} == {(num_tokens // tp_size, hidden_size)}
-    else:
-        assert y.sharding.is_fully_replicated
-        assert {shard.data.shape for shard in y.addressable_shards} == {(num_tokens, hidden_size)}
-    assert relative_error(y, reference_tail(config, inputs)) <= tolerance(config, inputs)
+    rows = token_sharded_rows(y, config, case.num_tokens, case.tp_size)
+    if case.num_tokens:
+        assert relative_error(rows, reference_tail(config, inputs)) <= tolerance(config, inputs)
+
+
+def test_the_covering_design_runs_padded_rows_for_every_tier():
+    """The parity cases above include, for every tier, a T that p does not divide."""
+    padded = {case.tier for case in SEQUENCE_PARALLEL_CASES if case.num_tokens % case.tp_size}
+    assert {tier.value for tier in k3_tail.Tier} <= padded
 
 
 @pytest.mark.parametrize(("tier", "weight_layout"), tier_layouts())
@@ -59,21 +58,68 @@ def test_each_rank_holds_its_own_rows(tier, weight_layout):
         assert relative_error(shard.data, expected[rows]) <= TOLERANCE[SP.dtype]
 
 
-def module_reference_inputs(module, inputs):
-    """``inputs`` with the module's own weights (its kernel without padding columns)."""
-    kernel = jnp.asarray(module.up_proj_kernel[...])[:, : module.config.hidden_size]
-    return dataclasses.replace(inputs, norm_weight=module.norm_scale[...], kernel=kernel)
+README_CONFIG = k3_tail.TailConfig(hidden_size=100, latent_size=64, sequence_parallel=True)
 
 
-def test_module_returns_token_sharded_output():
-    """LatentMoETail with sequence_parallel=True returns token-sharded y, and its plan says so."""
+@pytest.mark.parametrize("shared_output_is_reduced", [False, True], ids=["shared-partials", "shared-reduced-early"])
+def test_the_readme_layer_with_out_specs_p_tp_at_t13_on_8_ranks(shared_output_is_reduced):
+    """The README's moe_layer (and moe_layer_early) with sequence_parallel=True and out_specs=P("tp") at T = 13,
+    p = 8: y is [16, H], its first 13 rows the float64 reference's and the 3 padding rows zero, never the 13
+    rows stacked 8 times."""
+    config = dataclasses.replace(README_CONFIG, shared_output_is_reduced=shared_output_is_reduced)
+    mesh = make_tp_mesh(8)
+    p, T, L, H = 8, 13, config.latent_size, config.hidden_size
+    F, Fs = 8 * p, 4 * p
+    rng = np.random.default_rng(0)
+
+    def draw(*shape, scale=1.0, shift=0.0):  # in the config's dtype, kept as float64 for the reference
+        return np.asarray(jnp.asarray(shift + scale * rng.standard_normal(shape), config.dtype), np.float64)
+
+    expert_act, down_proj = draw(T, F), draw(F, L, scale=F ** -0.5)
+    shared_act, shared_down = draw(T, Fs), draw(Fs, H, scale=Fs ** -0.5)
+    norm_weight, up_proj = draw(L, scale=0.1, shift=1.0), draw(L, H, scale=L ** -0.5)
+    padded = np.pad(up_proj, ((0, 0), (0, k3_tail.padded_hidden_size(H, p) - H)))
+
+    def moe_layer(expert_act, down_proj, shared_act, shared_down, norm_weight, up_proj_kernel):
+        routed = expert_act @ down_proj
+        shared = shared_act @ shared_down
+        if config.shared_output_is_reduced:
+            shared = k3_tail.reduce_shared(shared, config=config, axis_name="tp")
+        return k3_tail.latent_moe_tail(routed, shared, norm_weight, up_proj_kernel,
+                                       config=config, axis_name="tp", weight_layout="column")
+
+    specs = (P(None, "tp"), P("tp"), P(None, "tp"), P("tp"), P(), P(None, "tp"))
+    layer = jax.jit(jax.shard_map(moe_layer, mesh=mesh, out_specs=P("tp"), in_specs=specs))
+    arrays = (expert_act, down_proj, shared_act, shared_down, norm_weight, padded)
+    y = layer(*(jax.device_put(jnp.asarray(x, config.dtype), NamedSharding(mesh, spec))
+                for x, spec in zip(arrays, specs, strict=True)))
+
+    assert y.shape == (16, H)
+    full = TailInputs((expert_act @ down_proj)[None], (shared_act @ shared_down)[None], norm_weight, up_proj)
+    rows = token_sharded_rows(y, config, T, p)
+    assert relative_error(rows, reference_tail(config, full)) <= TOLERANCE[config.dtype]
+
+
+def test_the_module_returns_the_same_token_sharded_rows_globally_and_per_rank():
+    """LatentMoETail with sequence_parallel at T = 13 on 8 ranks: __call__ and per_rank (out_specs P("tp")) both
+    give the [16, H] padded rows, right, and its plan names the padding."""
     mesh = make_tp_mesh(8)
     module = k3_tail.LatentMoETail(SP, mesh, rngs=nnx.Rngs(0))
-    inputs = make_inputs(SP, 8, 16)
-    y = module(inputs.routed, inputs.shared)
-    assert y.sharding.spec[0] == "tp"
-    assert relative_error(y, reference_tail(SP, module_reference_inputs(module, inputs))) <= TOLERANCE[SP.dtype]
-    assert "sequence-parallel output" in module.plan(16).reason
+    inputs = make_inputs(SP, 8, 13)
+    state_specs = nnx.StateSharding(nnx.get_partition_spec(nnx.state(module)))
+
+    @nnx.shard_map(mesh=mesh, in_specs=(state_specs, P("tp"), P("tp")), out_specs=P("tp"))
+    def layer(module, routed, shared):
+        return module.per_rank(routed[0], shared[0])
+
+    y_global = module(inputs.routed, inputs.shared)
+    y_per_rank = layer(module, *(jax.device_put(x, NamedSharding(mesh, P("tp"))) for x in (inputs.routed,
+                                                                                            inputs.shared)))
+    kernel = jnp.asarray(module.up_proj_kernel[...])[:, : SP.hidden_size]
+    expected = reference_tail(SP, dataclasses.replace(inputs, norm_weight=module.norm_scale[...], kernel=kernel))
+    for y in (y_global, y_per_rank):
+        assert relative_error(token_sharded_rows(y, SP, 13, 8), expected) <= TOLERANCE[SP.dtype]
+    assert "padded with zero rows to T'=16" in module.plan(13).reason
 
 
 def test_sequence_parallel_column_tier_reduce_scatters_instead_of_all_reducing():
@@ -84,12 +130,19 @@ def test_sequence_parallel_column_tier_reduce_scatters_instead_of_all_reducing()
     assert kinds == [("all-reduce", 16 * 64), ("reduce-scatter", 16 * 96)]
 
 
+def test_a_padded_call_gathers_nothing():
+    """T = 13 on 8 ranks: the padded rows stay sharded, so the program has no all-gather."""
+    compiled = k3_tail.compile_tail(SP, make_tp_mesh(8), 13, tier=k3_tail.Tier.COLUMN_PARALLEL, weight_layout="column")
+    kinds = [(c.kind, sum(a.elements for a in c.arrays)) for c in k3_tail.xla.report.report(compiled).collectives]
+    assert kinds == [("all-reduce", 16 * 64), ("reduce-scatter", 16 * 96)]
+
+
 def test_dp_axis_replicates_and_tp_axis_shards_tokens():
-    """On a (dp, tp) mesh the tokens are sharded over tp only."""
+    """On a (dp, tp) mesh the tokens are sharded over tp only, padded to a multiple of p = 4 (T = 14: 16 rows)."""
     if len(jax.devices()) < 8:
         pytest.skip("needs 8 devices")
     mesh = jax.make_mesh((2, 4), ("dp", "tp"))
-    inputs = make_inputs(SP, 4, 16)
+    inputs = make_inputs(SP, 4, 14)
     y = run_tail(SP, inputs, mesh, k3_tail.Tier.COLUMN_PARALLEL, "column")
     assert y.sharding.spec[0] == "tp"
-    assert relative_error(y, reference_tail(SP, inputs)) <= TOLERANCE[SP.dtype]
+    assert relative_error(token_sharded_rows(y, SP, 14, 4), reference_tail(SP, inputs)) <= TOLERANCE[SP.dtype]

@@ -7,8 +7,9 @@ prints the median, the quartiles and the speedup over native of each; ``--json``
 first p devices of the command's device set (all GPUs, or ``--devices`` CPU devices). Default token
 counts: 1, 2, 4, ... 8192, on the CPU backend up to 1024 (:data:`k3_tail.tools.benchmark.CPU_MAX_TOKENS`
 says why). Each (p, T, tier) runs ``--warmup`` times (the first compiles), then ``--repeats`` timed
-runs. Every argument is checked before anything is measured; a bad one is a one-line error (exit
-status 2).
+runs. Where the selection the table marks is vLLM's GPU thresholds on devices that are no GPUs, one
+line before the table says so and how to calibrate. Every argument is checked before anything is
+measured; a bad one is a one-line error (exit status 2).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ import jax
 from k3_tail.cli.common import (
     add_measurement_arguments, describe_config, format_bench_table, measure, measurement_config, measurement_tiers,
 )
+from k3_tail.hardware import device_platform
+from k3_tail.selection.rules import gpu_rules_note
 from k3_tail.tiers.registry import Tier
 from k3_tail.tools.benchmark import Measurement, config_dict, default_token_counts, machine_info
 from k3_tail.tools.experiment import CommandError, demo_devices, positive_int_list, tp_mesh
@@ -78,6 +81,9 @@ def run(args: argparse.Namespace) -> int:
     say(f"T in {','.join(map(str, tokens))}{trimmed}; p in {','.join(map(str, tp_sizes))}; "
         f"tiers {', '.join(tier.value for tier in tiers)}")
     say(f"runs: {args.warmup} warm-up + {args.repeats} timed per (p, T, tier); seed {args.seed}")
+    gpu_rules = gpu_rules_note(config, device_platform(devices[0]))
+    if gpu_rules is not None:  # of the selection the table marks (*), said once
+        say(f"selection (*): {gpu_rules}")
     for tier in Tier if args.tiers is None else ():
         reason = tier.why_not(args.weight_layout, config)
         if reason is not None:

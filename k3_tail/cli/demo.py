@@ -5,7 +5,9 @@ most ``MAX_CPU_DEVICES`` = 512: :func:`k3_tail.tools.experiment.demo_devices`) f
 every tier that runs with the kernel layout, and prints a table: for each token count T the tier
 :func:`k3_tail.select_tier` picks and why, for each tier its error against the native tier, its median
 run time and how much slower it is than the fastest tier, and a line on how far the selected tier
-is from the fastest.
+is from the fastest. Where the selection's rules are vLLM's GPU thresholds and the devices are no GPUs
+(the CPU mesh), one line before the table says so and how to calibrate
+(:func:`k3_tail.selection.rules.gpu_rules_note`); the table's reasons leave that note out.
 
 Inputs are random with a fixed seed and are placed on the mesh once, the weights before the first
 token count and each T's partials before its runs, so the times measure the tail, not host
@@ -32,8 +34,10 @@ from k3_tail.cli.common import (
 )
 from k3_tail.config import TailConfig
 from k3_tail.forward import tail_forward
+from k3_tail.hardware import device_platform
 from k3_tail.ops.codecs import CODECS
 from k3_tail.selection.decision import TierDecision
+from k3_tail.selection.rules import gpu_rules_note
 from k3_tail.tiers.registry import Tier
 from k3_tail.tools.benchmark import Timing, place_partials, place_weights, tiers_for, time_runs
 from k3_tail.tools.experiment import (
@@ -92,6 +96,10 @@ def run(args: argparse.Namespace) -> int:
         f"runs: 1 warm-up + {args.repeats} timed per (T, tier), T in {', '.join(map(str, args.tokens))}; "
         f"seed {args.seed}"
     )
+    # Said once here, not in every T's reason.
+    gpu_rules = gpu_rules_note(config, device_platform(devices[0]))
+    if gpu_rules is not None:
+        print(f"selection: {gpu_rules}")
     print(flush=True)
 
     tiers = tiers_for(args.weight_layout)
@@ -109,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
             config=config, mesh=mesh, axis_name=AXIS_NAME, weight_layout=args.weight_layout,
         )
         selection = mesh_decision(config, num_tokens, mesh, args.weight_layout)
+        selection = dataclasses.replace(selection, notes=tuple(note for note in selection.notes if note != gpu_rules))
         label = f"T={num_tokens} ({index}/{len(args.tokens)})"
         rows += run_every_tier(forward, tiers, num_tokens, selection, args.repeats, label)
 

@@ -1,8 +1,10 @@
 """Token-sharded (sequence-parallel) output: the last collective of a tier scatters tokens.
 
-The tier functions need T % p == 0 per rank, so :func:`k3_tail.latent_moe_tail` pads the tokens with
-zero rows (their outputs are zero: RMSNorm of a zero row is zero) and, where p does not divide T,
-gathers the T rows back replicated (JAX arrays shard evenly only).
+The tier functions need T % p == 0 per rank, and JAX arrays shard evenly only, so for
+sequence-parallel output :func:`k3_tail.latent_moe_tail` pads the tokens with zero rows up to
+T' = :func:`padded_token_count` and returns each rank's T'/p rows of the padded output, for every T
+(the padding rows' outputs are zero: RMSNorm of a zero row is zero). :func:`gather_tokens` serves a
+tier that splits the tokens itself and returns whole output (token_parallel).
 """
 
 from __future__ import annotations

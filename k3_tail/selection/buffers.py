@@ -44,8 +44,7 @@ def collective_buffers(config: TailConfig, num_tokens: int, tp_size: int, *, tie
     """The collectives ``tier`` issues per rank for T = ``num_tokens`` on ``tp_size`` ranks whose sums
     travel as ``sums`` says (``config.sum_plan(tp_size, platform)``, built once by the caller for all the
     tiers and token counts it asks about), in issue order (its record's terms); none for T = 0 without
-    sequence-parallel output (XLA drops the empty collectives). The gather of a padded token-sharded
-    result is the entry point's, not listed here."""
+    sequence-parallel output (XLA drops the empty collectives)."""
     if num_tokens == 0 and not config.sequence_parallel:
         return ()
     shape = CallShape(

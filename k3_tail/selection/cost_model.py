@@ -14,9 +14,9 @@ The model has two layers.
      1 for an FP8 ``up_proj_dtype``, whose per-column float32 scales add 4*H (or 4*Hb) bytes.
    - ``activation_bytes``: the activation rows the call reads and writes on this rank: its routed and
      shared inputs and its own rows of y, d*(T*L + T*H + T*H) (no shared partial: no second term;
-     token-sharded output: the last term is T/p*H; a shared output that arrives reduced is read as
-     the [T, H] that :func:`k3_tail.tail_forward` takes, or this rank's T/p rows of it for
-     token-sharded output), for the caller's T. This is the traffic no
+     token-sharded output: the last term is T'/p*H, T' = ``padded_token_count(T, p)``; a shared output
+     that arrives reduced is read as the [T, H] that :func:`k3_tail.tail_forward` takes, or this
+     rank's T'/p rows of it for token-sharded output), for the caller's T. This is the traffic no
      schedule avoids, and for
      a call it equals the per-rank bytes of the program's activation arguments and result;
      intermediates that XLA's fusion decides (the float32 projection of the replicated layout, the
@@ -31,9 +31,9 @@ The model has two layers.
    the README's tier table lists them): the record says how they change without shared experts,
    without the norm, with a reduced routed output or with token-sharded output. With sequence-parallel
    output and p not dividing T, the tier runs on T' = T rounded up to a multiple of p (every figure
-   but the activation bytes with T' for T; a tier that shards tokens always does) and an AG of the
-   [T', H] result follows (what :func:`k3_tail.latent_moe_tail`
-   does). T = 0 without sequence-parallel output costs nothing: XLA drops the empty collectives.
+   but the inputs' activation bytes with T' for T; a tier that shards tokens always does), and the
+   output stays the [T'/p, H] rows of each rank (:func:`k3_tail.latent_moe_tail`): no gather.
+   T = 0 without sequence-parallel output costs nothing: XLA drops the empty collectives.
 
    - ``kernels``: the GPU kernels the tier's compiled call launches besides its collectives and
      copies, per XLA platform: its record's :class:`~k3_tail.tiers.record.KernelCounts`, counted in
@@ -230,10 +230,10 @@ def _tier_cost(config: TailConfig, num_tokens: int, tp_size: int, tier: Tier, we
     record = tier.record
     rows = tier_rows(config, tier, num_tokens, tp_size)
     token_sharded = is_token_sharded_output(config, num_tokens, tp_size)
-    output_rows = num_tokens // tp_size if token_sharded else num_tokens
+    output_rows = rows // tp_size if token_sharded else num_tokens  # this rank's rows of the padded [T', H]
     shared_rows = num_tokens if config.has_shared_experts else 0
     if config.shared_output_is_reduced and token_sharded:
-        shared_rows = output_rows  # this rank's rows of the reduced [T, H], sharded over tokens
+        shared_rows = output_rows  # this rank's rows of the reduced [T', H], sharded over tokens
     activation_bytes = element * (num_tokens * latent + shared_rows * hidden + output_rows * hidden)
     columns = record.gemm_columns(hidden, tp_size, weight_layout)
     norm_bytes = element * latent if config.use_latent_norm else 0
@@ -247,10 +247,6 @@ def _tier_cost(config: TailConfig, num_tokens: int, tp_size: int, tier: Tier, we
         for buffer in collective_buffers(config, num_tokens, tp_size, tier=tier, weight_layout=weight_layout,
                                          sums=sums)
     ]
-    if config.sequence_parallel and not token_sharded:
-        # latent_moe_tail gathers the padded token-sharded result: JAX arrays shard evenly only.
-        collectives.append(CollectiveCost(ALL_GATHER, element * rows * hidden, tp_size))
-
     return TierCost(
         tier=tier,
         num_tokens=num_tokens,

@@ -163,11 +163,31 @@ def _after_one_kernel(config: TailConfig, num_tokens: int, tp_size: int) -> Tier
         f"are padded to {padded_hidden_size(config.hidden_size, tp_size)} and sliced back",))
 
 
+# Platforms whose devices are GPUs: where vLLM's thresholds were set ("gpu" is JAX's name for both).
+_GPU_PLATFORMS = ("cuda", "rocm", "gpu")
+
+
+def gpu_rules_note(config: TailConfig, platform: str | None) -> str | None:
+    """The note that the default rules (:class:`VllmRules`: ``config.selection_policy`` None or
+    ``VllmRules()``) are vLLM's GPU thresholds, where they pick for a platform known not to be a GPU's
+    ("cpu", "tpu"), with how to measure this machine instead; None elsewhere: on a GPU, on a platform
+    not known (None), under a measured table or the cost model."""
+    if platform is None or platform in _GPU_PLATFORMS:
+        return None
+    if config.selection_policy is not None and not isinstance(config.selection_policy, VllmRules):
+        return None
+    return (f"the rules are vLLM's GPU thresholds, not measured on this {platform} platform: "
+            "`python -m k3_tail calibrate --out table.json` times the tiers here, and "
+            "TailConfig(selection_policy=SelectionTable.load('table.json')) selects by them")
+
+
 def _call_notes(config: TailConfig, tier: Tier, num_tokens: int, tp_size: int, weight_layout: str | None,
                 platform: str | None) -> tuple[str, ...]:
-    """The facts about this call of ``tier``, each only where it applies: how its unquantised all-reduces
-    travel (where not as one all-reduce each), which of the sums it sends are quantised, how a reduced
-    shared output and token-sharded output change the tier."""
+    """The facts about this call of ``tier``, each only where it applies: that vLLM's GPU thresholds
+    picked it for a platform that is no GPU (:func:`gpu_rules_note`; not where a precondition picked
+    native, which no threshold decides), how its unquantised all-reduces travel (where not as one
+    all-reduce each), which of the sums it sends are quantised, how a reduced shared output and
+    token-sharded output (with the padded token count) change the tier."""
     # The facts first, from the tier's record and the config, then the words. The sums (all-reduces,
     # reduce-scatters) of a tier do not depend on the kernel's layout.
     layout = weight_layout or ("replicated" if tier.record.needs_whole_kernel else "column")
@@ -178,6 +198,9 @@ def _call_notes(config: TailConfig, tier: Tier, num_tokens: int, tp_size: int, w
     minimum = config.quantization_min_bytes(tp_size)
 
     notes = []
+    gpu_rules = gpu_rules_note(config, platform)
+    if gpu_rules is not None and _precondition(config, num_tokens, tp_size) is None:
+        notes.append(gpu_rules)
     all_reduces = [buffer for buffer in sums if buffer.form is not None]
     if config.all_reduce_form != "auto" and all_reduces:
         notes.append(f"all_reduce_form={config.all_reduce_form!r}")
@@ -197,10 +220,12 @@ def _call_notes(config: TailConfig, tier: Tier, num_tokens: int, tp_size: int, w
                      + (f"; outside that range, in {config.dtype.name}: {', '.join(plain)}" if plain else ""))
     if config.shared_output_is_reduced:
         notes.append(f"shared output reduced before the tail: {tier.record.shared_reduced_form}")
-    if config.sequence_parallel:
+    if token_sharded:
         notes.append(f"sequence-parallel output: {tier.record.token_sharded_form}")
-    if config.sequence_parallel and not token_sharded:
+    padded = padded_token_count(num_tokens, tp_size)
+    if token_sharded and padded != num_tokens:
         why = "is empty" if num_tokens == 0 else f"is not divisible by tp_size={tp_size}"
-        notes.append(f"T={num_tokens} {why} and JAX arrays shard evenly only, so the tokens are padded to "
-                     f"{padded_token_count(num_tokens, tp_size)} and the [T, H] result is gathered (replicated)")
+        notes.append(f"T={num_tokens} {why} and JAX arrays shard evenly only, so the tokens are padded with zero "
+                     f"rows to T'={padded}: each rank returns its {padded // tp_size} of the [{padded}, H] output, "
+                     f"whose rows from {num_tokens} on are padding")
     return tuple(notes)

@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from k3_tail._checks import AxisName
-from k3_tail.config import TailConfig
+from k3_tail._checks import AxisName, check_int
+from k3_tail.config import TailConfig, check_config
 from k3_tail.ops.collectives import SumPlan, all_reduce, reduce_scatter
 from k3_tail.ops.norm import rms_norm
 from k3_tail.ops.scopes import LATENT_REDUCTION, SHARED_REDUCTION
@@ -24,12 +24,21 @@ from k3_tail.ops.up_projection import QuantizedKernel, outside_gemm, project
 
 
 def is_token_sharded_output(config: TailConfig, num_tokens: int, tp_size: int) -> bool:
-    """Whether a call with T = ``num_tokens`` on ``tp_size`` ranks returns y token-sharded.
+    """Whether a call with T = ``num_tokens`` on ``tp_size`` ranks returns y token-sharded (out_spec
+    ``P(axis)``) rather than whole on every rank (``P()``).
 
-    Token-sharded: rank k holds rows [k*T/p, (k+1)*T/p) of y. That is the case with
-    ``config.sequence_parallel``, T > 0 and p dividing T; otherwise every rank returns all T rows.
+    Token-sharded: rank k holds rows [k*T'/p, (k+1)*T'/p) of y padded to T' =
+    ``padded_token_count(T, p)`` rows (T' = T when p divides T > 0; the padding rows are zero). That
+    is the case exactly with ``config.sequence_parallel``, for every T and p: the output's form never
+    depends on the call's size, so one out_spec serves every T.
+
+    Raises:
+      ValueError: naming the argument, for a config that is no TailConfig, T < 0 or p < 1.
     """
-    return config.sequence_parallel and num_tokens > 0 and num_tokens % tp_size == 0
+    check_config(config)
+    check_int("num_tokens", num_tokens, minimum=0)
+    check_int("tp_size", tp_size, minimum=1)
+    return config.sequence_parallel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +67,8 @@ class TailCall:
 
     @property
     def token_sharded(self) -> bool:
-        """Whether the tier returns this rank's rows of y (``config.sequence_parallel``) rather than all of y."""
+        """Whether the tier returns this rank's [T/p, H] rows of y rather than all of y: with
+        ``config.sequence_parallel``, for every call (the entry point has padded T to a multiple of p)."""
         return self.config.sequence_parallel
 
     def all_reduce(self, x: jax.Array) -> jax.Array:

@@ -62,8 +62,9 @@ class CollectiveTerm:
 class CallShape:
     """The per-rank sizes of one call that a tier's cost terms depend on.
 
-    rows: the token rows the tier works on (T; for token-sharded output T rounded up to a multiple
-    of p). The other fields are the config's and the call's: L, H, p, the kernel's layout, whether a
+    rows: the token rows the tier works on (T; for token-sharded output, and for a tier that splits
+    tokens, T' = T rounded up to a multiple of p, at least p: each rank's output then is T'/p of
+    them). The other fields are the config's and the call's: L, H, p, the kernel's layout, whether a
     shared partial exists, whether the norm runs, whether the routed output arrives reduced, whether
     the output is token-sharded, and whether the shared output arrives reduced.
     """

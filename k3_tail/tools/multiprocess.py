@@ -12,8 +12,9 @@ other JAX call, builds the mesh over ``jax.devices()`` (the devices of all proce
     seed): each process copies the blocks of its own devices from its copy.
 
 The result y [T, H] is replicated: every process reads it from ``y.addressable_shards[0].data``.
-(Token-sharded with ``config.sequence_parallel``: then each process holds its own rows, and
-``jax.experimental.multihost_utils.process_allgather(y, tiled=True)`` gathers all of them.)
+(Token-sharded with ``config.sequence_parallel``: then each process holds its own rows of the
+[T', H] padded y, and ``jax.experimental.multihost_utils.process_allgather(y, tiled=True)[:T]``
+gathers the T rows.)
 
 Before JAX's distributed runtime starts, :func:`initialize` checks the coordinator's address itself,
 because JAX ends the process in a C++ abort (or a crash) when it cannot use it: process 0 must be

@@ -23,7 +23,7 @@ from k3_tail.hardware import device_platform
 from k3_tail.selection.rules import select_tier
 from k3_tail.ops.columns import check_weight_layout, padded_hidden_size
 from k3_tail.tiers.registry import Tier
-from k3_tail.tiers.context import is_token_sharded_output
+from k3_tail.ops.tokens import padded_token_count
 from k3_tail.ops.up_projection import QuantizedKernel, column_sharding
 
 
@@ -55,9 +55,10 @@ def tail_arguments(
     Returns:
       ``(routed, shared, norm_weight, kernel)`` as ``jax.ShapeDtypeStruct``: routed [p, T, L] split
       on dim 0 ([T, L] replicated with ``config.fused_output_is_reduced``); shared [p, T, H] split on
-      dim 0 ([T, H] with ``config.shared_output_is_reduced``: split over tokens where the output is
-      token-sharded, else replicated), or None; norm weight [L] replicated, or None; kernel [L, H]
-      replicated, or [L, padded_hidden_size(H, p)] split on dim 1 for "column", a
+      dim 0 ([T, H] with ``config.shared_output_is_reduced``: split over tokens with
+      ``config.sequence_parallel`` where p divides T > 0, else replicated), or None; norm weight [L]
+      replicated, or None; kernel [L, H] replicated, or [L, padded_hidden_size(H, p)] split on dim 1
+      for "column", a
       :class:`k3_tail.QuantizedKernel` (float32 scales split alike) with an FP8 ``config.up_proj_dtype``.
     """
     tp_size = check_mesh(mesh, axis_name)
@@ -74,8 +75,9 @@ def tail_arguments(
         routed = array((tp_size, num_tokens, latent), P(axis_name))
     shared = None
     if config.shared_output_is_reduced:
-        token_sharded = is_token_sharded_output(config, num_tokens, tp_size)
-        shared = array((num_tokens, hidden), P(axis_name) if token_sharded else P())
+        # Split over tokens where [T, H] splits evenly (tail_forward pads it to T' rows and places it).
+        splits = config.sequence_parallel and padded_token_count(num_tokens, tp_size) == num_tokens
+        shared = array((num_tokens, hidden), P(axis_name) if splits else P())
     elif config.has_shared_experts:
         shared = array((tp_size, num_tokens, hidden), P(axis_name))
     norm_weight = array((latent,), P()) if config.use_latent_norm else None
