@@ -69,6 +69,23 @@ def tail_forward(
     Raises:
       ValueError: naming the argument, for bad shapes or dtypes, a mesh without the axis or a wrong p.
     """
+    return forward_on_ranks(routed_partials, shared_partials, norm_weight, up_proj_kernel,
+                            rank_indices(mesh, axis_name), config=config, mesh=mesh, axis_name=axis_name, tier=tier,
+                            weight_layout=weight_layout)
+
+
+def rank_indices(mesh: Mesh, axis_name: AxisName = "tp") -> jax.Array:
+    """``jnp.arange(p, dtype=jnp.int32)`` placed ``P(axis_name)`` on ``mesh``: each rank's block is the ``rank`` that
+    :func:`k3_tail.latent_moe_tail` takes (the one_kernel tier then needs no kernel to find it)."""
+    tp_size = check_mesh(mesh, check_axis_name(axis_name))
+    return jax.device_put(np.arange(tp_size, dtype=np.int32), NamedSharding(mesh, P(axis_name)))
+
+
+def forward_on_ranks(routed_partials, shared_partials, norm_weight, up_proj_kernel, ranks, *, config: TailConfig,
+                     mesh: Mesh, axis_name: AxisName = "tp", tier: Tier | str | None = None,
+                     weight_layout: str = "replicated") -> jax.Array:
+    """:func:`tail_forward` with the ranks' indices given (:func:`rank_indices`): an argument of the program
+    where :func:`k3_tail.compile_tail` compiles one, which the one_kernel tier's kernel reads."""
     check_config(config)
     axis_name = check_axis_name(axis_name)
     weight_layout = check_weight_layout(weight_layout)
@@ -81,6 +98,7 @@ def tail_forward(
         shared_partials,
         norm_weight,
         up_proj_kernel,
+        ranks,
         config=config,
         mesh=mesh,
         axis_name=axis_name,
@@ -90,8 +108,8 @@ def tail_forward(
 
 
 @functools.partial(jax.jit, static_argnames=("config", "mesh", "axis_name", "tier", "weight_layout"))
-def _tail_forward_jit(routed_partials, shared_partials, norm_weight, up_proj_kernel, *, config, mesh, axis_name, tier,
-                      weight_layout):
+def _tail_forward_jit(routed_partials, shared_partials, norm_weight, up_proj_kernel, ranks, *, config, mesh, axis_name,
+                      tier, weight_layout):
     tp_size = check_mesh(mesh, axis_name)
     num_tokens = routed_partials.shape[0 if config.fused_output_is_reduced else 1]
     if weight_layout == "column":
@@ -111,17 +129,18 @@ def _tail_forward_jit(routed_partials, shared_partials, norm_weight, up_proj_ker
           for x, spec in zip((routed_partials, shared_partials, norm_weight), specs, strict=True)),
         jax.device_put(up_proj_kernel, column_sharding(up_proj_kernel, mesh, columns)),
     )
-    specs = (*specs, column_spec(up_proj_kernel, columns))
+    args = (*args, ranks)
+    specs = (*specs, column_spec(up_proj_kernel, columns), P(axis_name))
     per_rank_tail = functools.partial(
         latent_moe_tail, config=config, axis_name=axis_name, weight_layout=weight_layout, tier=tier,
         device=mesh.devices.flat[0],
     )
 
-    def per_rank(routed, shared, norm, kernel):
+    def per_rank(routed, shared, norm, kernel, rank):
         # The per-rank partials arrive as [1, T, X] blocks of the [p, T, X] globals.
         routed = routed if config.fused_output_is_reduced else routed[0]
         shared = shared if shared is None or config.shared_output_is_reduced else shared[0]
-        return per_rank_tail(routed, shared, norm, kernel)
+        return per_rank_tail(routed, shared, norm, kernel, rank=rank)
 
     in_specs = tuple(None if x is None else spec for x, spec in zip(args, specs, strict=True))
     out_spec = P(axis_name) if is_token_sharded_output(config, num_tokens, tp_size) else P()

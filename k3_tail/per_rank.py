@@ -7,6 +7,7 @@ For a model that writes its MoE layer as one ``jax.shard_map``; :func:`k3_tail.t
 from __future__ import annotations
 
 import jax
+import numpy as np
 
 from k3_tail._checks import (
     AxisName, axis_size_in_scope, check_axis_name, expect_array, expect_optional, expect_rank, varies_over,
@@ -32,6 +33,7 @@ def latent_moe_tail(
     weight_layout: str = "replicated",
     tier: Tier | str | None = None,
     device: jax.Device | None = None,
+    rank: jax.Array | None = None,
 ) -> jax.Array:
     """``y = RMSNorm_g(c * sum_i r_i) @ W + sum_i s_i`` for this TP rank, inside ``jax.shard_map``.
 
@@ -62,6 +64,11 @@ def latent_moe_tail(
         selection policy and the FP8 activation check use, its platform decides the all-reduce
         form and, on ROCm, keeps adds out of GEMMs. None: ``jax.devices()[0]``, which is right
         unless the mesh is made of other devices (a deviceless topology).
+      rank: this rank's index along ``axis_name``, int32 [1]: its block of ``jnp.arange(p, dtype=jnp.int32)``
+        passed into the shard_map with in_spec ``P(axis_name)``, as the model's weights are (the one_kernel
+        tier writes its columns there). None: ``lax.axis_index``, which costs the one_kernel tier a second,
+        one-thread GPU kernel (XLA converts the partition id). :class:`k3_tail.LatentMoETail` and
+        :func:`k3_tail.tail_forward` pass it.
 
     Returns:
       y [T, H] in ``config.dtype``, the same on every rank (out_spec ``P()``). With
@@ -78,8 +85,8 @@ def latent_moe_tail(
         ``config.fp8_activations`` in a format ``device``'s GPU does not multiply natively, or an
         input whose type contradicts the config: inside a ``jax.shard_map`` with ``check_vma=True``
         (its default) a reduced value where a partial is expected, or the reverse, naming the field
-        (``shared_output_is_reduced``, ``fused_output_is_reduced``). With ``check_vma=False`` JAX
-        tracks no variation and that contract is the caller's.
+        (``shared_output_is_reduced``, ``fused_output_is_reduced``), or a ``rank`` that is the same on
+        every rank. With ``check_vma=False`` JAX tracks no variation and that contract is the caller's.
     """
     check_config(config)
     axis_name = check_axis_name(axis_name)
@@ -100,6 +107,8 @@ def latent_moe_tail(
         tier = Tier.parse(tier)
         tier.record.check_runs(weight_layout, config)
     _check_reduction_contract(routed_partial, shared_partial, config=config, axis_name=axis_name)
+    if rank is not None:
+        _check_rank(rank, axis_name)
 
     if config.sequence_parallel:
         # Zero token rows up to a multiple of p, so that each rank owns T'/p rows of the output, for every
@@ -108,8 +117,18 @@ def latent_moe_tail(
         if shared_partial is not None and not config.shared_output_is_reduced:
             shared_partial = pad_tokens(shared_partial, tp_size)
     call = TailCall.inside_shard_map(config, axis_name=axis_name, weight_layout=weight_layout,
-                                     platform=platform)
+                                     platform=platform, rank=rank)
     return tier.record.function(routed_partial, shared_partial, norm_weight, up_proj_kernel, call)
+
+
+def _check_rank(rank, axis_name: AxisName) -> None:
+    """ValueError naming ``rank`` unless it is an int32 [1] that varies over the TP axis (where JAX tracks that)."""
+    expect_array(rank, "rank", [(1,)], np.dtype(np.int32), "this rank's index: its block of jnp.arange(p)",
+                 dtype_field="int32")
+    if varies_over(rank, axis_name) is False:
+        raise ValueError(f"rank: expected this rank's index, which varies over {axis_name!r} (the block of "
+                         f"jnp.arange(p, dtype=jnp.int32) with in_spec P({axis_name!r})), but its type is the same "
+                         "on every rank")
 
 
 def _check_reduction_contract(routed_partial, shared_partial, *, config: TailConfig, axis_name: AxisName) -> None:

@@ -49,6 +49,7 @@ class TailCall:
     them). tp_size: p, its size. weight_layout: "replicated" or "column". platform: the devices'
     ``.platform`` (None: not known), which decides the form of the sums and, on "rocm", keeps adds
     out of the GEMM. sums: how the call's sums travel (:class:`~k3_tail.ops.collectives.SumPlan`).
+    rank: this rank's index along the axis, int32 [1], where the entry point was given it, else None.
     """
 
     config: TailConfig
@@ -57,13 +58,14 @@ class TailCall:
     weight_layout: str
     platform: str | None
     sums: SumPlan
+    rank: jax.Array | None = None
 
     @classmethod
     def inside_shard_map(cls, config: TailConfig, *, axis_name: AxisName, weight_layout: str,
-                         platform: str | None) -> TailCall:
+                         platform: str | None, rank: jax.Array | None = None) -> TailCall:
         """The call of a tier traced inside ``jax.shard_map`` over ``axis_name``."""
         tp_size = lax.axis_size(axis_name)
-        return cls(config, axis_name, tp_size, weight_layout, platform, config.sum_plan(tp_size, platform))
+        return cls(config, axis_name, tp_size, weight_layout, platform, config.sum_plan(tp_size, platform), rank)
 
     @property
     def token_sharded(self) -> bool:
@@ -110,8 +112,10 @@ class TailCall:
         return normed.astype(config.dtype)
 
     def rank_index(self) -> jax.Array:
-        """This rank's index k along the TP axis, int32 [1] (``lax.axis_index``: on a GPU the partition id
-        and a one-thread convert kernel)."""
+        """This rank's index k along the TP axis, int32 [1]: ``rank`` where given, else ``lax.axis_index``
+        (on a GPU the partition id and a one-thread convert kernel)."""
+        if self.rank is not None:
+            return self.rank
         return lax.axis_index(self.axis_name).astype(jnp.int32).reshape(1)
 
     def project(self, latent: jax.Array, kernel: jax.Array | QuantizedKernel) -> jax.Array:

@@ -96,8 +96,8 @@ RECORD = TierRecord(
     shared_reduced_form="the kernel adds the own block into the reduced shared output's own columns and an AG "
                         "assembles the blocks (an all-to-all to token rows, then the add, for token-sharded output)",
     collectives=_collectives,
-    kernels=KernelCounts.measured(cuda={"column": (2, 2), "replicated": (2, 2)},
-                                  rocm={"column": (2, 2), "replicated": (2, 2)}),
+    kernels=KernelCounts.measured(cuda={"column": (1, 1), "replicated": (1, 1)},
+                                  rocm={"column": (1, 1), "replicated": (1, 1)}),
     unavailable=_why_not,
     rows_per_weight_read=LARGEST_ROW_TILE,
 )

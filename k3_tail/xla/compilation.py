@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 from k3_tail._checks import AxisName, check_int, check_mesh
 from k3_tail.config import TailConfig, check_config
-from k3_tail.forward import tail_forward
+from k3_tail.forward import forward_on_ranks
 from k3_tail.hardware import device_platform
 from k3_tail.selection.rules import select_tier
 from k3_tail.ops.columns import check_weight_layout, padded_hidden_size
@@ -122,7 +122,8 @@ def compile_tail(
 
     Returns:
       The ``jax.stages.Compiled`` program. Its arguments are :func:`tail_arguments` in that order,
-      flat, Nones dropped (an FP8 kernel is two: values, then scales), so the shared partial is argument 1.
+      flat, Nones dropped (an FP8 kernel is two: values, then scales), so the shared partial is argument 1,
+      and last the ranks' indices (int32 [p] split over the axis, :func:`k3_tail.forward.rank_indices`).
 
     Raises:
       ValueError: naming the argument, for a bad config, mesh, token count, tier or layout.
@@ -137,14 +138,15 @@ def compile_tail(
         ).tier
     resolved = Tier.parse(tier)
 
-    def call(routed, shared, norm_weight, kernel):
-        return tail_forward(
-            routed, shared, norm_weight, kernel,
+    def call(routed, shared, norm_weight, kernel, ranks):
+        return forward_on_ranks(
+            routed, shared, norm_weight, kernel, ranks,
             config=config, mesh=mesh, axis_name=axis_name, tier=resolved, weight_layout=weight_layout,
         )
 
     options = compiler_options(resolved, device.platform)
     if dump_to is not None:
         options["xla_dump_to"] = os.fspath(dump_to)
-    return jax.jit(call).lower(*arguments).compile(compiler_options=options)
+    ranks = jax.ShapeDtypeStruct((check_mesh(mesh, axis_name),), jnp.int32, sharding=NamedSharding(mesh, P(axis_name)))
+    return jax.jit(call).lower(*arguments, ranks).compile(compiler_options=options)
 
