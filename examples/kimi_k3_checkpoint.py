@@ -3,8 +3,8 @@
 :func:`layer_config_from_hf` makes the layer's :class:`LayerConfig` from the model's config.json;
 :func:`load_layer` builds :class:`KimiK3MoELayer` from decoder layer N of the checkpoint, every
 parameter made with ``jax.make_array_from_callback`` so that each device reads only the block it
-holds (``k3_tail.checkpoint``: memory-mapped safetensors, the wrapper's ``language_model.`` prefix or
-none). The tail's two tensors come from ``k3_tail.load_tail_weights``; the rest, under
+holds (``k3_tail.checkpoint``: safetensors' own reader, any of the layer prefixes it accepts). The
+tail's two tensors come from ``k3_tail.load_tail_weights``; the rest, under
 ``...layers.N.block_sparse_moe.``, map to the layer's parameters (Flax layout, y = x @ W; every torch
 Linear weight is [out, in] and read transposed):
 
@@ -30,7 +30,6 @@ plain ``weight`` tensors (dequantised, or a bf16 model of this architecture) loa
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -44,7 +43,9 @@ import k3_tail
 from examples.kimi_k3_moe_layer import KimiK3MoELayer, LayerConfig, layer_parameters, partition_specs
 from examples.kimi_k3_situ import SITU_GATE_BOUND, SITU_UP_BOUND
 from k3_tail import hf_config
+from k3_tail._checks import check_mesh
 from k3_tail.checkpoint import Checkpoint, open_checkpoint, sharded_array
+from k3_tail.json_files import read_json
 
 # The model config's activation and routing, as this layer computes them.
 HIDDEN_ACT = "situ"
@@ -74,15 +75,13 @@ def layer_config_from_hf(config: Any, **tail_overrides: Any) -> LayerConfig:
     text = hf_config.text_config(config)
     act = text.get("hidden_act", HIDDEN_ACT)
     if act != HIDDEN_ACT:
-        raise ValueError(f"{hf_config.field_name(text, 'hidden_act')}: this layer computes {HIDDEN_ACT!r}, "
-                         f"got {act!r}")
+        raise ValueError(f"{text.name('hidden_act')}: this layer computes {HIDDEN_ACT!r}, got {act!r}")
     for name, value in SITU_BETAS.items():
         if text.get(name, value) != value:
-            raise ValueError(f"{hf_config.field_name(text, name)}: this layer's SiTU uses {value:g}, "
-                             f"got {text[name]!r}")
+            raise ValueError(f"{text.name(name)}: this layer's SiTU uses {value:g}, got {text.get(name)!r}")
     if text.get("moe_renormalize", True) is not True:
-        raise ValueError(f"{hf_config.field_name(text, 'moe_renormalize')}: this layer renormalises the top-k "
-                         f"weights (for top_k > 1), got {text['moe_renormalize']!r}")
+        raise ValueError(f"{text.name('moe_renormalize')}: this layer renormalises the top-k weights (for "
+                         f"top_k > 1), got {text.get('moe_renormalize')!r}")
     tail = k3_tail.TailConfig.from_hf_config(text, **tail_overrides)
     expert_width = hf_config.field(text, "moe_intermediate_size", minimum=1)
     shared = hf_config.field(text, "num_shared_experts", minimum=1)
@@ -108,12 +107,14 @@ def layer_weights(checkpoint: str | os.PathLike | Checkpoint, layer: int, *, con
 
     ValueError naming the layer and the tensor: a dense layer or one past the last, a missing tensor, a
     tensor of another shape or dtype than the config says (the bias may be float32 or the layer's dtype;
-    everything else the layer's dtype), routed experts stored quantised (the tensors found are named).
+    everything else the layer's dtype), routed experts stored quantised (the tensors found are named);
+    naming the mesh when it has no axis ``axis_name``.
     """
+    tp_size = check_mesh(mesh, axis_name)
     checkpoint = open_checkpoint(checkpoint)
     block = checkpoint.moe_block(layer)
     _refuse_quantized_experts(checkpoint, block, layer)
-    specs = partition_specs(config, mesh.shape[axis_name], axis_name=axis_name, weight_layout=weight_layout)
+    specs = partition_specs(config, tp_size, axis_name=axis_name, weight_layout=weight_layout)
     parameters = layer_parameters(config)
     hidden, latent, experts = config.hidden_size, config.latent_size, config.num_experts
     expert_width, shared_width, dtype = config.expert_intermediate_size, config.shared_intermediate_size, config.dtype
@@ -170,8 +171,8 @@ def _quantization(checkpoint: Checkpoint) -> str:
     config.json that says how it quantises, else ""."""
     directory = checkpoint.path if checkpoint.path.is_dir() else checkpoint.path.parent
     try:
-        whole = json.loads(Path(directory, hf_config.CONFIG_FILE).read_text())
-    except (OSError, ValueError):
+        whole = read_json(Path(directory, hf_config.CONFIG_FILE), what="config")
+    except ValueError:
         return ""
     text = whole.get(hf_config.TEXT_CONFIG, {}) if isinstance(whole, dict) else {}
     quantization = (whole.get("quantization_config") if isinstance(whole, dict) else None) or (

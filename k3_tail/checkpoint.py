@@ -1,20 +1,37 @@
 """The tail's weights from a Hugging Face checkpoint, read so that each device reads only its own block.
 
 A checkpoint is a directory with ``model.safetensors.index.json`` (its ``weight_map`` names each
-tensor's shard), a directory with one ``model.safetensors``, or one ``.safetensors`` file. Kimi-K3 keeps
-its text model under ``language_model.`` (beside the vision tower); other models of the family store it
-unprefixed. A MoE layer's block is ``block_sparse_moe`` (a dense layer's is ``mlp``), holding
+tensor's shard: a plain file name in that directory, symbolic links followed, as the Hugging Face hub's
+cache keeps its snapshots), a directory with one ``model.safetensors``, or one ``.safetensors`` file.
+The text model's decoder layers sit under one of three prefixes, N in decimal without leading zeros
+(a name under ``layers.01.`` is refused: no layer has that index):
+
+    language_model.model.layers.N.   Kimi-K3 (its multimodal wrapper: the vision tower beside it)
+    language_model.layers.N.         the same, as vLLM and SGLang also accept it
+    model.layers.N.                  a text-only model of the family
+
+A MoE layer's block is ``block_sparse_moe`` (a dense layer's is ``mlp``), holding
 
     block_sparse_moe.routed_expert_up_proj.weight   [H, L]  torch's [out, in]: the kernel W [L, H] transposed
     block_sparse_moe.routed_expert_norm.weight      [L]     the RMSNorm scale g (with latent_moe_use_norm)
 
 Column k of the kernel is row k of the stored tensor, so a column block [L, Hb] is one contiguous run of
-stored rows: each device maps exactly those bytes and the whole kernel is never in one place (on
-Kimi-K3 at p = 8: 6.4 MB per device instead of 51 MB). An FP8 kernel is quantised block by block as
-it is read, since a column's scale needs only that column. The safetensors format (an 8-byte
-little-endian header length, a JSON header, raw little-endian data) is read here with numpy memory
-maps, so no other package is needed. A tensor of another shape or dtype than the config says is
-refused, never cast; one stored quantised (compressed-tensors' ``weight_packed``) is named as such.
+stored rows: each device reads exactly those rows (``get_slice(name)[rows]``) and the whole kernel is
+never in one place (on Kimi-K3 at p = 8: 6.4 MB per device instead of 51 MB). An FP8 kernel is
+quantised block by block as it is read, since a column's scale needs only that column.
+
+The files are read by Hugging Face's ``safetensors`` package (``safe_open(path, framework="numpy")``),
+which checks a file's whole header when it opens it: UTF-8 JSON of at most 100 MB, dims and byte
+offsets non-negative integers, the offsets tiling the data section exactly, each byte count that of
+its dtype and shape. Every file it refuses is a ValueError naming the file, with its reason (which
+names the tensor when one is at fault). Its numpy reader returns no FP8 or FP4 arrays (numpy has no
+such types; it raises AttributeError), so a tensor stored in one is refused by name (no tensor the
+tail or the example layer reads is: the release stores BF16, F32 and U8). The package maps a file into
+memory, and reading a mapped page past the end of a file truncated since would kill the process
+(SIGBUS): a file that changed since it was opened (size, inode or modification time) is refused before
+each read, so only a change during one read's copy could slip by. A tensor of another shape or dtype
+than the config says is refused, never cast; one stored quantised (compressed-tensors'
+``weight_packed``) is named as such.
 """
 
 from __future__ import annotations
@@ -23,7 +40,7 @@ import dataclasses
 import json
 import math
 import os
-import re
+import stat
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -33,89 +50,93 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from safetensors import SafetensorError, safe_open
 
 from k3_tail._checks import AxisName, check_axis_name, check_int, check_mesh
 from k3_tail.config import TailConfig, check_config
+from k3_tail.json_files import read_json
 from k3_tail.ops.columns import check_weight_layout, padded_hidden_size
 from k3_tail.ops.up_projection import QuantizedKernel, quantize_up_proj
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
-# Kimi-K3's multimodal wrapper puts the text model's tensors under this prefix.
-WRAPPER_PREFIX = "language_model."
-LAYERS = "model.layers."
+# Where the text model's decoder layers sit (module docstring), the wrapped forms first.
+LAYER_PREFIXES = ("language_model.model.layers.", "language_model.layers.", "model.layers.")
 MOE_BLOCK, DENSE_BLOCK = "block_sparse_moe", "mlp"
 UP_PROJ, NORM = "routed_expert_up_proj.weight", "routed_expert_norm.weight"
 
-# safetensors' dtype names -> numpy dtypes (little-endian, as the format stores them).
-SAFETENSORS_DTYPES = {
+# The stored dtypes safetensors' numpy reader returns, and as what (little-endian, as the format stores them).
+NUMPY_DTYPES = {
     "BOOL": np.dtype(np.bool_),
     "U8": np.dtype("<u1"), "I8": np.dtype("<i1"), "U16": np.dtype("<u2"), "I16": np.dtype("<i2"),
     "U32": np.dtype("<u4"), "I32": np.dtype("<i4"), "U64": np.dtype("<u8"), "I64": np.dtype("<i8"),
     "F16": np.dtype("<f2"), "F32": np.dtype("<f4"), "F64": np.dtype("<f8"),
     "BF16": np.dtype(jnp.bfloat16),
-    "F8_E4M3": np.dtype(jnp.float8_e4m3fn), "F8_E5M2": np.dtype(jnp.float8_e5m2),
 }
-_HEADER_LENGTH_BYTES = 8
-# A header larger than this is not a safetensors header (the format's own limit is 100 MB).
+# Every dtype safetensors knows, by its bits per element (only to name a malformed entry in a message).
+_DTYPE_BITS = {"BOOL": 8, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8,
+               "F8_E8M0": 8, "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8, "I16": 16, "U16": 16, "F16": 16, "BF16": 16,
+               "I32": 32, "U32": 32, "F32": 32, "C64": 64, "F64": 64, "I64": 64, "U64": 64}
+# safetensors' limit on a header's length.
 _MAX_HEADER_BYTES = 100_000_000
+# A layer index has at most this many digits (every int64 of fewer digits is a layer number).
+_MAX_LAYER_DIGITS = 18
 
 
 @dataclasses.dataclass(frozen=True)
 class TensorInfo:
-    """Where one stored tensor lies: its name, safetensors dtype name ("BF16"), shape, file and the
-    byte offset of its data in that file."""
+    """One stored tensor: its name, safetensors dtype name ("BF16"), shape and file."""
 
     name: str
     dtype_name: str
     shape: tuple[int, ...]
     path: Path
-    offset: int
 
     @property
     def dtype(self) -> np.dtype | None:
-        """The numpy dtype of the stored values, or None for a dtype this reader does not know."""
-        return SAFETENSORS_DTYPES.get(self.dtype_name)
+        """The numpy dtype it reads as, or None for a dtype safetensors' numpy reader does not return."""
+        return NUMPY_DTYPES.get(self.dtype_name)
 
     @property
     def dtype_label(self) -> str:
-        """The dtype as a numpy name ("bfloat16"), or the stored name when numpy has none."""
+        """The dtype as a numpy name ("bfloat16"), or the stored name ("F8_E4M3") when it reads as none."""
         return self.dtype_name if self.dtype is None else self.dtype.name
 
 
 class Checkpoint:
     """A safetensors checkpoint opened for reading: its tensor names, where each lies, and block reads.
 
-    Holds no open file: each read maps the bytes it needs and copies them.
+    Each shard is opened (by safetensors, which checks its header and maps it) when a tensor of it is
+    first asked for, and stays open while the Checkpoint lives; a read copies only its block.
 
     Args:
       path: a directory with ``model.safetensors.index.json``, a directory with ``model.safetensors``,
         or a ``.safetensors`` file.
 
     Raises:
-      ValueError: when ``path`` is none of them, or an index or header is malformed.
+      ValueError: when ``path`` is none of them (or empty), the index is malformed or names a shard
+        outside the directory, or a file safetensors refuses; when a tensor's layer index is not
+        written as one, or decoder layers sit under two prefixes.
     """
 
     def __init__(self, path: str | os.PathLike):
+        if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+            raise ValueError(f"checkpoint: expected a directory with {INDEX_FILE} or {SINGLE_FILE}, or a "
+                             f".safetensors file, got {path!r}")
         path = Path(path)
         self.path = path
-        self._headers: dict[Path, dict[str, TensorInfo]] = {}
-        if path.is_dir() and (path / INDEX_FILE).is_file():
+        self._shards: dict[Path, _Shard] = {}
+        if path.is_dir() and (path / INDEX_FILE).exists():
             self._files = _read_index(path / INDEX_FILE)
-        elif path.is_dir() and (path / SINGLE_FILE).is_file():
-            self._files = dict.fromkeys(self._header(path / SINGLE_FILE), path / SINGLE_FILE)
-        elif path.is_file():
-            self._files = dict.fromkeys(self._header(path), path)
+        elif path.is_dir() and (path / SINGLE_FILE).exists():
+            self._files = dict.fromkeys(self._shard(path / SINGLE_FILE).names, path / SINGLE_FILE)
+        elif path.exists() and not path.is_dir():
+            self._files = dict.fromkeys(self._shard(path).names, path)
         else:
             raise ValueError(f"checkpoint: expected a directory with {INDEX_FILE} or {SINGLE_FILE}, or a "
                              f".safetensors file, got {str(path)!r}")
-        self.prefix = _text_prefix(self._files)
-        pattern = re.compile(rf"^{re.escape(self.prefix + LAYERS)}(\d+)\.")
-        self._layers: dict[int, list[str]] = {}
-        for name in self._files:
-            match = pattern.match(name)
-            if match:
-                self._layers.setdefault(int(match.group(1)), []).append(name)
+        self.layers_prefix = _layers_prefix(self._files)
+        self._layers = _layer_names(self._files, self.layers_prefix)
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -131,8 +152,8 @@ class Checkpoint:
         return tuple(sorted(self._layers))
 
     def layer_prefix(self, layer: int) -> str:
-        """The names' prefix of decoder layer ``layer``: "language_model.model.layers.N." or "model.layers.N."."""
-        return f"{self.prefix}{LAYERS}{layer}."
+        """The names' prefix of decoder layer ``layer``: ``layers_prefix`` and N ("model.layers.5.")."""
+        return f"{self.layers_prefix}{layer}."
 
     def moe_layers(self) -> tuple[int, ...]:
         """The layers whose tensors include a ``block_sparse_moe`` block."""
@@ -159,10 +180,17 @@ class Checkpoint:
         return f"{self.layer_prefix(layer)}{MOE_BLOCK}."
 
     def info(self, name: str) -> TensorInfo:
-        """Where tensor ``name`` lies; ValueError when the checkpoint has no such tensor."""
+        """Tensor ``name``'s dtype, shape and file (opening the file). ValueError when the checkpoint has no
+        such tensor, its file is refused, or the index maps it to a file that lacks it."""
         if name not in self._files:
             raise ValueError(f"{name}: missing from the checkpoint")
-        return self._header(self._files[name])[name]
+        path = self._files[name]
+        shard = self._shard(path)
+        if name not in shard:
+            raise ValueError(f"checkpoint: {name}: {INDEX_FILE} maps it to {path.name!r}, which holds no tensor "
+                             f"of that name")
+        tensor = shard.handle.get_slice(name)
+        return TensorInfo(name, tensor.get_dtype(), tuple(tensor.get_shape()), path)
 
     def expect(self, name: str, shape: Sequence[int], dtype: Any, *, layer: int, what: str,
                dtype_source: str = "config.dtype") -> TensorInfo:
@@ -201,32 +229,32 @@ class Checkpoint:
         return info
 
     def read(self, name: str, index: Sequence[slice] = ()) -> np.ndarray:
-        """A copy of block ``index`` of tensor ``name``, in its stored dtype; maps only the stored rows
-        the block spans, so a block of rows reads exactly its bytes.
+        """Block ``index`` of tensor ``name``, in its stored dtype: safetensors' ``get_slice(name)[index]``,
+        which copies only the block's bytes (a block of rows is one run of them).
 
         Args:
           name: the tensor's name.
           index: one slice of step 1 per leading axis; missing axes are whole.
 
         Raises:
-          ValueError: for a missing tensor, a dtype this reader does not know, or a bad index.
+          ValueError: for a missing tensor, a dtype safetensors' numpy reader does not return (FP8, FP4),
+            a bad index, or a file that changed since it was opened.
         """
         info = self.info(name)
         if info.dtype is None:
-            raise ValueError(f"{name}: stored as {info.dtype_name}, a dtype this reader does not know "
-                             f"(it knows {', '.join(SAFETENSORS_DTYPES)})")
+            raise ValueError(f"{name}: stored as {info.dtype_name}, which safetensors' numpy reader does not "
+                             f"return (numpy has no such type); this reader reads {', '.join(NUMPY_DTYPES)}")
         index = _full_index(name, index, info.shape)
-        if not info.shape:
-            return np.fromfile(info.path, info.dtype, count=1, offset=info.offset).reshape(())
-        start, stop = index[0].start, index[0].stop
-        rows = (stop - start,) + info.shape[1:]
-        if math.prod(rows) == 0:
-            return np.zeros(rows, info.dtype)[(slice(None),) + index[1:]]
-        row_bytes = math.prod(info.shape[1:]) * info.dtype.itemsize
-        mapped = np.memmap(info.path, info.dtype, mode="r", offset=info.offset + start * row_bytes, shape=rows)
-        block = np.array(mapped[(slice(None),) + index[1:]])
-        del mapped  # unmapped now: a block is all that stays
-        return block
+        block_shape = tuple(axis.stop - axis.start for axis in index)
+        if info.shape and math.prod(block_shape) == 0:
+            return np.zeros(block_shape, info.dtype)  # no bytes to read (safetensors refuses some empty slices)
+        shard = self._shard(info.path)
+        shard.check_unchanged(name)
+        try:
+            return shard.handle.get_slice(name)[index]
+        except SafetensorError as error:
+            raise ValueError(f"checkpoint: {str(info.path)!r}: {name}: safetensors cannot read {index}: "
+                             f"{error}") from None
 
     def read_transposed(self, name: str, index: Sequence[slice] = ()) -> np.ndarray:
         """Block ``index`` [rows, columns] of the transpose of the 2-d tensor ``name``: a torch Linear's
@@ -237,10 +265,10 @@ class Checkpoint:
         rows, columns = _full_index(name, index, info.shape[::-1])
         return np.ascontiguousarray(self.read(name, (columns, rows)).T)
 
-    def _header(self, path: Path) -> dict[str, TensorInfo]:
-        if path not in self._headers:
-            self._headers[path] = _read_header(path)
-        return self._headers[path]
+    def _shard(self, path: Path) -> _Shard:
+        if path not in self._shards:
+            self._shards[path] = _Shard(path)
+        return self._shards[path]
 
 
 def open_checkpoint(checkpoint: str | os.PathLike | Checkpoint) -> Checkpoint:
@@ -385,61 +413,140 @@ def sharded_array(shape: Sequence[int], sharding: NamedSharding, read_block: Cal
     return jax.make_array_from_callback(shape, sharding, block, dtype=dtype)
 
 
-def _read_index(path: Path) -> dict[str, Path]:
-    """tensor name -> shard file, from a ``model.safetensors.index.json``."""
-    try:
-        index = json.loads(path.read_text())
-    except json.JSONDecodeError as error:
-        raise ValueError(f"checkpoint: {str(path)!r} is not JSON ({error})") from None
-    weight_map = index.get("weight_map") if isinstance(index, Mapping) else None
-    if not isinstance(weight_map, Mapping) or not all(
-            isinstance(name, str) and isinstance(shard, str) for name, shard in weight_map.items()):
-        raise ValueError(f"checkpoint: {str(path)!r} has no weight_map of tensor names to shard files")
-    return {name: path.parent / shard for name, shard in weight_map.items()}
+class _Shard:
+    """One safetensors file as safetensors opened it (header checked, file mapped), and which file it was
+    then (device, inode, size, modification time), so that a file changed since is refused before a read
+    touches its map."""
 
-
-def _read_header(path: Path) -> dict[str, TensorInfo]:
-    """Every tensor of the safetensors file at ``path``, from its header. ValueError when it is not one."""
-    if not path.is_file():
-        raise ValueError(f"checkpoint: the shard {str(path)!r} is missing")
-    size = path.stat().st_size
-    with path.open("rb") as file:
-        prefix = file.read(_HEADER_LENGTH_BYTES)
-        length = int.from_bytes(prefix, "little") if len(prefix) == _HEADER_LENGTH_BYTES else -1
-        if not 0 < length <= min(_MAX_HEADER_BYTES, size - _HEADER_LENGTH_BYTES):
-            raise ValueError(f"checkpoint: {str(path)!r} is not a safetensors file (no header)")
+    def __init__(self, path: Path):
+        self.path = path
+        identity = _identity(path)
         try:
-            header = json.loads(file.read(length))
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
-            raise ValueError(f"checkpoint: {str(path)!r}: its safetensors header is not JSON ({error})") from None
-    if not isinstance(header, Mapping):
-        raise ValueError(f"checkpoint: {str(path)!r}: its safetensors header is not a JSON object")
-    data_start = _HEADER_LENGTH_BYTES + length
-    tensors = {}
-    for name, entry in header.items():
+            self.handle = safe_open(path, framework="numpy")
+        except (SafetensorError, OSError) as error:
+            tensor = _malformed_entry(path)
+            raise ValueError(f"checkpoint: {str(path)!r}: {f'{tensor}: ' if tensor else ''}safetensors refuses the "
+                             f"file ({error})") from None
+        if _identity(path) != identity:
+            raise ValueError(f"checkpoint: {str(path)!r}: the file changed while it was being opened")
+        self.identity = identity
+        self.names = tuple(self.handle.offset_keys())
+        self._names = frozenset(self.names)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._names
+
+    def check_unchanged(self, name: str) -> None:
+        """ValueError naming the file and ``name`` when the file is not the one opened, as it was then."""
+        now = _identity(self.path)
+        if now == self.identity:
+            return
+        if now[:2] != self.identity[:2]:
+            change = "another file has taken its name"
+        elif now[2] != self.identity[2]:
+            change = f"its size went from {self.identity[2]} to {now[2]} bytes"
+        else:
+            change = "it was modified"
+        raise ValueError(f"checkpoint: {str(self.path)!r}: {name}: the file changed since it was opened ({change}); "
+                         "open the checkpoint again")
+
+
+def _malformed_entry(path: Path) -> str | None:
+    """For the message when safetensors refused ``path`` (it names a tensor only for bad tiling): the first
+    tensor, in header order, whose own entry breaks the format (dtype a known name; shape and the two
+    data_offsets non-negative integers, in order; the bytes those hold). None when no entry does or the
+    header does not parse. Decides nothing: safetensors has refused the file already."""
+    try:
+        with open(path, "rb") as file:
+            length = int.from_bytes(file.read(8), "little")
+            header = json.loads(file.read(min(length, _MAX_HEADER_BYTES)), object_pairs_hook=tuple)
+    except (OSError, ValueError, RecursionError):
+        return None
+    for name, entry in header if isinstance(header, tuple) else ():  # an object's (key, value) pairs
+        fields = dict(entry) if isinstance(entry, tuple) else {}
+        dtype, shape, offsets = fields.get("dtype"), fields.get("shape"), fields.get("data_offsets")
         if name == "__metadata__":
             continue
-        try:
-            dtype_name, shape = entry["dtype"], tuple(entry["shape"])
-            begin, end = entry["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            raise ValueError(f"checkpoint: {str(path)!r}: {name}: a malformed header entry {entry!r}") from None
-        info = TensorInfo(name, dtype_name, shape, path, data_start + begin)
-        dtype = info.dtype
-        if dtype is not None and (end - begin != math.prod(shape) * dtype.itemsize or data_start + end > size):
-            raise ValueError(f"checkpoint: {str(path)!r}: {name}: its byte range [{begin}, {end}) does not hold "
-                             f"shape {shape} of {dtype.name} within the file")
-        tensors[name] = info
-    return tensors
+        if (dtype not in _DTYPE_BITS or not _counts(shape) or not _counts(offsets) or len(offsets) != 2
+                or offsets[1] < offsets[0] or (offsets[1] - offsets[0]) * 8 != math.prod(shape) * _DTYPE_BITS[dtype]):
+            return name
+    return None
 
 
-def _text_prefix(names: Mapping[str, Any]) -> str:
-    """"language_model." when the text model's layers are stored under Kimi-K3's wrapper, else ""."""
-    if any(name.startswith(WRAPPER_PREFIX + LAYERS) for name in names):
-        return WRAPPER_PREFIX
-    if any(name.startswith(LAYERS) for name in names):
-        return ""
-    raise ValueError(f"checkpoint: no decoder layers: no tensor named {LAYERS}N.* or {WRAPPER_PREFIX}{LAYERS}N.*")
+def _counts(value: Any) -> bool:
+    """Whether ``value`` is a JSON list of non-negative integers."""
+    return isinstance(value, list) and all(type(item) is int and item >= 0 for item in value)
+
+
+def _identity(path: Path) -> tuple[int, int, int, int]:
+    """(device, inode, size, modification time) of the regular file ``path``; ValueError when it is
+    missing, unreadable or not a regular file (safetensors would wait forever on a FIFO)."""
+    try:
+        status = os.stat(path)
+    except FileNotFoundError:
+        raise ValueError(f"checkpoint: the shard {str(path)!r} is missing") from None
+    except OSError as error:
+        raise ValueError(f"checkpoint: cannot read {str(path)!r}: {error.strerror}") from None
+    if not stat.S_ISREG(status.st_mode):
+        raise ValueError(f"checkpoint: {str(path)!r} is not a regular file; not read")
+    return status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns
+
+
+def _read_index(path: Path) -> dict[str, Path]:
+    """tensor name -> shard file, from a ``model.safetensors.index.json``; each shard a plain file name in
+    the index's directory."""
+    index = read_json(path, what="checkpoint")
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict):
+        raise ValueError(f"checkpoint: {str(path)!r} has no weight_map of tensor names to shard files")
+    shards: dict[str, Path] = {}
+    files = {}
+    for name, shard in weight_map.items():
+        if shard not in shards:
+            shards[shard] = path.parent / _plain_file_name(path, name, shard)
+        files[name] = shards[shard]
+    return files
+
+
+def _plain_file_name(index: Path, name: str, shard: Any) -> str:
+    """``shard`` when it is a plain file name (no directory part); ValueError naming the entry otherwise."""
+    if not isinstance(shard, str):
+        raise ValueError(f"checkpoint: {str(index)!r}: weight_map.{name}: expected a shard's file name, got {shard!r}")
+    separators = {"/", "\\", os.sep, os.altsep} - {None}
+    if shard in ("", ".", "..") or any(separator in shard for separator in separators) or "\0" in shard:
+        raise ValueError(f"checkpoint: {str(index)!r}: weight_map.{name}: {shard!r} is not a plain file name; a "
+                         "shard must be a file in the checkpoint's own directory (absolute paths, path "
+                         "separators and '..' are refused)")
+    return shard
+
+
+def _layers_prefix(names: Mapping[str, Any]) -> str:
+    """The one of LAYER_PREFIXES the checkpoint's decoder layers sit under; ValueError for none or several."""
+    found = [prefix for prefix in LAYER_PREFIXES if any(name.startswith(prefix) for name in names)]
+    if not found:
+        named = " or ".join(f"{prefix}N.*" for prefix in LAYER_PREFIXES)
+        raise ValueError(f"checkpoint: no decoder layers: no tensor named {named}")
+    if len(found) > 1:
+        raise ValueError(f"checkpoint: decoder layers under {' and '.join(found)}: which are the text model's is "
+                         "ambiguous")
+    return found[0]
+
+
+def _layer_names(names: Mapping[str, Any], prefix: str) -> dict[int, list[str]]:
+    """layer -> the names under ``prefix`` N.; ValueError naming a tensor whose N is not a layer index
+    written as Hugging Face writes one (decimal digits, no leading zero)."""
+    layers: dict[int, list[str]] = {}
+    for name in names:
+        if not name.startswith(prefix):
+            continue
+        number, dot, _ = name[len(prefix):].partition(".")
+        canonical = number.isascii() and number.isdigit() and (number == "0" or not number.startswith("0"))
+        if not dot or not canonical or len(number) > _MAX_LAYER_DIGITS:
+            raise ValueError(f"checkpoint: {name}: {prefix}{number}{dot} is no decoder layer: a layer index is "
+                             f"written in decimal without leading zeros ({prefix}1.), of at most "
+                             f"{_MAX_LAYER_DIGITS} digits")
+        layers.setdefault(int(number), []).append(name)
+    return layers
 
 
 def _has_block(names: Sequence[str], layer_prefix: str) -> bool:

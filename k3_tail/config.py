@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from k3_tail._checks import check_int
-from k3_tail.hf_config import tail_fields
+from k3_tail.hf_config import tail_fields, text_config
 from k3_tail.ops.codecs import CODECS
 from k3_tail.ops.collectives import ALL_REDUCE_FORMS, QUICK_REDUCE_MIN_MIB, SumPlan
 from k3_tail.ops.norm import norm_is_computable
@@ -202,15 +202,24 @@ class TailConfig:
     @classmethod
     def from_hf_config(cls, config: Any, **overrides: Any) -> TailConfig:
         """The tail of a Hugging Face model's config: ``config`` a path to its config.json, a checkpoint
-        directory holding one, or the config as a dict (its ``text_config`` read when nested).
+        directory holding one, a ``.safetensors`` file (the config.json beside it: every path
+        :func:`k3_tail.load_tail_weights` takes), or the config as a dict (its ``text_config`` read when
+        nested).
 
         Sets hidden_size, latent_size (``routed_expert_hidden_size``), rms_norm_eps,
         routed_scaling_factor, use_latent_norm (``latent_moe_use_norm``) and dtype (``torch_dtype``);
         ``overrides`` set any field as keywords (``up_proj_dtype=...``, ``all_reduce_quantization=...``).
-        ValueError naming the config's field when it has no ``routed_expert_hidden_size`` (no latent
-        MoE), misses a field or holds a value the tail cannot serve (:mod:`k3_tail.hf_config`).
+        ValueError naming the config's field (``text_config.rms_norm_eps``) when it has no
+        ``routed_expert_hidden_size`` (no latent MoE), misses a field or holds a value the tail cannot
+        serve (:mod:`k3_tail.hf_config`); naming the file when it cannot be read.
         """
-        return cls(**{**tail_fields(config), **overrides})
+        text = text_config(config)
+        fields = tail_fields(text)
+        # The two numbers the tail holds to float32's normal range, checked here under the file's names.
+        for name, zero in (("rms_norm_eps", False), ("routed_scaling_factor", True)):
+            if name not in overrides:
+                _float32_normal(text.name(name), fields[name], zero=zero)
+        return cls(**{**fields, **overrides})
 
     def quantization_min_bytes(self, tp_size: int) -> int | None:
         """The smallest buffer (bytes) sent quantised over ``tp_size`` ranks, or None when nothing is: no

@@ -11,51 +11,104 @@ top level. :func:`tail_fields` maps them to :class:`k3_tail.TailConfig` fields:
     torch_dtype (or dtype)      -> dtype: "bfloat16", "float16" or "float32" (the wrapper's when the
                                    text config has neither; TailConfig's default when none does)
 
-A bad value is a ValueError naming the field as the config spells it (``text_config.rms_norm_eps``).
-This module imports nothing from k3_tail, so that ``config.py`` can use it.
+Decoder layer i is MoE when ``i >= first_k_dense_replace`` (default 0) and ``i % moe_layer_freq == 0``
+(default 1), as the model's reference code, vLLM and SGLang build it (Kimi-K3: layer 0 dense, 1-92
+MoE); a config with MoE layers must give ``num_experts``.
+
+The file is read by :func:`k3_tail.json_files.read_json` (strict JSON: duplicate keys, non-UTF-8 text
+and the like are refused naming the file). A bad value is a ValueError naming the field as the config
+spells it (``text_config.rms_norm_eps``). The fields are kept apart from what is known about where they
+came from (:class:`TextConfig`), so that no key of the file, whatever its name, is taken for anything
+but a field. This module imports nothing from k3_tail but the JSON reader, so that ``config.py`` can
+use it.
 """
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import math
 import os
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+from k3_tail.json_files import read_json
 
 CONFIG_FILE = "config.json"
 TEXT_CONFIG = "text_config"
 # The dtypes the tail computes in, as a config.json names them ("torch.bfloat16" is accepted too).
 TAIL_DTYPES = ("bfloat16", "float16", "float32")
 _DTYPE_FIELDS = ("torch_dtype", "dtype")
+# The most decoder layers a config may have: the largest length a Python range reports (moe_layers).
+MAX_LAYERS = sys.maxsize
 
 
-def text_config(config: Any) -> dict[str, Any]:
-    """The text model's config as a dict from ``config``: a path to a config.json, a directory holding one, or
-    a mapping (the whole config or its text part); ``"_where"`` is "text_config." or "" (for messages) and
-    ``"_wrapper"`` the wrapper's dtype fields. ValueError when the file is missing or not a JSON object."""
+@dataclasses.dataclass(frozen=True)
+class TextConfig:
+    """The text model's part of a model config.
+
+    Attributes:
+      fields: its fields, as the file holds them.
+      where: "text_config." when they sit under a wrapper's ``text_config``, else "" (for messages).
+      wrapper: the wrapper's dtype fields (``torch_dtype``, ``dtype``), which serve a text config that
+        names no dtype of its own.
+    """
+
+    fields: Mapping[str, Any]
+    where: str = ""
+    wrapper: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def get(self, name: str, default: Any = None) -> Any:
+        """Field ``name``, or ``default`` when absent."""
+        return self.fields.get(name, default)
+
+    def name(self, field: str) -> str:
+        """``field`` as the config spells it, for messages: ``text_config.field`` when nested."""
+        return f"{self.where}{field}"
+
+
+def config_file(path: str | os.PathLike) -> Path:
+    """The config.json that ``path`` stands for: ``path`` itself when it names a JSON file, the one in
+    ``path`` when it is a checkpoint directory, or the one beside ``path`` when it is a ``.safetensors``
+    file (the paths :func:`k3_tail.load_tail_weights` takes). ValueError for an empty path or when that
+    file does not exist."""
+    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+        raise ValueError(f"config: expected a path to {CONFIG_FILE}, a checkpoint directory or a .safetensors "
+                         f"file, got {path!r}")
+    given = Path(path)
+    file, beside = given, ""
+    if given.is_dir():
+        file = given / CONFIG_FILE
+    elif given.suffix == ".safetensors":
+        file, beside = given.with_name(CONFIG_FILE), f" (beside the checkpoint file {str(given)!r})"
+    if not file.exists():
+        raise ValueError(f"config: no {CONFIG_FILE} at {str(file)!r}{beside}")
+    return file
+
+
+def text_config(config: Any) -> TextConfig:
+    """The text model's config from ``config``: a path (:func:`config_file`), a mapping (the whole config or
+    its text part) or a :class:`TextConfig` (returned as it is). ValueError when the file cannot be read
+    or is not a JSON object, or ``config`` is none of these."""
+    if isinstance(config, TextConfig):
+        return config
     if isinstance(config, (str, os.PathLike)):
-        path = Path(config)
-        if path.is_dir():
-            path = path / CONFIG_FILE
-        if not path.is_file():
-            raise ValueError(f"config: no {CONFIG_FILE} at {str(path)!r}")
-        try:
-            config = json.loads(path.read_text())
-        except json.JSONDecodeError as error:
-            raise ValueError(f"config: {str(path)!r} is not JSON ({error})") from None
+        file = config_file(config)
+        config = read_json(file, what="config")
+        if not isinstance(config, Mapping):
+            raise ValueError(f"config: {str(file)!r} holds a JSON {type(config).__name__}, not an object")
     if not isinstance(config, Mapping):
-        raise ValueError(f"config: expected a path to {CONFIG_FILE}, a checkpoint directory or a dict, "
-                         f"got {type(config).__name__}")
-    if TEXT_CONFIG in config:
-        text = config[TEXT_CONFIG]
-        if not isinstance(text, Mapping):
-            raise ValueError(f"{TEXT_CONFIG}: expected a JSON object, got {type(text).__name__}")
-        # A wrapper may give the dtype at its top level only: the text model's, unless it says otherwise.
-        outer = {name: config[name] for name in _DTYPE_FIELDS if name in config}
-        return {**text, "_where": f"{TEXT_CONFIG}.", "_wrapper": outer}
-    return {"_wrapper": {}, **config, "_where": config.get("_where", "")}
+        raise ValueError(f"config: expected a path to {CONFIG_FILE}, a checkpoint directory or a .safetensors "
+                         f"file, or the config as a dict, got {type(config).__name__}")
+    if TEXT_CONFIG not in config:
+        return TextConfig(config)
+    text = config[TEXT_CONFIG]
+    if not isinstance(text, Mapping):
+        raise ValueError(f"{TEXT_CONFIG}: expected a JSON object, got {type(text).__name__}")
+    # A wrapper may give the dtype at its top level only: the text model's, unless it says otherwise.
+    wrapper = {name: config[name] for name in _DTYPE_FIELDS if name in config}
+    return TextConfig(text, f"{TEXT_CONFIG}.", wrapper)
 
 
 def tail_fields(config: Any) -> dict[str, Any]:
@@ -64,7 +117,7 @@ def tail_fields(config: Any) -> dict[str, Any]:
     one the tail cannot serve."""
     text = text_config(config)
     if text.get("routed_expert_hidden_size") is None:
-        raise ValueError(f"{_name(text, 'routed_expert_hidden_size')}: missing: this model has no latent MoE "
+        raise ValueError(f"{text.name('routed_expert_hidden_size')}: missing: this model has no latent MoE "
                          "(its routed experts work in the hidden size), so it has no latent MoE tail")
     fields = {
         "hidden_size": _integer(text, "hidden_size", minimum=1),
@@ -80,28 +133,41 @@ def tail_fields(config: Any) -> dict[str, Any]:
 
 
 def num_layers(config: Any) -> int:
-    """``num_hidden_layers``: the decoder layers the model has."""
-    return _integer(text_config(config), "num_hidden_layers", minimum=1)
+    """``num_hidden_layers``: the decoder layers the model has (at most ``MAX_LAYERS``)."""
+    text = text_config(config)
+    count = _integer(text, "num_hidden_layers", minimum=1)
+    if count > MAX_LAYERS:
+        raise ValueError(f"{text.name('num_hidden_layers')}: expected at most {MAX_LAYERS} layers (the largest "
+                         f"length of a Python range), got {count}")
+    return count
 
 
 def is_moe_layer(config: Any, layer: int) -> bool:
-    """Whether decoder layer ``layer`` has a MoE block: layer >= first_k_dense_replace (default 0) and
-    (layer + 1) % moe_layer_freq == 0 (default 1). ValueError naming ``layer`` when it is not one of the
-    model's ``num_hidden_layers`` layers."""
+    """Whether decoder layer ``layer`` has a MoE block (module docstring). ValueError naming ``layer`` when it
+    is not one of the model's ``num_hidden_layers`` layers, and naming ``num_experts`` when the layer is MoE
+    but the config gives no expert count."""
     text = text_config(config)
-    count = _integer(text, "num_hidden_layers", minimum=1)
+    count = num_layers(text)
     if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < count:
-        raise ValueError(f"layer: expected a decoder layer 0..{count - 1} ({_name(text, 'num_hidden_layers')} "
+        raise ValueError(f"layer: expected a decoder layer 0..{count - 1} ({text.name('num_hidden_layers')} "
                          f"= {count}), got {layer!r}")
-    first = _integer(text, "first_k_dense_replace", minimum=0, default=0)
-    frequency = _integer(text, "moe_layer_freq", minimum=1, default=1)
-    return layer >= first and (layer + 1) % frequency == 0
+    first, frequency = _moe_rule(text)
+    moe = layer >= first and layer % frequency == 0
+    if moe:
+        _num_experts(text)
+    return moe
 
 
-def moe_layers(config: Any) -> tuple[int, ...]:
-    """Every decoder layer that has a MoE block, in order (:func:`is_moe_layer`)."""
+def moe_layers(config: Any) -> range:
+    """Every decoder layer that has a MoE block, in order (:func:`is_moe_layer`), as a range: built in
+    constant time and space whatever ``num_hidden_layers`` is (Kimi-K3: ``range(1, 93)``)."""
     text = text_config(config)
-    return tuple(layer for layer in range(num_layers(text)) if is_moe_layer(text, layer))
+    count = num_layers(text)
+    first, frequency = _moe_rule(text)
+    layers = range(-(-first // frequency) * frequency, count, frequency)  # the first multiple of f >= first
+    if layers:
+        _num_experts(text)
+    return layers
 
 
 def field(config: Any, name: str, *, minimum: int | None = None, default: Any = None) -> Any:
@@ -115,49 +181,63 @@ def field(config: Any, name: str, *, minimum: int | None = None, default: Any = 
 
 def field_name(config: Any, name: str) -> str:
     """``name`` as the config spells it, for messages: ``text_config.name`` when nested."""
-    return _name(text_config(config), name)
+    return text_config(config).name(name)
 
 
-def _name(text: Mapping[str, Any], name: str) -> str:
-    return f"{text['_where']}{name}"
+def _moe_rule(text: TextConfig) -> tuple[int, int]:
+    """(first_k_dense_replace, moe_layer_freq), checked."""
+    return (_integer(text, "first_k_dense_replace", minimum=0, default=0),
+            _integer(text, "moe_layer_freq", minimum=1, default=1))
 
 
-def _get(text: Mapping[str, Any], name: str, default: Any = None) -> Any:
+def _num_experts(text: TextConfig) -> int:
+    if text.get("num_experts") is None:
+        raise ValueError(f"{text.name('num_experts')}: missing from the model's config, which has MoE layers "
+                         f"(first_k_dense_replace, moe_layer_freq): their routed experts need a count")
+    return _integer(text, "num_experts", minimum=1)
+
+
+def _get(text: TextConfig, name: str, default: Any = None) -> Any:
     value = text.get(name)
     if value is None:
         if default is None:
-            raise ValueError(f"{_name(text, name)}: missing from the model's config")
+            raise ValueError(f"{text.name(name)}: missing from the model's config")
         return default
     return value
 
 
-def _integer(text: Mapping[str, Any], name: str, *, minimum: int, default: int | None = None) -> int:
+def _integer(text: TextConfig, name: str, *, minimum: int, default: int | None = None) -> int:
     value = _get(text, name, default)
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{_name(text, name)}: expected an integer >= {minimum}, got {value!r}")
+        raise ValueError(f"{text.name(name)}: expected an integer >= {minimum}, got {value!r}")
     return value
 
 
-def _number(text: Mapping[str, Any], name: str, *, positive: bool = False, default: float | None = None) -> float:
+def _number(text: TextConfig, name: str, *, positive: bool = False, default: float | None = None) -> float:
     value = _get(text, name, default)
-    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
-            or (positive and value <= 0)):
+    number = math.nan
+    if not isinstance(value, bool) and isinstance(value, (int, float)):
+        try:
+            number = float(value)
+        except OverflowError:  # an integer beyond float64
+            number = math.inf
+    if not math.isfinite(number) or (positive and number <= 0):
         wanted = "a finite number > 0" if positive else "a finite number"
-        raise ValueError(f"{_name(text, name)}: expected {wanted}, got {value!r}")
-    return float(value)
+        raise ValueError(f"{text.name(name)}: expected {wanted}, got {value!r}")
+    return number
 
 
-def _boolean(text: Mapping[str, Any], name: str) -> bool:
+def _boolean(text: TextConfig, name: str) -> bool:
     value = _get(text, name)
     if not isinstance(value, bool):
-        raise ValueError(f"{_name(text, name)}: expected true or false, got {value!r}")
+        raise ValueError(f"{text.name(name)}: expected true or false, got {value!r}")
     return value
 
 
-def _dtype(text: Mapping[str, Any]) -> str | None:
+def _dtype(text: TextConfig) -> str | None:
     """The dtype the config names (``torch_dtype``, else ``dtype``; the text config's, else the wrapper's)
     as one of TAIL_DTYPES, or None when it names none."""
-    for fields, where in ((text, text["_where"]), (text["_wrapper"], "")):
+    for fields, where in ((text.fields, text.where), (text.wrapper, "")):
         for name in _DTYPE_FIELDS:
             value = fields.get(name)
             if value is None:

@@ -5,17 +5,21 @@ Kimi-K3's) and its tensors in torch's layout ([out, in] Linear weights): layer 0
 others MoE (``block_sparse_moe``), attention and layer norms beside them, the embedding, the final norm
 and the LM head, and a few vision tensors to be skipped. :func:`write_checkpoint` writes them as several
 safetensors shards with a ``model.safetensors.index.json`` (or as one file), with the wrapper's
-``language_model.`` prefix or unprefixed. :func:`record_reads` records what the loaders read.
+``language_model.`` prefix or unprefixed. :func:`record_reads` records what the loaders read, and
+:func:`record_slices` what safetensors copied for them.
 """
 
 import dataclasses
 import json
+import signal
 from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from safetensors.numpy import save_file
 
+from k3_tail import checkpoint as checkpoint_module
 from k3_tail.checkpoint import Checkpoint
 
 WRAPPER = "language_model."
@@ -150,3 +154,52 @@ def record_reads(monkeypatch) -> list[tuple[str, tuple[slice, ...], int]]:
 
     monkeypatch.setattr(Checkpoint, "read", recording)
     return calls
+
+
+def record_slices(monkeypatch) -> list[tuple[str, tuple[slice, ...], int]]:
+    """A list that every slice k3_tail.checkpoint asks safetensors for from now on (for the test) appends
+    (tensor name, index, bytes returned) to: what safetensors copied out of the files."""
+    calls = []
+    open_file = checkpoint_module.safe_open
+
+    class RecordingSlice:
+        def __init__(self, name, tensor):
+            self._name, self._tensor = name, tensor
+
+        def get_dtype(self):
+            return self._tensor.get_dtype()
+
+        def get_shape(self):
+            return self._tensor.get_shape()
+
+        def __getitem__(self, index):
+            block = self._tensor[index]
+            calls.append((self._name, tuple(index), block.nbytes))
+            return block
+
+    class RecordingFile:
+        def __init__(self, handle):
+            self._handle = handle
+
+        def offset_keys(self):
+            return self._handle.offset_keys()
+
+        def get_slice(self, name):
+            return RecordingSlice(name, self._handle.get_slice(name))
+
+    monkeypatch.setattr(checkpoint_module, "safe_open",
+                        lambda path, framework: RecordingFile(open_file(path, framework=framework)))
+    return calls
+
+
+@pytest.fixture
+def fails_if_blocked():
+    """Fails a test that blocks (opening a FIFO for reading waits for a writer) instead of hanging it."""
+    def interrupt(signum, frame):
+        raise TimeoutError("blocked for 10 s")
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    signal.alarm(10)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)

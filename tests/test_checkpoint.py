@@ -4,22 +4,30 @@ The checkpoints are tiny ones in Kimi-K3's layout written here (tests/hf_checkpo
 0 dense and 1-2 MoE, vision tensors beside them; three shards with an index, or one file; the wrapper's
 ``language_model.`` prefix or none). Every value is checked against the torch layout it was written in:
 the kernel is the transpose of the stored [H, L] weight. H = 20 on 8 devices pads the column layout to
-24 columns (blocks of 3, the last real one of 2, one block all padding).
+24 columns (blocks of 3, the last real one of 2, one block all padding). Malformed files are written
+byte by byte and each is refused exactly where safetensors (the reader underneath) refuses it.
 """
 
 import dataclasses
 import json
+import os
+import re
+import struct
+import subprocess
+import sys
+from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 import k3_tail
-from hf_checkpoint import TinyModel, record_reads, tiny_model, write_checkpoint
-from helpers import make_tp_mesh
+from hf_checkpoint import fails_if_blocked  # noqa: F401  (a fixture)
+from hf_checkpoint import TinyModel, record_slices, tiny_model, write_checkpoint
+from helpers import FAST_COMPILE_XLA_FLAGS, make_tp_mesh
 from k3_tail import hf_config
 from k3_tail.checkpoint import Checkpoint
 from reference import TOLERANCE, TailInputs, make_inputs, reference_tail, relative_error
@@ -136,7 +144,8 @@ def test_a_value_the_tail_cannot_serve_is_a_value_error_naming_the_field(field, 
 @pytest.mark.parametrize(("config", "message"), [
     ("missing-dir", r"^config: no config\.json at"),
     ({"text_config": [1]}, r"^text_config: expected a JSON object, got list"),
-    (7, r"^config: expected a path to config\.json, a checkpoint directory or a dict, got int"),
+    (7, r"^config: expected a path to config\.json, a checkpoint directory or a \.safetensors file, or the config "
+        r"as a dict, got int"),
     ({"hidden_size": 16}, r"^routed_expert_hidden_size: missing"),
 ], ids=["no-config-json", "text-config-list", "not-a-config", "flat-names-unprefixed"])
 def test_a_config_that_cannot_be_read_is_a_value_error(config, message, tmp_path):
@@ -144,13 +153,95 @@ def test_a_config_that_cannot_be_read_is_a_value_error(config, message, tmp_path
         k3_tail.TailConfig.from_hf_config(tmp_path / config if config == "missing-dir" else config)
 
 
+def test_from_hf_config_takes_a_safetensors_file_as_load_tail_weights_does(checkpoints, tmp_path):
+    """A .safetensors file stands for the config.json beside it; a file without one is named."""
+    (checkpoints["wrapped-file"].parent / "config.json").write_text(json.dumps(MODEL.config()))
+    assert k3_tail.TailConfig.from_hf_config(checkpoints["wrapped-file"]) == CONFIG
+    alone = write_checkpoint(tmp_path, TENSORS, single_file="alone.safetensors")
+    with pytest.raises(ValueError, match=r"^config: no config\.json at '.*config\.json' \(beside the checkpoint file "
+                                         r"'.*alone\.safetensors'\)$"):
+        k3_tail.TailConfig.from_hf_config(alone)
+
+
+def test_from_hf_config_names_what_it_wants_for_an_opened_checkpoint(checkpoints):
+    with pytest.raises(ValueError, match=r"^config: expected a path to config\.json, .* got Checkpoint$"):
+        k3_tail.TailConfig.from_hf_config(Checkpoint(checkpoints["wrapped-shards"]))
+
+
+@pytest.mark.parametrize(("field", "value"), [("rms_norm_eps", 1e-40), ("routed_scaling_factor", 1e39)],
+                         ids=["eps-subnormal-in-float32", "scale-beyond-float32"])
+def test_a_number_float32_cannot_hold_is_named_as_the_config_spells_it(field, value):
+    """TailConfig holds both to float32's normal range; the message names the file's field."""
+    text = {**MODEL.text_config(), field: value}
+    with pytest.raises(ValueError, match=rf"^text_config\.{field}: expected .*that float32 holds as a normal number"):
+        k3_tail.TailConfig.from_hf_config({"text_config": text})
+
+
+def test_keys_that_begin_with_an_underscore_are_fields_like_any_other():
+    """Nothing the reader knows about a config (where its fields sit, the wrapper's dtype) is kept among its
+    fields, so no key of the file can stand in for it."""
+    text = {key: value for key, value in MODEL.text_config().items() if key != "torch_dtype"}
+    planted = {**text, "_where": "evil.", "_wrapper": {"torch_dtype": "float32"}, "hidden_size": 0}
+    with pytest.raises(ValueError, match=r"^hidden_size: expected an integer >= 1, got 0$"):
+        k3_tail.TailConfig.from_hf_config(planted)
+    planted["hidden_size"] = HIDDEN
+    assert k3_tail.TailConfig.from_hf_config(planted) == CONFIG
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ('{"text_config": {"hidden_size": 20, "hidden_size": 24}}',
+     r"^text_config\.hidden_size: duplicate key \(one JSON object gives it more than once\) \(in '.*config\.json'\)$"),
+    ('{"text_config": ' * 50_000 + "{}" + "}" * 50_000, r"^config: '.*config\.json' nests arrays and objects deeper"),
+    ('{"text_config": {"hidden_size": 1' + "0" * 5000 + "}}", r"^config: '.*config\.json' is not JSON \(an integer of "
+                                                           r"5001 digits"),
+    ('["not", "an", "object"]', r"^config: '.*config\.json' holds a JSON list, not an object$"),
+], ids=["duplicate-key", "deep", "digits", "array"])
+def test_a_config_json_that_is_not_strict_json_is_a_value_error_naming_the_file(text, message, tmp_path):
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(ValueError, match=message):
+        k3_tail.TailConfig.from_hf_config(tmp_path)
+
+
+# Which layers are MoE: hf_config
+
+
 @pytest.mark.parametrize(("fields", "expected"), [
-    ({"num_hidden_layers": 93, "first_k_dense_replace": 1}, tuple(range(1, 93))),
-    ({"num_hidden_layers": 6, "first_k_dense_replace": 1, "moe_layer_freq": 2}, (1, 3, 5)),
-    ({"num_hidden_layers": 4}, (0, 1, 2, 3)),
-], ids=["kimi-k3", "every-second", "defaults"])
-def test_the_moe_layers_follow_first_k_dense_replace_and_moe_layer_freq(fields, expected):
-    assert hf_config.moe_layers(fields) == expected
+    ({"num_hidden_layers": 93, "first_k_dense_replace": 1}, range(1, 93)),
+    ({"num_hidden_layers": 7, "first_k_dense_replace": 1, "moe_layer_freq": 2}, range(2, 7, 2)),
+    ({"num_hidden_layers": 10, "first_k_dense_replace": 3, "moe_layer_freq": 3}, range(3, 10, 3)),
+    ({"num_hidden_layers": 10, "first_k_dense_replace": 4, "moe_layer_freq": 3}, range(6, 10, 3)),
+    ({"num_hidden_layers": 4}, range(4)),
+    ({"num_hidden_layers": 2, "first_k_dense_replace": 5}, range(5, 2)),
+], ids=["kimi-k3", "every-second", "first-on-the-rule", "first-between", "defaults", "all-dense"])
+def test_a_layer_is_moe_from_first_k_dense_replace_on_where_its_index_is_a_multiple_of_moe_layer_freq(fields,
+                                                                                                   expected):
+    """The reference model's rule (vLLM's and SGLang's too): i >= first_k_dense_replace and
+    i % moe_layer_freq == 0; moe_layers and is_moe_layer agree on every layer."""
+    config = {**fields, "num_experts": 8}
+    assert hf_config.moe_layers(config) == expected
+    assert [layer for layer in range(fields["num_hidden_layers"]) if hf_config.is_moe_layer(config, layer)] == list(
+        expected)
+
+
+def test_the_moe_layers_of_a_config_with_a_trillion_layers_are_a_range_at_once():
+    layers = hf_config.moe_layers({"num_hidden_layers": 10**12, "first_k_dense_replace": 1, "moe_layer_freq": 2,
+                                   "num_experts": 8})
+    assert layers == range(2, 10**12, 2) and len(layers) == 5 * 10**11 - 1
+
+
+def test_a_layer_count_beyond_a_range_is_a_value_error():
+    with pytest.raises(ValueError, match=rf"^num_hidden_layers: expected at most {sys.maxsize} layers"):
+        hf_config.moe_layers({"num_hidden_layers": sys.maxsize + 1, "num_experts": 8})
+
+
+@pytest.mark.parametrize("ask", ["moe_layers", "is_moe_layer"])
+def test_a_config_with_moe_layers_but_no_expert_count_is_a_value_error(ask):
+    text = {key: value for key, value in RELEASED.items() if key != "num_experts"}
+    with pytest.raises(ValueError, match=r"^text_config\.num_experts: missing from the model's config, which has MoE "
+                                         r"layers"):
+        hf_config.moe_layers({"text_config": text}) if ask == "moe_layers" else hf_config.is_moe_layer(
+            {"text_config": text}, 5)
+    assert not hf_config.is_moe_layer({"text_config": text}, 0)  # a dense layer needs no experts
 
 
 def test_a_layer_past_the_models_last_is_no_moe_layer_but_an_error():
@@ -182,12 +273,12 @@ def test_the_replicated_kernel_is_whole_on_every_device(checkpoints):
 
 @pytest.fixture
 def reads(monkeypatch):
-    return record_reads(monkeypatch)
+    return record_slices(monkeypatch)
 
 
 def test_each_device_reads_only_its_own_columns_of_the_kernel(checkpoints, reads):
-    """The column layout's callbacks read 7 disjoint runs of stored rows (the kernel's columns), each at
-    most one block of 3, together the kernel once; the all-padding block reads nothing."""
+    """The column layout's callbacks ask safetensors for 7 disjoint runs of stored rows (the kernel's
+    columns), each at most one block of 3, together the kernel once; the all-padding block reads nothing."""
     k3_tail.load_tail_weights(checkpoints["wrapped-shards"], 1, config=CONFIG, mesh=make_tp_mesh(8))
     kernel_reads = [(index, size) for name, index, size in reads if name.endswith("routed_expert_up_proj.weight")]
     rows = sorted((index[0].start, index[0].stop) for index, _ in kernel_reads)
@@ -228,7 +319,8 @@ def test_the_norm_weight_is_none_without_the_norm(tmp_path):
 @pytest.mark.parametrize("form", ["wrapped-shards", "unprefixed-shards"])
 def test_the_layout_is_detected_and_the_vision_tensors_left_aside(form, checkpoints):
     checkpoint = Checkpoint(checkpoints[form])
-    assert checkpoint.prefix == ("language_model." if form.startswith("wrapped") else "")
+    expected = "language_model.model.layers." if form.startswith("wrapped") else "model.layers."
+    assert checkpoint.layers_prefix == expected
     assert (checkpoint.layers, checkpoint.moe_layers()) == ((0, 1, 2), (1, 2))
     assert "vision_tower.blocks.0.attn.qkv.weight" in checkpoint
 
@@ -286,21 +378,253 @@ def test_a_bad_layer_or_tensor_is_a_value_error_naming_the_layer_the_tensor_and_
 @pytest.mark.parametrize(("make", "message"), [
     (lambda path: path, r"^checkpoint: expected a directory with model\.safetensors\.index\.json or "
                         r"model\.safetensors, or a \.safetensors file"),
-    (lambda path: (path / "x.safetensors").write_bytes(b"\xff" * 16) and path / "x.safetensors",
-     r"^checkpoint: .*x\.safetensors' is not a safetensors file \(no header\)"),
     (lambda path: (path / "model.safetensors.index.json").write_text('{"metadata": {}}') and path,
      r"^checkpoint: .*has no weight_map of tensor names to shard files"),
-], ids=["empty-directory", "not-safetensors", "index-without-weight-map"])
+    (lambda path: (path / "model.safetensors.index.json").write_text(
+        '{"weight_map": {"model.layers.0.a": "a.safetensors", "model.layers.0.a": "b.safetensors"}}') and path,
+     r"^weight_map\.model\.layers\.0\.a: duplicate key \(one JSON object gives it more than once\) \(in "
+     r"'.*model\.safetensors\.index\.json'\)$"),
+    (lambda path: (path / "model.safetensors.index.json").write_text("[" * 100_000) and path,
+     r"^checkpoint: '.*model\.safetensors\.index\.json' nests arrays and objects deeper than the JSON parser goes$"),
+], ids=["empty-directory", "index-without-weight-map", "index-duplicate-key", "index-deep"])
 def test_a_malformed_checkpoint_is_a_value_error(make, message, tmp_path):
     with pytest.raises(ValueError, match=message):
         Checkpoint(make(tmp_path))
 
 
+@pytest.mark.parametrize("load", ["load_tail_weights", "from_hf_config"])
+def test_an_empty_path_is_a_value_error_not_the_working_directory(load, checkpoints, monkeypatch):
+    monkeypatch.chdir(checkpoints["wrapped-shards"])  # a checkpoint that "" taken for "." would load
+    with pytest.raises(ValueError, match=r"^(checkpoint|config): expected a .*, got ''$"):
+        if load == "load_tail_weights":
+            k3_tail.load_tail_weights("", 1, config=CONFIG, mesh=make_tp_mesh(2))
+        else:
+            k3_tail.TailConfig.from_hf_config("")
+
+
+# The index: shards are files of the checkpoint's own directory
+
+
+def index_of(directory, weight_map):
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return directory
+
+
+@pytest.mark.parametrize("shard", ["../outside.safetensors", "/etc/passwd", "sub/model.safetensors", "..", ".", "",
+                                   "a\\b.safetensors"],
+                         ids=["parent", "absolute", "subdirectory", "dot-dot", "dot", "empty", "backslash"])
+def test_an_index_that_names_a_file_outside_its_directory_is_refused_naming_the_entry(shard, tmp_path):
+    index_of(tmp_path, {"model.layers.0.a": "model-1.safetensors", "model.layers.0.b": shard})
+    message = (rf"^checkpoint: '.*model\.safetensors\.index\.json': weight_map\.model\.layers\.0\.b: "
+               rf"{re.escape(repr(shard))} is not a plain file name; a shard must be a file in the checkpoint's own "
+               rf"directory")
+    with pytest.raises(ValueError, match=message):
+        Checkpoint(tmp_path)
+
+
+def test_an_index_entry_that_is_no_file_name_at_all_is_refused_naming_it(tmp_path):
+    with pytest.raises(ValueError, match=r"weight_map\.model\.layers\.0\.a: expected a shard's file name, got 3$"):
+        Checkpoint(index_of(tmp_path, {"model.layers.0.a": 3}))
+
+
+def test_the_hub_caches_snapshot_of_links_into_its_blobs_loads(tmp_path):
+    """The Hugging Face hub's cache: snapshots/<revision>/<file> is a relative link to ../../blobs/<hash>."""
+    written = write_checkpoint(tmp_path / "written", TENSORS, config=MODEL.config())
+    blobs, snapshot = tmp_path / "hub" / "blobs", tmp_path / "hub" / "snapshots" / "4f1e0c2"
+    blobs.mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for number, file in enumerate(sorted(written.iterdir())):
+        file.rename(blobs / f"{number:040x}")
+        (snapshot / file.name).symlink_to(f"../../blobs/{number:040x}")
+    config = k3_tail.TailConfig.from_hf_config(snapshot)
+    _, kernel = k3_tail.load_tail_weights(snapshot, 1, config=config, mesh=make_tp_mesh(2), weight_layout="replicated")
+    np.testing.assert_array_equal(np.asarray(kernel), stored(UP, 1).T)
+
+
+def test_a_tensor_the_index_maps_to_a_shard_that_lacks_it_is_named_with_the_shard(tmp_path):
+    write_checkpoint(tmp_path, TENSORS)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    name = "language_model." + UP.format(1)
+    elsewhere = next(shard for shard in sorted(set(index["weight_map"].values())) if shard != index["weight_map"][name])
+    index["weight_map"][name] = elsewhere
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=rf"^checkpoint: {re.escape(name)}: model\.safetensors\.index\.json maps it to "
+                                         rf"'{elsewhere}', which holds no tensor of that name$"):
+        k3_tail.load_tail_weights(tmp_path, 1, config=CONFIG, mesh=make_tp_mesh(2))
+
+
 def test_a_missing_shard_is_named_when_a_tensor_in_it_is_read(tmp_path):
-    (tmp_path / "model.safetensors.index.json").write_text('{"weight_map": {"model.layers.0.a": "gone.safetensors"}}')
-    checkpoint = Checkpoint(tmp_path)
+    checkpoint = Checkpoint(index_of(tmp_path, {"model.layers.0.a": "gone.safetensors"}))
     with pytest.raises(ValueError, match=r"^checkpoint: the shard .*gone\.safetensors' is missing"):
         checkpoint.read("model.layers.0.a")
+
+
+def test_a_fifo_in_place_of_a_shard_is_refused_without_waiting_for_a_writer(tmp_path, fails_if_blocked):
+    os.mkfifo(tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"^checkpoint: '.*model\.safetensors' is not a regular file; not read$"):
+        Checkpoint(tmp_path)
+
+
+# Layer names
+
+
+def test_every_prefix_of_the_text_models_layers_is_read(tmp_path):
+    """language_model.model.layers.N. (Kimi-K3), model.layers.N. (fixture forms above) and
+    language_model.layers.N., which vLLM and SGLang accept too."""
+    renamed = {("language_model." + name.removeprefix("model.")) if name.startswith("model.") else name: value
+               for name, value in TENSORS.items()}
+    path = write_checkpoint(tmp_path, renamed, wrapped=False, single_file="model.safetensors")
+    checkpoint = Checkpoint(path)
+    assert (checkpoint.layers_prefix, checkpoint.moe_layers()) == ("language_model.layers.", (1, 2))
+    _, kernel = k3_tail.load_tail_weights(checkpoint, 2, config=CONFIG, mesh=make_tp_mesh(2),
+                                          weight_layout="replicated")
+    np.testing.assert_array_equal(np.asarray(kernel), stored(UP, 2).T)
+
+
+@pytest.mark.parametrize(("name", "message"), [
+    ("model.layers.01.block_sparse_moe.routed_expert_norm.weight",
+     r"^checkpoint: language_model\.model\.layers\.01\.block_sparse_moe\.routed_expert_norm\.weight: "
+     r"language_model\.model\.layers\.01\. is no decoder layer: a layer index is written in decimal without leading "
+     r"zeros \(language_model\.model\.layers\.1\.\)"),
+    ("model.layers.x.input_layernorm.weight", r"^checkpoint: .*layers\.x\.input_layernorm\.weight: .*layers\.x\. is no "
+                                              r"decoder layer"),
+    ("model.layers.1" + "0" * 30 + ".mlp.up_proj.weight", r"is no decoder layer: .* of at most 18 digits$"),
+], ids=["leading-zero", "not-a-number", "too-many-digits"])
+def test_a_layer_index_not_written_as_hugging_face_writes_one_is_refused_naming_the_tensor(name, message, tmp_path):
+    with pytest.raises(ValueError, match=message):
+        Checkpoint(changed_checkpoint(tmp_path, {name: stored(NORM, 1)}))
+
+
+def test_decoder_layers_under_two_prefixes_are_refused_as_ambiguous(tmp_path):
+    path = changed_checkpoint(tmp_path, {"language_model.layers.1.mlp.up_proj.weight": stored(NORM, 1)}, wrapped=False)
+    with pytest.raises(ValueError, match=r"^checkpoint: decoder layers under language_model\.layers\. and "
+                                         r"model\.layers\.: which are the text model's is ambiguous$"):
+        Checkpoint(path)
+
+
+# safetensors: the reader underneath, and what it refuses
+
+NAME = "model.layers.1.block_sparse_moe.routed_expert_norm.weight"
+OTHER = "model.layers.1.block_sparse_moe.routed_expert_up_proj.weight"
+
+
+def entry(shape, offsets, dtype="F32"):
+    return {"dtype": dtype, "shape": shape, "data_offsets": offsets}
+
+
+def raw_safetensors(path, header, data):
+    """A file in safetensors' layout written byte by byte: the 8-byte little-endian length of ``header``
+    (a dict, as JSON, or bytes as they are), the header, then ``data``."""
+    text = header if isinstance(header, bytes) else json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(text)) + text + data)
+    return path
+
+
+# (header, data, the tensor named in the message or None): each a file safetensors refuses.
+MALFORMED = {
+    "negative-start": ({NAME: entry([2], [-8, 0])}, b"", NAME),
+    "negative-end": ({NAME: entry([0], [0, -4])}, b"", NAME),
+    "overlapping": ({NAME: entry([2], [0, 8]), OTHER: entry([2], [4, 12])}, bytes(12), OTHER),
+    "shifted-by-4": ({NAME: entry([2], [4, 12])}, bytes(12), NAME),
+    "gap": ({NAME: entry([1], [0, 4]), OTHER: entry([1], [8, 12])}, bytes(12), OTHER),
+    "end-before-start": ({NAME: entry([0], [0, 0]), OTHER: entry([1], [4, 0])}, bytes(4), OTHER),
+    "float-dim": ({NAME: entry([2.0], [0, 8])}, bytes(8), NAME),
+    "string-dim": ({NAME: entry(["2"], [0, 8])}, bytes(8), NAME),
+    "bool-dim": ({NAME: entry([True, 2], [0, 8])}, bytes(8), NAME),
+    "negative-dim": ({NAME: entry([-2, -1], [0, 8])}, bytes(8), NAME),
+    "float-offsets": ({NAME: entry([2], [0.0, 8.0])}, bytes(8), NAME),
+    "string-offsets": ({NAME: entry([2], ["0", "8"])}, bytes(8), NAME),
+    "bool-offsets": ({NAME: entry([1], [False, True])}, bytes(1), NAME),
+    "three-offsets": ({NAME: entry([2], [0, 8, 8])}, bytes(8), NAME),
+    "bytes-not-the-shapes": ({NAME: entry([3], [0, 8])}, bytes(8), NAME),
+    "unknown-dtype": ({NAME: entry([2], [0, 8], dtype="F12")}, bytes(8), NAME),
+    "header-not-utf-8": (json.dumps({NAME: entry([2], [0, 8])}).encode().replace(b"routed", b"rout\xffd"), bytes(8),
+                         None),
+    "header-not-json": (b"{" + json.dumps(NAME).encode() + b": ", bytes(8), None),
+    "header-too-deep": (b"[" * 100_000 + b"]" * 100_000, b"", None),
+    "header-5000-digits": (b'{"x": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1' + b"0" * 5000 + b"]}}", b"",
+                           None),
+    "header-an-array": (b"[]", b"", None),
+    "metadata-not-strings": ({"__metadata__": {"format": 1}, NAME: entry([2], [0, 8])}, bytes(8), None),
+    "truncated-data": ({NAME: entry([2], [0, 8])}, bytes(4), None),
+    "bytes-after-the-data": ({NAME: entry([2], [0, 8])}, bytes(12), None),
+    "header-longer-than-the-file": (b'{"a": ', b"", None),
+}
+
+
+@pytest.mark.parametrize("case", MALFORMED)
+def test_a_file_safetensors_refuses_is_a_value_error_naming_the_file_and_the_tensor(case, tmp_path):
+    header, data, tensor = MALFORMED[case]
+    path = raw_safetensors(tmp_path / "model.safetensors", header, data)
+    if case == "header-longer-than-the-file":
+        path.write_bytes(struct.pack("<Q", 1000) + header)
+    with pytest.raises(SafetensorError):
+        safe_open(path, "numpy")
+    with pytest.raises(ValueError, match=rf"^checkpoint: {re.escape(repr(str(path)))}: .*safetensors refuses the "
+                                         rf"file \(") as error:
+        Checkpoint(tmp_path)
+    if tensor is not None:
+        assert re.search(rf"(: |`){re.escape(tensor)}(: |`)", str(error.value)), str(error.value)
+
+
+# (header, data): files safetensors reads, each read as it reads them.
+ACCEPTED = {
+    "header-out-of-offset-order": ({OTHER: entry([1], [8, 12]), NAME: entry([2], [0, 8])}, bytes(range(12))),
+    "metadata-and-an-extra-key": ({"__metadata__": {"format": "pt"}, NAME: {**entry([2], [0, 8]), "x": 1}},
+                                  bytes(range(8))),
+    "empty-tensor": ({NAME: entry([0, 3], [0, 0]), OTHER: entry([2], [0, 8])}, bytes(range(8))),
+}
+
+
+@pytest.mark.parametrize("case", ACCEPTED)
+def test_a_file_safetensors_accepts_reads_as_safetensors_reads_it(case, tmp_path):
+    path = raw_safetensors(tmp_path / "model.safetensors", *ACCEPTED[case])
+    checkpoint = Checkpoint(tmp_path)
+    with safe_open(path, "numpy") as reference:
+        assert sorted(checkpoint.names) == sorted(reference.keys())
+        for name in reference.keys():
+            np.testing.assert_array_equal(checkpoint.read(name), reference.get_tensor(name))
+
+
+@pytest.mark.parametrize("change", ["truncated", "replaced"])
+def test_a_shard_changed_after_it_was_opened_is_refused_before_it_is_read(change, tmp_path):
+    """safetensors maps the file: a read past a truncated end would kill the process (SIGBUS)."""
+    path = changed_checkpoint(tmp_path, {})
+    checkpoint = Checkpoint(path)
+    checkpoint.read("language_model." + UP.format(1))
+    size = path.stat().st_size
+    if change == "truncated":
+        os.truncate(path, size - 64)
+        with pytest.raises(SafetensorError, match="incomplete metadata"):
+            safe_open(path, "numpy")
+        expected = rf"its size went from {size} to {size - 64} bytes"
+    else:
+        replacement = write_checkpoint(tmp_path / "new", TENSORS, single_file="model.safetensors")
+        os.replace(replacement, path)
+        expected = "another file has taken its name"
+    name = "language_model." + NORM.format(2)
+    with pytest.raises(ValueError, match=rf"^checkpoint: '.*model\.safetensors': {re.escape(name)}: the file changed "
+                                         rf"since it was opened \({expected}\); open the checkpoint again$"):
+        checkpoint.read(name)
+
+
+def test_a_tensor_safetensors_numpy_reader_does_not_return_is_refused_by_name(tmp_path):
+    """In its numpy mode safetensors builds FP8 arrays from numpy.float8_e4m3fn, which numpy lacks."""
+    name = "model.layers.1.block_sparse_moe.gate.weight_fp8"
+    path = changed_checkpoint(tmp_path, {name: np.zeros((4, 2), jnp.float8_e4m3fn)})
+    with safe_open(path, "numpy") as reference, pytest.raises(AttributeError, match="float8_e4m3fn"):
+        reference.get_slice("language_model." + name)[0:1]
+    checkpoint = Checkpoint(path)
+    assert checkpoint.info("language_model." + name).dtype_label == "F8_E4M3"
+    with pytest.raises(ValueError, match=rf"^language_model\.{re.escape(name)}: stored as F8_E4M3, which safetensors' "
+                                         r"numpy reader does not return \(numpy has no such type\)"):
+        checkpoint.read("language_model." + name, (slice(0, 1),))
+
+
+def test_an_empty_block_reads_nothing(checkpoints, reads):
+    block = Checkpoint(checkpoints["wrapped-file"]).read("language_model." + UP.format(1), (slice(3, 3),))
+    assert block.shape == (0, LATENT) and block.dtype == CONFIG.dtype
+    assert reads == []
 
 
 # LatentMoETail.from_checkpoint
@@ -339,3 +663,26 @@ def test_a_module_from_a_checkpoint_computes_the_tail_of_the_stored_numbers(chec
     np.testing.assert_array_equal(np.asarray(y), np.asarray(in_memory))
     inputs = TailInputs(partials.routed, partials.shared, stored(NORM, 2), stored(UP, 2).T)
     assert relative_error(y, reference_tail(CONFIG, inputs)) <= TOLERANCE[CONFIG.dtype]
+
+
+# docs/guide.md's checkpoint section
+
+
+def test_the_guides_checkpoint_section_runs_as_written():
+    """Its ```python blocks, in order, in one fresh process on 8 forced CPU devices, each compiled under its
+    line of the guide so that a traceback points there."""
+    guide = (Path(__file__).parent.parent / "docs" / "guide.md").read_text()
+    start = guide.index("\n## A real checkpoint\n")
+    end = guide.index("\n## ", start + 1)
+    blocks = [(guide.count("\n", 0, match.start(1)) + 1, match.group(1))
+              for match in re.finditer(r"^```python\n(.*?)^```$", guide[:end], re.MULTILINE | re.DOTALL)
+              if match.start() > start]
+    assert len(blocks) >= 2
+    runner = ("import sys\nfor line, source in eval(sys.argv[1]):\n"
+              "    exec(compile('\\n' * (line - 1) + source, 'docs/guide.md', 'exec'), globals())\n")
+    environment = {**os.environ, "JAX_PLATFORMS": "cpu",
+                   "XLA_FLAGS": f"--xla_force_host_platform_device_count=8 {FAST_COMPILE_XLA_FLAGS}"}
+    result = subprocess.run([sys.executable, "-c", runner, repr(blocks)], cwd=Path(__file__).parent.parent,
+                            env=environment, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "range(1, 3)" in result.stdout and "layer 0: a dense layer" in result.stdout

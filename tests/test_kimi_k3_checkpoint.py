@@ -76,6 +76,25 @@ def test_a_model_the_layer_does_not_compute_is_refused(field, value, message):
         layer_config_from_hf({"text_config": text})
 
 
+@pytest.mark.parametrize(("text", "message"), [
+    ('{"text_config": {"num_experts": 4, "num_experts": 8}}',
+     r"^text_config\.num_experts: duplicate key .*config\.json"),
+    ('{"text_config": {"num_experts": 1' + "0" * 5000 + "}}",
+     r"^config: '.*config\.json' is not JSON \(an integer of "),
+], ids=["duplicate-key", "digits"])
+def test_the_layer_config_reads_config_json_as_strict_json(text, message, tmp_path):
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(ValueError, match=message):
+        layer_config_from_hf(tmp_path)
+
+
+def test_a_mesh_without_the_tp_axis_is_a_value_error_naming_the_axis(checkpoint, config):
+    mesh = jax.make_mesh((TP_SIZE,), ("model",), devices=jax.devices()[:TP_SIZE])
+    with pytest.raises(ValueError, match=r"^mesh: expected a mesh axis named 'tp' \(axis_name\), got axes "
+                                         r"\('model',\)"):
+        load_layer(checkpoint, LAYER, config=config, mesh=mesh)
+
+
 def test_the_kimi_k3_preset_has_the_released_eps():
     assert layer_module.LayerConfig.kimi_k3().tail.rms_norm_eps == 1e-5
 

@@ -18,7 +18,8 @@ wrong reasons.
 
 The schema is strict: :meth:`SelectionTable.load` (and :meth:`SelectionTable.from_dict`, and the
 constructor for every field) refuses with a ValueError naming the field, and the file, a key it does
-not know (at the top level or in a range), a key given twice in one JSON object, and any value that
+not know (at the top level or in a range), a key given twice in one JSON object (``load`` reads the
+file with :mod:`k3_tail.json_files`: a regular file of strict UTF-8 JSON), and any value that
 no TailConfig, codec, FP8 format, weight layout or tier takes (ints are non-bool integers >= their
 minimum, bools are JSON booleans, dtypes are TailConfig's names). Limits: a file of at most
 ``MAX_FILE_BYTES`` (1 MiB, checked before it is parsed) and at most ``MAX_RANGES`` (4096) ranges; a
@@ -47,6 +48,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from k3_tail.config import ALL_REDUCE_QUANTIZATIONS, TailConfig
+from k3_tail.json_files import read_json
 from k3_tail.ops.columns import WEIGHT_LAYOUTS
 from k3_tail.ops.up_projection import FP8_FORMATS
 from k3_tail.policy import SelectionPolicy
@@ -233,8 +235,7 @@ class SelectionTable(SelectionPolicy):
 
     @classmethod
     def from_dict(cls, data: Any) -> SelectionTable:
-        """A table from its JSON data; ValueError naming the field for anything malformed, an unknown key
-        or (in data parsed by :meth:`load`) a key given twice."""
+        """A table from its JSON data; ValueError naming the field for anything malformed or an unknown key."""
         if not isinstance(data, dict):
             raise ValueError(f"selection_table: expected a JSON object, got {type(data).__name__}")
         if data.get("format") != FORMAT:
@@ -269,28 +270,14 @@ class SelectionTable(SelectionPolicy):
     @classmethod
     def load(cls, path: str | os.PathLike) -> SelectionTable:
         """Read a table written by :meth:`save` (``python -m k3_tail calibrate``); ValueError naming the
-        field and ``path`` for anything :meth:`from_dict` refuses, a key given twice in one JSON object,
-        or a file of more than ``MAX_FILE_BYTES`` (refused before it is parsed)."""
-        name = os.fspath(path)
-        try:
-            size = os.stat(path).st_size
-            if size <= MAX_FILE_BYTES:
-                with open(path, "rb") as file:
-                    raw = file.read(MAX_FILE_BYTES + 1)  # a file that grew, or no regular file: no further
-                size = max(size, len(raw))
-        except OSError as error:
-            raise ValueError(f"selection_table: cannot read {name!r}: {error}") from None
-        if size > MAX_FILE_BYTES:
-            raise ValueError(f"selection_table: {name!r} holds more than the {MAX_FILE_BYTES}-byte limit of a table "
-                             f"file ({size} bytes or more); not read")
-        try:
-            data = json.loads(raw, object_pairs_hook=_JSONObject.from_pairs)
-        except (ValueError, RecursionError) as error:  # not UTF-8, not JSON, an integer of too many digits
-            raise ValueError(f"selection_table: cannot read {name!r}: {error}") from None
+        field and ``path`` for anything :meth:`from_dict` refuses, and naming ``path`` for a file that
+        :func:`k3_tail.json_files.read_json` refuses (no regular file, more than ``MAX_FILE_BYTES``,
+        checked before it is parsed, not UTF-8 JSON, a key given twice in one object)."""
+        data = read_json(path, what="selection_table", field_prefix="selection_table.", max_bytes=MAX_FILE_BYTES)
         try:
             return cls.from_dict(data)
         except ValueError as error:
-            raise ValueError(f"{error} (in {name!r})") from None
+            raise ValueError(f"{error} (in {os.fspath(path)!r})") from None
 
 
 def table_from_measurements(
@@ -342,26 +329,8 @@ _REQUIRED_KEYS = tuple(name for name in _TABLE_KEYS if name not in _OPTIONAL_KEY
 _RANGE_KEYS = ("first", "last", "tier")
 
 
-class _JSONObject(dict):
-    """A JSON object as :meth:`SelectionTable.load` parses it, remembering the keys given more than once
-    (json keeps the last value of each; a table refuses them instead)."""
-
-    duplicates: tuple[str, ...] = ()
-
-    @classmethod
-    def from_pairs(cls, pairs: list[tuple[str, Any]]) -> _JSONObject:
-        """json's ``object_pairs_hook``."""
-        result = cls(pairs)
-        if len(result) != len(pairs):
-            seen: set[str] = set()
-            result.duplicates = tuple(dict.fromkeys(key for key, _ in pairs if key in seen or seen.add(key)))
-        return result
-
-
 def _check_keys(where: str, data: dict, known: Sequence[str]) -> None:
-    """ValueError naming the first key of ``data`` given twice (a :class:`_JSONObject`'s) or not in ``known``."""
-    for key in getattr(data, "duplicates", ()):
-        raise ValueError(f"{where}.{key}: duplicate key (one JSON object gives it more than once)")
+    """ValueError naming the first key of ``data`` not in ``known``."""
     for key in data:
         if key not in known:
             raise ValueError(f"{where}.{key}: unknown key; expected keys among {', '.join(known)}")

@@ -1,0 +1,157 @@
+"""Strict JSON files: the one reader of a model's config.json, a checkpoint's index and a selection table.
+
+:func:`read_json` reads a file as RFC 8259 JSON and nothing looser, and turns every way a file can fail
+into a ValueError naming the file (and the field, where there is one):
+
+- only a regular file is read: a FIFO, a device or a directory is refused before any byte is read, and
+  opening never blocks (``O_NONBLOCK``; a FIFO would otherwise wait for a writer forever);
+- at most ``max_bytes`` (default ``MAX_JSON_BYTES``, 256 MiB), checked before parsing: the largest file
+  read is a checkpoint index, and the released Kimi-K3's (about half a million tensor names of some 80
+  characters, each mapped to a shard name) is about 60 MB;
+- UTF-8 only (``json`` would also guess UTF-16 and UTF-32 from bytes);
+- an object that gives one key twice is refused, naming the key's path (``json`` keeps the last value
+  silently);
+- NaN, Infinity, a number beyond float64's range (``1e400``, which ``json`` reads as inf) and an
+  integer of more than ``MAX_INTEGER_DIGITS`` digits are refused, whatever the interpreter's own
+  integer-digit limit is set to;
+- nesting too deep for the parser (its RecursionError) is a ValueError too.
+
+Standard library only: every layer of the package may use it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import stat
+from typing import Any
+
+# The largest JSON file read: four times the released Kimi-K3's checkpoint index (about 60 MB).
+MAX_JSON_BYTES = 256 * 2**20
+# Python's own default limit on an integer's digits (sys.int_info.default_max_str_digits), applied here
+# whatever the interpreter is set to: no integer in these files comes near it.
+MAX_INTEGER_DIGITS = 4300
+
+
+def read_json(path: Any, *, what: str, field_prefix: str = "", max_bytes: int = MAX_JSON_BYTES) -> Any:
+    """The JSON value in the file at ``path`` (module docstring: what is refused).
+
+    Args:
+      path: a str or os.PathLike naming the file; symbolic links are followed.
+      what: what the file is, the first word of every message about the file ("config", "checkpoint").
+      field_prefix: put before a field's path in a message (``"selection_table."`` makes
+        ``selection_table.ranges[1].tier``).
+      max_bytes: the largest file read.
+
+    Raises:
+      ValueError: ``"<what>: '<path>' ..."`` when the file cannot be opened, is no regular file, is larger
+        than ``max_bytes``, is not UTF-8 or not JSON; ``"<field>: duplicate key ... (in '<path>')"`` for a
+        key given twice in one object.
+    """
+    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+        raise ValueError(f"{what}: expected the path of a JSON file, got {path!r}")
+    name = os.fspath(path)
+    raw = _read_regular_file(name, what=what, max_bytes=max_bytes)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{what}: {name!r} is not UTF-8 (byte {error.start}: {error.reason})") from None
+    duplicates: list[_Duplicates] = []
+
+    def object_from_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        value = dict(pairs)
+        if len(value) == len(pairs):
+            return value
+        seen: set[str] = set()
+        repeated = next(key for key, _ in pairs if key in seen or seen.add(key))
+        marked = _Duplicates(value, key=repeated)
+        duplicates.append(marked)
+        return marked
+
+    try:
+        value = json.loads(text, object_pairs_hook=object_from_pairs, parse_constant=_refuse_constant,
+                           parse_float=_finite_float, parse_int=_bounded_int)
+    except RecursionError:
+        raise ValueError(f"{what}: {name!r} nests arrays and objects deeper than the JSON parser goes") from None
+    except ValueError as error:  # JSONDecodeError, and the hooks' refusals
+        raise ValueError(f"{what}: {name!r} is not JSON ({error})") from None
+    if duplicates:
+        field, key = _first_duplicate(value)
+        raise ValueError(f"{field_prefix}{field}{'.' if field else ''}{key}: duplicate key (one JSON object gives "
+                         f"it more than once) (in {name!r})")
+    return value
+
+
+def _read_regular_file(name: str, *, what: str, max_bytes: int) -> bytes:
+    """The bytes of the regular file ``name``, at most ``max_bytes`` of them; ValueError otherwise."""
+    try:
+        descriptor = os.open(name, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as error:
+        raise ValueError(f"{what}: cannot read {name!r}: {error.strerror}") from None
+    try:
+        status = os.fstat(descriptor)
+        if not stat.S_ISREG(status.st_mode):
+            raise ValueError(f"{what}: {name!r} is not a regular file ({_file_kind(status.st_mode)}); not read")
+        if status.st_size > max_bytes:
+            raise ValueError(f"{what}: {name!r} holds more than the {max_bytes}-byte limit of a JSON file read "
+                             f"here ({status.st_size} bytes); not read")
+        with open(descriptor, "rb", closefd=False) as file:
+            raw = file.read(status.st_size + 1)  # one byte more tells a file that grew since fstat
+    except OSError as error:
+        raise ValueError(f"{what}: cannot read {name!r}: {error.strerror}") from None
+    finally:
+        os.close(descriptor)
+    if len(raw) != status.st_size:
+        raise ValueError(f"{what}: {name!r} changed size while it was read; not parsed")
+    return raw
+
+
+def _file_kind(mode: int) -> str:
+    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+             (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+    return next((kind for test, kind in kinds if test(mode)), "another kind of file")
+
+
+class _Duplicates(dict):
+    """A JSON object that gave ``key`` more than once (json's object_pairs_hook kept the last value)."""
+
+    def __init__(self, value: dict[str, Any], *, key: str):
+        super().__init__(value)
+        self.key = key
+
+
+def _first_duplicate(value: Any) -> tuple[str, str]:
+    """(the path of the first object, in document order, that repeats a key; that key). Walks the value
+    with a stack of its own: it may nest as deep as the parser went."""
+    stack: list[tuple[str, Any]] = [("", value)]
+    while stack:
+        where, item = stack.pop()
+        if isinstance(item, _Duplicates):
+            return where, item.key
+        if isinstance(item, dict):
+            children = [(f"{where}{'.' if where else ''}{key}", child) for key, child in item.items()]
+        elif isinstance(item, list):
+            children = [(f"{where}[{index}]", child) for index, child in enumerate(item)]
+        else:
+            continue
+        stack.extend(reversed(children))
+    raise AssertionError("no object repeats a key")  # read_json calls this only when one does
+
+
+def _refuse_constant(constant: str) -> None:
+    raise ValueError(f"{constant} is not a JSON number")
+
+
+def _finite_float(literal: str) -> float:
+    number = float(literal)
+    if not math.isfinite(number):
+        raise ValueError(f"the number {literal[:40]} is beyond float64's range")
+    return number
+
+
+def _bounded_int(literal: str) -> int:
+    if len(literal.lstrip("-")) > MAX_INTEGER_DIGITS:
+        raise ValueError(f"an integer of {len(literal.lstrip('-'))} digits, more than the {MAX_INTEGER_DIGITS} "
+                         f"read here")
+    return int(literal)
