@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
@@ -25,6 +26,10 @@ from k3_tail.tiers.registry import Tier
 from k3_tail.ops.up_projection import QuantizedKernel, check_fp8_activations, quantize_up_proj
 
 _LECUN_NORMAL = nnx.initializers.lecun_normal()
+
+
+class TpRank(nnx.Variable):
+    """Each TP rank's index, a variable that is no parameter (an optimiser over ``nnx.Param`` leaves it out)."""
 
 
 class LatentMoETail(nnx.Module):
@@ -51,6 +56,8 @@ class LatentMoETail(nnx.Module):
         quantised from the initial kernel (or the loaded one).
       up_proj_scale: float32 [Hs], the per-column scales of the FP8 values, sharded like the kernel's
         columns; None without FP8.
+      tp_rank: a :class:`TpRank` (not a parameter): int32 [p] sharded ``(axis_name,)``, each rank's block its
+        index, which :meth:`per_rank` hands :func:`k3_tail.latent_moe_tail` as ``rank``.
 
     Raises:
       ValueError: naming the argument, for a bad config, mesh, axis or layout, or FP8 activations in a
@@ -84,6 +91,7 @@ class LatentMoETail(nnx.Module):
             if config.use_latent_norm
             else None
         )
+        self.tp_rank = _tp_rank(mesh, axis_name)
 
     @classmethod
     def from_checkpoint(
@@ -124,6 +132,7 @@ class LatentMoETail(nnx.Module):
         module.up_proj_kernel = _sharded_param(values, (None, columns), mesh)
         module.up_proj_scale = None if scale is None else _sharded_param(scale, (columns,), mesh)
         module.norm_scale = None if norm_weight is None else _sharded_param(norm_weight, (None,), mesh)
+        module.tp_rank = _tp_rank(mesh, module.axis_name)
         return module
 
     def load_up_proj(self, kernel) -> None:
@@ -207,7 +216,7 @@ class LatentMoETail(nnx.Module):
         """
         return latent_moe_tail(routed_partial, shared_partial, *self._weights(), config=self.config,
                                axis_name=self.axis_name, weight_layout=self.weight_layout, tier=tier,
-                               device=self.mesh.devices.flat[0])
+                               device=self.mesh.devices.flat[0], rank=self.tp_rank[...])
 
     def reduce_shared(self, shared_partial) -> jax.Array:
         """:func:`k3_tail.reduce_shared` on the module's TP axis, inside a shard_map over its mesh.
@@ -229,6 +238,12 @@ class LatentMoETail(nnx.Module):
         if self.up_proj_scale is not None:
             kernel = QuantizedKernel(kernel, self.up_proj_scale[...])
         return None if self.norm_scale is None else self.norm_scale[...], kernel
+
+
+def _tp_rank(mesh: Mesh, axis_name: AxisName) -> TpRank:
+    """The ranks' indices (:func:`k3_tail.forward.rank_indices`) as the module's :class:`TpRank`."""
+    ranks = np.arange(check_mesh(mesh, axis_name), dtype=np.int32)
+    return TpRank(nnx.with_partitioning(lambda: ranks, (axis_name,), mesh=mesh)())
 
 
 def _sharded_param(value: jax.Array, sharding: tuple, mesh: Mesh) -> nnx.Param:

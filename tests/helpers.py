@@ -5,10 +5,13 @@ the column tier's contract check.
 Import them with ``from helpers import ...`` (``conftest.py`` only sets up the platform and the hooks).
 """
 
+import atexit
 import functools
 import importlib.util
 import json
 import os
+import shutil
+import tempfile
 import time
 
 import jax
@@ -19,6 +22,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import covering
 import k3_tail
+import k3_tail.xla.report
 from k3_tail.tiers.column_parallel import stitched_buffer
 from k3_tail.tiers.context import TailCall
 from reference import TOLERANCE, make_inputs, reference_latent, relative_error
@@ -103,11 +107,36 @@ def topology_available(topology):
     return True
 
 
-@functools.cache
 def compiled_tail(config, mesh, num_tokens, tier, weight_layout):
     """``k3_tail.compile_tail`` once per process for the same arguments: the GPU schedule tests and the cost
     model's agreement tests compile many of the same programs."""
-    return k3_tail.compile_tail(config, mesh, num_tokens, tier=k3_tail.Tier.parse(tier), weight_layout=weight_layout)
+    return _compiled_and_dumped(config, mesh, num_tokens, tier, weight_layout)[0]
+
+
+def compiled_report(config, mesh, num_tokens, tier, weight_layout):
+    """The :class:`k3_tail.XlaReport` of :func:`compiled_tail`'s program, its GPU kernels included (from XLA's
+    dump of that compile)."""
+    compiled, dump_dir = _compiled_and_dumped(config, mesh, num_tokens, tier, weight_layout)
+    return k3_tail.xla.report.report(compiled, dump_dir=dump_dir)
+
+
+@functools.cache
+def _compiled_and_dumped(config, mesh, num_tokens, tier, weight_layout):
+    """(compiled, dump directory): a GPU program is compiled with XLA's dump, in a directory of this process
+    that goes when it ends; a CPU program without."""
+    dump_dir = None
+    if mesh.devices.flat[0].platform != "cpu":
+        dump_dir = tempfile.mkdtemp(prefix="k3_tail_test_dump_", dir=_dump_root())
+    compiled = k3_tail.compile_tail(config, mesh, num_tokens, tier=None if tier is None else k3_tail.Tier.parse(tier),
+                                    weight_layout=weight_layout, dump_to=dump_dir)
+    return compiled, dump_dir
+
+
+@functools.cache
+def _dump_root():
+    root = tempfile.mkdtemp(prefix="k3_tail_test_dumps_")
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    return root
 
 
 def make_tp_mesh(tp_size, axis_type=jax.sharding.AxisType.Explicit):

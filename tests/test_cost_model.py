@@ -52,15 +52,17 @@ def compiled_figures(config, mesh, num_tokens, tier, weight_layout, *, elements=
     arguments = tail_arguments(config, mesh, num_tokens, weight_layout=weight_layout)
     # An FP8 kernel is two arguments (values, scales): both count as the kernel.
     roles = [role for role, argument in zip(("routed", "shared", "norm", "kernel"), arguments, strict=True)
-             for _ in jax.tree.leaves(argument)]
+             for _ in jax.tree.leaves(argument)] + ["ranks"]  # compile_tail's last argument, the ranks' indices
     parameters = {}
     for instruction in entry.instructions:
         if instruction.opcode == "parameter":
             role = roles[int(instruction.operand_text)]
             parameters[role] = parameters.get(role, 0) + sum(a.bytes for a in instruction.arrays)
     kernel = parameters["kernel"]
-    if tier in (Tier.COLUMN_PARALLEL, Tier.SCATTER_GATHER) and weight_layout == "replicated":
+    if tier in (Tier.COLUMN_PARALLEL, Tier.SCATTER_GATHER, Tier.ONE_KERNEL) and weight_layout == "replicated":
         kernel /= mesh.shape["tp"]  # these tiers read only their own [L, H/p] block of the whole kernel
+    # one_kernel's tiles of 64 rows read the block once each (its GEMM's FLOPs are its own custom call's).
+    kernel *= tier.record.weight_reads(num_tokens)
     root = next(i for i in entry.instructions if i.is_root)
     size = (lambda array: array.elements) if elements else (lambda array: array.bytes)
     figures = {
@@ -141,7 +143,12 @@ def test_padded_sequence_parallel_call_agrees_with_the_gpu_compiled_program(gpu_
                  compiled_figures(config, gpu_mesh, 5, tier, "replicated"))
 
 
-@pytest.mark.parametrize("tier, weight_layout", tier_layouts())
+# On a CPU one_kernel's Pallas kernel runs interpreted, for every rank on every rank's gathered inputs
+# (k3_tail.ops.fused_projection): that program is no GPU's.
+CPU_PROGRAM_TIERS = [param for param in tier_layouts() if param.values[0] is not Tier.ONE_KERNEL]
+
+
+@pytest.mark.parametrize("tier, weight_layout", CPU_PROGRAM_TIERS)
 def test_element_counts_agree_with_the_cpu_compiled_program(tier, weight_layout):
     """On CPU collectives move float32, so collectives compare as elements (the rest as bytes)."""
     model = model_figures(K3, 16, tier, weight_layout, elements=True)
@@ -166,6 +173,8 @@ EXPECTED_COLLECTIVES = {
     (Tier.ONE_SHOT, "replicated"): [(ALL_REDUCE, T16 * (2 * H + L), False)],
     (Tier.TOKEN_PARALLEL, "replicated"): [(REDUCE_SCATTER, T16 * L, False), (REDUCE_SCATTER, T16 * H, False),
                                           (ALL_GATHER, T16 * H, False)],
+    (Tier.ONE_KERNEL, "replicated"): [(ALL_REDUCE, T16 * L, False), (ALL_REDUCE, T16 * H, False)],
+    (Tier.ONE_KERNEL, "column"): [(ALL_REDUCE, T16 * L, False), (ALL_REDUCE, T16 * H, False)],
 }
 
 
@@ -224,7 +233,7 @@ def test_time_is_the_roofline_plus_serial_collectives_with_the_hidden_one_overla
                     collectives=(CollectiveCost(ALL_REDUCE, 4e6, 4), CollectiveCost(ALL_REDUCE, 1e6, 4, hidden=True)))
     # compute 3 s, memory 2 s; serial AR 1 + 1.5 * 4 = 7 s; hidden AR 1 + 1.5 * 1 = 2.5 s, inside the 3 s local work
     prediction = predict_time(cost, hardware)
-    assert dataclasses.astuple(prediction) == pytest.approx((3.0, 2.0, 9.5, 10.0))
+    assert dataclasses.astuple(prediction) == pytest.approx((3.0, 2.0, 9.5, 10.0, 0.0))
     assert prediction.local_s == 3.0
 
 
@@ -232,7 +241,7 @@ def test_collectives_of_one_rank_cost_nothing():
     cost = tier_cost(K3, 16, 1, tier=Tier.NATIVE)
     prediction = predict_time(cost, "h200")
     assert cost.collectives and prediction.collective_s == 0
-    assert prediction.total_s == prediction.local_s
+    assert prediction.total_s == pytest.approx(prediction.local_s + prediction.launch_s)
 
 
 @pytest.mark.parametrize("hardware", sorted(HARDWARE))
@@ -247,9 +256,25 @@ def test_overlap_is_never_slower_than_native(num_tokens, weight_layout, hardware
 @pytest.mark.parametrize("hardware", sorted(HARDWARE))
 @pytest.mark.parametrize("tier, weight_layout", tier_layouts())
 def test_predicted_time_grows_with_the_token_count(tier, weight_layout, hardware):
+    """From two tokens on: a one-token call may launch more kernels (the pad to two rows, the norm's two
+    reductions, the slice back), which the model charges."""
     times = [predict_time(tier_cost(K3, t, P, tier=tier, weight_layout=weight_layout), hardware).total_s
-             for t in (1, 2, 16, 256, 4096)]
+             for t in (2, 16, 256, 4096)]
     assert times == sorted(times)
+
+
+@pytest.mark.parametrize("hardware", sorted(HARDWARE))
+@pytest.mark.parametrize("tier, weight_layout", tier_layouts())
+def test_a_call_pays_its_kernels(tier, weight_layout, hardware):
+    """Each kernel of the record's count on the preset's platform costs kernel_launch_s, serially."""
+    cost = tier_cost(K3, 16, P, tier=tier, weight_layout=weight_layout)
+    preset = HARDWARE[hardware]
+    prediction = predict_time(cost, preset)
+    kernels = tier.record.kernels.of(preset.platform, weight_layout, 16)
+    assert cost.kernels[preset.platform] == kernels
+    assert prediction.launch_s == pytest.approx(kernels * preset.kernel_launch_s)
+    without = predict_time(cost, dataclasses.replace(preset, kernel_launch_s=0.0))
+    assert prediction.total_s == pytest.approx(without.total_s + prediction.launch_s)
 
 
 @pytest.mark.parametrize("hardware", sorted(HARDWARE))
@@ -260,12 +285,32 @@ def test_one_shot_wins_only_through_the_latency_it_saves(hardware):
     assert best_tier(K3, 1, P, hardware=no_latency).tier is not Tier.ONE_SHOT
 
 
+@pytest.mark.parametrize("hardware", sorted(HARDWARE))
+def test_replicated_layout_one_kernel_then_overlap(hardware):
+    """What the model implies for Kimi-K3 at TP8: one kernel wins decode, the hidden AR the batches after."""
+    changes = crossovers(K3, P, hardware=hardware, weight_layout="replicated", token_range=(1, 1024))
+    assert [(c.before, c.after) for c in changes] == [(Tier.ONE_KERNEL, Tier.OVERLAP)]
+    assert K3.one_kernel_max_tokens < changes[0].num_tokens <= 512
+
+
 @pytest.mark.parametrize("hardware", ["mi300x", "mi325x", "mi355x"])
-def test_replicated_layout_on_amd_one_shot_then_overlap(hardware):
-    """What the model implies for Kimi-K3 at TP8: one collective wins small batches, the hidden AR the rest."""
-    changes = crossovers(K3, P, hardware=hardware, weight_layout="replicated", token_range=(1, 2048))
+def test_replicated_layout_on_amd_without_one_kernel_one_shot_then_overlap(hardware):
+    """Among the XLA tiers one collective wins small batches, the hidden AR the rest."""
+    tiers = [tier for tier in Tier if tier is not Tier.ONE_KERNEL and tier.supports("replicated")]
+    changes = crossovers(K3, P, hardware=hardware, weight_layout="replicated", token_range=(1, 1024), tiers=tiers)
     assert [(c.before, c.after) for c in changes] == [(Tier.ONE_SHOT, Tier.OVERLAP)]
     assert 1 < changes[0].num_tokens <= 256
+
+
+@pytest.mark.parametrize("weight_layout", ["column", "replicated"])
+@pytest.mark.parametrize("tp_size", [4, 8, 16])
+@pytest.mark.parametrize("hardware", sorted(HARDWARE))
+def test_one_kernel_max_tokens_is_inside_what_the_model_predicts_one_kernel_wins(hardware, tp_size, weight_layout):
+    """vLLM's rules pick one_kernel on GPUs up to one_kernel_max_tokens (64): the model predicts it fastest at
+    least that far, on every preset, TP size and layout."""
+    for num_tokens in (1, 16, K3.one_kernel_max_tokens):
+        decision = best_tier(K3, num_tokens, tp_size, hardware=hardware, weight_layout=weight_layout)
+        assert decision.tier is Tier.ONE_KERNEL, decision.rule
 
 
 @pytest.mark.parametrize("hardware", sorted(HARDWARE))
@@ -276,11 +321,13 @@ def test_token_parallel_wins_prefill_with_token_sharded_output(hardware):
 
 
 @pytest.mark.parametrize("hardware", sorted(HARDWARE))
-def test_column_layout_column_parallel_then_scatter_gather(hardware):
-    """Few tokens: two collectives beat three; many: the reduce-scatter hidden behind the GEMM wins."""
+def test_column_layout_one_kernel_then_column_parallel_then_scatter_gather(hardware):
+    """Decode: one kernel; then two collectives beat three; many tokens: the reduce-scatter hidden behind the
+    GEMM wins."""
     changes = crossovers(K3, P, hardware=hardware, weight_layout="column")
-    assert [(c.before, c.after) for c in changes] == [(Tier.COLUMN_PARALLEL, Tier.SCATTER_GATHER)]
-    assert changes[0].num_tokens > 256
+    assert [(c.before, c.after) for c in changes] == [(Tier.ONE_KERNEL, Tier.COLUMN_PARALLEL),
+                                                      (Tier.COLUMN_PARALLEL, Tier.SCATTER_GATHER)]
+    assert K3.one_kernel_max_tokens < changes[0].num_tokens <= 1024 and changes[1].num_tokens > 256
 
 
 @pytest.mark.parametrize(("hardware", "weight_layout", "sequence_parallel", "quantization"), [
@@ -305,8 +352,8 @@ def test_crossovers_within_the_given_tiers():
 
 def test_best_tier_reason_quotes_every_candidate_fastest_first():
     decision = best_tier(K3, 1, P, hardware="mi355x")
-    assert decision.tier is Tier.ONE_SHOT
-    assert decision.reason.startswith("predicted fastest on mi355x at T=1, p=8, replicated weights: one_shot ")
+    assert decision.tier is Tier.ONE_KERNEL
+    assert decision.reason.startswith("predicted fastest on mi355x at T=1, p=8, replicated weights: one_kernel ")
     assert all(tier.value in decision.reason for tier in Tier)
 
 

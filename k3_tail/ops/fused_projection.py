@@ -39,6 +39,7 @@ from jax import lax
 from k3_tail._checks import varying_axes
 from k3_tail.ops.norm import rms_norm, row_scale_floor
 from k3_tail.ops.up_projection import QuantizedKernel
+from k3_tail.xla.hlo_text import GEMM_FLOPS_KEY
 
 # Tile sizes: the MMA needs at least 16 rows, columns and depth; 16 bf16 columns are a 32-byte run (an NVIDIA
 # sector; an AMD cache line's other half is the next tile's, read from the cache).
@@ -52,8 +53,6 @@ TARGET_PROGRAMS = 1024
 NUM_WARPS = 4
 
 _PALLAS_TRITON = "jax.experimental.pallas.triton"
-# The key of the kernel's metadata entry that states its GEMM FLOPs (k3_tail.xla.hlo_text reads it).
-GEMM_FLOPS_KEY = "k3_tail_gemm_flops"
 # float32 exponents: a power of two 2^e is the bit pattern (e + 127) << 23, normal for e in [-126, 127].
 _EXPONENT_BIAS = 127
 _MANTISSA_BITS = 23

@@ -96,7 +96,6 @@ from k3_tail.hardware import GPU_PLATFORMS, HARDWARE, Hardware, hardware_preset
 from k3_tail.ops.codecs import CODECS
 from k3_tail.ops.collectives import SumPlan
 from k3_tail.ops.columns import check_weight_layout
-from k3_tail.ops.up_projection import gemm_rows
 from k3_tail.policy import SelectionPolicy
 from k3_tail.selection.buffers import collective_buffers, tier_rows
 from k3_tail.selection.decision import TierDecision
@@ -252,7 +251,7 @@ def _tier_cost(config: TailConfig, num_tokens: int, tp_size: int, tier: Tier, we
         num_tokens=num_tokens,
         tp_size=tp_size,
         weight_layout=weight_layout,
-        gemm_flops=2 * gemm_rows(record.gemm_rows(rows, tp_size)) * latent * columns,
+        gemm_flops=2 * record.gemm_rows(rows, tp_size) * latent * columns,
         weight_bytes=record.weight_reads(rows) * kernel_bytes + norm_bytes,
         activation_bytes=activation_bytes,
         collectives=tuple(collectives),

@@ -32,6 +32,7 @@ from typing import Any
 
 from k3_tail.config import TailConfig
 from k3_tail.ops.columns import padded_hidden_size
+from k3_tail.ops.up_projection import gemm_rows
 from k3_tail.tiers.context import TierFunction
 
 ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER, ALL_TO_ALL = "all-reduce", "reduce-scatter", "all-gather", "all-to-all"
@@ -213,8 +214,10 @@ class TierRecord:
 
     def gemm_rows(self, rows: int, tp_size: int) -> int:
         """The rows of one rank's projection when the tier works on ``rows`` token rows: its own
-        rows / p when it shards tokens, else all of them."""
-        return rows // tp_size if self.splits_tokens else rows
+        rows / p when it shards tokens, else all of them; one row multiplied as two by the tiers whose GEMM
+        is :func:`k3_tail.ops.up_projection.project` (``rows_per_weight_read`` None)."""
+        rows = rows // tp_size if self.splits_tokens else rows
+        return rows if self.rows_per_weight_read is not None else gemm_rows(rows)
 
     def options_for(self, platform: str) -> dict[str, Any]:
         """The per-executable XLA options for a device ``platform`` ("gpu", "cuda", "rocm", "cpu", ...)."""
