@@ -60,7 +60,8 @@ pipeline keeps it a GEMM that reads its kernel in place (docs/design.md, "One-ro
 
 Per-rank cost, d bytes per element: router 2THE FLOPs over dHE weight bytes; down projection 2THL
 over dHL; routed experts 6TkLm/p over 3dLm/p per expert read (gather: T*k of them; capacity: all E,
-once); shared experts 6THF/p over 3dHF/p; then the tail tier's (README tier table).
+once; MXFP4 experts: d = 0.53125 held, plus what XLA writes of their decoding, examples/kimi_k3_mxfp4.py);
+shared experts 6THF/p over 3dHF/p; then the tail tier's (README tier table).
 
 ``KimiK3MoELayer`` holds the parameters as ``nnx.Param`` (``build_layer``: random stand-ins for a
 checkpoint; examples/kimi_k3_checkpoint.py: a layer of a Hugging Face checkpoint); :func:`layer_forward`

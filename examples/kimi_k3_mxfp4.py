@@ -63,7 +63,7 @@ GROUP_SIZE, CODES_PER_BYTE = 32, 2
 SCALE_BIAS, NAN_SCALE = 127, 255
 # The E2M1 magnitudes by their 3 low bits (e e m).
 E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-# Decoded bytes per weight: half a byte of code and a 32nd of a byte of scale.
+# Bytes held per weight, packed: half a byte of code and a 32nd of a byte of scale.
 BYTES_PER_WEIGHT = 1 / CODES_PER_BYTE + 1 / GROUP_SIZE
 # The dtypes decode writes: both have 8 exponent bits of bias 127, so every finite MXFP4 value up to 2^128 is
 # exact in them, subnormals included (float16's 5 exponent bits hold only part of E8M0's range).

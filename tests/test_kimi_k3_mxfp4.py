@@ -9,6 +9,8 @@ by the fixture), and as the bf16 ``weight`` tensors those bytes decode to. The M
 experts packed, each rank reading only its bytes, and computes bit for bit what the bf16 layer computes.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -134,10 +136,12 @@ def test_the_experts_stay_packed_in_the_layers_layout_and_decode_to_the_bf16_lay
     assert set(quantized) == set(dense) | set(layer_module.ROUTED_EXPERT_SCALES.values())
 
 
-@pytest.mark.parametrize("num_tokens", [1, 4], ids=["T1-gather", "T4-capacity"])
-def test_the_mxfp4_layer_computes_bit_for_bit_what_the_decoded_bf16_layer_computes(layers, num_tokens):
+@pytest.mark.parametrize(("method", "num_tokens"), [("gather", 1), ("capacity", 4), ("ragged_dot", 4)])
+def test_the_mxfp4_layer_computes_bit_for_bit_what_the_decoded_bf16_layer_computes(layers, method, num_tokens):
+    """Each routed-expert method (gather and capacity where the layer picks them: T*k <= E and above)."""
     x = jnp.asarray(np.random.default_rng(num_tokens).standard_normal((num_tokens, MODEL.hidden_size)), jnp.bfloat16)
-    quantized, dense = (layer_forward(layer.parameter_values(), x, config=layer.config, mesh=layer.mesh)
+    quantized, dense = (layer_forward(layer.parameter_values(), x, mesh=layer.mesh,
+                                      config=dataclasses.replace(layer.config, routed_experts=method))
                         for layer in layers)
     assert np.isfinite(np.asarray(dense, np.float32)).all()
     np.testing.assert_array_equal(np.asarray(quantized), np.asarray(dense))
