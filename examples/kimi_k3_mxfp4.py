@@ -56,6 +56,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import k3_tail
+# Bytes held per weight, packed: half a byte of code and a 32nd of a byte of scale (4.25 bits, as the cost tools
+# price MXFP4 experts).
+from k3_tail.tools.layer_cost import MXFP4_BYTES
+
 # compressed-tensors' name of the format, in config.json's quantization_config.
 QUANT_METHOD, FORMAT = "compressed-tensors", "mxfp4-pack-quantized"
 # Input columns per E8M0 scale, and the codes one byte holds.
@@ -63,8 +68,6 @@ GROUP_SIZE, CODES_PER_BYTE = 32, 2
 SCALE_BIAS, NAN_SCALE = 127, 255
 # The E2M1 magnitudes by their 3 low bits (e e m).
 E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-# Bytes held per weight, packed: half a byte of code and a 32nd of a byte of scale.
-BYTES_PER_WEIGHT = 1 / CODES_PER_BYTE + 1 / GROUP_SIZE
 # The dtypes decode writes: both have 8 exponent bits of bias 127, so every finite MXFP4 value up to 2^128 is
 # exact in them, subnormals included (float16's 5 exponent bits hold only part of E8M0's range).
 DECODED_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(np.float32))
@@ -190,7 +193,7 @@ def random_codes(rng: np.random.Generator, shape: tuple[int, ...], stddev: float
 def expert_bytes_per_rank(num_experts: int, latent_size: int, expert_intermediate_size: int, tp_size: int,
                           bytes_per_weight: float) -> int:
     """Bytes one rank holds of one layer's routed experts: 3 kernels of L x m/p per expert, at ``bytes_per_weight``
-    (:data:`BYTES_PER_WEIGHT` packed, the dtype's itemsize decoded)."""
+    (``MXFP4_BYTES`` packed, the dtype's itemsize decoded)."""
     weights = 3 * num_experts * latent_size * (expert_intermediate_size // tp_size)
     return round(weights * bytes_per_weight)
 
@@ -205,13 +208,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     jax.config.update("jax_platforms", "cpu")  # compiles only: a deviceless topology needs no GPU backend
     jax.config.update("jax_num_cpu_devices", 8)
-    import k3_tail  # here, after the platform is set; and the layer imports this module
-    from examples import kimi_k3_moe_layer as layer_module
+    from examples import kimi_k3_moe_layer as layer_module  # here: the layer imports this module
 
     mesh = (jax.make_mesh((8,), ("tp",), devices=jax.devices()[:8]) if args.topology == "cpu"
             else k3_tail.topology_mesh(args.topology))
     tp_size, experts = mesh.shape["tp"], layer_module.KIMI_K3_NUM_EXPERTS
-    for name, per_weight in (("mxfp4", BYTES_PER_WEIGHT), ("bfloat16", 2)):
+    for name, per_weight in (("mxfp4", MXFP4_BYTES), ("bfloat16", 2)):
         held = expert_bytes_per_rank(experts, 3584, layer_module.KIMI_K3_EXPERT_INTERMEDIATE_SIZE, tp_size, per_weight)
         print(f"routed experts held as {name}: {held:,} bytes per rank ({per_weight:g} bytes per weight)")
     print(f"compiled for {args.topology} (p = {tp_size}), per rank:")

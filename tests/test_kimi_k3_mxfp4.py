@@ -21,6 +21,7 @@ import mxfp4_fixture
 from examples import kimi_k3_moe_layer as layer_module
 from examples import kimi_k3_mxfp4 as mxfp4
 from examples.kimi_k3_checkpoint import layer_config_from_hf, load_layer
+from k3_tail.tools.layer_cost import MXFP4_BYTES
 from hf_checkpoint import TinyModel, record_reads, tiny_model, write_checkpoint
 from helpers import FAST_COMPILE_OPTIONS, make_tp_mesh
 
@@ -157,9 +158,9 @@ def test_each_rank_holds_0_53_bytes_per_expert_weight(layers):
     weights = layer_module.ROUTED_EXPERT_WEIGHTS
     sizes = (MODEL.num_experts, MODEL.latent_size, MODEL.expert_width, TP_SIZE)
     quantized = expert_bytes(layers[0], (*weights, *layer_module.ROUTED_EXPERT_SCALES.values()))
-    assert quantized == mxfp4.expert_bytes_per_rank(*sizes, mxfp4.BYTES_PER_WEIGHT) == 3 * 4 * 64 * 32 * 17 // 32
+    assert quantized == mxfp4.expert_bytes_per_rank(*sizes, MXFP4_BYTES) == 3 * 4 * 64 * 32 * 17 // 32
     assert expert_bytes(layers[1], weights) == mxfp4.expert_bytes_per_rank(*sizes, 2)
-    assert mxfp4.expert_bytes_per_rank(896, 3584, 3072, 8, mxfp4.BYTES_PER_WEIGHT) == 1_965_293_568
+    assert mxfp4.expert_bytes_per_rank(896, 3584, 3072, 8, MXFP4_BYTES) == 1_965_293_568
     assert mxfp4.expert_bytes_per_rank(896, 3584, 3072, 8, 2) == 7_398_752_256
 
 
