@@ -47,7 +47,7 @@ from __future__ import annotations
 import functools
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -114,16 +114,16 @@ def layer_config_from_hf(config: Any, **tail_overrides: Any) -> LayerConfig:
                        expert_quantization=expert_quantization_from_hf(text))
 
 
-def expert_quantization_from_hf(text: dict[str, Any]) -> str | None:
-    """"mxfp4" when the text config ``text`` (``hf_config.text_config``) has a ``quantization_config`` of
+def expert_quantization_from_hf(text: Any) -> str | None:
+    """"mxfp4" when the text config ``text`` (``hf_config.text_config``'s) has a ``quantization_config`` of
     compressed-tensors' ``mxfp4-pack-quantized`` format (4-bit float weights in groups of 32, activations
     unquantised), None when it has none. ValueError naming the field for any other quantisation."""
     where = hf_config.field_name(text, "quantization_config")
     quantization = text.get("quantization_config")
     if quantization is None:
         return None
-    groups = quantization.get("config_groups", {}) if isinstance(quantization, dict) else None
-    if not isinstance(groups, dict) or not all(isinstance(group, dict) for group in groups.values()):
+    groups = quantization.get("config_groups", {}) if isinstance(quantization, Mapping) else None
+    if not isinstance(groups, Mapping) or not all(isinstance(group, Mapping) for group in groups.values()):
         raise ValueError(f"{where}: expected a JSON object whose config_groups are JSON objects, got {quantization!r}")
     # Each field that says how the weights are stored: (its value, MXFP4's).
     fields = {f"{where}.quant_method": (quantization.get("quant_method"), mxfp4.QUANT_METHOD),
