@@ -21,26 +21,44 @@ Linear weight is [out, in] and read transposed):
     routed_expert_up_proj.weight      [H, L]  -> up_proj_kernel [L, H] (FP8 values and up_proj_scale
                                                  when the tail config asks for FP8)
 
-Kimi-K3 ships its routed experts in MXFP4 (compressed-tensors ``weight_packed`` / ``weight_scale``
-tensors, ``quantization_config`` in config.json; the shared experts stay bf16). This layer computes
-with bf16 (or float32) experts: :func:`load_layer` then raises a ValueError saying so and naming the
-tensors it found, rather than guessing at their encoding. A checkpoint whose experts are stored as
-plain ``weight`` tensors (dequantised, or a bf16 model of this architecture) loads.
+Kimi-K3 ships its routed experts in MXFP4 only (compressed-tensors' ``mxfp4-pack-quantized``, named
+by ``quantization_config`` in config.json's ``text_config``; everything else stays bf16). With
+``LayerConfig(expert_quantization="mxfp4")`` (which :func:`layer_config_from_hf` sets from that
+``quantization_config``) they load as stored, packed, each rank reading only the bytes of its slice
+(examples/kimi_k3_mxfp4.py has the format):
+
+    experts.e.w1.weight_packed  uint8 [m, L/2]   -> expert_gate[e] [L/2, m]         rank i: rows i*m/p ...
+    experts.e.w1.weight_scale   uint8 [m, L/32]  -> expert_gate_scale[e] [L/32, m]  ... of w1 and w3
+    experts.e.w3.weight_packed, .weight_scale    -> expert_up[e], expert_up_scale[e] (as w1)
+    experts.e.w2.weight_packed  uint8 [L, m/2]   -> expert_down[e] [m/2, L]         its m/(2p) bytes and
+    experts.e.w2.weight_scale   uint8 [L, m/32]  -> expert_down_scale[e] [m/32, L]  m/(32p) scales of w2
+
+A rank's input columns of w2 are whole groups of 32 (Kimi-K3 at p = 8: 384 columns, 192 bytes and 12
+scales per row); a TP size for which they are not (m / p not a multiple of 32) is refused, naming the
+tensor, the slice and the group size. A group whose values pass bfloat16's and float32's largest
+finite (a scale of 2^126 or 2^127 on large codes) is refused too, naming the tensor and the group; a
+scale byte of 255 is NaN (the OCP MX rule) and loads as NaN weights. Experts stored as plain ``weight``
+tensors load with ``expert_quantization=None``; a checkpoint whose experts are stored otherwise than
+the config says is a ValueError naming the tensors found.
 """
 
 from __future__ import annotations
 
+import functools
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 import k3_tail
-from examples.kimi_k3_moe_layer import KimiK3MoELayer, LayerConfig, layer_parameters, partition_specs
+from examples import kimi_k3_mxfp4 as mxfp4
+from examples.kimi_k3_moe_layer import (ROUTED_EXPERT_SCALES, KimiK3MoELayer, LayerConfig, layer_parameters,
+                                        partition_specs)
 from examples.kimi_k3_situ import SITU_GATE_BOUND, SITU_UP_BOUND
 from k3_tail import hf_config
 from k3_tail._checks import check_mesh
@@ -52,6 +70,8 @@ HIDDEN_ACT = "situ"
 SITU_BETAS = {"activation_situ_beta": SITU_GATE_BOUND, "activation_situ_linear_beta": SITU_UP_BOUND}
 # Each routed expert's three weights: (the layer's parameter, the checkpoint's name under experts.e.).
 EXPERT_WEIGHTS = (("expert_gate", "w1"), ("expert_up", "w3"), ("expert_down", "w2"))
+# What each of them is stored as, after "experts.e.wN.": in the layer's dtype, or as compressed-tensors' MXFP4.
+EXPERT_TENSORS = {None: ("weight",), "mxfp4": ("weight_packed", "weight_scale")}
 # The layer's 2-d parameters read as a torch Linear's transpose, by the name under block_sparse_moe.
 LINEAR_WEIGHTS = {
     "router_kernel": "gate.weight",
@@ -67,11 +87,13 @@ def layer_config_from_hf(config: Any, **tail_overrides: Any) -> LayerConfig:
     """The layer's config from a Hugging Face model config (a config.json path, a checkpoint directory or
     a dict; ``text_config`` read when nested): the tail from ``k3_tail.TailConfig.from_hf_config``
     (``tail_overrides`` as its keywords), E = ``num_experts``, k = ``num_experts_per_token``,
-    m = ``moe_intermediate_size``, F = ``num_shared_experts`` * m.
+    m = ``moe_intermediate_size``, F = ``num_shared_experts`` * m; ``expert_quantization`` "mxfp4"
+    when the text config's ``quantization_config`` is compressed-tensors' ``mxfp4-pack-quantized``
+    (:func:`expert_quantization_from_hf`), else None.
 
-    ValueError naming the field when a size is missing or bad, or when the model's activation
+    ValueError naming the field when a size is missing or bad, when the model's activation
     (``hidden_act``, the SiTU betas) or routing (``moe_renormalize`` false) is not what this layer
-    computes."""
+    computes, or when its ``quantization_config`` is another than MXFP4 weights."""
     text = hf_config.text_config(config)
     act = text.get("hidden_act", HIDDEN_ACT)
     if act != HIDDEN_ACT:
@@ -87,7 +109,37 @@ def layer_config_from_hf(config: Any, **tail_overrides: Any) -> LayerConfig:
     shared = hf_config.field(text, "num_shared_experts", minimum=1)
     return LayerConfig(tail, num_experts=hf_config.field(text, "num_experts", minimum=1),
                        top_k=hf_config.field(text, "num_experts_per_token", minimum=1),
-                       expert_intermediate_size=expert_width, shared_intermediate_size=shared * expert_width)
+                       expert_intermediate_size=expert_width, shared_intermediate_size=shared * expert_width,
+                       expert_quantization=expert_quantization_from_hf(text))
+
+
+def expert_quantization_from_hf(text: Any) -> str | None:
+    """"mxfp4" when the text config ``text`` (``hf_config.text_config``'s) has a ``quantization_config`` of
+    compressed-tensors' ``mxfp4-pack-quantized`` format (4-bit float weights in groups of 32, activations
+    unquantised), None when it has none. ValueError naming the field for any other quantisation."""
+    where = hf_config.field_name(text, "quantization_config")
+    quantization = text.get("quantization_config")
+    if quantization is None:
+        return None
+    groups = quantization.get("config_groups", {}) if isinstance(quantization, Mapping) else None
+    if not isinstance(groups, Mapping) or not all(isinstance(group, Mapping) for group in groups.values()):
+        raise ValueError(f"{where}: expected a JSON object whose config_groups are JSON objects, got {quantization!r}")
+    # Each field that says how the weights are stored: (its value, MXFP4's).
+    fields = {f"{where}.quant_method": (quantization.get("quant_method"), mxfp4.QUANT_METHOD),
+              f"{where}.format": (quantization.get("format"), mxfp4.FORMAT)}
+    for key, group in groups.items():
+        at, weights = f"{where}.config_groups.{key}", group.get("weights") or {}
+        fields.update({f"{at}.format": (group.get("format", mxfp4.FORMAT), mxfp4.FORMAT),
+                       f"{at}.weights.num_bits": (weights.get("num_bits", 4), 4),
+                       f"{at}.weights.type": (weights.get("type", "float"), "float"),
+                       f"{at}.weights.group_size": (weights.get("group_size", mxfp4.GROUP_SIZE), mxfp4.GROUP_SIZE),
+                       f"{at}.input_activations": (group.get("input_activations"), None)})
+    for field, (value, expected) in fields.items():
+        if value != expected:
+            raise ValueError(f"{field}: this layer loads compressed-tensors' {mxfp4.FORMAT!r} experts (4-bit float "
+                             f"weights in groups of {mxfp4.GROUP_SIZE}, activations unquantised): expected "
+                             f"{expected!r}, got {value!r}")
+    return "mxfp4"
 
 
 def load_layer(checkpoint: str | os.PathLike | Checkpoint, layer: int, *, config: LayerConfig, mesh: Mesh,
@@ -107,13 +159,17 @@ def layer_weights(checkpoint: str | os.PathLike | Checkpoint, layer: int, *, con
 
     ValueError naming the layer and the tensor: a dense layer or one past the last, a missing tensor, a
     tensor of another shape or dtype than the config says (the bias may be float32 or the layer's dtype;
-    everything else the layer's dtype), routed experts stored quantised (the tensors found are named);
-    naming the mesh when it has no axis ``axis_name``.
+    MXFP4 codes and scales uint8; everything else the layer's dtype), routed experts stored otherwise than
+    ``config.expert_quantization`` says (the tensors found are named), MXFP4 slices that split a group
+    of 32 columns, or MXFP4 groups whose values pass the dtype's range; naming the mesh when it has no
+    axis ``axis_name``.
     """
     tp_size = check_mesh(mesh, axis_name)
     checkpoint = open_checkpoint(checkpoint)
     block = checkpoint.moe_block(layer)
-    _refuse_quantized_experts(checkpoint, block, layer)
+    _check_expert_storage(checkpoint, block, layer, config)
+    if config.expert_quantization == "mxfp4":
+        _check_group_aligned_slices(block, layer, config, tp_size)
     specs = partition_specs(config, tp_size, axis_name=axis_name, weight_layout=weight_layout)
     parameters = layer_parameters(config)
     hidden, latent, experts = config.hidden_size, config.latent_size, config.num_experts
@@ -136,13 +192,35 @@ def layer_weights(checkpoint: str | os.PathLike | Checkpoint, layer: int, *, con
     checkpoint.expect(bias, (experts,), (np.float32, dtype), layer=layer, what="[E]: the router's correction bias",
                       dtype_source="float32 or config.dtype")
     weights["router_bias"] = place("router_bias", lambda index: checkpoint.read(bias, index))
+
+    def read_experts(tensors: list[str], index: tuple[slice, ...]) -> np.ndarray:
+        """Block ``index`` [experts, rows, columns] of the experts' stacked Flax-layout kernels."""
+        return np.stack([checkpoint.read_transposed(tensors[expert], index[1:])
+                         for expert in range(*index[0].indices(experts))])
+
     for name, weight in EXPERT_WEIGHTS:
-        tensors = [f"{block}experts.{expert}.{weight}.weight" for expert in range(experts)]
         stored = (latent, expert_width) if weight == "w2" else (expert_width, latent)
-        for tensor in tensors:
-            checkpoint.expect(tensor, stored, dtype, layer=layer, what=f"torch's [out, in] of one expert's {name}")
-        weights[name] = place(name, lambda index, tensors=tensors: np.stack(
-            [checkpoint.read_transposed(tensors[expert], index[1:]) for expert in range(*index[0].indices(experts))]))
+        what = f"torch's [out, in] of one expert's {name}"
+        tensors = {suffix: [f"{block}experts.{expert}.{weight}.{suffix}" for expert in range(experts)]
+                   for suffix in EXPERT_TENSORS[config.expert_quantization]}
+        if config.expert_quantization is None:
+            for tensor in tensors["weight"]:
+                checkpoint.expect(tensor, stored, dtype, layer=layer, what=what)
+            weights[name] = place(name, functools.partial(read_experts, tensors["weight"]))
+            continue
+        out, into = stored
+        packed, scales = tensors["weight_packed"], tensors["weight_scale"]
+        for tensor in packed:
+            checkpoint.expect(tensor, (out, into // mxfp4.CODES_PER_BYTE), np.uint8, layer=layer,
+                              what=f"{what}: two E2M1 codes per byte", dtype_source=mxfp4.FORMAT)
+        for tensor in scales:
+            checkpoint.expect(tensor, (out, into // mxfp4.GROUP_SIZE), np.uint8, layer=layer,
+                              what=f"{what}: one E8M0 scale per {mxfp4.GROUP_SIZE} input columns",
+                              dtype_source=mxfp4.FORMAT)
+        weights[name] = place(name, functools.partial(read_experts, packed))
+        weights[ROUTED_EXPERT_SCALES[name]] = place(ROUTED_EXPERT_SCALES[name], functools.partial(
+            _read_checked_scales, functools.partial(read_experts, packed), functools.partial(read_experts, scales),
+            scales, layer=layer, dtype=dtype))
     norm_weight, kernel = k3_tail.load_tail_weights(checkpoint, layer, config=config.tail, mesh=mesh,
                                                     axis_name=axis_name, weight_layout=weight_layout)
     weights["norm_scale"] = norm_weight
@@ -153,17 +231,62 @@ def layer_weights(checkpoint: str | os.PathLike | Checkpoint, layer: int, *, con
     return weights
 
 
-def _refuse_quantized_experts(checkpoint: Checkpoint, block: str, layer: int) -> None:
-    """ValueError when the routed experts under ``block`` are stored in any form but plain ``weight``
-    tensors (Kimi-K3's MXFP4: ``weight_packed``, ``weight_scale``, ...), naming what was found."""
+def _check_expert_storage(checkpoint: Checkpoint, block: str, layer: int, config: LayerConfig) -> None:
+    """ValueError when the routed experts under ``block`` hold tensors other than ``config.expert_quantization``
+    stores (``EXPERT_TENSORS``: plain ``weight``, or MXFP4's ``weight_packed`` and ``weight_scale``), naming
+    what was found and the setting that loads it."""
     experts = f"{block}experts."
-    quantized = [name for name in checkpoint.names if name.startswith(experts) and not name.endswith(".weight")]
-    if not quantized:
+    wanted = EXPERT_TENSORS[config.expert_quantization]
+    other = [name for name in checkpoint.names if name.startswith(experts) and name.rsplit(".", 1)[-1] not in wanted]
+    if not other:
         return
-    shown = ", ".join(quantized[:4]) + (f" and {len(quantized) - 4} more" if len(quantized) > 4 else "")
-    raise ValueError(f"layer {layer}: the routed experts are stored quantised ({shown}{_quantization(checkpoint)}); "
-                     "this layer computes with bf16 or float32 experts and does not dequantise them: load a "
-                     "checkpoint whose experts are plain .weight tensors")
+    shown = ", ".join(other[:4]) + (f" and {len(other) - 4} more" if len(other) > 4 else "")
+    if config.expert_quantization is None:
+        raise ValueError(f"layer {layer}: the routed experts are stored quantised ({shown}"
+                         f"{_quantization(checkpoint)}); this LayerConfig holds them in {config.dtype.name} "
+                         f"(expert_quantization=None): compressed-tensors' {mxfp4.FORMAT} experts (weight_packed, "
+                         "weight_scale) load with LayerConfig(expert_quantization='mxfp4'), which "
+                         "layer_config_from_hf sets from the model's quantization_config")
+    raise ValueError(f"layer {layer}: the routed experts hold tensors that are not {mxfp4.FORMAT}'s weight_packed "
+                     f"and weight_scale ({shown}); LayerConfig(expert_quantization='mxfp4') loads those only, and "
+                     "experts stored as plain .weight tensors load with expert_quantization=None")
+
+
+def _check_group_aligned_slices(block: str, layer: int, config: LayerConfig, tp_size: int) -> None:
+    """ValueError naming w2's scale tensor, rank 1's slice and the group size unless each rank's m / p input
+    columns of w2 are whole MXFP4 groups of 32 (and so whole bytes of two codes and whole scales)."""
+    width = config.expert_intermediate_size
+    if width % tp_size or (width // tp_size) % mxfp4.GROUP_SIZE == 0:
+        return  # p not dividing m: partition_specs names that
+    share = width // tp_size
+    raise ValueError(f"layer {layer}: {block}experts.0.w2.weight_scale (and every expert's w2): with p = {tp_size} "
+                     f"each rank holds {share} of w2's {width} input columns (rank 1: columns [{share}, {2 * share})), "
+                     f"not whole MXFP4 groups of {mxfp4.GROUP_SIZE} columns under one scale byte (nor always whole "
+                     f"bytes of {mxfp4.CODES_PER_BYTE} codes): MXFP4 experts need m / p a multiple of "
+                     f"{mxfp4.GROUP_SIZE}, a p dividing {width // mxfp4.GROUP_SIZE}")
+
+
+def _read_checked_scales(read_packed: Callable, read_scales: Callable, scale_tensors: list[str],
+                         index: tuple[slice, ...], *, layer: int, dtype: np.dtype) -> np.ndarray:
+    """Block ``index`` [experts, groups, columns] of the stacked scales, after checking that no group of it
+    decodes past ``dtype``'s range (``mxfp4.overflowing_groups``: the codes are read only for the rare
+    scales of 2^126 and 2^127). ValueError naming the tensor, the row and the input columns otherwise."""
+    scales = read_scales(index)
+    if not np.isin(scales, mxfp4.OVERFLOWING_SCALES).any():
+        return scales
+    experts, groups, columns = index
+    per_group = mxfp4.GROUP_SIZE // mxfp4.CODES_PER_BYTE
+    packed = read_packed((experts, slice(groups.start * per_group, groups.stop * per_group), columns))
+    bad = np.argwhere(mxfp4.overflowing_groups(packed, scales))
+    if not len(bad):
+        return scales
+    expert, group, row = (int(value) for value in bad[0])
+    group, row = group + groups.start, row + columns.start
+    scale = int(scales[tuple(bad[0])])
+    raise ValueError(f"layer {layer}: {scale_tensors[expert + experts.start]}: row {row}, input columns "
+                     f"[{group * mxfp4.GROUP_SIZE}, {(group + 1) * mxfp4.GROUP_SIZE}): the scale 2^{scale - 127} "
+                     f"makes values past {dtype.name}'s largest finite ({float(jnp.finfo(dtype).max):.4g}); "
+                     f"{len(bad)} such group(s) in this block")
 
 
 def _quantization(checkpoint: Checkpoint) -> str:

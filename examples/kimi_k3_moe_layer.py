@@ -44,6 +44,14 @@ by :func:`routed_expert_method` with its reason:
 - "ragged_dot" (by name only): ``jax.lax.ragged_dot``, which jax 0.10.2 computes densely over all E
   experts on CPU and in XLA's default GPU pipeline (E times the useful FLOPs).
 
+MXFP4 experts (``LayerConfig(expert_quantization="mxfp4")``, as the released Kimi-K3 ships them): each
+routed kernel is held packed, its E2M1 codes two per byte and one E8M0 scale per 32 input rows
+(examples/kimi_k3_mxfp4.py), under the same names and partition specs, with a scale parameter beside
+each (``ROUTED_EXPERT_SCALES``): ``expert_gate``, ``expert_up`` uint8 [E, L/2, m] with
+``expert_gate_scale``, ``expert_up_scale`` [E, L/32, m], ``expert_down`` uint8 [E, m/2, L] with
+``expert_down_scale`` [E, m/32, L]. The routed-expert methods decode them exactly to the layer's
+dtype where they use them: 0.53 bytes per weight held instead of 2.
+
 Numerics: weights and activations in ``config.tail.dtype`` (Kimi-K3: bf16), every GEMM accumulating
 in float32, the router, SiTU and the weighted sum in float32; activations are rounded to the dtype
 where they enter a GEMM (z, the SiTU outputs) and where the partials enter the tail. Every GEMM is
@@ -52,7 +60,8 @@ pipeline keeps it a GEMM that reads its kernel in place (docs/design.md, "One-ro
 
 Per-rank cost, d bytes per element: router 2THE FLOPs over dHE weight bytes; down projection 2THL
 over dHL; routed experts 6TkLm/p over 3dLm/p per expert read (gather: T*k of them; capacity: all E,
-once); shared experts 6THF/p over 3dHF/p; then the tail tier's (README tier table).
+once; MXFP4 experts: d = 0.53125 held, plus what XLA writes of their decoding, examples/kimi_k3_mxfp4.py);
+shared experts 6THF/p over 3dHF/p; then the tail tier's (README tier table).
 
 ``KimiK3MoELayer`` holds the parameters as ``nnx.Param`` (``build_layer``: random stand-ins for a
 checkpoint; examples/kimi_k3_checkpoint.py: a layer of a Hugging Face checkpoint); :func:`layer_forward`
@@ -80,12 +89,17 @@ from examples.kimi_k3_gemm import matmul
 from k3_tail.tools.blocks import WEIGHT_LAYOUTS
 from k3_tail.tools.layer_cost import MoELayerSizes
 from k3_tail.xla.compilation import compiler_options
+from examples import kimi_k3_mxfp4 as mxfp4
 from examples.kimi_k3_routed_experts import ROUTED_EXPERTS, routed_expert_method
 from examples.kimi_k3_situ import situ
 
 KIMI_K3_NUM_EXPERTS, KIMI_K3_TOP_K = 896, 16
-# The parameters that hold the routed experts' weights (what k3_tail.tools.layer_schedule traces).
+# The parameters that hold the routed experts' weights (what k3_tail.tools.layer_schedule traces); with MXFP4
+# experts they hold the packed codes, and each has its scales beside it, named here.
 ROUTED_EXPERT_WEIGHTS = ("expert_gate", "expert_up", "expert_down")
+ROUTED_EXPERT_SCALES = {name: f"{name}_scale" for name in ROUTED_EXPERT_WEIGHTS}
+# LayerConfig.expert_quantization's values: None (experts in the layer's dtype) or MXFP4.
+EXPERT_QUANTIZATIONS = (None, "mxfp4")
 KIMI_K3_EXPERT_INTERMEDIATE_SIZE, KIMI_K3_SHARED_INTERMEDIATE_SIZE = 3072, 6144
 # The stand-in checkpoint's correction bias and norm scale: spread enough that the bias changes some
 # top-k choices and the scale is not all ones, as in a trained layer.
@@ -112,6 +126,10 @@ class LayerConfig:
     partials are summed (``k3_tail.reduce_shared``) while the routed experts compute; the tail takes
     the reduced output. False keeps the shared reduction inside the tail, where only the up projection
     can hide it. ``tail.shared_output_is_reduced`` is set here to follow it.
+
+    expert_quantization: None (default), the routed experts in ``tail.dtype``; "mxfp4", held packed as
+    MXFP4 and decoded where used (module docstring). MXFP4 needs L and m multiples of 32 (its groups)
+    and a bfloat16 or float32 dtype (where every MXFP4 value is exact).
     """
 
     tail: k3_tail.TailConfig
@@ -121,6 +139,7 @@ class LayerConfig:
     shared_intermediate_size: int = KIMI_K3_SHARED_INTERMEDIATE_SIZE
     routed_experts: str | None = None
     early_shared_reduction: bool = True
+    expert_quantization: str | None = None
 
     def __post_init__(self):
         if not isinstance(self.tail, k3_tail.TailConfig):
@@ -143,11 +162,23 @@ class LayerConfig:
                 raise ValueError(f"{name}: expected an integer >= 1, got {value!r}")
         if self.top_k > self.num_experts:
             raise ValueError(f"top_k: expected at most num_experts = {self.num_experts}, got {self.top_k}")
+        if self.expert_quantization not in EXPERT_QUANTIZATIONS:
+            raise ValueError(f"expert_quantization: expected one of {EXPERT_QUANTIZATIONS}, "
+                             f"got {self.expert_quantization!r}")
+        if self.expert_quantization == "mxfp4":
+            if tail.dtype not in mxfp4.DECODED_DTYPES:
+                raise ValueError(f"tail: MXFP4 experts decode to {tuple(d.name for d in mxfp4.DECODED_DTYPES)}, "
+                                 f"got dtype {tail.dtype.name}")
+            for name, width in (("latent_size", tail.latent_size),
+                                ("expert_intermediate_size", self.expert_intermediate_size)):
+                if width % mxfp4.GROUP_SIZE:
+                    raise ValueError(f"{name}: MXFP4 experts need a multiple of {mxfp4.GROUP_SIZE} (one scale per "
+                                     f"{mxfp4.GROUP_SIZE} input columns), got {width}")
 
     @classmethod
     def kimi_k3(cls, *, num_experts: int = 8, top_k: int = 2, width_divisor: int = 1,
                 routed_experts: str | None = None, early_shared_reduction: bool = True,
-                **tail_overrides: Any) -> LayerConfig:
+                expert_quantization: str | None = None, **tail_overrides: Any) -> LayerConfig:
         """Kimi-K3's widths (H 7168, L 3584, m 3072, F 6144, bf16; the tail's eps 1e-5 and the rest of
         ``k3_tail.TailConfig.kimi_k3``), each divided by ``width_divisor`` (a
         smaller layer of the same proportions, for a CPU), with ``num_experts`` experts, ``top_k`` per
@@ -164,7 +195,7 @@ class LayerConfig:
         tail = k3_tail.TailConfig.kimi_k3(**{"hidden_size": hidden, "latent_size": latent, **tail_overrides})
         return cls(tail, num_experts=num_experts, top_k=top_k, expert_intermediate_size=expert,
                    shared_intermediate_size=shared, routed_experts=routed_experts,
-                   early_shared_reduction=early_shared_reduction)
+                   early_shared_reduction=early_shared_reduction, expert_quantization=expert_quantization)
 
     @property
     def sizes(self) -> MoELayerSizes:
@@ -204,12 +235,22 @@ def layer_parameters(config: LayerConfig) -> dict[str, Parameter]:
     ``NORM_SCALE_STDDEV``) so that the bias changes some top-k choices and the scale is not all ones.
     With an FP8 ``config.tail.up_proj_dtype`` the up projection is its FP8 values [L, H] and their
     float32 scales ``up_proj_scale`` [H] (``k3_tail.quantize_up_proj`` of the checkpoint's kernel).
+    With MXFP4 experts each routed kernel [E, K, N] is its packed codes uint8 [E, K/2, N] (``stddev``
+    that of the decoded values) and ``<name>_scale`` uint8 [E, K/32, N] (made with the codes).
     """
     hidden, latent, experts, dtype = config.hidden_size, config.latent_size, config.num_experts, config.dtype
     expert_width, shared_width = config.expert_intermediate_size, config.shared_intermediate_size
 
     def kernel(*shape, fan_in):
         return Parameter(shape, dtype, fan_in ** -0.5)
+
+    def expert_kernel(name, *shape, fan_in):
+        if config.expert_quantization is None:
+            return {name: kernel(*shape, fan_in=fan_in)}
+        *leading, rows, columns = shape
+        codes = np.dtype(np.uint8)
+        return {name: Parameter((*leading, rows // mxfp4.CODES_PER_BYTE, columns), codes, fan_in ** -0.5),
+                ROUTED_EXPERT_SCALES[name]: Parameter((*leading, rows // mxfp4.GROUP_SIZE, columns), codes, 0.0)}
 
     up_proj_dtype = config.tail.up_proj_dtype
     up_projection = {"up_proj_kernel": kernel(latent, hidden, fan_in=latent)}
@@ -220,9 +261,9 @@ def layer_parameters(config: LayerConfig) -> dict[str, Parameter]:
         "router_kernel": kernel(hidden, experts, fan_in=hidden),
         "router_bias": Parameter((experts,), np.dtype(np.float32), ROUTER_BIAS_STDDEV),
         "down_proj": kernel(hidden, latent, fan_in=hidden),
-        "expert_gate": kernel(experts, latent, expert_width, fan_in=latent),
-        "expert_up": kernel(experts, latent, expert_width, fan_in=latent),
-        "expert_down": kernel(experts, expert_width, latent, fan_in=expert_width),
+        **expert_kernel("expert_gate", experts, latent, expert_width, fan_in=latent),
+        **expert_kernel("expert_up", experts, latent, expert_width, fan_in=latent),
+        **expert_kernel("expert_down", experts, expert_width, latent, fan_in=expert_width),
         "shared_gate": kernel(hidden, shared_width, fan_in=hidden),
         "shared_up": kernel(hidden, shared_width, fan_in=hidden),
         "shared_down": kernel(shared_width, hidden, fan_in=shared_width),
@@ -233,10 +274,12 @@ def layer_parameters(config: LayerConfig) -> dict[str, Parameter]:
 
 def partition_specs(config: LayerConfig, tp_size: int, *, axis_name: str = "tp",
                     weight_layout: str = "replicated") -> dict[str, P]:
-    """How the TP ranks hold each parameter (module docstring), by name.
+    """How the TP ranks hold each parameter (module docstring), by name; an MXFP4 scale as its kernel.
 
     ValueError unless p divides what it splits: m, F, and H for the column layout (the tail's column
-    tiers would otherwise want the kernel stored padded; Kimi-K3's widths divide by 1, 2, 4, 8, 16).
+    tiers would otherwise want the kernel stored padded; Kimi-K3's widths divide by 1, 2, 4, 8, 16);
+    with MXFP4 experts, unless 32 p divides m, so that each rank's rows of the down kernel are whole
+    groups of 32 under one scale (Kimi-K3's m = 3072: p up to 96).
     """
     splits = {"expert_intermediate_size": config.expert_intermediate_size,
               "shared_intermediate_size": config.shared_intermediate_size}
@@ -247,6 +290,10 @@ def partition_specs(config: LayerConfig, tp_size: int, *, axis_name: str = "tp",
     for name, width in splits.items():
         if width % tp_size:
             raise ValueError(f"{name}: expected a multiple of the TP size {tp_size}, got {width}")
+    if config.expert_quantization == "mxfp4" and config.expert_intermediate_size % (mxfp4.GROUP_SIZE * tp_size):
+        raise ValueError(f"expert_intermediate_size: MXFP4 experts split over {tp_size} ranks need a multiple of "
+                         f"{mxfp4.GROUP_SIZE} x {tp_size} = {mxfp4.GROUP_SIZE * tp_size} (each rank's rows of "
+                         f"expert_down whole groups of {mxfp4.GROUP_SIZE}), got {config.expert_intermediate_size}")
     tp = axis_name
     column = weight_layout == "column"
     specs = {
@@ -257,6 +304,8 @@ def partition_specs(config: LayerConfig, tp_size: int, *, axis_name: str = "tp",
     }
     if config.tail.up_proj_dtype is not None:
         specs["up_proj_scale"] = P(tp) if column else P()
+    if config.expert_quantization is not None:
+        specs.update({scale: specs[name] for name, scale in ROUTED_EXPERT_SCALES.items()})
     return specs
 
 
@@ -264,12 +313,18 @@ def random_checkpoint(config: LayerConfig, *, seed: int = 0) -> dict[str, np.nda
     """Stand-in weights for a checkpoint, by name, each in its dtype: drawn on the host with numpy, so
     nothing is compiled (XLA's CPU compiler takes seconds per ``jax.random.normal`` shape). With an FP8
     up projection the kernel is drawn in the layer's dtype, as the checkpoint ships it, and quantised
-    (``k3_tail.quantize_up_proj``: values and per-column scales), as a server does at load."""
+    (``k3_tail.quantize_up_proj``: values and per-column scales), as a server does at load. MXFP4
+    experts are random codes with one scale per kernel (``mxfp4.random_codes``), of the bf16 kernels' spread."""
     rng = np.random.default_rng(seed)
     weights = {}
     for name, p in layer_parameters(config).items():
-        if name == "up_proj_scale":
-            continue  # made with the quantised kernel
+        if name == "up_proj_scale" or name in ROUTED_EXPERT_SCALES.values():
+            continue  # made with the quantised kernel, or with the packed codes
+        if config.expert_quantization is not None and name in ROUTED_EXPERT_WEIGHTS:
+            *leading, half, columns = p.shape
+            weights[name], weights[ROUTED_EXPERT_SCALES[name]] = mxfp4.random_codes(
+                rng, (*leading, half * mxfp4.CODES_PER_BYTE, columns), p.stddev)
+            continue
         value = p.mean + p.stddev * rng.standard_normal(p.shape, dtype=np.float32)
         if name == "up_proj_kernel" and config.tail.up_proj_dtype is not None:
             quantized = k3_tail.quantize_up_proj(value.astype(config.dtype), config.tail.up_proj_dtype)
@@ -311,9 +366,16 @@ def routed_partial(parameters: Mapping[str, jax.Array], hidden_states: jax.Array
                             top_k=config.top_k)
     latent = matmul(hidden_states, parameters["down_proj"]).astype(config.dtype)
     experts = ROUTED_EXPERTS[routed_expert_method(config, hidden_states.shape[0]).method]
-    routed = experts(latent, chosen, combine, parameters["expert_gate"], parameters["expert_up"],
-                     parameters["expert_down"])
+    routed = experts(latent, chosen, combine, *routed_expert_kernels(parameters))
     return routed.astype(config.dtype)
+
+
+def routed_expert_kernels(parameters: Mapping[str, jax.Array]) -> tuple[jax.Array | mxfp4.Mxfp4Kernel, ...]:
+    """(gate, up, down) as the routed-expert methods take them: the arrays, or MXFP4 codes with their scales."""
+    if ROUTED_EXPERT_SCALES["expert_gate"] in parameters:
+        return tuple(mxfp4.Mxfp4Kernel(parameters[name], parameters[scale])
+                     for name, scale in ROUTED_EXPERT_SCALES.items())
+    return tuple(parameters[name] for name in ROUTED_EXPERT_WEIGHTS)
 
 
 def shared_partial(parameters: Mapping[str, jax.Array], hidden_states: jax.Array, *,
@@ -456,7 +518,8 @@ class KimiK3MoELayer(nnx.Module):
     """The layer (module docstring) with its parameters as ``nnx.Param``, sharded over ``mesh``.
 
     ``checkpoint``: every parameter of :func:`layer_parameters` by name, as numpy or jax arrays of its
-    global shape (cast to its dtype); each is placed as :func:`partition_specs` says, so a rank
+    global shape (cast to its dtype; MXFP4 codes and scales must be uint8 already, as no cast makes
+    them); each is placed as :func:`partition_specs` says, so a rank
     receives only its block (a jax array already placed so, as examples/kimi_k3_checkpoint.py loads
     them, stays where it is), and the Params carry that spec as sharding metadata
     (``nnx.get_partition_spec``). ``__call__(hidden_states [T, H], *, tier=None)`` is
@@ -477,9 +540,11 @@ class KimiK3MoELayer(nnx.Module):
         for name, parameter in parameters.items():
             value = checkpoint[name]
             if not isinstance(value, jax.Array):  # a jax.Array (loaded sharded) stays on its devices
-                value = np.asarray(value, parameter.dtype)
+                value = np.asarray(value)
             if value.shape != parameter.shape:
                 raise ValueError(f"checkpoint: expected {name} of shape {parameter.shape}, got {value.shape}")
+            if parameter.dtype == np.uint8 and value.dtype != parameter.dtype:
+                raise ValueError(f"checkpoint: expected {name} of uint8 (MXFP4 codes or scales), got {value.dtype}")
             if value.dtype != parameter.dtype:
                 value = value.astype(parameter.dtype)
             placed = jax.device_put(value, NamedSharding(mesh, specs[name]))

@@ -6,7 +6,10 @@ Every method computes this rank's routed latent partial
 
 for latent [T, L] (the layer's dtype), chosen [T, k] expert ids, combine [T, k] float32, and this rank's
 blocks gate, up [E, L, m/p] and down [E, m/p, L] (each expert's intermediate width m split over the p
-ranks), exactly: every (token, expert) pair, for any routing. Each returns float32 [T, L]; GEMMs take
+ranks), exactly: every (token, expert) pair, for any routing. A block may be MXFP4
+(``examples.kimi_k3_mxfp4.Mxfp4Kernel``: packed codes and scales); each method decodes it exactly
+(``mxfp4.dense``) where it uses the weights, and gathers blocks while they are still packed.
+Each returns float32 [T, L]; GEMMs take
 the dtype's operands and accumulate in float32 (the capacity method's are examples/kimi_k3_gemm.matmul,
 which multiplies a capacity of one row as two), the SiTU output is rounded to the dtype where it enters
 the down GEMM, and the k slots' outputs are summed with their weights as a multiply and a reduce. No
@@ -14,13 +17,15 @@ method issues a collective.
 
 - "gather" (decode, T * k <= E): for each (token, slot) the chosen expert's blocks are read where they
   lie and applied as a multiply and a reduce over the gathered block, which XLA fuses into one loop:
-  the [T, k, L, m/p] weight blocks are never written out. Reads T*k blocks of 3 L m/p elements.
+  the [T, k, L, m/p] weight blocks are never written out. Reads T*k blocks of 3 L m/p elements; MXFP4
+  blocks are decoded inside that loop, so only their codes and scales are read.
 - "capacity" (prefill, T * k > E): the T*k pairs sorted by expert; each expert's first C pairs
   (:func:`expert_capacity`) in one batched GEMM over all E experts, [E, C, L] x [E, L, m/p] with the
   weights read in place, once; the pairs beyond C in overflow rounds of S = :func:`overflow_slots`
   chunks (up to C pairs of one expert each, that expert's blocks gathered for the round) until none
   is left. 6 E C L m/p FLOPs for the first pass and 6 S C L m/p per round; routing every token to the
-  same k experts takes about k T / (C S) rounds: exact, but slow.
+  same k experts takes about k T / (C S) rounds: exact, but slow. MXFP4 weights are decoded for the
+  first pass's GEMMs (all E experts' blocks) and for each round's S gathered blocks.
 - "ragged_dot": the pairs sorted by expert and one ``jax.lax.ragged_dot`` per kernel. It is the
   grouped GEMM's API, not its kernel: with jax 0.10.2 the CPU backend and XLA's default GPU pipeline
   compute it densely over all E groups, every row against every expert's weights, the other groups'
@@ -68,6 +73,7 @@ import jax
 import jax.numpy as jnp
 
 from examples.kimi_k3_gemm import matmul
+from examples.kimi_k3_mxfp4 import dense
 from examples.kimi_k3_situ import situ
 
 if TYPE_CHECKING:
@@ -126,10 +132,10 @@ def experts_by_gather(latent, chosen, combine, gate, up, down) -> jax.Array:
     [T, k, m/p] and [T, k, L] float32.
     """
     rows = latent.astype(jnp.float32)[:, None, :, None]                             # [T, 1, L, 1]
-    gate_in = (rows * gate[chosen].astype(jnp.float32)).sum(axis=2)                # [T, k, m/p]
-    up_in = (rows * up[chosen].astype(jnp.float32)).sum(axis=2)
+    gate_in = (rows * dense(gate[chosen], jnp.float32)).sum(axis=2)                # [T, k, m/p]
+    up_in = (rows * dense(up[chosen], jnp.float32)).sum(axis=2)
     activation = situ(gate_in, up_in).astype(latent.dtype).astype(jnp.float32)
-    out = (activation[..., None] * down[chosen].astype(jnp.float32)).sum(axis=2)  # [T, k, L]
+    out = (activation[..., None] * dense(down[chosen], jnp.float32)).sum(axis=2)  # [T, k, L]
     return _weighted_sum(combine, out)
 
 
@@ -192,6 +198,7 @@ def experts_by_ragged_dot(latent, chosen, combine, gate, up, down) -> jax.Array:
     num_tokens, top_k = chosen.shape
     order, group_sizes = _sort_pairs(chosen, gate.shape[0])
     rows = latent[order // top_k]
+    gate, up, down = (dense(kernel, latent.dtype) for kernel in (gate, up, down))
     gate_in = jax.lax.ragged_dot(rows, gate, group_sizes, preferred_element_type=jnp.float32)
     up_in = jax.lax.ragged_dot(rows, up, group_sizes, preferred_element_type=jnp.float32)
     activation = situ(gate_in, up_in).astype(latent.dtype)
@@ -217,8 +224,9 @@ def _weighted_sum(combine: jax.Array, out: jax.Array) -> jax.Array:
     return (combine[..., None] * out).sum(axis=1)
 
 
-def _expert_mlp(rows: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array) -> jax.Array:
+def _expert_mlp(rows: jax.Array, gate, up, down) -> jax.Array:
     """SiTU(rows @ gate, rows @ up) @ down per expert: rows [S, C, L], gate and up [S, L, m/p], down
-    [S, m/p, L] -> [S, C, L] float32."""
+    [S, m/p, L] (arrays or MXFP4, decoded to the rows' dtype) -> [S, C, L] float32."""
+    gate, up, down = (dense(kernel, rows.dtype) for kernel in (gate, up, down))
     activation = situ(matmul(rows, gate), matmul(rows, up)).astype(rows.dtype)
     return matmul(activation, down)

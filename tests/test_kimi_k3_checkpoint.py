@@ -177,13 +177,14 @@ def quantised_experts(tensors):
     return changed
 
 
-def test_quantised_routed_experts_are_refused_naming_the_tensors_found(tmp_path, config):
+def test_quantised_routed_experts_under_a_bf16_config_are_refused_naming_the_tensors_found(tmp_path, config):
     whole = {**MODEL.config(), "quantization_config": {"quant_method": "compressed-tensors",
                                                        "format": "mxfp4-pack-quantized"}}
     path = write_checkpoint(tmp_path, quantised_experts(TENSORS), config=whole)
     message = (r"^layer 2: the routed experts are stored quantised \(language_model\.model\.layers\.2\.block_sparse_moe"
                r"\.experts\.0\.w1\.weight_packed, .* and \d+ more; config\.json: quantization_config "
-               r"compressed-tensors, mxfp4-pack-quantized\); this layer computes with bf16 or float32 experts")
+               r"compressed-tensors, mxfp4-pack-quantized\); this LayerConfig holds them in bfloat16 "
+               r"\(expert_quantization=None\): .* load with LayerConfig\(expert_quantization='mxfp4'\)")
     with pytest.raises(ValueError, match=message):
         load_layer(path, LAYER, config=config, mesh=make_tp_mesh(TP_SIZE))
 
