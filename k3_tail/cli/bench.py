@@ -26,6 +26,7 @@ import jax
 
 from k3_tail.cli.common import (
     add_measurement_arguments, describe_config, format_bench_table, measure, measurement_config, measurement_tiers,
+    selected_tiers,
 )
 from k3_tail.tiers.registry import Tier
 from k3_tail.tools.benchmark import Measurement, config_dict, default_token_counts, machine_info
@@ -108,7 +109,9 @@ def run(args: argparse.Namespace) -> int:
         from k3_tail.tools.plotting import plot_measurements  # imports matplotlib: only when asked to plot
 
         title = f"{describe_config(config)}; kernel {args.weight_layout}; {platform}"
-        plot_measurements(measurements, args.plot, title=title)
+        selected = {key: decision.tier for key, decision in
+                    selected_tiers(measurements, config, device_kind=devices[0].device_kind).items()}
+        plot_measurements(measurements, args.plot, title=title, selected=selected)
         say(f"plot: {args.plot}")
     return 0
 
