@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -102,15 +102,18 @@ def describe(x: Any) -> str:
 
 def expect_array(
     x: Any, name: str, shapes: Sequence[tuple[int, ...]], dtype: np.dtype, sizes: str, *,
-    dtype_field: str = "config.dtype",
+    dtype_field: str = "config.dtype", shape_hint: Callable[[tuple[int, ...]], str | None] | None = None,
 ) -> None:
     """ValueError naming ``name`` unless ``x`` is an array of one of ``shapes`` and of ``dtype``; ``sizes``
-    ("p=8, L=3584") and ``dtype_field`` say where they come from, for the message."""
+    ("p=8, L=3584") and ``dtype_field`` say where they come from, for the message, and ``shape_hint(shape)``
+    (when given and not None) the likely fix for a wrong shape."""
     if x is None or not hasattr(x, "shape") or not hasattr(x, "dtype"):
         raise ValueError(f"{name}: expected an array of shape {shapes[0]}, got {describe(x)}")
     if tuple(x.shape) not in shapes:
         wanted = " or ".join(str(s) for s in shapes)
-        raise ValueError(f"{name}: expected shape {wanted} ({sizes}), got {tuple(x.shape)}")
+        hint = None if shape_hint is None else shape_hint(tuple(x.shape))
+        raise ValueError(f"{name}: expected shape {wanted} ({sizes}), got {tuple(x.shape)}"
+                         + ("" if hint is None else f"; {hint}"))
     if jnp.dtype(x.dtype) != dtype:
         raise ValueError(f"{name}: expected dtype {dtype.name} ({dtype_field}), got {jnp.dtype(x.dtype).name}")
 

@@ -183,5 +183,5 @@ def _check_per_rank_inputs(routed_partial, shared_partial, norm_weight, up_proj_
     else:
         shapes, sizes = [(latent, hidden)], f"L={latent}, H={hidden}"
     check_up_proj_kernel(up_proj_kernel, dtype=config.dtype, up_proj_dtype=config.up_proj_dtype, shapes=shapes,
-                         sizes=sizes)
+                         sizes=sizes, column_block=weight_layout == "column")
     return num_tokens

@@ -5,6 +5,10 @@
 
 Exit status 0 when every tier is within the dtype's tolerance of the float64 reference, 1 when one is not or a
 process or the coordinator's address fails, 2 for bad arguments. Method: docs/guide.md, "Multi-process meshes".
+
+On CPU devices the processes' collectives go through gloo, whose C++ runtime prints "[Gloo] Rank R is connected
+to N peer ranks. ..." on stdout for every device as it connects (no log level or variable turns it off).
+--local leaves those lines out unless --verbose; with --coordinator each process prints them.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 import traceback
 
@@ -36,6 +41,8 @@ SMALL_SHAPES = {"hidden_size": 99, "latent_size": 64}  # 99: no TP size > 1 divi
 # Relative Frobenius error allowed against float64: bf16 keeps 8 significand bits.
 TOLERANCE = {"bfloat16": 1e-2, "float32": 1e-5}
 TIERS_AND_LAYOUTS = tuple((tier, layout) for tier in k3_tail.Tier for layout in WEIGHT_LAYOUTS if tier.supports(layout))
+# How gloo's connection notices begin (module docstring).
+GLOO_NOTICE = "[Gloo] "
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,6 +93,9 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
         help="silence after which a process counts as dead and the others abort (default: 100)")
     add("--timeout", type=positive_int, default=1800, metavar="SECONDS",
         help="with --local: stop every process after this long (default: 1800)")
+    add("--verbose", action="store_true",
+        help="with --local: show every process's stdout, gloo's connection notices included (default: process 0's "
+        "results only)")
     args = parser.parse_args(argv)
     if args.coordinator is not None and (args.num_processes is None or args.process_id is None):
         parser.error("--coordinator needs --num-processes and --process-id")
@@ -110,7 +120,9 @@ def run_local(args: argparse.Namespace) -> int:
     """Start ``args.local`` processes of this script on the loopback address; 0 when all succeed, else 1.
 
     When one process fails the others are stopped: they would wait for it until their heartbeat
-    timeout. Only process 0 prints the results; every process's stderr stays visible.
+    timeout. Only process 0 prints the results, which are passed on without gloo's connection notices
+    (module docstring), unless ``--verbose`` shows every process's stdout as it is; every process's
+    stderr stays visible.
     """
     port = free_loopback_port()
     shared_options = [
@@ -121,10 +133,15 @@ def run_local(args: argparse.Namespace) -> int:
         "--connect-timeout", str(args.connect_timeout), "--heartbeat-timeout", str(args.heartbeat_timeout),
         *(["--small"] if args.small else []),
     ]
-    # The other processes' stdout only repeats process 0's (gloo's connection notices).
+    # The other processes' stdout holds only their own gloo notices.
+    outputs = [None if args.verbose else subprocess.PIPE if process_id == 0 else subprocess.DEVNULL
+               for process_id in range(args.local)]
     processes = [subprocess.Popen([sys.executable, __file__, *shared_options, "--process-id", str(process_id)],
-                                  stdout=None if process_id == 0 else subprocess.DEVNULL)
-                 for process_id in range(args.local)]
+                                  stdout=output, text=True)
+                 for process_id, output in enumerate(outputs)]
+    results = None if args.verbose else threading.Thread(target=pass_on_results, args=(processes[0].stdout,))
+    if results is not None:
+        results.start()
     deadline = time.monotonic() + args.timeout
     while None in (statuses := [process.poll() for process in processes]):
         failed = [i for i, status in enumerate(statuses) if status not in (None, 0)]
@@ -136,7 +153,18 @@ def run_local(args: argparse.Namespace) -> int:
                     process.kill()
             break
         time.sleep(0.1)
-    return 0 if all(process.wait() == 0 for process in processes) else 1
+    statuses = [process.wait() for process in processes]
+    if results is not None:
+        results.join()  # process 0 has ended: its stdout is at its end
+    return 0 if all(status == 0 for status in statuses) else 1
+
+
+def pass_on_results(stream) -> None:
+    """Copy process 0's stdout ``stream`` to this one's, line by line, without gloo's connection notices."""
+    for line in stream:
+        if not line.startswith(GLOO_NOTICE):
+            sys.stdout.write(line)
+            sys.stdout.flush()
 
 
 def free_loopback_port() -> int:

@@ -275,3 +275,66 @@ def test_bench_json_to_stdout_leaves_the_table_to_stderr():
         ("native", "replicated"), ("one_shot", "replicated")
     ]
     assert "median ms" in result.stderr
+
+
+# ---- the plot, drawn from synthetic measurements (no timing run) ----
+
+PLOT_TIERS = (Tier.NATIVE, Tier.OVERLAP, Tier.COLUMN_PARALLEL)
+PLOT_TOKENS = (1, 4, 16)
+# As long as bench's title of a config with every flag on: it has to break into lines to fit.
+LONG_TITLE = ("H=7168, L=3584, bfloat16, eps 1e-05, scale 2.827, sequence-parallel, up projection float8_e4m3fn, "
+              "FP8 activations, int4-quantised sums (vLLM's minimum); kernel column; cpu")
+
+
+def synthetic_measurements(tp_sizes):
+    """A tier's median at (p, T): distinct for every point, so a ring's position names its tier."""
+    def timing(median_s):
+        return Timing(median_s, 0.8 * median_s, 1.3 * median_s, 0.9 * median_s, 1.1 * median_s, 5)
+
+    return [Measurement(tier, t, p, "column", timing(1e-3 * (index + 1) * t / p))
+            for p in tp_sizes for t in PLOT_TOKENS for index, tier in enumerate(PLOT_TIERS)]
+
+
+@pytest.mark.parametrize("tp_sizes", [(8,), (2, 4, 8)], ids=["one-tp-size", "three-tp-sizes"])
+@pytest.mark.parametrize("title", ["H=7168, L=3584, bfloat16, eps 1e-05, scale 2.827; kernel column; cpu", LONG_TITLE],
+                         ids=["bench-title", "long-title"])
+def test_bench_plot_has_the_whole_title_the_band_and_the_selection_in_its_legend(tp_sizes, title):
+    plotting = pytest.importorskip("k3_tail.tools.plotting", reason="needs matplotlib (the [plot] extra)")
+    from matplotlib.text import Text
+
+    selected = {(p, t, "column"): Tier.OVERLAP if t < 16 else Tier.COLUMN_PARALLEL
+                for p in tp_sizes for t in PLOT_TOKENS}
+    figure = plotting.measurement_figure(synthetic_measurements(tp_sizes), title=title, selected=selected)
+    figure.canvas.draw()
+    canvas = figure.bbox
+    suptitle = figure.get_suptitle()
+    (title_text,) = [text for text in figure.findobj(Text) if text.get_text() == suptitle]
+    title_box = title_text.get_window_extent()
+    (legend,) = figure.legends
+    assert " ".join(suptitle.split()) == title
+    assert canvas.x0 <= title_box.x0 and title_box.x1 <= canvas.x1 and title_box.y1 <= canvas.y1
+    assert not title_box.overlaps(legend.get_window_extent())
+    assert [text.get_text() for text in legend.get_texts()] == [
+        *(tier.value for tier in PLOT_TIERS), plotting.BAND_LABEL, plotting.SELECTED_LABEL]
+    axes = figure.get_axes()
+    assert [axis.get_title() for axis in axes] == [f"p = {p}" for p in tp_sizes]
+    for axis, p in zip(axes, tp_sizes, strict=True):
+        (rings,) = [line for line in axis.get_lines() if line.get_gid() == plotting.SELECTED_GID]
+        medians = {(m.num_tokens, m.tier): 1e3 * m.timing.median_s for m in synthetic_measurements([p])}
+        assert list(zip(*rings.get_data(), strict=True)) == [(t, medians[t, selected[p, t, "column"]])
+                                                             for t in PLOT_TOKENS]
+
+
+def test_bench_plot_without_a_selection_has_no_rings():
+    plotting = pytest.importorskip("k3_tail.tools.plotting", reason="needs matplotlib (the [plot] extra)")
+    figure = plotting.measurement_figure(synthetic_measurements([2]))
+    (legend,) = figure.legends
+    assert plotting.SELECTED_LABEL not in [text.get_text() for text in legend.get_texts()]
+    assert not [line for line in figure.get_axes()[0].get_lines() if line.get_gid() == plotting.SELECTED_GID]
+
+
+def test_plot_measurements_writes_a_png_to_a_file_object():
+    plotting = pytest.importorskip("k3_tail.tools.plotting", reason="needs matplotlib (the [plot] extra)")
+    buffer = io.BytesIO()
+    plotting.plot_measurements(synthetic_measurements([2]), buffer, title="two ranks")
+    assert buffer.getvalue().startswith(PNG_SIGNATURE)

@@ -3,6 +3,7 @@
 import importlib.util
 import json
 import operator
+import os
 import subprocess
 import sys
 
@@ -10,7 +11,7 @@ import jax
 import pytest
 
 from helpers import command_environment
-from k3_tail.cli import build_parser, calibrate, demo, hlo, main
+from k3_tail.cli import CLOSED_PIPE_STATUS, COMMANDS, build_parser, calibrate, demo, hlo, main
 from k3_tail.cli.common import (
     all_reduce_quantization_options, describe_config, format_selection_gap, measurement_config, up_projection_options,
 )
@@ -356,7 +357,8 @@ def test_hlo_sweep_of_all_tiers_leaves_out_those_the_layout_cannot_run(capsys):
     column = {row["tier"] for row in document["rows"] if row["weight_layout"] == "column"}
     replicated = {row["tier"] for row in document["rows"] if row["weight_layout"] == "replicated"}
     assert column == {tier.value for tier in Tier if tier.supports("column")} and len(replicated) == len(Tier)
-    assert len(document["left_out"]) == len(Tier) - len(column)
+    assert document["left_out"] == [f"{tier.value} with the column layout, because {tier.why_not('column')}"
+                                    for tier in Tier if not tier.supports("column")]
 
 
 def test_hlo_sweep_of_kernel_variants_holds_half_the_kernel_in_fp8(capsys):
@@ -400,3 +402,63 @@ def test_hlo_help_explains_every_column(capsys):
     for name, column in hlo.COLUMNS.items():
         assert f"  {name} " in text and column.label.format(baseline="N") in text
     assert "B, KiB, MiB, GiB" in text
+
+
+def test_a_command_whose_reader_closes_the_pipe_ends_quietly_with_status_141():
+    """As `k3-tail tiers --json | head -1`, the reader gone before the command writes (it is still importing):
+    no BrokenPipeError from the command or from the interpreter's flush at exit, and 141, as `git log | head`."""
+    process = subprocess.Popen([sys.executable, "-m", "k3_tail", "tiers", "--json"], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, env=command_environment())
+    process.stdout.close()
+    _, stderr = process.communicate(timeout=120)
+    assert (process.returncode, stderr) == (CLOSED_PIPE_STATUS, b"")
+
+
+class ClosedPipe:
+    """A stdout whose reader is gone: every write and flush raises BrokenPipeError; its file descriptor is a
+    real one, which the command points at /dev/null."""
+
+    def __init__(self, fd):
+        self.fd = fd
+
+    def write(self, text):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    def flush(self):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    def fileno(self):
+        return self.fd
+
+    def isatty(self):
+        return False
+
+
+@pytest.mark.parametrize("argv", [["tiers"], ["hlo", "--help"]], ids=" ".join)
+def test_a_closed_stdout_is_pointed_at_devnull_after_a_command_or_its_help(argv, tmp_path, monkeypatch):
+    with open(tmp_path / "stdout", "w") as stand_in:
+        monkeypatch.setattr(sys, "stdout", ClosedPipe(stand_in.fileno()))
+        assert main(argv) == CLOSED_PIPE_STATUS  # --help's SystemExit too: the flush after it meets the pipe
+        assert os.path.samestat(os.fstat(stand_in.fileno()), os.stat(os.devnull))
+
+
+def help_text(argv, capsys):
+    with pytest.raises(SystemExit):
+        main([*argv, "--help"])
+    return capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command", [[], *([name] for name in COMMANDS)], ids=lambda argv: " ".join(argv) or "k3-tail")
+def test_help_is_wrapped_to_an_80_column_terminal(command, monkeypatch, capsys):
+    monkeypatch.setenv("COLUMNS", "80")
+    lines = help_text(command, capsys).splitlines()
+    assert max(map(len, lines)) <= 80, max(lines, key=len)
+
+
+def test_hlo_help_keeps_a_label_per_line_and_wraps_its_text_under_the_text(monkeypatch, capsys):
+    monkeypatch.setenv("COLUMNS", "80")
+    lines = help_text(["hlo"], capsys).splitlines()
+    start = lines.index(next(line for line in lines if line.startswith("  accessed ")))
+    label_column = " " * (hlo.EPILOG_LABEL_WIDTH + 2)
+    assert lines[start + 1].startswith(label_column) and lines[start + 1][len(label_column)] != " "
+    assert lines[start + 4] == "  vs_tokens (x T=N)" and lines[start + 5].startswith(label_column + "accessed")

@@ -231,6 +231,7 @@ def test_the_launcher_runs_every_tier_on_local_processes():
     expected_rows = [(tier.value, layout, "ok") for tier, layout in TIERS_AND_LAYOUTS]
     assert sorted((row[0], row[1], row[-1]) for row in rows) == sorted(expected_rows)
     assert "every tier and layout is within 0.01 of the float64 reference" in result.stdout
+    assert "[Gloo]" not in result.stdout  # gloo's connection notices are left out unless --verbose
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,6 @@
-"""The README's Python blocks run as written: in order, in one fresh process on 8 forced CPU devices."""
+"""The README's and docs/guide.md's Python blocks run as written: each page's in order, in one fresh process
+on 8 forced CPU devices, started at the repository root; their links resolve; .ci/run runs the README's
+commands as written."""
 
 import os
 import re
@@ -6,34 +8,51 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from helpers import FAST_COMPILE_XLA_FLAGS
 
 ROOT = Path(__file__).parent.parent
-# A fenced block opened by a line of exactly ```python; ```bash and indented shell lines are not run.
+# A fenced block opened by a line of exactly ```python; ```bash, ```text and indented lines are not run.
 PYTHON_BLOCK = re.compile(r"^```python\n(.*?)^```$", re.MULTILINE | re.DOTALL)
+# The pages whose Python blocks run.
+PAGES = ("README.md", "docs/guide.md")
 
-# Each block is compiled under its README line number, so a traceback points at the README's own line.
+# Each block is compiled under its page's name and line number, so a traceback points at the page's own line.
 RUNNER = """
 import sys
-for line, source in eval(sys.argv[1]):
-    exec(compile("\\n" * (line - 1) + source, "README.md", "exec"), globals())
+page = sys.argv[1]
+for line, source in eval(sys.argv[2]):
+    exec(compile("\\n" * (line - 1) + source, page, "exec"), globals())
 """
 
 
-def readme_python_blocks():
-    """(first line, source) of each ```python block of README.md, in order."""
-    text = (ROOT / "README.md").read_text()
+def python_blocks(page):
+    """(first line, source) of each ```python block of ``page`` (relative to the repository root), in order."""
+    text = (ROOT / page).read_text()
     return [(text.count("\n", 0, match.start(1)) + 1, match.group(1)) for match in PYTHON_BLOCK.finditer(text)]
 
 
-def test_every_readme_python_block_runs_in_order():
-    blocks = readme_python_blocks()
-    assert blocks, "README.md has no ```python block"
+@pytest.mark.parametrize("page", PAGES)
+def test_every_python_block_runs_in_order(page):
+    blocks = python_blocks(page)
+    assert blocks, f"{page} has no ```python block"
     environment = {**os.environ, "JAX_PLATFORMS": "cpu",
                    "XLA_FLAGS": f"--xla_force_host_platform_device_count=8 {FAST_COMPILE_XLA_FLAGS}"}
-    result = subprocess.run([sys.executable, "-c", RUNNER, repr(blocks)], cwd=ROOT, env=environment,
+    result = subprocess.run([sys.executable, "-c", RUNNER, page, repr(blocks)], cwd=ROOT, env=environment,
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
+
+
+def test_ci_runs_the_readmes_set_up_and_test_commands_as_written():
+    """The README's first two commands (its indented lines under "Set up" and "Run the tests"), as .ci/run's
+    first two commands."""
+    readme = (ROOT / "README.md").read_text()
+    commands = [re.search(rf"^## {heading}.*?^    (\S[^\n]*)$", readme, re.MULTILINE | re.DOTALL).group(1)
+                for heading in ("Set up and run the demo", "Run the tests")]
+    ci = [line for line in (ROOT / ".ci" / "run").read_text().splitlines()
+          if line and not line.startswith(("#", "set ", "cd "))]
+    assert ci[:2] == commands
 
 
 def anchor(heading):

@@ -7,6 +7,7 @@ multiplies, and the refusal of FP8 activations in the other one, in tests/test_r
 """
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import k3_tail
 from helpers import make_tp_mesh
+from k3_tail.ops.up_projection import TRANSPOSED_HINT, WHOLE_KERNEL_HINT, check_up_proj_kernel
 from reference import FP8_ACTIVATIONS_TOLERANCE, TOLERANCE, kernel_matrix, make_inputs, reference_tail, relative_error
 
 FORMATS = k3_tail.ops.up_projection.FP8_FORMATS
@@ -176,6 +178,32 @@ def test_tail_forward_rejects_a_kernel_that_does_not_match_the_config(config, ke
     with pytest.raises(ValueError, match=f"^up_proj_kernel: .*{message}"):
         k3_tail.tail_forward(inputs.routed, inputs.shared, inputs.norm_weight, kernel, config=config,
                              mesh=make_tp_mesh(2))
+
+
+@pytest.mark.parametrize("shape, shapes, column_block, hint", [
+    ((97, 64), [(64, 97)], False, TRANSPOSED_HINT),
+    ((97, 64), [(64, 97), (64, 100)], False, TRANSPOSED_HINT),
+    ((25, 64), [(64, 25)], True, TRANSPOSED_HINT),
+    ((64, 97), [(64, 25)], True, WHOLE_KERNEL_HINT),
+    ((64, 100), [(64, 25)], True, WHOLE_KERNEL_HINT),
+    ((97, 64), [(64, 25)], True, f"{TRANSPOSED_HINT}; and {WHOLE_KERNEL_HINT}"),
+    ((64, 98), [(64, 97)], False, None),
+    ((64, 97), [(64, 97 * 4)], True, None),
+], ids=["transposed", "transposed-padded-layout", "transposed-block", "whole-for-a-block", "padded-for-a-block",
+        "torch-weight-for-a-block", "other", "narrower-than-a-block"])
+def test_a_kernel_of_the_wrong_shape_names_the_likely_fix(shape, shapes, column_block, hint):
+    with pytest.raises(ValueError) as error:
+        check_up_proj_kernel(np.zeros(shape, np.float32), dtype=np.dtype(np.float32), up_proj_dtype=None,
+                             shapes=shapes, sizes="L=64, H=97, p=4", column_block=column_block)
+    assert str(error.value) == (f"up_proj_kernel: expected shape {' or '.join(map(str, shapes))} (L=64, H=97, p=4), "
+                                f"got {shape}" + ("" if hint is None else f"; {hint}"))
+
+
+def test_quantized_values_of_the_transposed_shape_name_the_transpose():
+    kernel = k3_tail.quantize_up_proj(random_kernel().T, "float8_e4m3fn")
+    with pytest.raises(ValueError, match=re.escape(f"got (97, 64); {TRANSPOSED_HINT}")):
+        check_up_proj_kernel(kernel, dtype=np.dtype(np.float32), up_proj_dtype=np.dtype(jnp.float8_e4m3fn),
+                             shapes=[(64, 97)], sizes="L=64, H=97")
 
 
 @pytest.mark.parametrize("kernel", [np.zeros((0, 96), np.float32), np.zeros((64, 0), np.float32), [[1.0, 2.0]]],

@@ -27,6 +27,7 @@ import jax
 
 from k3_tail.cli.common import (
     add_measurement_arguments, describe_config, format_bench_table, measure, measurement_config, measurement_tiers,
+    selected_tiers,
 )
 from k3_tail.hardware import device_platform
 from k3_tail.selection.rules import gpu_rules_note
@@ -114,7 +115,9 @@ def run(args: argparse.Namespace) -> int:
         from k3_tail.tools.plotting import plot_measurements  # imports matplotlib: only when asked to plot
 
         title = f"{describe_config(config)}; kernel {args.weight_layout}; {platform}"
-        plot_measurements(measurements, args.plot, title=title)
+        selected = {key: decision.tier for key, decision in
+                    selected_tiers(measurements, config, device_kind=devices[0].device_kind).items()}
+        plot_measurements(measurements, args.plot, title=title, selected=selected)
         say(f"plot: {args.plot}")
     return 0
 

@@ -12,6 +12,8 @@ import them from there. ``bench`` and ``calibrate`` share their measurement flag
 from __future__ import annotations
 
 import argparse
+import re
+import textwrap
 from collections.abc import Mapping, Sequence
 
 from jax.sharding import Mesh
@@ -35,6 +37,29 @@ from k3_tail.units import format_seconds
 PROG = "k3-tail"
 
 DEFAULT_REPEATS = 5
+# A line of help text that sets a label off from its text by two or more spaces ("  accessed  bytes ..."):
+# its wrapped lines continue under the text.
+_LABELLED_LINE = re.compile(r"^( *\S+(?: \S+)*  +)\S")
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """argparse's formatter, wrapped to the terminal's width as argparse measures it (``COLUMNS``, else the
+    terminal's, else 80), that keeps the line breaks of a description or epilog: each of its lines is
+    wrapped on its own, continuing under its text (after its indent, or after a label that two or more
+    spaces set off). Text without line breaks wraps as argparse wraps it."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        return "\n".join(self._fill_line(line, width, indent) for line in text.splitlines())
+
+    @staticmethod
+    def _fill_line(line: str, width: int, indent: str) -> str:
+        if not line.strip():
+            return ""
+        labelled = _LABELLED_LINE.match(line)
+        hanging = len(labelled.group(1)) if labelled else len(line) - len(line.lstrip())
+        return textwrap.fill(line, width, initial_indent=indent, subsequent_indent=indent + " " * hanging,
+                             break_on_hyphens=False, break_long_words=False, replace_whitespace=False,
+                             drop_whitespace=True)
 
 
 # ---- argument types and flags ----
@@ -90,9 +115,11 @@ def add_measurement_arguments(parser: argparse.ArgumentParser) -> None:
     add_reduced_shared_argument(shapes)
     shapes.add_argument("--sequence-parallel", action="store_true",
                         help="token-sharded output (sequence_parallel=True)")
-    shapes.add_argument("--all-reduce-form", choices=ALL_REDUCE_FORMS, default=kimi.all_reduce_form,
-                        help="one all-reduce, reduce-scatter + all-gather, or auto: the form measured faster on the "
-                        f"platform for the buffer's size and dtype (default: {kimi.all_reduce_form})")
+    # A metavar, not the choices, in the usage line: they are too long a word to wrap at 80 columns.
+    shapes.add_argument("--all-reduce-form", choices=ALL_REDUCE_FORMS, default=kimi.all_reduce_form, metavar="FORM",
+                        help="how each sum travels: all-reduce, reduce-scatter+all-gather, or auto: the form "
+                        f"measured faster on the platform for the buffer's size and dtype (default: "
+                        f"{kimi.all_reduce_form})")
     add_up_projection_arguments(shapes)
     add_all_reduce_quantization_arguments(shapes)
 
@@ -230,6 +257,14 @@ def format_selection_gap(selected: Tier, timings: Mapping[Tier, Timing]) -> str:
             f"{format_seconds(best.median_s)}{noise})")
 
 
+def selected_tiers(measurements: Sequence[Measurement], config: TailConfig, *,
+                   device_kind: str) -> dict[tuple[int, int, str], TierDecision]:
+    """What select_tier picks for each call of ``measurements`` (``config``, T, p, layout, ``device_kind``), by
+    (p, T, weight layout): the tier the bench table stars and its plot rings."""
+    return {key: select_tier(config, key[1], key[0], weight_layout=key[2], device_kind=device_kind)
+            for key in dict.fromkeys((m.tp_size, m.num_tokens, m.weight_layout) for m in measurements)}
+
+
 def format_bench_table(measurements: Sequence[Measurement], config: TailConfig, *, device_kind: str) -> str:
     """The table of ``bench`` and ``calibrate``: one row per (p, T, tier) with the median, the q25-q75
     spread (ms), the speedup over native at the same (p, T) (median over median; "-" when native
@@ -239,6 +274,7 @@ def format_bench_table(measurements: Sequence[Measurement], config: TailConfig, 
     blocks: dict[tuple[int, int], list[Measurement]] = {}
     for m in measurements:
         blocks.setdefault((m.tp_size, m.num_tokens), []).append(m)
+    selections = selected_tiers(measurements, config, device_kind=device_kind)
     lines = [f"{'p':>4}{'T':>7}  {'tier':<16}{'median ms':>11}{'q25-q75 ms':>19}{'vs native':>11}{'vs fastest':>12}"]
     for (tp_size, num_tokens), block in blocks.items():
         if len(lines) > 1:
@@ -246,8 +282,7 @@ def format_bench_table(measurements: Sequence[Measurement], config: TailConfig, 
         timings = {m.tier: m.timing for m in block}
         fastest = min(timings.values(), key=lambda timing: timing.median_s)
         native = timings.get(Tier.NATIVE)
-        selection = select_tier(config, num_tokens, tp_size, weight_layout=block[0].weight_layout,
-                                device_kind=device_kind)
+        selection = selections[(tp_size, num_tokens, block[0].weight_layout)]
         for m in block:
             speedup = "-" if native is None else f"{native.median_s / m.timing.median_s:.2f}x"
             spread = quartiles_ms(m.timing)

@@ -18,7 +18,6 @@ import argparse
 import dataclasses
 import itertools
 import json
-import textwrap
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -166,8 +165,7 @@ DESCRIPTION = (
 
 def add_arguments(hlo: argparse.ArgumentParser) -> None:
     """``hlo``'s flags: the cases to compile and the output; its ``--help`` ends with :func:`help_epilog`."""
-    # The epilog keeps its own line breaks: a label per line.
-    hlo.epilog, hlo.formatter_class = help_epilog(), argparse.RawDescriptionHelpFormatter
+    hlo.epilog = help_epilog()
     hlo.add_argument(
         "--tier", "--tiers", dest="tiers", type=hlo_tier_list, default=(AUTO,), metavar="TIER,...",
         help=f"tiers to compile, of {tier_values()}; {AUTO}: what select_tier picks for each case; {ALL}: every "
@@ -222,29 +220,30 @@ def add_arguments(hlo: argparse.ArgumentParser) -> None:
 
 
 def help_epilog() -> str:
-    """``--help``'s account of the output: every label of the table and of the one-case report, and the units."""
+    """``--help``'s account of the output: every label of the table and of the one-case report, and the units.
+    One line per paragraph and per label, which :class:`~k3_tail.cli.common.HelpFormatter` wraps to the
+    terminal, a label's text continuing in its column."""
     entries = [(column.label, column.meaning) for column in CASE_COLUMNS.values()]
     entries += [(name if name == column.label.lower() else f"{name} ({column.label.format(baseline='N')})",
                  column.meaning) for name, column in COLUMNS.items()]
-    lines = [*textwrap.wrap("The table: one row per case, figures per device. The case's labels are columns where the "
-                            "sweep varies them, else said once above the table. --columns names the figures:", 100)]
-    indent = " " * (EPILOG_LABEL_WIDTH + 2)
+    lines = ["The table: one row per case, figures per device. The case's labels are columns where the sweep varies "
+             "them, else said once above the table. --columns names the figures:"]
     for label, meaning in entries:
-        text = textwrap.fill(meaning, width=100, initial_indent=indent, subsequent_indent=indent)
-        fits = len(label) < EPILOG_LABEL_WIDTH
-        lines.append(f"  {label:<{EPILOG_LABEL_WIDTH}}{text.lstrip()}" if fits else f"  {label}\n{text}")
+        if len(label) < EPILOG_LABEL_WIDTH:
+            lines.append(f"  {label:<{EPILOG_LABEL_WIDTH}}{meaning}")
+        else:  # a label too long for the column stands on its own line
+            lines += [f"  {label}", " " * (EPILOG_LABEL_WIDTH + 2) + meaning]
     lines.append("Bytes in B, KiB, MiB, GiB (powers of 1024) and FLOPs in MFLOP, GFLOP, ... (powers of 1000) as the "
                  "figure needs; x: a ratio.")
     lines.append("")
-    lines += textwrap.wrap(
+    lines.append(
         "The report of one case, per device, in the same units: \"per device\": "
         "all FLOPs, bytes accessed (as above) and where they come from (XLA's cost analysis, or the HLO shapes where "
         "the backend has none), the GEMMs' FLOPs; \"arguments per device\": each argument's shard; \"GEMMs\": "
         "[schedule position] name: FLOPs, the arrays it reads; \"collectives\": form, buffers (named scopes): "
         "bytes, group size, ring wire bytes per rank, sync [position] or async [start..done], \"<- shared "
         "reduction\" on the first that carries the shared partial; \"scheduled inside\": the instructions between "
-        "an async start and done; \"overlapped\": whether the shared reduction runs async with a GEMM inside it.",
-        100)
+        "an async start and done; \"overlapped\": whether the shared reduction runs async with a GEMM inside it.")
     return "\n".join(lines)
 
 
@@ -340,8 +339,8 @@ def sweep_cases(
     fp8_format: str,
 ) -> tuple[list[Case], list[str]]:
     """(The cases of the flags' cross product, in the order topology, T, tier, layout, kernel, sums; the notes
-    on what ``all`` left out). AUTO resolves to select_tier's pick; a named tier that cannot run with a case
-    is a CommandError."""
+    on what ``all`` left out, each naming the tier and the layout it cannot run with). AUTO resolves to
+    select_tier's pick; a named tier that cannot run with a case is a CommandError."""
     cases, left_out = [], []
     named = [tier for tier in args.tiers if tier != ALL]
     expanded = [*named, *(tier for tier in Tier if tier not in named)] if ALL in args.tiers else named
@@ -358,8 +357,8 @@ def sweep_cases(
             cases.append(case)
         elif tier in named:
             raise CommandError(f"--tier: {reason}")
-        elif reason not in left_out:
-            left_out.append(reason)
+        elif (note := f"{tier.value} with the {layout} layout, because {reason}") not in left_out:
+            left_out.append(note)  # the case left out, not the tier: it may run with the sweep's other layout
     if not cases:
         raise CommandError("--tier: no tier runs with these layouts and configs")
     return cases, left_out

@@ -263,18 +263,24 @@ def column_sharding(kernel: jax.Array | QuantizedKernel, mesh: Mesh, axis_name: 
 
 
 def check_up_proj_kernel(
-    kernel: Any, *, dtype: np.dtype, up_proj_dtype: np.dtype | None, shapes: Sequence[tuple[int, int]], sizes: str
+    kernel: Any, *, dtype: np.dtype, up_proj_dtype: np.dtype | None, shapes: Sequence[tuple[int, int]], sizes: str,
+    column_block: bool = False,
 ) -> None:
     """ValueError naming ``up_proj_kernel`` unless ``kernel`` is an array of ``dtype`` with one of
     ``shapes`` (``up_proj_dtype`` None), or a QuantizedKernel of ``up_proj_dtype`` whose values have one
-    of ``shapes`` [L, N] and whose scale is float32 [N]; ``sizes`` names the sizes, for the message."""
+    of ``shapes`` [L, N] and whose scale is float32 [N]; ``sizes`` names the sizes, for the message, and
+    ``column_block`` says that ``shapes`` is one rank's column block (the column layout inside
+    ``jax.shard_map``). A wrong shape's message names the likely fix (:func:`kernel_shape_hint`)."""
+    def hint(shape: tuple[int, ...]) -> str | None:
+        return kernel_shape_hint(shape, shapes, column_block=column_block)
+
     if up_proj_dtype is None:
         if isinstance(kernel, QuantizedKernel):
             raise ValueError(
                 f"up_proj_kernel: got a QuantizedKernel ({kernel.dtype.name}) but config.up_proj_dtype is None: "
                 f"expected a {dtype.name} array; set TailConfig(up_proj_dtype={kernel.dtype.name!r}) to use it"
             )
-        expect_array(kernel, "up_proj_kernel", shapes, dtype, sizes)
+        expect_array(kernel, "up_proj_kernel", shapes, dtype, sizes, shape_hint=hint)
         return
     if not isinstance(kernel, QuantizedKernel):
         raise ValueError(
@@ -282,6 +288,28 @@ def check_up_proj_kernel(
             f"(k3_tail.quantize_up_proj(kernel, {up_proj_dtype.name!r})), got {describe(kernel)}"
         )
     expect_array(kernel.values, "up_proj_kernel", shapes, up_proj_dtype, f"values: {sizes}",
-                 dtype_field="config.up_proj_dtype")
+                 dtype_field="config.up_proj_dtype", shape_hint=hint)
     expect_array(kernel.scale, "up_proj_kernel", [kernel.values.shape[1:]], np.dtype(np.float32),
                  "scale: one per column", dtype_field="float32 scales")
+
+
+# The likely fixes of a kernel of the wrong shape (kernel_shape_hint).
+TRANSPOSED_HINT = "transposed? a kernel is [L, H] (torch's weight is [H, L]: pass weight.T)"
+WHOLE_KERNEL_HINT = ("the column layout takes this rank's [L, padded_hidden_size(H, p) / p] block: pad the [L, H] "
+                     "kernel to k3_tail.padded_hidden_size(H, p) columns and pass it with in_spec P(None, axis)")
+
+
+def kernel_shape_hint(shape: tuple[int, ...], shapes: Sequence[tuple[int, int]], *, column_block: bool) -> str | None:
+    """The likely fix when a kernel of ``shape`` came where one of ``shapes`` [L, N] was expected: the
+    transpose of one of them (torch's [N, L] weight), or, for one rank's column block (``column_block``),
+    more than N columns (the whole kernel, padded or not, where the shard_map should have split it), maybe
+    transposed too. None for any other shape."""
+    latent, block = shapes[0]
+    if tuple(reversed(shape)) in shapes:
+        return TRANSPOSED_HINT
+    if column_block and len(shape) == 2:
+        if shape[0] == latent and shape[1] > block:
+            return WHOLE_KERNEL_HINT
+        if shape[1] == latent and shape[0] > block:
+            return f"{TRANSPOSED_HINT}; and {WHOLE_KERNEL_HINT}"
+    return None

@@ -65,7 +65,9 @@ def initialize(
       process_id: this process, 0 <= process_id < num_processes.
       local_cpu_devices: run on the CPU platform with this many devices in this process (a CPU mesh
         for trying it out, or a host without accelerators), with cross-process collectives through
-        gloo; None keeps the default backend and its settings (the GPUs of a GPU host).
+        gloo, whose C++ runtime prints a "[Gloo] Rank R is connected to ..." line on stdout for each
+        device as it connects (no setting turns it off); None keeps the default backend and its
+        settings (the GPUs of a GPU host).
       initialization_timeout: seconds to wait for every process to join; a process whose peers never
         come aborts after it, instead of waiting forever.
       connect_timeout: seconds a process other than 0 first retries connecting to the coordinator
