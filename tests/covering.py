@@ -245,14 +245,16 @@ TAIL_FACTORS = {
 
 
 def tail_constraint(case: Mapping[str, Any]) -> bool:
-    """A tier runs only where its record says it can (one_shot: the whole kernel); every H divides by p = 1;
-    FP8 activations need an FP8 kernel."""
+    """A tier runs only where its record says it can (one_shot: the whole kernel; one_kernel: no FP8
+    activations); every H divides by p = 1; FP8 activations need an FP8 kernel."""
     tier, weight_layout = case.get("tier"), case.get("weight_layout")
     if tier not in (None, "selected") and weight_layout is not None and k3_tail.Tier(tier).why_not(weight_layout):
         return False
     if case.get("tp_size") == 1 and case.get("hidden_divisible") is False:
         return False
     if case.get("fp8_activations") is True and "up_proj_dtype" in case and case["up_proj_dtype"] is None:
+        return False
+    if case.get("fp8_activations") is True and tier == k3_tail.Tier.ONE_KERNEL.value:
         return False
     return True
 

@@ -45,12 +45,19 @@ def assert_consistent(timing, repeats):
 
 
 @pytest.mark.parametrize("layout", ["column", "replicated"])
-def test_measure_tiers_defaults_to_every_tier_the_layout_runs(layout):
+def test_measure_tiers_defaults_to_every_tier_the_layout_runs_compiled_here(layout):
+    """On a CPU one_kernel's Pallas kernel runs interpreted: there is nothing of it to time."""
     measurements = measure_tiers(SMALL_CONFIG, make_tp_mesh(2), [3], weight_layout=layout, repeats=2)
-    assert [m.tier for m in measurements] == [tier for tier in Tier if tier.supports(layout)]
+    assert [m.tier for m in measurements] == [tier for tier in Tier if tier.supports(layout)
+                                              and tier is not Tier.ONE_KERNEL]
     for m in measurements:
         assert (m.num_tokens, m.tp_size, m.weight_layout) == (3, 2, layout)
         assert_consistent(m.timing, repeats=2)
+
+
+def test_an_interpreted_tier_is_timed_when_asked_for():
+    measurements = measure_tiers(SMALL_CONFIG, make_tp_mesh(2), [3], tiers=["one_kernel"], repeats=1)
+    assert [m.tier for m in measurements] == [Tier.ONE_KERNEL]
 
 
 def test_measure_tiers_keeps_the_given_tiers_in_order_token_count_major():

@@ -173,3 +173,15 @@ def test_fp8_activations_are_served_by_the_other_tiers():
     assert "fp8_activations" in k3_tail.Tier.ONE_KERNEL.why_not("column", config)
     decision = k3_tail.select_tier(config, 1, 8, weight_layout="column", platform="cuda")
     assert decision.tier is k3_tail.Tier.OVERLAP and "fp8_activations" in decision.rule
+
+
+@pytest.mark.parametrize("fp8_format", ["float8_e4m3fn", "float8_e4m3fnuz"])
+def test_fp8_bytes_decode_to_their_values_exactly(fp8_format):
+    """All 256 codes, against ml_dtypes' view of the same bytes (NaN where it has NaN, signed zeros)."""
+    codes = np.arange(256, dtype=np.uint8)
+    want = codes.view(jnp.dtype(fp8_format)).astype(np.float32)
+    got = np.asarray(fused_projection.decode_fp8(jnp.asarray(codes), fp8_format))
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    finite = ~np.isnan(want)
+    np.testing.assert_array_equal(got[finite], want[finite])
+    np.testing.assert_array_equal(np.signbit(got[finite]), np.signbit(want[finite]))

@@ -27,11 +27,10 @@ import jax
 
 from k3_tail.cli.common import (
     add_measurement_arguments, describe_config, format_bench_table, measure, measurement_config, measurement_tiers,
-    selected_tiers,
+    selected_tiers, untimed_tiers,
 )
 from k3_tail.hardware import device_platform
 from k3_tail.selection.rules import gpu_rules_note
-from k3_tail.tiers.registry import Tier
 from k3_tail.tools.benchmark import Measurement, config_dict, default_token_counts, machine_info
 from k3_tail.tools.experiment import CommandError, demo_devices, positive_int_list, tp_mesh
 
@@ -61,9 +60,9 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """The ``bench`` command: check every argument, measure, then print the table and write the outputs."""
     config = measurement_config(args)
-    tiers = measurement_tiers(args.tiers, args.weight_layout, config)
     check_outputs(args)
     devices = demo_devices(args.devices)
+    tiers = measurement_tiers(args.tiers, args.weight_layout, config, device_platform(devices[0]))
     tp_sizes = tuple(dict.fromkeys(args.tp_sizes or (len(devices),)))
     too_large = [p for p in tp_sizes if p > len(devices)]
     if too_large:
@@ -85,9 +84,8 @@ def run(args: argparse.Namespace) -> int:
     gpu_rules = gpu_rules_note(config, device_platform(devices[0]))
     if gpu_rules is not None:  # of the selection the table marks (*), said once
         say(f"selection (*): {gpu_rules}")
-    for tier in Tier if args.tiers is None else ():
-        reason = tier.why_not(args.weight_layout, config)
-        if reason is not None:
+    if args.tiers is None:
+        for reason in untimed_tiers(config, args.weight_layout, device_platform(devices[0])):
             say(f"not run: {reason}")
     say()
 

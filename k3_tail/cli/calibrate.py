@@ -22,6 +22,7 @@ import jax
 from k3_tail.cli.common import (
     add_measurement_arguments, describe_config, format_bench_table, measure, measurement_config, measurement_tiers,
 )
+from k3_tail.hardware import device_platform
 from k3_tail.selection.table import table_from_measurements
 from k3_tail.tools.benchmark import Measurement, default_token_counts
 from k3_tail.tools.experiment import CommandError, demo_devices, positive_int, tp_mesh
@@ -49,11 +50,11 @@ def add_arguments(calibrate: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """The ``calibrate`` command: measure, build the table, write it, print it."""
     config = measurement_config(args)
-    tiers = measurement_tiers(args.tiers, args.weight_layout, config)
     directory = os.path.dirname(os.path.abspath(args.out))
     if not os.path.isdir(directory):
         raise CommandError(f"--out: directory {directory!r} does not exist")
     devices = demo_devices(args.devices)
+    tiers = measurement_tiers(args.tiers, args.weight_layout, config, device_platform(devices[0]))
     tp_size = args.tp_size or len(devices)
     if tp_size > len(devices):
         raise CommandError(f"--tp-size: {tp_size} is more than the {len(devices)} devices")

@@ -187,12 +187,28 @@ def measurement_config(args: argparse.Namespace) -> TailConfig:
         raise CommandError(f"config: {error}") from None
 
 
-def measurement_tiers(tiers: Sequence[Tier] | None, weight_layout: str, config: TailConfig) -> tuple[Tier, ...]:
-    """The tiers to time (CommandError when one is repeated or cannot run with the layout or config)."""
+def measurement_tiers(tiers: Sequence[Tier] | None, weight_layout: str, config: TailConfig,
+                      platform: str | None) -> tuple[Tier, ...]:
+    """The tiers to time on devices of ``platform`` (CommandError when one is repeated or cannot run with
+    the layout or config); by default every tier that runs, and runs compiled there."""
     try:
-        return check_tiers(tiers, weight_layout, config)
+        return check_tiers(tiers, weight_layout, config, platform=platform)
     except ValueError as error:  # its message starts with "tiers: "
         raise CommandError(f"--{error}") from None
+
+
+def untimed_tiers(config: TailConfig, weight_layout: str, platform: str | None) -> list[str]:
+    """Why each tier left out of the default measurement is left out, one line each: it cannot run with the
+    layout or config, or its kernel runs interpreted on ``platform`` (nothing to time)."""
+    lines = []
+    for tier in Tier:
+        reason = tier.why_not(weight_layout, config)
+        if reason is None and tier.record.runs_interpreted_on(platform):
+            reason = (f"{tier.value}'s Pallas kernel runs interpreted on {platform} (compiled on "
+                      f"{' and '.join(tier.record.compiled_on)} GPUs): nothing to time here")
+        if reason is not None:
+            lines.append(reason)
+    return lines
 
 
 def measure(

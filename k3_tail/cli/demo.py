@@ -30,7 +30,7 @@ import numpy as np
 from k3_tail.cli.common import (
     DEFAULT_REPEATS, add_all_reduce_quantization_arguments, add_up_projection_arguments, add_weight_layout_argument,
     all_reduce_quantization_options, describe_config, format_selection_gap, format_vs_fastest, mesh_decision,
-    up_projection_options,
+    untimed_tiers, up_projection_options,
 )
 from k3_tail.config import TailConfig
 from k3_tail.forward import tail_forward
@@ -102,11 +102,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"selection: {gpu_rules}")
     print(flush=True)
 
-    tiers = tiers_for(args.weight_layout)
-    skipped = [tier.value for tier in Tier if tier not in tiers]
-    if skipped:
-        print(f"not run with kernel layout {args.weight_layout}: {', '.join(skipped)} "
-              "(needs --weight-layout replicated)")
+    platform = device_platform(devices[0])
+    tiers = tiers_for(args.weight_layout, config, platform=platform)
+    for reason in untimed_tiers(config, args.weight_layout, platform):
+        print(f"not run: {reason}")
     progress("placing the weights on the mesh")
     norm_weight, up_proj_kernel = place_weights(config, mesh, args.weight_layout, rng, axis_name=AXIS_NAME)
     rows = []

@@ -15,8 +15,8 @@ scaled per column in the kernel); both are read where they lie, never copied.
 The grid. A GEMV over a row-major [L, Hb] block reads the block coalesced only if a program takes a run
 of columns over all of L, which leaves Hb/16 = 56 programs at Kimi-K3's p = 8: a GPU of 132 SMs or 304
 CUs needs about 1024. So K is split too: program (r, j, s) multiplies row tile r, column tile j (16
-columns: 32-byte runs of bf16) and slab s of K (:func:`fused_grid`: 1568 programs at T <= 16, p = 8), and the last of the S programs of a tile (an atomic
-counter, release/acquire at GPU scope) sums the S partials in a fixed order and applies the row scale
+columns: 32-byte runs of bf16) and slab s of K (:func:`fused_grid`: 1568 programs at T <= 16, p = 8),
+and the last of the S programs of a tile (an atomic counter, release/acquire at GPU scope) sums the S partials in a fixed order and applies the row scale
 and the add. Each slab is normalised by the power of two at or above its own largest magnitude, so no
 program needs the whole row first; the last program rescales the partials to the row's largest such
 power (exact: powers of two) and takes the row's sum of squares from the latent itself (L values a row).
@@ -175,12 +175,16 @@ def norm_project_add(
         grid=grid, num_tokens=num_tokens, latent_size=latent_size, block_width=block_width, hidden_size=hidden_size,
         use_norm=use_norm, scale=float(scale), sqrt_eps=math.sqrt(eps / scale**2) if use_norm else 0.0,
         floor_exponent=int(math.log2(row_scale_floor(eps, scale, latent_size))) if use_norm else 0,
-        kernel_offset=kernel_offset, quantized=quantized, has_addend=addend is not None, into_addend=into_addend,
+        kernel_offset=kernel_offset, fp8_format=jnp.dtype(values.dtype).name if quantized else None,
+        has_addend=addend is not None, into_addend=into_addend,
         barriers=not interpret,
     )
     inputs = [rank.astype(jnp.int32).reshape(1), latent]
     inputs += [norm_weight] if use_norm else []
-    inputs += [values] + ([kernel.scale] if quantized else [])
+    # FP8 values travel as their bytes and are decoded in the kernel (decode_fp8): Pallas's Triton lowering casts
+    # from no float8_e4m3fnuz (MI300X's format); the bitcast is free.
+    inputs += [lax.bitcast_convert_type(values, jnp.uint8) if quantized else values]
+    inputs += [kernel.scale] if quantized else []
     inputs += [] if addend is None else [addend]
     if into_addend:
         output = jax.ShapeDtypeStruct(addend.shape, dtype)
@@ -254,7 +258,7 @@ class _KernelFlags:
     sqrt_eps: float  # sqrt(eps) / |c|
     floor_exponent: int  # log2 of rms_norm's row-scale floor
     kernel_offset: bool
-    quantized: bool
+    fp8_format: str | None  # the FP8 format of the kernel's values (passed as their bytes), or None
     has_addend: bool
     into_addend: bool
     barriers: bool  # the GPU's: interpret mode runs programs in turn
@@ -267,7 +271,7 @@ def _kernel(*refs, flags: _KernelFlags, pl, plt):
     rank_ref, latent_ref = refs.pop(0), refs.pop(0)
     weight_ref = refs.pop(0) if flags.use_norm else None
     values_ref = refs.pop(0)
-    column_scale_ref = refs.pop(0) if flags.quantized else None
+    column_scale_ref = refs.pop(0) if flags.fp8_format else None
     addend_ref = refs.pop(0) if flags.has_addend else None
     if grid.splits > 1:
         refs.pop(0)  # the zeroed counters, aliased to the counter output below
@@ -310,11 +314,12 @@ def _kernel(*refs, flags: _KernelFlags, pl, plt):
         else:
             operand = x * flags.scale
         mask = (ks < flags.latent_size)[:, None] & column_ok[None, :]
+        # The operands of the product in the activation dtype, as every tier's GEMM has them (an FP8 weight is
+        # exact in it), accumulated in float32.
         w = plt.load(values_ref.at[ks[:, None], kernel_columns[None, :]], mask=mask, other=0)
-        # The operands of the product in the activation dtype, as every tier's GEMM has them (an FP8
-        # weight is exact in it); accumulated in float32.
-        return partial + jnp.dot(operand.astype(latent_ref.dtype), w.astype(latent_ref.dtype),
-                                 preferred_element_type=jnp.float32)
+        w = (decode_fp8(w, flags.fp8_format) if flags.fp8_format else w).astype(latent_ref.dtype)
+        return partial + jnp.dot(operand.astype(latent_ref.dtype), w, preferred_element_type=jnp.float32,
+                                 precision=_precision(latent_ref.dtype))
 
     partial = lax.fori_loop(0, steps, product_body, jnp.zeros((grid.row_tile, COLUMN_TILE), jnp.float32))
 
@@ -331,7 +336,7 @@ def _kernel(*refs, flags: _KernelFlags, pl, plt):
             epsilon_term = jnp.square(flags.sqrt_eps * inverse_scale)
             factor = lax.rsqrt(total / flags.latent_size + epsilon_term)
             projected = projected * (factor if flags.scale > 0 else -factor)[:, None]
-        if flags.quantized:
+        if flags.fp8_format:
             projected = projected * plt.load(column_scale_ref.at[kernel_columns], mask=column_ok, other=0.0)[None, :]
         mask = row_ok[:, None] & column_ok[None, :]
         out_columns = global_columns if flags.into_addend else tile_columns
@@ -396,6 +401,30 @@ def _counter_starts(count: int) -> np.ndarray:
 def _counter_start(tile):
     """The start value of tile ``tile``'s counter (the same formula, in the kernel)."""
     return tile * _COUNTER_STRIDE % _COUNTER_MODULUS
+
+
+# FP8 formats by name: (exponent bias, whether the all-ones code is NaN (OCP's E4M3FN) or 0x80 is (FNUZ)).
+_FP8_CODES = {"float8_e4m3fn": (7, True), "float8_e4m3fnuz": (8, False)}
+
+
+def decode_fp8(codes: jax.Array, fp8_format: str) -> jax.Array:
+    """The float32 values of E4M3 bytes ``codes`` (uint8) in ``fp8_format``, "float8_e4m3fn" or "float8_e4m3fnuz",
+    exactly, from their bits: sign, 4 exponent bits, 3 mantissa bits; subnormals, signed zeros and NaN as the
+    format has them (E4M3FN: S.1111.111 is NaN; FNUZ: 0x80 is, and there is no negative zero)."""
+    bias, all_ones_is_nan = _FP8_CODES[fp8_format]
+    bits = codes.astype(jnp.int32)
+    negative = (bits & 0x80) != 0
+    exponent, mantissa = (bits >> 3) & 0xF, bits & 0x7
+    normal = lax.bitcast_convert_type(((exponent - bias + _EXPONENT_BIAS) << _MANTISSA_BITS) | (mantissa << 20),
+                                      jnp.float32)
+    magnitude = jnp.where(exponent > 0, normal, mantissa.astype(jnp.float32) * 2.0 ** (-2 - bias))
+    nan = (exponent == 0xF) & (mantissa == 0x7) if all_ones_is_nan else bits == 0x80
+    return jnp.where(nan, jnp.nan, jnp.where(negative, -magnitude, magnitude))
+
+
+def _precision(dtype) -> lax.Precision:
+    """float32 products at float32 precision (Triton would take TF32 on NVIDIA), others as they are."""
+    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else lax.Precision.DEFAULT
 
 
 def _exponent_at_or_above(x: jax.Array, floor_exponent: int) -> jax.Array:

@@ -251,7 +251,7 @@ def _tier_cost(config: TailConfig, num_tokens: int, tp_size: int, tier: Tier, we
         num_tokens=num_tokens,
         tp_size=tp_size,
         weight_layout=weight_layout,
-        gemm_flops=2 * record.gemm_rows(rows, tp_size) * latent * columns,
+        gemm_flops=2 * record.multiplied_rows(rows, tp_size) * latent * columns,
         weight_bytes=record.weight_reads(rows) * kernel_bytes + norm_bytes,
         activation_bytes=activation_bytes,
         collectives=tuple(collectives),

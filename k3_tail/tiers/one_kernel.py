@@ -66,7 +66,7 @@ def _project_add(latent, norm_weight, up_proj_kernel, call: TailCall):
                 latent, norm_weight if config.use_latent_norm else None, up_proj_kernel, addend,
                 rank=call.rank_index(), block_width=block_width, hidden_size=config.hidden_size,
                 eps=config.rms_norm_eps, scale=config.routed_scaling_factor, into_addend=into_addend,
-                interpret=call.platform not in GPU_PLATFORMS,
+                interpret=RECORD.runs_interpreted_on(call.platform),
             )
 
     return project_add
@@ -100,4 +100,5 @@ RECORD = TierRecord(
                                   rocm={"column": (1, 1), "replicated": (1, 1)}),
     unavailable=_why_not,
     rows_per_weight_read=LARGEST_ROW_TILE,
+    compiled_on=GPU_PLATFORMS,
 )

@@ -162,7 +162,9 @@ class TierRecord:
     :class:`CallShape`, in issue order. kernels: its :class:`KernelCounts`. unavailable: why it cannot
     run with a config (None: any config) in this installation, or None when it can (one_kernel: Pallas's
     Triton backend, which a jax may lack). rows_per_weight_read: the token rows of the tier's GEMM tile,
-    when it reads its kernel once per tile of them (:meth:`weight_reads`), else None (once).
+    when it reads its kernel once per tile of them (:meth:`weight_reads`), else None (once). compiled_on:
+    the device platforms where its kernel runs compiled, elsewhere interpreted (one_kernel's Pallas kernel:
+    "cuda", "rocm"), or None (everywhere: it is XLA's).
     """
 
     name: str
@@ -181,6 +183,7 @@ class TierRecord:
     compiler_options: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
     unavailable: Callable[[TailConfig | None], str | None] | None = None
     rows_per_weight_read: int | None = None
+    compiled_on: tuple[str, ...] | None = None
 
     def why_not(self, weight_layout: str, config: TailConfig | None = None) -> str | None:
         """Why the tier cannot run with ``weight_layout`` and ``config`` (None: not considered), or None."""
@@ -205,6 +208,10 @@ class TierRecord:
             return hidden_size
         return padded_hidden_size(hidden_size, tp_size) // tp_size
 
+    def runs_interpreted_on(self, platform: str | None) -> bool:
+        """Whether its kernel runs interpreted (correct, slow: nothing to time) on device ``platform``."""
+        return self.compiled_on is not None and platform not in self.compiled_on
+
     def weight_reads(self, rows: int) -> int:
         """How many times the tier's GEMM reads its kernel for ``rows`` token rows: once, or for a tier whose
         tiles hold at most ``rows_per_weight_read`` rows (one_kernel's), once per such tile."""
@@ -214,9 +221,13 @@ class TierRecord:
 
     def gemm_rows(self, rows: int, tp_size: int) -> int:
         """The rows of one rank's projection when the tier works on ``rows`` token rows: its own
-        rows / p when it shards tokens, else all of them; one row multiplied as two by the tiers whose GEMM
-        is :func:`k3_tail.ops.up_projection.project` (``rows_per_weight_read`` None)."""
-        rows = rows // tp_size if self.splits_tokens else rows
+        rows / p when it shards tokens, else all of them."""
+        return rows // tp_size if self.splits_tokens else rows
+
+    def multiplied_rows(self, rows: int, tp_size: int) -> int:
+        """The rows its GEMM multiplies for :meth:`gemm_rows`: one row as two where the GEMM is
+        :func:`k3_tail.ops.up_projection.project` (every tier but one_kernel, whose tiles read rows as they are)."""
+        rows = self.gemm_rows(rows, tp_size)
         return rows if self.rows_per_weight_read is not None else gemm_rows(rows)
 
     def options_for(self, platform: str) -> dict[str, Any]:

@@ -42,6 +42,7 @@ from k3_tail._checks import AxisName, check_int, check_mesh
 from k3_tail.config import TailConfig
 from k3_tail.forward import tail_forward
 from k3_tail.ops.columns import check_weight_layout, pad_columns, padded_hidden_size
+from k3_tail.hardware import device_platform
 from k3_tail.tiers.registry import Tier
 from k3_tail.ops.up_projection import column_sharding, quantize_up_proj
 
@@ -118,19 +119,22 @@ def default_token_counts(platform_name: str) -> tuple[int, ...]:
     return token_ladder(CPU_MAX_TOKENS if platform_name == "cpu" else DEFAULT_MAX_TOKENS)
 
 
-def tiers_for(weight_layout: str, config: TailConfig | None = None) -> tuple[Tier, ...]:
-    """Every tier that runs with ``weight_layout`` (and ``config``, when given), in :class:`Tier` order."""
+def tiers_for(weight_layout: str, config: TailConfig | None = None, *, platform: str | None = None) -> tuple[Tier, ...]:
+    """Every tier that runs with ``weight_layout`` (and ``config``, when given), in :class:`Tier` order; with
+    a device ``platform``, not those that run interpreted there (one_kernel on a CPU: nothing to time)."""
     check_weight_layout(weight_layout)
-    return tuple(tier for tier in Tier if tier.supports(weight_layout, config))
+    return tuple(tier for tier in Tier if tier.supports(weight_layout, config)
+                 and not (platform is not None and tier.record.runs_interpreted_on(platform)))
 
 
 def check_tiers(
-    tiers: Iterable[Tier | str] | None, weight_layout: str, config: TailConfig | None = None
+    tiers: Iterable[Tier | str] | None, weight_layout: str, config: TailConfig | None = None, *,
+    platform: str | None = None,
 ) -> tuple[Tier, ...]:
-    """``tiers`` parsed (None: :func:`tiers_for` the layout and config); ValueError naming ``tiers``
+    """``tiers`` parsed (None: :func:`tiers_for` the layout, config and platform); ValueError naming ``tiers``
     when one is unknown, given twice or cannot run (:meth:`Tier.why_not`), or none is given."""
     if tiers is None:
-        return tiers_for(weight_layout, config)
+        return tiers_for(weight_layout, config, platform=platform)
     check_weight_layout(weight_layout)
     parsed = tuple(Tier.parse(tier, argument="tiers") for tier in tiers)
     if not parsed:
@@ -172,7 +176,7 @@ def measure_tiers(
       mesh: a Mesh with axis ``axis_name`` of size p (other axes replicate the computation).
       token_counts: T values, each >= 1, measured in this order.
       tiers: the tiers to time, in this order; None: every tier that runs with ``weight_layout`` and
-        ``config`` (:func:`tiers_for`).
+        ``config``, compiled on the mesh's platform (:func:`tiers_for`).
       weight_layout: "column" or "replicated" kernel (see :mod:`k3_tail.ops.columns`).
       repeats: timed runs per (T, tier), >= 1. warmup: untimed runs before them, >= 1 (the first
         compiles).
@@ -183,7 +187,7 @@ def measure_tiers(
     the argument before anything runs: a tier that cannot run with the layout or config, a T < 1, ...
     """
     tp_size = check_mesh(mesh, axis_name)
-    tiers = check_tiers(tiers, weight_layout, config)
+    tiers = check_tiers(tiers, weight_layout, config, platform=device_platform(mesh.devices.flat[0]))
     token_counts = [check_int("token_counts", tokens, minimum=1) for tokens in token_counts]
     repeats = check_int("repeats", repeats, minimum=1)
     warmup = check_int("warmup", warmup, minimum=1)
