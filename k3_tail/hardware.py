@@ -27,7 +27,7 @@ class Hardware:
         runs (every other GEMM at ``peak_flops``); None without FP8 matrix units.
       fp8_formats: the FP8 dtype names its matrix units multiply natively.
       platform: the XLA platform that compiles for it ("cuda" or "rocm"): which kernel counts apply
-        (:class:`k3_tail.tiers.record.KernelCounts`).
+        (:class:`k3_tail.tiers.record.GpuKernelCounts`).
       kernel_launch_s: the time one more GPU kernel adds to a call (its launch and the gap to the next
         dependent one).
     """

@@ -391,8 +391,8 @@ def test_hlo_markdown_prints_the_table_as_markdown(capsys):
     assert main(["hlo", "--topology", "cpu", "--devices", "2", "--tokens", "1,2", "--tier", "native",
                  "--markdown"]) == 0
     table = [line for line in capsys.readouterr().out.splitlines() if line.startswith("|")]
-    assert table[0] == "| T | tier | accessed | temp | GEMMs | wire | overlapped |"
-    assert table[1] == "| ---: | --- | ---: | ---: | ---: | ---: | --- |" and len(table) == 4
+    assert table[0] == "| T | tier | accessed | temp | GEMMs | GPU kernels | wire | overlapped |"
+    assert table[1] == "| ---: | --- | ---: | ---: | ---: | ---: | ---: | --- |" and len(table) == 4
 
 
 def test_hlo_help_explains_every_column(capsys):

@@ -270,8 +270,8 @@ def test_a_call_pays_its_kernels(tier, weight_layout, hardware):
     cost = tier_cost(K3, 16, P, tier=tier, weight_layout=weight_layout)
     preset = HARDWARE[hardware]
     prediction = predict_time(cost, preset)
-    kernels = tier.record.kernels.of(preset.platform, weight_layout, 16)
-    assert cost.kernels[preset.platform] == kernels
+    kernels = tier.record.gpu_kernels.of(preset.platform, weight_layout, 16)
+    assert cost.gpu_kernels[preset.platform] == kernels
     assert prediction.launch_s == pytest.approx(kernels * preset.kernel_launch_s)
     without = predict_time(cost, dataclasses.replace(preset, kernel_launch_s=0.0))
     assert prediction.total_s == pytest.approx(without.total_s + prediction.launch_s)

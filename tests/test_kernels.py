@@ -1,7 +1,7 @@
 """The GPU kernels a compiled call launches besides its collectives and copies (XLA's thunk sequence, read by
 k3_tail.xla.report from the compile's dump), at Kimi-K3 shapes on deviceless 8-GPU topologies.
 
-Every tier's count is its record's (``Tier.X.record.kernels``, the cost model's per-kernel term) on each
+Every tier's count is its record's (``Tier.X.record.gpu_kernels``, the cost model's per-kernel term) on each
 target, T = 1 and 16, both layouts; the default decode call (the one_kernel tier) is ONE kernel, reads its
 weight block where it lies and launches a grid that fills the device.
 """
@@ -28,7 +28,8 @@ def target_mesh(request):
 def test_each_tier_launches_the_kernels_its_record_counts(target_mesh, tier, weight_layout, num_tokens):
     result = compiled_report(CONFIG, target_mesh, num_tokens, tier, weight_layout)
     platform = device_platform(target_mesh.devices.flat[0])
-    assert result.kernel_count == tier.record.kernels.of(platform, weight_layout, num_tokens), result.kernels
+    expected = tier.record.gpu_kernels.of(platform, weight_layout, num_tokens)
+    assert result.gpu_kernel_count == expected, result.gpu_kernels
 
 
 @pytest.mark.parametrize("weight_layout", ["column", "replicated"])
@@ -36,7 +37,7 @@ def test_each_tier_launches_the_kernels_its_record_counts(target_mesh, tier, wei
 def test_the_default_decode_call_is_one_gpu_kernel_besides_its_collectives(target_mesh, num_tokens, weight_layout):
     """compile_tail's program for the tier select_tier picks: one_kernel, one kernel, two all-reduces."""
     result = compiled_report(CONFIG, target_mesh, num_tokens, None, weight_layout)
-    assert result.kernel_count == 1
+    assert result.gpu_kernel_count == 1
     assert [c.kind for c in result.collectives] == ["all-reduce", "all-reduce"]
     assert [gemm.scopes for gemm in result.gemms] == [("up_projection",)]
 

@@ -18,6 +18,7 @@ import argparse
 import dataclasses
 import itertools
 import json
+import tempfile
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -132,6 +133,9 @@ COLUMNS = {
                    lambda row: "-" if row["temp_bytes"] is None else format_bytes(row["temp_bytes"])),
     "gemms": Column("GEMMs", "the instructions that run a GEMM (0: XLA rewrote the product into a multiply and a "
                     "reduce)", lambda row: str(row["gemms"])),
+    "gpu_kernels": Column("GPU kernels", "the GPU kernels the program launches besides its collectives and copies, "
+                          "from XLA's thunk sequence (\"-\" for a CPU program)",
+                          lambda row: "-" if row["gpu_kernels"] is None else str(row["gpu_kernels"])),
     "kernel_held": Column("kernel held", "the bytes of the kernel argument(s) each device holds (FP8: values and "
                           "float32 scales)", lambda row: format_bytes(row["kernel_bytes"])),
     "gemm_reads": Column("GEMM reads", "the element types of the arrays the GEMMs read",
@@ -150,7 +154,7 @@ COLUMNS = {
                          "the CPU, whose collectives are synchronous; None: no shared reduction)",
                          lambda row: str(row["overlapped"]), numeric=False),
 }
-DEFAULT_COLUMNS = ("accessed", "temp", "gemms", "wire", "overlapped")
+DEFAULT_COLUMNS = ("accessed", "temp", "gemms", "gpu_kernels", "wire", "overlapped")
 
 
 HELP = "compile tail calls (one, or a sweep) and report their cost, collectives and overlap"
@@ -372,24 +376,26 @@ def case_tier(case: Case, mesh: Mesh, config: TailConfig) -> tuple[Tier, str]:
     return selection.tier, f"selected: {selection.reason}"
 
 
-def compile_case(case: Case, mesh: Mesh, config: TailConfig) -> tuple[jax.stages.Compiled, Tier, str]:
-    """(``case`` compiled, its tier, why that tier); CommandError when the tail refuses the call."""
+def compile_case(case: Case, mesh: Mesh, config: TailConfig
+                 ) -> tuple[jax.stages.Compiled, xla_report.XlaReport, Tier, str]:
+    """(``case`` compiled, its report with the GPU kernels it launches, its tier, why that tier); CommandError when
+    the tail refuses the call."""
     tier, why = case_tier(case, mesh, config)
-    try:
-        compiled = compile_tail(config, mesh, case.num_tokens, tier=tier, axis_name=AXIS_NAME,
-                                weight_layout=case.weight_layout)
-    except ValueError as error:  # e.g. the one_shot tier with the column layout
-        raise CommandError(str(error)) from None
-    return compiled, tier, why
+    with tempfile.TemporaryDirectory(prefix="k3_tail_hlo_") as dump_dir:
+        try:
+            compiled = compile_tail(config, mesh, case.num_tokens, tier=tier, axis_name=AXIS_NAME,
+                                    weight_layout=case.weight_layout, dump_to=dump_dir)
+        except ValueError as error:  # e.g. the one_shot tier with the column layout
+            raise CommandError(str(error)) from None
+        return compiled, xla_report.report(compiled, dump_dir=dump_dir), tier, why
 
 
 def print_report(args: argparse.Namespace, case: Case, mesh: Mesh, fp8_format: str) -> int:
     """One case: its full report, as text or JSON."""
     config = case.config(fp8_format, args.reduced_shared)
-    compiled, tier, why = compile_case(case, mesh, config)
+    _, report, tier, why = compile_case(case, mesh, config)
     tp_size = mesh.shape[AXIS_NAME]
     options = compiler_options(tier, mesh.devices.flat[0].platform)
-    report = xla_report.report(compiled)
     if args.json:
         print(json.dumps({
             "topology": case.topology, "tier": tier.value, "tier_reason": why, "num_tokens": case.num_tokens,
@@ -409,11 +415,12 @@ def print_report(args: argparse.Namespace, case: Case, mesh: Mesh, fp8_format: s
 
 def case_row(case: Case, mesh: Mesh, config: TailConfig) -> dict[str, Any]:
     """The table row of ``case``: the case and its figures per device (plain data)."""
-    compiled, tier, why = compile_case(case, mesh, config)
-    report = xla_report.report(compiled)
+    compiled, report, tier, why = compile_case(case, mesh, config)
     tp_size = mesh.shape[AXIS_NAME]
-    # The kernel is the last argument; an FP8 kernel's float32 scales follow its values.
-    kernel_arguments = report.arguments[-1:] if config.up_proj_dtype is None else report.arguments[-2:]
+    # The kernel is the last argument but the ranks' indices (int32, where the tier reads them); an FP8 kernel's
+    # float32 scales follow its values.
+    arguments = [array for array in report.arguments if array.dtype != "s32"]
+    kernel_arguments = arguments[-1:] if config.up_proj_dtype is None else arguments[-2:]
     kernel_elements = {config.latent_size * config.hidden_size, config.latent_size * config.hidden_size // tp_size}
     operands = [array for gemm in report.gemms for array in gemm.operands]
     memory = compiled.memory_analysis()
@@ -426,6 +433,7 @@ def case_row(case: Case, mesh: Mesh, config: TailConfig) -> dict[str, Any]:
         "bytes_accessed": report.bytes_accessed,
         "temp_bytes": None if memory is None else memory.temp_size_in_bytes,
         "gemms": len(report.gemms),
+        "gpu_kernels": report.gpu_kernel_count,
         "kernel_bytes": sum(array.bytes for array in kernel_arguments),
         "gemm_operand_types": sorted({array.dtype for array in operands}),
         "gemm_kernel_bytes": sum(array.bytes for array in operands

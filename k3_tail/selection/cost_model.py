@@ -35,8 +35,8 @@ The model has two layers.
    output stays the [T'/p, H] rows of each rank (:func:`k3_tail.latent_moe_tail`): no gather.
    T = 0 without sequence-parallel output costs nothing: XLA drops the empty collectives.
 
-   - ``kernels``: the GPU kernels the tier's compiled call launches besides its collectives and
-     copies, per XLA platform: its record's :class:`~k3_tail.tiers.record.KernelCounts`, counted in
+   - ``gpu_kernels``: the GPU kernels the tier's compiled call launches besides its collectives and
+     copies, per XLA platform: its record's :class:`~k3_tail.tiers.record.GpuKernelCounts`, counted in
      the compiled programs (one for one_kernel; 4-8 for the XLA tiers at decode).
 
 2. **Time** (:func:`predict_time`) from a roofline for the local work, an alpha-beta model for the
@@ -44,7 +44,7 @@ The model has two layers.
 
        local      = max(gemm_flops / peak, (weight_bytes + activation_bytes) / hbm_bytes_per_s)
        collective = collective_latency_s + wire_bytes / link_bytes_per_s   (0 for a group of 1 rank)
-       launches   = kernels (on the preset's platform) * kernel_launch_s
+       launches   = gpu_kernels (on the preset's platform) * kernel_launch_s
        total      = sum(serial collectives) + max(local, sum(hidden collectives)) + launches
 
    where peak is the preset's ``peak_fp8_flops`` for a GEMM of two FP8 operands
@@ -180,7 +180,7 @@ class TierCost:
 
     gemm_flops: FLOPs of the up projection. weight_bytes: kernel (and norm weight) bytes read.
     activation_bytes: activation input and output bytes. collectives: in the order the tier issues them.
-    fp8_gemm: the FP8 format of both GEMM operands (``fp8_activations``), else None. kernels: the GPU
+    fp8_gemm: the FP8 format of both GEMM operands (``fp8_activations``), else None. gpu_kernels: the GPU
     kernels the call launches, by XLA platform ("cuda", "rocm").
     """
 
@@ -193,7 +193,7 @@ class TierCost:
     activation_bytes: int
     collectives: tuple[CollectiveCost, ...]
     fp8_gemm: str | None = None
-    kernels: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    gpu_kernels: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
     def collective_bytes(self, kind: str) -> int:
         """Sum of ``buffer_bytes`` of the collectives of ``kind`` (0 when there is none)."""
@@ -223,7 +223,8 @@ def _tier_cost(config: TailConfig, num_tokens: int, tp_size: int, tier: Tier, we
                sums: SumPlan) -> TierCost:
     """:func:`tier_cost` of checked arguments, the sums travelling as ``sums`` says."""
     if num_tokens == 0 and not config.sequence_parallel:
-        return TierCost(tier, num_tokens, tp_size, weight_layout, 0, 0, 0, (), kernels=dict.fromkeys(GPU_PLATFORMS, 0))
+        return TierCost(tier, num_tokens, tp_size, weight_layout, 0, 0, 0, (),
+                        gpu_kernels=dict.fromkeys(GPU_PLATFORMS, 0))
     element = config.dtype.itemsize
     latent, hidden = config.latent_size, config.hidden_size
     record = tier.record
@@ -256,7 +257,8 @@ def _tier_cost(config: TailConfig, num_tokens: int, tp_size: int, tier: Tier, we
         activation_bytes=activation_bytes,
         collectives=tuple(collectives),
         fp8_gemm=config.up_proj_dtype.name if config.fp8_activations else None,
-        kernels={platform: record.kernels.of(platform, weight_layout, num_tokens) for platform in GPU_PLATFORMS},
+        gpu_kernels={platform: record.gpu_kernels.of(platform, weight_layout, num_tokens)
+                     for platform in GPU_PLATFORMS},
     )
 
 
@@ -288,13 +290,13 @@ def predict_time(cost: TierCost, hardware: Hardware | str) -> Prediction:
     local = max(gemm_flops / peak, (weight_bytes + activation_bytes) / hbm_bytes_per_s) (peak: the preset's
     FP8 peak for a GEMM of two FP8 operands in a format it multiplies, else its BF16 peak), a collective
     takes collective_latency_s + wire_bytes / link_bytes_per_s (nothing over a group of one rank) and
-    launches = kernels on the preset's platform * kernel_launch_s.
+    launches = gpu_kernels on the preset's platform * kernel_launch_s.
     """
     if not isinstance(cost, TierCost):
         raise ValueError(f"cost: expected a k3_tail.selection.cost_model.TierCost, got {type(cost).__name__}")
     hardware = hardware_preset(hardware)
     compute, memory, serial, hidden = _time_terms(cost, hardware)
-    launches = cost.kernels.get(hardware.platform, 0) * hardware.kernel_launch_s
+    launches = cost.gpu_kernels.get(hardware.platform, 0) * hardware.kernel_launch_s
     return Prediction(compute_s=compute, memory_s=memory, collective_s=serial + hidden,
                       total_s=serial + max(compute, memory, hidden) + launches, launch_s=launches)
 

@@ -8,7 +8,7 @@ from jax import lax
 
 from k3_tail.tiers.context import TailCall
 from k3_tail.ops.columns import assemble_column_blocks, own_kernel_block, pad_columns
-from k3_tail.tiers.record import CallShape, CollectiveTerm, KernelCounts, TierRecord
+from k3_tail.tiers.record import CallShape, CollectiveTerm, GpuKernelCounts, TierRecord
 from k3_tail.ops.scopes import SHARED_REDUCTION
 
 
@@ -80,6 +80,6 @@ RECORD = TierRecord(
     shared_reduced_form="the final AR has nothing left to sum and becomes an AG of the column blocks (an "
                         "all-to-all to token rows for token-sharded output); the reduced shared output is added",
     collectives=_collectives,
-    kernels=KernelCounts.measured(cuda={"column": (6, 4), "replicated": (7, 5)},
+    gpu_kernels=GpuKernelCounts.measured(cuda={"column": (6, 4), "replicated": (7, 5)},
                                   rocm={"column": (7, 5), "replicated": (8, 6)}),
 )

@@ -6,7 +6,7 @@ import jax
 
 from k3_tail.tiers.context import TailCall
 from k3_tail.ops.columns import project_all_columns
-from k3_tail.tiers.record import CallShape, CollectiveTerm, KernelCounts, TierRecord
+from k3_tail.tiers.record import CallShape, CollectiveTerm, GpuKernelCounts, TierRecord
 from k3_tail.ops.tokens import own_tokens
 
 
@@ -45,6 +45,6 @@ RECORD = TierRecord(
     token_sharded_form="AR(s) becomes a reduce-scatter over tokens and each rank keeps its rows of the projection",
     shared_reduced_form="AR(s) is left out: the reduced shared output is added",
     collectives=_collectives,
-    kernels=KernelCounts.measured(cuda={"column": (7, 6), "replicated": (6, 4)},
+    gpu_kernels=GpuKernelCounts.measured(cuda={"column": (7, 6), "replicated": (6, 4)},
                                   rocm={"column": (7, 6), "replicated": (6, 5)}),
 )

@@ -24,7 +24,7 @@ from k3_tail.ops.columns import assemble_column_blocks, padded_hidden_size
 from k3_tail.ops.fused_projection import LARGEST_ROW_TILE, norm_project_add, triton_unavailable
 from k3_tail.ops.scopes import SHARED_REDUCTION, UP_PROJECTION
 from k3_tail.tiers.context import TailCall
-from k3_tail.tiers.record import CallShape, KernelCounts, TierRecord
+from k3_tail.tiers.record import CallShape, GpuKernelCounts, TierRecord
 from k3_tail.tiers import column_parallel
 
 def one_kernel_tail(routed_partial, shared_partial, norm_weight, up_proj_kernel, call: TailCall) -> jax.Array:
@@ -96,7 +96,7 @@ RECORD = TierRecord(
     shared_reduced_form="the kernel adds the own block into the reduced shared output's own columns and an AG "
                         "assembles the blocks (an all-to-all to token rows, then the add, for token-sharded output)",
     collectives=_collectives,
-    kernels=KernelCounts.measured(cuda={"column": (1, 1), "replicated": (1, 1)},
+    gpu_kernels=GpuKernelCounts.measured(cuda={"column": (1, 1), "replicated": (1, 1)},
                                   rocm={"column": (1, 1), "replicated": (1, 1)}),
     unavailable=_why_not,
     rows_per_weight_read=LARGEST_ROW_TILE,

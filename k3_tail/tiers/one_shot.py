@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from k3_tail.tiers.context import TailCall
 from k3_tail.ops.norm import inverse_rms
-from k3_tail.tiers.record import CallShape, CollectiveTerm, KernelCounts, TierRecord
+from k3_tail.tiers.record import CallShape, CollectiveTerm, GpuKernelCounts, TierRecord
 from k3_tail.ops.scopes import PACKED_REDUCTION
 
 
@@ -77,7 +77,7 @@ RECORD = TierRecord(
     token_sharded_form="the packed all-reduce becomes a reduce-scatter over tokens",
     shared_reduced_form="the packed all-reduce loses s (T(H+L) elements); the reduced shared output is added after it",
     collectives=_collectives,
-    kernels=KernelCounts.measured(cuda={"replicated": (5, 5)},
+    gpu_kernels=GpuKernelCounts.measured(cuda={"replicated": (5, 5)},
                                   rocm={"replicated": (5, 5)}),
     needs_whole_kernel=True,
     serves_fused_output_is_reduced=False,

@@ -33,7 +33,7 @@ from jax import lax
 
 from k3_tail.tiers.context import TailCall
 from k3_tail.ops.columns import gather_columns, project_own_columns
-from k3_tail.tiers.record import CallShape, CollectiveTerm, KernelCounts, TierRecord
+from k3_tail.tiers.record import CallShape, CollectiveTerm, GpuKernelCounts, TierRecord
 from k3_tail.ops.tokens import own_tokens
 
 
@@ -83,7 +83,7 @@ RECORD = TierRecord(
     token_sharded_form="AR(s) becomes a reduce-scatter over tokens and each rank keeps its rows of the projection",
     shared_reduced_form="nothing is left to overlap: the reduced shared output is added, as native does",
     collectives=_collectives,
-    kernels=KernelCounts.measured(cuda={"column": (7, 5), "replicated": (7, 4)},
+    gpu_kernels=GpuKernelCounts.measured(cuda={"column": (7, 5), "replicated": (7, 4)},
                                   rocm={"column": (7, 5), "replicated": (6, 4)}),
     # In a program with more than one tail the all-reduce combiner would merge the shared all-reduce
     # with others (nothing would overlap), and a synchronous all-reduce hides behind nothing.

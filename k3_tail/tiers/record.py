@@ -13,7 +13,7 @@ read a tier's facts from its record:
   (``TailConfig.shared_output_is_reduced``);
 - ``compiler_options``: the per-executable XLA options it needs, per platform family;
 - its cost terms: ``projects_all_columns`` (the GEMM's width), ``collectives`` (the collectives
-  it issues, in order, and which of them run beside the GEMM) and ``kernels`` (the GPU kernels its
+  it issues, in order, and which of them run beside the GEMM) and ``gpu_kernels`` (the GPU kernels its
   compiled call launches);
 - ``summary``, ``schedule`` and ``collectives_text``: its description in words.
 
@@ -116,7 +116,7 @@ class CallShape:
 
 
 @dataclasses.dataclass(frozen=True)
-class KernelCounts:
+class GpuKernelCounts:
     """The GPU kernels a tier's compiled call launches besides its collectives and copies, as XLA's thunk
     sequence lists them (:mod:`k3_tail.xla.launches`): for one token and for more, per XLA platform ("cuda",
     "rocm") and weight layout.
@@ -130,7 +130,7 @@ class KernelCounts:
     counts: Mapping[tuple[str, str], tuple[int, int]]
 
     @classmethod
-    def measured(cls, *, cuda: Mapping[str, tuple[int, int]], rocm: Mapping[str, tuple[int, int]]) -> KernelCounts:
+    def measured(cls, *, cuda: Mapping[str, tuple[int, int]], rocm: Mapping[str, tuple[int, int]]) -> GpuKernelCounts:
         """From {layout: (one token, more)} per platform."""
         return cls(MappingProxyType({(platform, layout): pair for platform, by_layout in
                                      (("cuda", cuda), ("rocm", rocm)) for layout, pair in by_layout.items()}))
@@ -159,7 +159,7 @@ class TierRecord:
     token_sharded_form: how it returns token-sharded output. shared_reduced_form: how its schedule
     changes when the shared output arrives reduced. compiler_options: per platform family
     ("gpu", "cpu", "tpu"), the per-executable XLA options. collectives: its collectives for a
-    :class:`CallShape`, in issue order. kernels: its :class:`KernelCounts`. unavailable: why it cannot
+    :class:`CallShape`, in issue order. gpu_kernels: its :class:`GpuKernelCounts`. unavailable: why it cannot
     run with a config (None: any config) in this installation, or None when it can (one_kernel: Pallas's
     Triton backend, which a jax may lack). rows_per_weight_read: the token rows of the tier's GEMM tile,
     when it reads its kernel once per tile of them (:meth:`weight_reads`), else None (once). compiled_on:
@@ -176,7 +176,7 @@ class TierRecord:
     token_sharded_form: str
     shared_reduced_form: str
     collectives: Callable[[CallShape], tuple[CollectiveTerm, ...]]
-    kernels: KernelCounts
+    gpu_kernels: GpuKernelCounts
     needs_whole_kernel: bool = False
     serves_fused_output_is_reduced: bool = True
     splits_tokens: bool = False

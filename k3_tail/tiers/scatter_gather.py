@@ -8,7 +8,7 @@ import jax
 
 from k3_tail.tiers.context import TailCall
 from k3_tail.ops.columns import assemble_column_blocks, own_kernel_block, pad_columns
-from k3_tail.tiers.record import REDUCE_SCATTER, CallShape, CollectiveTerm, KernelCounts, TierRecord
+from k3_tail.tiers.record import REDUCE_SCATTER, CallShape, CollectiveTerm, GpuKernelCounts, TierRecord
 from k3_tail.ops.scopes import SHARED_REDUCTION
 
 
@@ -57,7 +57,7 @@ RECORD = TierRecord(
     shared_reduced_form="RS(s) is left out: the own block's projection is assembled and the reduced shared output "
                         "added to it",
     collectives=_collectives,
-    kernels=KernelCounts.measured(cuda={"column": (5, 5), "replicated": (6, 6)},
+    gpu_kernels=GpuKernelCounts.measured(cuda={"column": (5, 5), "replicated": (6, 6)},
                                   rocm={"column": (6, 6), "replicated": (7, 7)}),
     # Async collectives pinned on, for the reduce-scatter that runs beside the GEMM.
     compiler_options=MappingProxyType({"gpu": MappingProxyType({"xla_gpu_disable_async_collectives": ""})}),

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from k3_tail.tiers.context import TailCall
 from k3_tail.ops.norm import rms_norm
-from k3_tail.tiers.record import ALL_GATHER, REDUCE_SCATTER, CallShape, CollectiveTerm, KernelCounts, TierRecord
+from k3_tail.tiers.record import ALL_GATHER, REDUCE_SCATTER, CallShape, CollectiveTerm, GpuKernelCounts, TierRecord
 from k3_tail.ops.scopes import LATENT_REDUCTION, SHARED_REDUCTION
 from k3_tail.ops.tokens import gather_tokens, own_tokens, pad_tokens
 
@@ -82,7 +82,7 @@ RECORD = TierRecord(
     token_sharded_form="the final all-gather over tokens is left out: each rank keeps its own rows",
     shared_reduced_form="RS(s) is left out: each rank takes its own rows of the reduced shared output",
     collectives=_collectives,
-    kernels=KernelCounts.measured(cuda={"replicated": (7, 3)},
+    gpu_kernels=GpuKernelCounts.measured(cuda={"replicated": (7, 3)},
                                   rocm={"replicated": (7, 3)}),
     needs_whole_kernel=True,
     serves_fused_output_is_reduced=False,

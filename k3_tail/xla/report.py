@@ -1,4 +1,4 @@
-"""What XLA made of a compiled tail: per-device cost, every collective, the overlap verdict, the kernels.
+"""What XLA made of a compiled tail: per-device cost, every collective, the overlap verdict, the GPU kernels.
 
 :func:`report` reads a compiled executable (:func:`k3_tail.compile_tail`, or any ``jax.jit(...)
 .lower(...).compile()`` of a tail) into an :class:`XlaReport`. The entry computation of a compiled
@@ -126,7 +126,7 @@ class XlaReport:
       shared_reduction: the first collective whose input derives from the shared partial (argument
         ``shared_argument`` of :func:`report`), or None. In a whole model's program, where the shared
         partial is no argument, :meth:`in_scope` finds the tail's parts by their named scopes.
-      kernels: the GPU kernels the program launches, by the HLO instruction each runs, in order:
+      gpu_kernels: the GPU kernels the program launches, by the HLO instruction each runs, in order:
         fusions, Triton and Pallas kernels and library GEMMs, not its collectives, memcpys (the copies
         of jit parameters and contiguous slices) or memsets (:mod:`k3_tail.xla.launches`); None
         where it is not known (no dump given, or a CPU program).
@@ -142,12 +142,12 @@ class XlaReport:
     gemms: tuple[Gemm, ...]
     collectives: tuple[Collective, ...]
     shared_reduction: Collective | None
-    kernels: tuple[str, ...] | None = None
+    gpu_kernels: tuple[str, ...] | None = None
 
     @property
-    def kernel_count(self) -> int | None:
-        """The number of GPU kernels the program launches (``len(kernels)``), or None where not known."""
-        return None if self.kernels is None else len(self.kernels)
+    def gpu_kernel_count(self) -> int | None:
+        """The number of GPU kernels the program launches (``len(gpu_kernels)``), or None where not known."""
+        return None if self.gpu_kernels is None else len(self.gpu_kernels)
 
     @property
     def gemm_flops(self) -> int:
@@ -176,7 +176,7 @@ class XlaReport:
     def to_dict(self) -> dict[str, Any]:
         """Plain data (JSON-serialisable), with ``gemm_flops`` and ``overlapped`` included."""
         return {**dataclasses.asdict(self), "gemm_flops": self.gemm_flops, "overlapped": self.overlapped,
-                "kernel_count": self.kernel_count}
+                "gpu_kernel_count": self.gpu_kernel_count}
 
     def format(self) -> str:
         """The report as readable text."""
@@ -204,8 +204,9 @@ class XlaReport:
             if collective.between:
                 lines.append(f"      scheduled inside: {', '.join(collective.between)}")
         lines.append(f"overlapped: {self.overlapped}")
-        if self.kernels is not None:
-            lines.append(f"GPU kernels besides collectives and copies: {len(self.kernels)} ({', '.join(self.kernels)})")
+        if self.gpu_kernels is not None:
+            lines.append(f"GPU kernels besides collectives and copies: {len(self.gpu_kernels)} "
+                         f"({', '.join(self.gpu_kernels)})")
         return "\n".join(lines)
 
 
@@ -219,7 +220,7 @@ def report(compiled: jax.stages.Compiled, *, shared_argument: int | None = 1,
         :func:`k3_tail.compile_tail`'s programs and for a jitted ``tail_forward(routed, shared, ...)``);
         None when there is none, which leaves ``shared_reduction`` and ``overlapped`` None.
       dump_dir: the directory XLA dumped this compile into (``compile_tail(..., dump_to=...)``, or the
-        compiler option ``xla_dump_to``), for ``kernels``; None leaves them None. Ignored for a CPU
+        compiler option ``xla_dump_to``), for ``gpu_kernels``; None leaves them None. Ignored for a CPU
         program.
 
     Returns:
@@ -258,9 +259,9 @@ def report(compiled: jax.stages.Compiled, *, shared_argument: int | None = 1,
     shared = next((c for c in collectives if c.carries_shared), None) if shared_argument is not None else None
 
     flops, bytes_accessed, source = _cost(compiled, schedule, symbols, sum(gemm.flops for gemm in gemms))
-    kernels = None
+    gpu_kernels = None
     if dump_dir is not None and device is not None and device.platform != "cpu":
-        kernels = tuple(launch.name for launch in read_launches(dump_dir, module.name) if launch.is_kernel)
+        gpu_kernels = tuple(launch.name for launch in read_launches(dump_dir, module.name) if launch.is_kernel)
     return XlaReport(
         platform=device.platform if device else "unknown",
         device_kind=getattr(device, "device_kind", "unknown"),
@@ -274,7 +275,7 @@ def report(compiled: jax.stages.Compiled, *, shared_argument: int | None = 1,
         gemms=tuple(gemms),
         collectives=collectives,
         shared_reduction=shared,
-        kernels=kernels,
+        gpu_kernels=gpu_kernels,
     )
 
 
