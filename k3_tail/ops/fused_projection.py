@@ -17,9 +17,10 @@ of columns over all of L, which leaves Hb/16 = 56 programs at Kimi-K3's p = 8: a
 CUs needs about 1024. So K is split too: program (r, j, s) multiplies row tile r, column tile j (16
 columns: 32-byte runs of bf16) and slab s of K (:func:`fused_grid`: 1568 programs at T <= 16, p = 8),
 and the last of the S programs of a tile (an atomic counter, release/acquire at GPU scope) sums the S
-partials in a fixed order and applies the row scale and the add. Each slab is normalised by the power of two at or above its own largest magnitude, so no
-program needs the whole row first; the last program rescales the partials to the row's largest such
-power (exact: powers of two) and takes the row's sum of squares from the latent itself (L values a row).
+partials in a fixed order and applies the row scale and the add. Each slab is normalised by the power
+of two at or above its own largest magnitude, so no program needs the whole row first; the last program
+rescales the partials to the row's largest such power (exact: powers of two) and takes the row's sum of
+squares from the latent itself (L values a row).
 Partials, slab exponents and counters are the kernel's scratch outputs: S*T*Hb*4 + S*J*T*4 + R*J*4 bytes
 (107 KB at T = 1, p = 8; the split is capped so that they stay about a quarter of the weight block's bytes).
 """
