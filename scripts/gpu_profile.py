@@ -16,10 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from k3_tail import TailConfig, padded_token_count
-from k3_tail.hardware import HARDWARE, Hardware
-from k3_tail.tiers.registry import TIER_RECORDS
+from k3_tail.hardware import HARDWARE, Hardware, device_platform
+from k3_tail.tiers.registry import TIER_RECORDS, Tier
 from k3_tail.tools.benchmark import config_dict, default_token_counts, time_runs
-from k3_tail.tools.blocks import WEIGHT_LAYOUTS, rms_norm
+from k3_tail.tools.blocks import WEIGHT_LAYOUTS, norm_project_add, rms_norm
 from k3_tail.tools.experiment import (
     Experiment, add_shape_arguments, announce_machine, format_ms, format_table, median_columns, positive_int,
     positive_int_list, progress, quartiles_ms, stepped, use_cpu_without_gpu,
@@ -32,12 +32,14 @@ CPU_REPEATS = 5
 DEVICE_KIND_PRESETS = (("MI300X", "mi300x"), ("MI325X", "mi325x"), ("MI355X", "mi355x"), ("H200", "h200"))
 
 
-def cases(config: TailConfig, tp_sizes, token_counts, layouts) -> list[dict[str, Any]]:
-    """Every (p, T, layout, tier) the registry's tiers run, p-major, then T, layout, registry order: the
-    first fields of its row, with the shapes of its rank's local work (module docstring)."""
+def cases(config: TailConfig, tp_sizes, token_counts, layouts, platform: str) -> list[dict[str, Any]]:
+    """Every (p, T, layout, tier) the registry's tiers run (compiled on ``platform``: not one_kernel's
+    interpreted kernel on a CPU), p-major, then T, layout, registry order: the first fields of its row, with
+    the shapes of its rank's local work (module docstring)."""
     result = []
+    records = [record for record in TIER_RECORDS if not record.runs_interpreted_on(platform)]
     for tp_size, num_tokens, layout in itertools.product(tp_sizes, token_counts, layouts):
-        for record in (record for record in TIER_RECORDS if record.why_not(layout, config) is None):
+        for record in (record for record in records if record.why_not(layout, config) is None):
             rows = padded_token_count(num_tokens, tp_size) if record.splits_tokens else num_tokens
             result.append({"tier": record.name, "weight_layout": layout, "tp_size": tp_size, "num_tokens": num_tokens,
                            "rows": rows, "gemm_rows": record.gemm_rows(rows, tp_size),
@@ -50,6 +52,11 @@ def local_work(latent, norm_weight, kernel, shared, *, config: TailConfig):
     normed = rms_norm(latent, norm_weight, config)
     projected = jnp.dot(normed.astype(config.dtype), kernel, preferred_element_type=jnp.float32)
     return (projected + shared.astype(jnp.float32)).astype(config.dtype)
+
+
+def fused_local_work(latent, norm_weight, kernel, shared, *, config: TailConfig):
+    """The same work as one_kernel does it: its one Pallas kernel (module docstring)."""
+    return norm_project_add(latent, norm_weight, kernel, shared, config)
 
 
 def input_maker(config: TailConfig, device: jax.Device, seed: int):
@@ -165,15 +172,17 @@ def main(argv: list[str] | None = None) -> int:
     experiment.print(f"dispatch floor (jitted one-element add): median {format_ms(floor.median_s)} ms, q25-q75 "
                      f"{quartiles_ms(floor)} ms")
 
-    todo = cases(config, args.tp_sizes, token_counts, layouts)
+    todo = cases(config, args.tp_sizes, token_counts, layouts, device_platform(device))
     arguments, drop_activations = input_maker(config, device, args.seed)
-    run_jitted = jax.jit(functools.partial(local_work, config=config))
+    run_xla = jax.jit(functools.partial(local_work, config=config))
+    run_fused = jax.jit(functools.partial(fused_local_work, config=config))
     rows, group = [], None
     for case in stepped(todo, lambda case: f"p={case['tp_size']} T={case['num_tokens']} {case['tier']} "
                         f"{case['weight_layout']}"):
         if (case["tp_size"], case["num_tokens"]) != group:
             drop_activations()
             group = case["tp_size"], case["num_tokens"]
+        run_jitted = run_fused if case["tier"] == Tier.ONE_KERNEL.value else run_xla
         rows.append(measure(case, arguments(case), run_jitted, repeats=repeats, warmup=args.warmup, hardware=hardware))
     drop_activations()
     experiment.print("", format_table(rows, [

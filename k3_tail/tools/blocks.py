@@ -7,17 +7,19 @@ a :class:`~k3_tail.TailConfig` and plain arrays.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 
 from k3_tail.config import TailConfig
-from k3_tail.ops import collectives, norm, up_projection
+from k3_tail.ops import collectives, fused_projection, norm, up_projection
 from k3_tail.ops.codecs import CODECS
 from k3_tail.ops.columns import WEIGHT_LAYOUTS
 from k3_tail.ops.up_projection import FP8_FORMATS
 
 # The weight layouts ("column", "replicated"), the up projection's FP8 formats and the all-reduce codecs
 # ("int8", "int6", "int4").
-__all__ = ["CODEC_NAMES", "FP8_FORMATS", "WEIGHT_LAYOUTS", "all_reduce", "gemm_rows", "project", "rms_norm"]
+__all__ = ["CODEC_NAMES", "FP8_FORMATS", "WEIGHT_LAYOUTS", "all_reduce", "gemm_rows", "norm_project_add", "project",
+           "rms_norm"]
 CODEC_NAMES = tuple(CODECS)
 
 
@@ -35,6 +37,16 @@ def gemm_rows(rows: int) -> int:
 def rms_norm(x: jax.Array, weight: jax.Array | None, config: TailConfig) -> jax.Array:
     """The tail's RMSNorm of ``c * x`` [T, L] in float32, with ``config``'s eps and scale c."""
     return norm.rms_norm(x, weight, eps=config.rms_norm_eps, scale=config.routed_scaling_factor)
+
+
+def norm_project_add(latent: jax.Array, weight: jax.Array | None, kernel: jax.Array, addend: jax.Array,
+                     config: TailConfig) -> jax.Array:
+    """one_kernel's local work in its one Pallas kernel: ``round(RMSNorm(c * latent) @ kernel + addend)``,
+    [T, L] x [L, N] + [T, N] -> [T, N] in ``config.dtype``; interpreted on a CPU, compiled on a GPU."""
+    return fused_projection.norm_project_add(
+        latent, weight, kernel, addend, rank=jnp.zeros((1,), jnp.int32), block_width=kernel.shape[1],
+        hidden_size=kernel.shape[1], eps=config.rms_norm_eps, scale=config.routed_scaling_factor, into_addend=False,
+        interpret=jax.devices()[0].platform == "cpu")
 
 
 def all_reduce(x: jax.Array, config: TailConfig, *, axis_name: str, platform: str | None = None) -> jax.Array:
