@@ -138,6 +138,7 @@ def test_tail_design_infeasible_pairs_are_exactly_the_constraints():
         *((("tier", tier), ("weight_layout", "column")) for tier in whole_kernel_tiers),
         (("tp_size", 1), ("hidden_divisible", False)),
         (("up_proj_dtype", None), ("fp8_activations", True)),
+        (("tier", k3_tail.Tier.ONE_KERNEL.value), ("fp8_activations", True)),
     }
 
 
