@@ -11,7 +11,9 @@ from jax.sharding import PartitionSpec as P
 
 from k3_tail._checks import AxisName, check_axis_name, check_mesh, expect_array, expect_optional, expect_rank
 from k3_tail.config import TailConfig, check_config
+from k3_tail.hardware import device_platform
 from k3_tail.per_rank import latent_moe_tail
+from k3_tail.selection.rules import select_tier
 from k3_tail.ops.columns import check_weight_layout, pad_columns, padded_hidden_size
 from k3_tail.tiers.registry import Tier
 from k3_tail.ops.tokens import pad_tokens
@@ -131,9 +133,12 @@ def _tail_forward_jit(routed_partials, shared_partials, norm_weight, up_proj_ker
     )
     args = (*args, ranks)
     specs = (*specs, column_spec(up_proj_kernel, columns), P(axis_name))
+    device = mesh.devices.flat[0]
+    if tier is None:
+        tier = select_tier(config, num_tokens, tp_size, weight_layout=weight_layout, device_kind=device.device_kind,
+                           platform=device_platform(device)).tier
     per_rank_tail = functools.partial(
-        latent_moe_tail, config=config, axis_name=axis_name, weight_layout=weight_layout, tier=tier,
-        device=mesh.devices.flat[0],
+        latent_moe_tail, config=config, axis_name=axis_name, weight_layout=weight_layout, tier=tier, device=device,
     )
 
     def per_rank(routed, shared, norm, kernel, rank):
@@ -144,7 +149,10 @@ def _tail_forward_jit(routed_partials, shared_partials, norm_weight, up_proj_ker
 
     in_specs = tuple(None if x is None else spec for x, spec in zip(args, specs, strict=True))
     out_spec = P(axis_name) if is_token_sharded_output(config, num_tokens, tp_size) else P()
-    return jax.shard_map(per_rank, mesh=mesh, in_specs=in_specs, out_specs=out_spec)(*args)
+    # Pallas's interpreter takes no values typed as varying over the mesh (docs/design.md, section 2.13): where this
+    # call's kernel runs interpreted, the shard_map does not type them, and each device runs only its own kernel.
+    check_vma = not tier.record.runs_interpreted_on(device_platform(device))
+    return jax.shard_map(per_rank, mesh=mesh, in_specs=in_specs, out_specs=out_spec, check_vma=check_vma)(*args)
 
 
 def _check_global_inputs(routed_partials, shared_partials, norm_weight, up_proj_kernel, *, config, tp_size,

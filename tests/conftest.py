@@ -37,6 +37,10 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
+    # Under pytest-xdist (-n 2) idle workers take queued tests from busy ones: the suite's few long tests
+    # (the notebook, the multi-process runs) otherwise leave one worker idle at the end.
+    if getattr(config.option, "dist", None) == "load":
+        config.option.dist = "worksteal"
     if config.getoption("--topologies"):
         os.environ[TOPOLOGIES_VARIABLE] = config.getoption("--topologies")  # pytest-xdist workers inherit it
 

@@ -66,8 +66,13 @@ def assert_non_finite_where_the_reference_is(y, expected):
     assert np.array_equal(np.isfinite(y), np.isfinite(expected))
 
 
-@pytest.mark.parametrize("codec", CODECS, ids=lambda codec: codec or "bf16")
-@pytest.mark.parametrize("tier", list(k3_tail.Tier), ids=lambda tier: tier.value)
+# one_kernel's Pallas kernel runs interpreted here (seconds a call at these widths): its own NaN and infinity
+# handling is in its kernel, ahead of the sums, and its sums are column_parallel's, which meets every codec.
+NON_FINITE_CASES = [pytest.param(tier, codec, id=f"{tier.value}-{codec or 'bf16'}") for tier in k3_tail.Tier
+                    for codec in CODECS if tier is not k3_tail.Tier.ONE_KERNEL or codec is None]
+
+
+@pytest.mark.parametrize(("tier", "codec"), NON_FINITE_CASES)
 def test_a_non_finite_partial_is_non_finite_in_y_exactly_where_the_reference_is(inputs, tier, codec):
     clean, poisoned = inputs
     config = quantised(codec)

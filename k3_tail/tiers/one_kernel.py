@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from k3_tail.config import TailConfig
 from k3_tail.hardware import GPU_PLATFORMS
 from k3_tail.ops.columns import assemble_column_blocks, padded_hidden_size
-from k3_tail.ops.fused_projection import LARGEST_ROW_TILE, norm_project_add, triton_unavailable
+from k3_tail.ops.fused_projection import LARGEST_ROW_TILE, TARGET_PROGRAMS, norm_project_add, triton_unavailable
 from k3_tail.ops.scopes import SHARED_REDUCTION, UP_PROJECTION
 from k3_tail.tiers.context import TailCall
 from k3_tail.tiers.record import CallShape, GpuKernelCounts, TierRecord
@@ -59,6 +59,9 @@ def _project_add(latent, norm_weight, up_proj_kernel, call: TailCall):
     result goes."""
     config = call.config
     block_width = padded_hidden_size(config.hidden_size, call.tp_size) // call.tp_size
+    # Interpreted (a CPU), the programs run in turn: nothing to fill, so K is not split (the split's own path is
+    # tested on the kernel itself, tests/test_one_kernel.py).
+    interpret = RECORD.runs_interpreted_on(call.platform)
 
     def project_add(addend, *, into_addend):
         with jax.named_scope(UP_PROJECTION):
@@ -66,7 +69,7 @@ def _project_add(latent, norm_weight, up_proj_kernel, call: TailCall):
                 latent, norm_weight if config.use_latent_norm else None, up_proj_kernel, addend,
                 rank=call.rank_index(), block_width=block_width, hidden_size=config.hidden_size,
                 eps=config.rms_norm_eps, scale=config.routed_scaling_factor, into_addend=into_addend,
-                interpret=RECORD.runs_interpreted_on(call.platform),
+                interpret=interpret, target_programs=1 if interpret else TARGET_PROGRAMS,
             )
 
     return project_add
