@@ -5,6 +5,7 @@ import ctypes
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from helpers import gpu_mesh_for, make_tp_mesh
 from k3_tail import Tier, TailConfig, compile_tail, select_tier
+from k3_tail.hardware import HARDWARE, native_fp8_formats
 from k3_tail.xla.compilation import compiler_options, tail_arguments
 from k3_tail.xla.topologies import GPU_TARGETS
 from k3_tail.xla import rocm_stand_ins
@@ -115,6 +117,17 @@ needs_tools = pytest.mark.skipif(shutil.which("gcc") is None or shutil.which("re
                                  reason="needs gcc and readelf")
 
 
+@pytest.mark.parametrize(("target", "preset"), [("mi300x", "mi300x"), ("mi355x", "mi355x")])
+def test_a_deviceless_rocm_kind_starts_with_its_gfx_arch_and_still_names_its_gpu(target, preset):
+    """jax 0.12's Pallas takes the arch from the device kind (design.md, section 3.6): the shipped record's
+    description starts with its gcn arch, and the FP8 formats are still found by the GPU's name in it."""
+    text = GPU_TARGETS[target].config_text()
+    arch = re.search(r'gcn_arch_name:\s*"(gfx\w+)', text).group(1)
+    kind = re.search(r'device_description_str:\s*"([^"]+)"', text).group(1)
+    assert kind.startswith(arch + " ") and target.upper() in kind
+    assert native_fp8_formats(kind) == HARDWARE[preset].fp8_formats
+
+
 @pytest.mark.skipif(ROCM_WHEELS, reason="the ROCm plugin is installed here")
 @pytest.mark.parametrize("topology", ["mi300xx8", "mi355xx8"])
 def test_rocm_topologies_without_the_plugin_name_the_extra_that_brings_it(topology):
@@ -122,7 +135,7 @@ def test_rocm_topologies_without_the_plugin_name_the_extra_that_brings_it(topolo
         topology_mesh(topology)
 
 
-@pytest.mark.parametrize(("topology", "kind"), [("mi300xx8", "AMD MI300X"), ("mi355xx8", "AMD MI355X")])
+@pytest.mark.parametrize(("topology", "kind"), [("mi300xx8", "gfx942 (AMD MI300X)"), ("mi355xx8", "gfx950 (AMD MI355X)")])
 @pytest.mark.compiled
 def test_rocm_meshes_have_eight_devices_of_their_kind_and_compile_an_async_all_reduce(topology, kind):
     mesh = gpu_mesh_for(topology)
@@ -182,7 +195,7 @@ def test_a_rocm_topology_in_a_fresh_process_prints_nothing_and_maps_the_stand_in
     print(before, len(mapped_stand_ins()), mesh.devices.flat[0].device_kind)
     """, XDG_CACHE_HOME=str(tmp_path))
     assert result.returncode == 0 and result.stderr == "", result
-    assert result.stdout.startswith("[] ") and result.stdout.endswith(" AMD MI300X\n")
+    assert result.stdout.startswith("[] ") and result.stdout.endswith(" gfx942 (AMD MI300X)\n")
     assert int(result.stdout.split()[1]) >= 10  # libamdhip64, libhsa-runtime64, hipBLASLt, ... (jax 0.12: 16)
 
 
@@ -224,16 +237,20 @@ def test_processes_building_the_stand_ins_at_once_share_one_directory(tmp_path):
     assert [path.name for path in tmp_path.iterdir()] == [os.path.basename(results[0][0])]
 
 
-@needs_rocm_wheels
-def test_a_missing_compiler_or_readelf_is_named(tmp_path):
-    """In a fresh process with an empty cache and neither gcc nor readelf on PATH (nor $CC)."""
-    result = run_python("""
+# A fresh process that asks for 8 x MI300X and prints the TopologyUnavailable it gets.
+PRINT_TOPOLOGY_ERROR = """
     import k3_tail
     try:
         k3_tail.topology_mesh("mi300xx8")
     except k3_tail.TopologyUnavailable as error:
         print(error)
-    """, PATH=str(tmp_path), CC=None, XDG_CACHE_HOME=str(tmp_path / "cache"))
+    """
+
+
+@needs_rocm_wheels
+def test_a_missing_compiler_or_readelf_is_named(tmp_path):
+    """In a fresh process with an empty cache and neither gcc nor readelf on PATH (nor $CC)."""
+    result = run_python(PRINT_TOPOLOGY_ERROR, PATH=str(tmp_path), CC=None, XDG_CACHE_HOME=str(tmp_path / "cache"))
     assert result.returncode == 0 and result.stderr == "", result
     assert "a C compiler (gcc, or $CC) and readelf (GNU binutils)" in result.stdout
     assert "apt-get install gcc binutils" in result.stdout

@@ -11,7 +11,7 @@ import pytest
 
 from k3_tail.xla import rocm_stand_ins
 from k3_tail.xla.rocm_stand_ins import ElfNeeds, RocmUnavailable
-from test_compilation import build_fake_plugin, needs_rocm_wheels, needs_tools, run_python
+from test_compilation import PRINT_TOPOLOGY_ERROR, build_fake_plugin, needs_rocm_wheels, needs_tools, run_python
 
 LIBRARY = "libk3trust.so.1"
 
@@ -286,13 +286,7 @@ def test_a_rocm_topology_over_an_untrusted_cache_is_topology_unavailable(tmp_pat
     """In a fresh process (nothing registered yet), a group-writable cache refuses before anything is built."""
     (tmp_path / "k3_tail").mkdir(0o770)
     (tmp_path / "k3_tail").chmod(0o770)
-    result = run_python("""
-    import k3_tail
-    try:
-        k3_tail.topology_mesh("mi300xx8")
-    except k3_tail.TopologyUnavailable as error:
-        print(error)
-    """, XDG_CACHE_HOME=str(tmp_path))
+    result = run_python(PRINT_TOPOLOGY_ERROR, XDG_CACHE_HOME=str(tmp_path))
     assert result.returncode == 0 and result.stderr == "", result
     assert result.stdout == (f"cannot compile for 'mi300xx8' here: {tmp_path / 'k3_tail'} (in the stand-in cache) is "
                              "writable by group or others, who could replace the stand-in ROCm libraries: chmod go-w "

@@ -39,8 +39,8 @@ from jax import lax
 
 from k3_tail._checks import varying_axes
 from k3_tail.ops.norm import rms_norm, row_scale_floor
+from k3_tail.ops.scopes import GEMM_FLOPS_KEY
 from k3_tail.ops.up_projection import QuantizedKernel
-from k3_tail.xla.hlo_text import GEMM_FLOPS_KEY
 
 # Tile sizes: the MMA needs at least 16 rows, columns and depth; 16 bf16 columns are a 32-byte run (an NVIDIA
 # sector; an AMD cache line's other half is the next tile's, read from the cache).

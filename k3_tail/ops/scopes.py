@@ -1,4 +1,5 @@
-"""The ``jax.named_scope`` names the tail puts on its collectives and its GEMM.
+"""The names the tail puts into its programs: the ``jax.named_scope`` names of its collectives and its GEMM, and
+the metadata key of its Pallas kernel's FLOPs.
 
 XLA keeps a named scope in the ``op_name`` of every instruction traced inside it, through fusion and
 scheduling (but for XLA's GPU all-reduce combiner, which drops the metadata of what it merges), so
@@ -18,3 +19,6 @@ PACKED_REDUCTION = PREFIX + "packed_reduction"
 OUTPUT_GATHER = PREFIX + "output_gather"
 UP_PROJECTION = PREFIX + "up_projection"
 SCOPES = (LATENT_REDUCTION, SHARED_REDUCTION, PACKED_REDUCTION, OUTPUT_GATHER, UP_PROJECTION)
+# The metadata key under which one_kernel's Pallas kernel (ops/fused_projection.py) states its GEMM FLOPs in its
+# custom call, which no HLO dot shows: k3_tail.xla.hlo_text reads it back.
+GEMM_FLOPS_KEY = "k3_tail_gemm_flops"

@@ -16,14 +16,13 @@ import json
 import math
 import re
 
+from k3_tail.ops.scopes import GEMM_FLOPS_KEY
+
 _DTYPE_BYTES = {
     "pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "s32": 4, "u32": 4, "s64": 8, "u64": 8,
     "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3fnuz": 1, "f8e5m2fnuz": 1, "bf16": 2, "f16": 2, "f32": 4, "f64": 8,
     "c64": 8, "c128": 16,
 }
-# The key under which a kernel custom call (k3_tail's Pallas kernel, k3_tail.ops.fused_projection) states its
-# GEMM FLOPs in its metadata, which no HLO dot shows for it.
-GEMM_FLOPS_KEY = "k3_tail_gemm_flops"
 _ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
 _INSTRUCTION = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+([a-z][a-z0-9\-]*)\(")
