@@ -16,6 +16,7 @@ The helpers the test modules share live in ``helpers.py``.
 """
 
 import os
+import signal
 
 import jax
 import pytest
@@ -77,3 +78,16 @@ def _on_rocm():
     if os.environ.get("JAX_PLATFORMS", "cpu").split(",")[0] not in ("rocm", "gpu"):
         return False
     return "rocm" in jax.devices()[0].client.platform_version.lower()
+
+
+@pytest.fixture
+def fails_if_blocked():
+    """Fails a test that blocks (opening a FIFO for reading waits for a writer) instead of hanging it."""
+    def interrupt(signum, frame):
+        raise TimeoutError("blocked for 10 s")
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    signal.alarm(10)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)

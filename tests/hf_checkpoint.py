@@ -11,12 +11,10 @@ safetensors shards with a ``model.safetensors.index.json`` (or as one file), wit
 
 import dataclasses
 import json
-import signal
 from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from safetensors.numpy import save_file
 
 from k3_tail import checkpoint as checkpoint_module
@@ -190,16 +188,3 @@ def record_slices(monkeypatch) -> list[tuple[str, tuple[slice, ...], int]]:
     monkeypatch.setattr(checkpoint_module, "safe_open",
                         lambda path, framework: RecordingFile(open_file(path, framework=framework)))
     return calls
-
-
-@pytest.fixture
-def fails_if_blocked():
-    """Fails a test that blocks (opening a FIFO for reading waits for a writer) instead of hanging it."""
-    def interrupt(signum, frame):
-        raise TimeoutError("blocked for 10 s")
-
-    previous = signal.signal(signal.SIGALRM, interrupt)
-    signal.alarm(10)
-    yield
-    signal.alarm(0)
-    signal.signal(signal.SIGALRM, previous)

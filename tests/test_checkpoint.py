@@ -25,7 +25,6 @@ from jax.sharding import PartitionSpec as P
 from safetensors import SafetensorError, safe_open
 
 import k3_tail
-from hf_checkpoint import fails_if_blocked  # noqa: F401  (a fixture)
 from hf_checkpoint import TinyModel, record_slices, tiny_model, write_checkpoint
 from helpers import FAST_COMPILE_XLA_FLAGS, make_tp_mesh
 from k3_tail import hf_config

@@ -135,7 +135,8 @@ def test_rocm_topologies_without_the_plugin_name_the_extra_that_brings_it(topolo
         topology_mesh(topology)
 
 
-@pytest.mark.parametrize(("topology", "kind"), [("mi300xx8", "gfx942 (AMD MI300X)"), ("mi355xx8", "gfx950 (AMD MI355X)")])
+@pytest.mark.parametrize(("topology", "kind"), [("mi300xx8", "gfx942 (AMD MI300X)"),
+                                               ("mi355xx8", "gfx950 (AMD MI355X)")])
 @pytest.mark.compiled
 def test_rocm_meshes_have_eight_devices_of_their_kind_and_compile_an_async_all_reduce(topology, kind):
     mesh = gpu_mesh_for(topology)

@@ -9,7 +9,6 @@ import os
 
 import pytest
 
-from hf_checkpoint import fails_if_blocked  # noqa: F401  (a fixture)
 from k3_tail.json_files import MAX_INTEGER_DIGITS, read_json
 
 

@@ -155,11 +155,12 @@ def norm_project_add(
       [T, Wa] or [T, Hb] in the latent's dtype.
 
     Cost: reads 2*L*Hb weight bytes (L*Hb for FP8), T*L latent values about twice, T*Hb addend values;
-    2*T*L*Hb FLOPs; :meth:`FusedGrid.scratch_bytes` of scratch; one kernel launch (and a memset of the
-    counters when S > 1).
+    2*T*L*Hb FLOPs; :meth:`FusedGrid.scratch_bytes` of scratch; one kernel launch (and, when S > 1, a memcpy of
+    the counters' starts).
     """
-    from jax.experimental import pallas as pl  # noqa: PLC0415 (loaded with the first fused call only)
-    from jax.experimental.pallas import triton as plt  # noqa: PLC0415
+    # Pallas is loaded with the first call only: `import k3_tail` stays light, and a jax without it imports.
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plt
 
     num_tokens, latent_size = latent.shape
     dtype = latent.dtype

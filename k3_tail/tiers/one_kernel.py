@@ -23,9 +23,10 @@ from k3_tail.hardware import GPU_PLATFORMS
 from k3_tail.ops.columns import assemble_column_blocks, padded_hidden_size
 from k3_tail.ops.fused_projection import LARGEST_ROW_TILE, TARGET_PROGRAMS, norm_project_add, triton_unavailable
 from k3_tail.ops.scopes import SHARED_REDUCTION, UP_PROJECTION
-from k3_tail.tiers.context import TailCall
-from k3_tail.tiers.record import CallShape, GpuKernelCounts, TierRecord
 from k3_tail.tiers import column_parallel
+from k3_tail.tiers.context import TailCall
+from k3_tail.tiers.record import GpuKernelCounts, TierRecord
+
 
 def one_kernel_tail(routed_partial, shared_partial, norm_weight, up_proj_kernel, call: TailCall) -> jax.Array:
     """AR(r); one kernel: norm, own column block of the GEMM, added into own columns of s; AR (a
@@ -83,10 +84,6 @@ def _why_not(config: TailConfig | None) -> str | None:
     return None if unavailable is None else f"one_kernel needs Pallas's Triton backend: {unavailable}"
 
 
-def _collectives(shape: CallShape):
-    return column_parallel.RECORD.collectives(shape)
-
-
 RECORD = TierRecord(
     name="one_kernel",
     function=one_kernel_tail,
@@ -98,7 +95,7 @@ RECORD = TierRecord(
     token_sharded_form=column_parallel.RECORD.token_sharded_form,
     shared_reduced_form="the kernel adds the own block into the reduced shared output's own columns and an AG "
                         "assembles the blocks (an all-to-all to token rows, then the add, for token-sharded output)",
-    collectives=_collectives,
+    collectives=column_parallel.RECORD.collectives,
     gpu_kernels=GpuKernelCounts.measured(cuda={"column": (1, 1), "replicated": (1, 1)},
                                   rocm={"column": (1, 1), "replicated": (1, 1)}),
     unavailable=_why_not,
