@@ -14,6 +14,7 @@ import pytest
 
 import k3_tail
 from k3_tail.ops import fused_projection
+from k3_tail.selection import cost_model
 from k3_tail.ops.fused_projection import (
     TARGET_PROGRAMS, fused_grid, norm_project_add, norm_project_add_reference,
 )
@@ -185,3 +186,14 @@ def test_fp8_bytes_decode_to_their_values_exactly(fp8_format):
     finite = ~np.isnan(want)
     np.testing.assert_array_equal(got[finite], want[finite])
     np.testing.assert_array_equal(np.signbit(got[finite]), np.signbit(want[finite]))
+
+
+@pytest.mark.parametrize(("platform", "tier"), [("rocm", k3_tail.Tier.ONE_KERNEL), ("cuda", k3_tail.Tier.ONE_KERNEL),
+                                                ("cpu", k3_tail.Tier.COLUMN_PARALLEL),
+                                                (None, k3_tail.Tier.COLUMN_PARALLEL)])
+def test_the_cost_model_policy_picks_one_kernel_only_where_it_runs_compiled(platform, tier):
+    config = dataclasses.replace(K3, selection_policy=cost_model.CostModelPolicy("mi355x"))
+    decision = k3_tail.select_tier(config, 1, 8, weight_layout="column", platform=platform)
+    assert decision.tier is tier
+    assert ("one_kernel" in decision.rule) == (tier is k3_tail.Tier.ONE_KERNEL)
+

@@ -361,12 +361,16 @@ class CostModelPolicy(SelectionPolicy):
 
     def select(self, config: TailConfig, num_tokens: int, tp_size: int, *, weight_layout: str | None = None,
                device_kind: str | None = None, platform: str | None = None) -> TierDecision:
-        """:func:`best_tier` among every tier that runs; ValueError without ``weight_layout``, which the
-        price depends on."""
+        """:func:`best_tier` among every tier that runs, compiled, on ``platform`` (one_kernel only on a GPU
+        platform: elsewhere, or with the platform unknown, its kernel would run interpreted); ValueError
+        without ``weight_layout``, which the price depends on."""
         if weight_layout is None:
             raise ValueError('weight_layout: the cost-model selection policy prices the call, so it needs its '
                              'weight layout')
-        decision = best_tier(config, num_tokens, tp_size, hardware=self.hardware, weight_layout=weight_layout)
+        tiers = [tier for tier in _candidates(config, weight_layout, None)
+                 if not tier.record.runs_interpreted_on(platform)]
+        decision = best_tier(config, num_tokens, tp_size, hardware=self.hardware, weight_layout=weight_layout,
+                             tiers=tiers)
         return TierDecision(decision.tier, f"cost model: {decision.rule}")
 
 
