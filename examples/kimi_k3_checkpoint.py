@@ -117,13 +117,17 @@ def expert_quantization_from_hf(text: Any) -> str | None:
     """"mxfp4" when the text config ``text`` (``hf_config.text_config``'s) has a ``quantization_config`` of
     compressed-tensors' ``mxfp4-pack-quantized`` format (4-bit float weights in groups of 32, activations
     unquantised), None when it has none. ValueError naming the field for any other quantisation."""
-    where = hf_config.field_name(text, "quantization_config")
+    text = hf_config.text_config(text)
+    where = text.name("quantization_config")
     quantization = text.get("quantization_config")
     if quantization is None:
         return None
     groups = quantization.get("config_groups", {}) if isinstance(quantization, Mapping) else None
-    if not isinstance(groups, Mapping) or not all(isinstance(group, Mapping) for group in groups.values()):
-        raise ValueError(f"{where}: expected a JSON object whose config_groups are JSON objects, got {quantization!r}")
+    objects = isinstance(groups, Mapping) and all(
+        isinstance(group, Mapping) and isinstance(group.get("weights") or {}, Mapping) for group in groups.values())
+    if not objects:
+        raise ValueError(f"{where}: expected a JSON object whose config_groups (and their weights) are JSON objects, "
+                         f"got {quantization!r}")
     # Each field that says how the weights are stored: (its value, MXFP4's).
     fields = {f"{where}.quant_method": (quantization.get("quant_method"), mxfp4.QUANT_METHOD),
               f"{where}.format": (quantization.get("format"), mxfp4.FORMAT)}

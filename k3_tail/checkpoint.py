@@ -502,7 +502,7 @@ def _read_index(path: Path) -> dict[str, Path]:
     shards: dict[str, Path] = {}
     files = {}
     for name, shard in weight_map.items():
-        if shard not in shards:
+        if not isinstance(shard, str) or shard not in shards:  # a list would not hash
             shards[shard] = path.parent / _plain_file_name(path, name, shard)
         files[name] = shards[shard]
     return files

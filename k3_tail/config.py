@@ -55,8 +55,9 @@ class TailConfig:
       overlap_token_threshold: largest token count served by the overlap tier (vLLM: 256).
       disable_overlap: never pick the overlap tier (vLLM_DISABLE_SHARED_EXPERTS_STREAM).
       one_kernel_max_tokens: on a GPU (CUDA or ROCm), pick the one_kernel tier for 0 < T <= this many
-        tokens (decode; 0: never), where one GPU kernel per call beats the XLA tiers' 5-8 (the default,
-        16, is where the cost model's per-kernel term stops paying on the presets: docs/design.md, 4).
+        tokens (decode; 0: never), where one GPU kernel per call beats the XLA tiers' 3-8 (the default,
+        64: its tiles hold the whole batch, so the weight block is read once, and the cost model predicts
+        it fastest at least that far on every preset: docs/guide.md).
       use_scatter_gather / scatter_gather_max_tokens: pick the scatter-gather tier for
         0 < T <= max tokens, as vLLM does with its fused tier-0 op (off by default: vLLM enables it
         only on SM100 GPUs).

@@ -13,7 +13,7 @@ from k3_tail._checks import AxisName, check_axis_name, check_mesh, expect_array,
 from k3_tail.config import TailConfig, check_config
 from k3_tail.hardware import device_platform
 from k3_tail.per_rank import latent_moe_tail
-from k3_tail.selection.rules import select_tier
+from k3_tail.selection.rules import call_tier
 from k3_tail.ops.columns import check_weight_layout, pad_columns, padded_hidden_size
 from k3_tail.tiers.registry import Tier
 from k3_tail.ops.tokens import pad_tokens
@@ -134,9 +134,7 @@ def _tail_forward_jit(routed_partials, shared_partials, norm_weight, up_proj_ker
     args = (*args, ranks)
     specs = (*specs, column_spec(up_proj_kernel, columns), P(axis_name))
     device = mesh.devices.flat[0]
-    if tier is None:
-        tier = select_tier(config, num_tokens, tp_size, weight_layout=weight_layout, device_kind=device.device_kind,
-                           platform=device_platform(device)).tier
+    tier = call_tier(config, num_tokens, tp_size, weight_layout=weight_layout, tier=tier, device=device)
     per_rank_tail = functools.partial(
         latent_moe_tail, config=config, axis_name=axis_name, weight_layout=weight_layout, tier=tier, device=device,
     )

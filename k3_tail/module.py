@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
@@ -16,7 +15,7 @@ from k3_tail._checks import AxisName, check_axis_name, check_mesh, expect_array
 from k3_tail.checkpoint import load_tail_weights
 from k3_tail.hardware import device_platform
 from k3_tail.config import TailConfig, check_config
-from k3_tail.forward import tail_forward
+from k3_tail.forward import forward_on_ranks, rank_indices
 from k3_tail.per_rank import latent_moe_tail
 from k3_tail.selection.decision import TierDecision
 from k3_tail.selection.rules import select_tier
@@ -195,8 +194,9 @@ class LatentMoETail(nnx.Module):
           rows, [T', H], sharded over the TP axis on its tokens (rows from T on zero), as
           :meth:`per_rank` returns each rank's [T'/p, H] of it.
         """
-        return tail_forward(routed_partials, shared_partials, *self._weights(), config=self.config, mesh=self.mesh,
-                            axis_name=self.axis_name, tier=tier, weight_layout=self.weight_layout)
+        return forward_on_ranks(routed_partials, shared_partials, *self._weights(), self.tp_rank[...],
+                                config=self.config, mesh=self.mesh, axis_name=self.axis_name, tier=tier,
+                                weight_layout=self.weight_layout)
 
     def per_rank(self, routed_partial, shared_partial, *, tier: Tier | str | None = None) -> jax.Array:
         """This rank's result, inside a shard_map over the module's mesh that hands it its parameter blocks.
@@ -242,8 +242,7 @@ class LatentMoETail(nnx.Module):
 
 def _tp_rank(mesh: Mesh, axis_name: AxisName) -> TpRank:
     """The ranks' indices (:func:`k3_tail.forward.rank_indices`) as the module's :class:`TpRank`."""
-    ranks = np.arange(check_mesh(mesh, axis_name), dtype=np.int32)
-    return TpRank(nnx.with_partitioning(lambda: ranks, (axis_name,), mesh=mesh)())
+    return TpRank(nnx.with_partitioning(lambda: rank_indices(mesh, axis_name), (axis_name,), mesh=mesh)())
 
 
 def _sharded_param(value: jax.Array, sharding: tuple, mesh: Mesh) -> nnx.Param:

@@ -14,7 +14,7 @@ from k3_tail._checks import (
 )
 from k3_tail.config import TailConfig, check_config
 from k3_tail.hardware import device_platform
-from k3_tail.selection.rules import select_tier
+from k3_tail.selection.rules import call_tier
 from k3_tail.ops.columns import check_weight_layout, padded_hidden_size
 from k3_tail.tiers.registry import Tier
 from k3_tail.ops.tokens import pad_tokens, padded_token_count
@@ -100,12 +100,7 @@ def latent_moe_tail(
     check_fp8_activations(config.up_proj_dtype, config.fp8_activations, device)
     # One platform for the selection and for the sums ("rocm" or "cuda" for a GPU, not JAX's "gpu").
     platform = device_platform(device)
-    if tier is None:
-        tier = select_tier(config, num_tokens, tp_size, weight_layout=weight_layout, device_kind=device.device_kind,
-                           platform=platform).tier
-    else:
-        tier = Tier.parse(tier)
-        tier.record.check_runs(weight_layout, config)
+    tier = call_tier(config, num_tokens, tp_size, weight_layout=weight_layout, tier=tier, device=device)
     _check_reduction_contract(routed_partial, shared_partial, config=config, axis_name=axis_name)
     if rank is not None:
         _check_rank(rank, axis_name)

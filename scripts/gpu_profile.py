@@ -17,8 +17,8 @@ import numpy as np
 
 from k3_tail import TailConfig, padded_token_count
 from k3_tail.hardware import HARDWARE, Hardware, device_platform
-from k3_tail.tiers.registry import TIER_RECORDS, Tier
-from k3_tail.tools.benchmark import config_dict, default_token_counts, time_runs
+from k3_tail.tiers.registry import Tier
+from k3_tail.tools.benchmark import config_dict, default_token_counts, tiers_for, time_runs
 from k3_tail.tools.blocks import WEIGHT_LAYOUTS, norm_project_add, rms_norm
 from k3_tail.tools.experiment import (
     Experiment, add_shape_arguments, announce_machine, format_ms, format_table, median_columns, positive_int,
@@ -37,9 +37,8 @@ def cases(config: TailConfig, tp_sizes, token_counts, layouts, platform: str) ->
     interpreted kernel on a CPU), p-major, then T, layout, registry order: the first fields of its row, with
     the shapes of its rank's local work (module docstring)."""
     result = []
-    records = [record for record in TIER_RECORDS if not record.runs_interpreted_on(platform)]
     for tp_size, num_tokens, layout in itertools.product(tp_sizes, token_counts, layouts):
-        for record in (record for record in records if record.why_not(layout, config) is None):
+        for record in (tier.record for tier in tiers_for(layout, config, platform=platform)):
             rows = padded_token_count(num_tokens, tp_size) if record.splits_tokens else num_tokens
             result.append({"tier": record.name, "weight_layout": layout, "tp_size": tp_size, "num_tokens": num_tokens,
                            "rows": rows, "gemm_rows": record.gemm_rows(rows, tp_size),

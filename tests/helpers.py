@@ -127,8 +127,7 @@ def _compiled_and_dumped(config, mesh, num_tokens, tier, weight_layout):
     dump_dir = None
     if mesh.devices.flat[0].platform != "cpu":
         dump_dir = tempfile.mkdtemp(prefix="k3_tail_test_dump_", dir=_dump_root())
-    compiled = k3_tail.compile_tail(config, mesh, num_tokens, tier=None if tier is None else k3_tail.Tier.parse(tier),
-                                    weight_layout=weight_layout, dump_to=dump_dir)
+    compiled = k3_tail.compile_tail(config, mesh, num_tokens, tier=tier, weight_layout=weight_layout, dump_to=dump_dir)
     return compiled, dump_dir
 
 

@@ -421,9 +421,11 @@ def test_an_index_that_names_a_file_outside_its_directory_is_refused_naming_the_
         Checkpoint(tmp_path)
 
 
-def test_an_index_entry_that_is_no_file_name_at_all_is_refused_naming_it(tmp_path):
-    with pytest.raises(ValueError, match=r"weight_map\.model\.layers\.0\.a: expected a shard's file name, got 3$"):
-        Checkpoint(index_of(tmp_path, {"model.layers.0.a": 3}))
+@pytest.mark.parametrize("shard", [3, ["model-1.safetensors"]], ids=["number", "list"])
+def test_an_index_entry_that_is_no_file_name_at_all_is_refused_naming_it(shard, tmp_path):
+    message = rf"weight_map\.model\.layers\.0\.a: expected a shard's file name, got {re.escape(repr(shard))}$"
+    with pytest.raises(ValueError, match=message):
+        Checkpoint(index_of(tmp_path, {"model.layers.0.a": shard}))
 
 
 def test_the_hub_caches_snapshot_of_links_into_its_blobs_loads(tmp_path):

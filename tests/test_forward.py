@@ -117,7 +117,7 @@ def test_selection_runs_at_trace_time_and_a_second_call_does_not_retrace(inputs,
         decisions.append(k3_tail.select_tier(*args, **kwargs))
         return decisions[-1]
 
-    monkeypatch.setattr(k3_tail.forward, "select_tier", recording_select_tier)
+    monkeypatch.setattr(k3_tail.selection.rules, "select_tier", recording_select_tier)
     first = call(inputs, mesh, config=config)
     second = call(inputs, mesh, config=config)
     assert [d.tier for d in decisions] == [k3_tail.Tier.OVERLAP]

@@ -170,7 +170,7 @@ def test_without_pallas_triton_the_tier_is_unavailable_and_selection_says_why(mo
 
 
 def test_fp8_activations_are_served_by_the_other_tiers():
-    config = K3.__class__.kimi_k3(up_proj_dtype="float8_e4m3fn", fp8_activations=True)
+    config = k3_tail.TailConfig.kimi_k3(up_proj_dtype="float8_e4m3fn", fp8_activations=True)
     assert "fp8_activations" in k3_tail.Tier.ONE_KERNEL.why_not("column", config)
     decision = k3_tail.select_tier(config, 1, 8, weight_layout="column", platform="cuda")
     assert decision.tier is k3_tail.Tier.OVERLAP and "fp8_activations" in decision.rule

@@ -50,7 +50,7 @@ def test_ci_runs_the_readmes_set_up_and_test_commands_as_written():
     readme = (ROOT / "README.md").read_text()
     commands = [re.search(rf"^## {heading}.*?^    (\S[^\n]*)$", readme, re.MULTILINE | re.DOTALL).group(1)
                 for heading in ("Set up and run the demo", "Run the tests")]
-    ci = [line for line in (ROOT / ".ci" / "run").read_text().splitlines()
+    ci = [line.removesuffix(" || exit") for line in (ROOT / ".ci" / "run").read_text().splitlines()
           if line and not line.startswith(("#", "set ", "cd "))]
     assert ci[:2] == commands
 

@@ -46,9 +46,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     try:
         try:
-            return run_command(argv)
-        finally:
-            sys.stdout.flush()  # also after --help, whose SystemExit passes through
+            status = run_command(argv)
+        except SystemExit:
+            sys.stdout.flush()  # after --help, whose SystemExit passes through
+            raise
+        sys.stdout.flush()
+        return status
     except BrokenPipeError:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())

@@ -91,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
 
     measurements = measure(args, config, tiers, tokens, [tp_mesh(devices[:tp_size]) for tp_size in tp_sizes])
 
-    say(format_bench_table(measurements, config, device_kind=devices[0].device_kind))
+    say(format_bench_table(measurements, config, device=devices[0]))
     if args.json:
         document = {
             "machine": machine_info(), "config": config_dict(config),
@@ -114,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
 
         title = f"{describe_config(config)}; kernel {args.weight_layout}; {platform}"
         selected = {key: decision.tier for key, decision in
-                    selected_tiers(measurements, config, device_kind=devices[0].device_kind).items()}
+                    selected_tiers(measurements, config, device=devices[0]).items()}
         plot_measurements(measurements, args.plot, title=title, selected=selected)
         say(f"plot: {args.plot}")
     return 0

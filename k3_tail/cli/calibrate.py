@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
               f"T={','.join(map(str, tokens))}, {args.repeats} repeats")
     table = table_from_measurements(measurements, config=config, device_kind=device_kind, source=source)
     table.save(args.out)
-    print(format_bench_table(measurements, config, device_kind=device_kind))
+    print(format_bench_table(measurements, config, device=devices[0]))
     warnings = noise_warnings(measurements)
     if warnings:
         print()

@@ -16,6 +16,7 @@ import re
 import textwrap
 from collections.abc import Mapping, Sequence
 
+import jax
 from jax.sharding import Mesh
 
 from k3_tail.hardware import device_platform
@@ -274,23 +275,25 @@ def format_selection_gap(selected: Tier, timings: Mapping[Tier, Timing]) -> str:
 
 
 def selected_tiers(measurements: Sequence[Measurement], config: TailConfig, *,
-                   device_kind: str) -> dict[tuple[int, int, str], TierDecision]:
-    """What select_tier picks for each call of ``measurements`` (``config``, T, p, layout, ``device_kind``), by
-    (p, T, weight layout): the tier the bench table stars and its plot rings."""
-    return {key: select_tier(config, key[1], key[0], weight_layout=key[2], device_kind=device_kind)
+                   device: jax.Device) -> dict[tuple[int, int, str], TierDecision]:
+    """What select_tier picks for each call of ``measurements`` (``config``, T, p, layout, on ``device``'s kind
+    and platform), by (p, T, weight layout): the tier the bench table stars and its plot rings."""
+    platform = device_platform(device)
+    return {key: select_tier(config, key[1], key[0], weight_layout=key[2], device_kind=device.device_kind,
+                             platform=platform)
             for key in dict.fromkeys((m.tp_size, m.num_tokens, m.weight_layout) for m in measurements)}
 
 
-def format_bench_table(measurements: Sequence[Measurement], config: TailConfig, *, device_kind: str) -> str:
+def format_bench_table(measurements: Sequence[Measurement], config: TailConfig, *, device: jax.Device) -> str:
     """The table of ``bench`` and ``calibrate``: one row per (p, T, tier) with the median, the q25-q75
     spread (ms), the speedup over native at the same (p, T) (median over median; "-" when native
     was not timed) and the median against the fastest tier's there. A "*" marks the tier select_tier
-    picks for that call (``config``, T, p, layout, ``device_kind``); after each (p, T) a line says how
+    picks for that call (``config``, T, p, layout, ``device``'s kind and platform); after each (p, T) a line says how
     far that pick is from the fastest (:func:`format_selection_gap`)."""
     blocks: dict[tuple[int, int], list[Measurement]] = {}
     for m in measurements:
         blocks.setdefault((m.tp_size, m.num_tokens), []).append(m)
-    selections = selected_tiers(measurements, config, device_kind=device_kind)
+    selections = selected_tiers(measurements, config, device=device)
     lines = [f"{'p':>4}{'T':>7}  {'tier':<16}{'median ms':>11}{'q25-q75 ms':>19}{'vs native':>11}{'vs fastest':>12}"]
     for (tp_size, num_tokens), block in blocks.items():
         if len(lines) > 1:

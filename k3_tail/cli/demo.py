@@ -33,7 +33,7 @@ from k3_tail.cli.common import (
     untimed_tiers, up_projection_options,
 )
 from k3_tail.config import TailConfig
-from k3_tail.forward import tail_forward
+from k3_tail.forward import forward_on_ranks, rank_indices
 from k3_tail.hardware import device_platform
 from k3_tail.ops.codecs import CODECS
 from k3_tail.selection.decision import TierDecision
@@ -108,11 +108,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"not run: {reason}")
     progress("placing the weights on the mesh")
     norm_weight, up_proj_kernel = place_weights(config, mesh, args.weight_layout, rng, axis_name=AXIS_NAME)
+    ranks = rank_indices(mesh, AXIS_NAME)  # placed once, not in every timed call
     rows = []
     for index, num_tokens in enumerate(args.tokens, start=1):
         routed_partials, shared_partials = place_partials(config, mesh, num_tokens, rng, axis_name=AXIS_NAME)
         forward = functools.partial(
-            tail_forward, routed_partials, shared_partials, norm_weight, up_proj_kernel,
+            forward_on_ranks, routed_partials, shared_partials, norm_weight, up_proj_kernel, ranks,
             config=config, mesh=mesh, axis_name=AXIS_NAME, weight_layout=args.weight_layout,
         )
         selection = mesh_decision(config, num_tokens, mesh, args.weight_layout)

@@ -382,12 +382,14 @@ def compile_case(case: Case, mesh: Mesh, config: TailConfig
     the tail refuses the call."""
     tier, why = case_tier(case, mesh, config)
     with tempfile.TemporaryDirectory(prefix="k3_tail_hlo_") as dump_dir:
+        # Only a GPU program's dump lists kernels (its thunk sequence): a CPU compile is not dumped.
+        dump_to = None if mesh.devices.flat[0].platform == "cpu" else dump_dir
         try:
             compiled = compile_tail(config, mesh, case.num_tokens, tier=tier, axis_name=AXIS_NAME,
-                                    weight_layout=case.weight_layout, dump_to=dump_dir)
+                                    weight_layout=case.weight_layout, dump_to=dump_to)
         except ValueError as error:  # e.g. the one_shot tier with the column layout
             raise CommandError(str(error)) from None
-        return compiled, xla_report.report(compiled, dump_dir=dump_dir), tier, why
+        return compiled, xla_report.report(compiled, dump_dir=dump_to), tier, why
 
 
 def print_report(args: argparse.Namespace, case: Case, mesh: Mesh, fp8_format: str) -> int:

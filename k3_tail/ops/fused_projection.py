@@ -130,7 +130,7 @@ def norm_project_add(
     scale: float,
     into_addend: bool,
     interpret: bool,
-    target_programs: int = TARGET_PROGRAMS,
+    target_programs: int | None = None,
 ) -> jax.Array:
     """``round(RMSNorm_g(scale * latent) @ W[:, C] + addend[:, C])`` in one kernel (module docstring).
 
@@ -149,7 +149,8 @@ def norm_project_add(
         column-parallel stitch), else the [T, Hb] block itself (``addend``'s columns C added when given;
         columns past H are zero).
       interpret: run in Pallas's interpret mode (a CPU has no Triton); the same kernel, programs in turn.
-      target_programs: the programs the grid aims at (:func:`fused_grid`; 1: no split of K).
+      target_programs: the programs the grid aims at (:func:`fused_grid`; 1: no split of K). None:
+        :data:`TARGET_PROGRAMS` compiled, 1 interpreted (its programs run in turn: nothing to fill).
 
     Returns:
       [T, Wa] or [T, Hb] in the latent's dtype.
@@ -168,6 +169,8 @@ def norm_project_add(
         raise ValueError("addend: expected the [T, W] array to write into with into_addend=True, got None")
     if num_tokens == 0:
         return addend if into_addend else jnp.zeros((0, block_width), dtype)
+    if target_programs is None:
+        target_programs = 1 if interpret else TARGET_PROGRAMS
     grid = fused_grid(num_tokens, latent_size, block_width, target_programs=target_programs)
     quantized = isinstance(kernel, QuantizedKernel)
     values = kernel.values if quantized else kernel
@@ -282,7 +285,7 @@ def _kernel(*refs, flags: _KernelFlags, pl, plt):
     exponent_ref = refs.pop(0) if grid.splits > 1 and flags.use_norm else None
 
     r, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    rank = plt.load(rank_ref.at[jnp.zeros((1,), jnp.int32)])[0]  # array indices: see _kernel's docstring
+    rank = plt.load(rank_ref.at[jnp.zeros((1,), jnp.int32)])[0]  # the [1] block, then its scalar
     rows = r * grid.row_tile + jnp.arange(grid.row_tile)
     row_ok = rows < flags.num_tokens
     tile_columns = j * COLUMN_TILE + jnp.arange(COLUMN_TILE)

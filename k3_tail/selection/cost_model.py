@@ -398,8 +398,10 @@ def crossovers(
     change between two grid points is bisected to the exact count. That grid follows the padding: a
     tier that works on T rounded up to a multiple of p (token_parallel; every tier with
     sequence-parallel output) costs the same over a block of p counts but for the activation bytes,
-    while the others grow smoothly, so inside a block the fastest tier changes at most once. An
-    empty tuple: one tier is fastest over the whole range.
+    while the others grow smoothly but for one_kernel's weight reads, which step where its row tiles
+    do (every ``rows_per_weight_read`` = 64 rows: grid points wherever p divides 64). Inside a block the
+    fastest tier then changes at most once; where p does not divide 64, a block holding such a step
+    may hide a change and its change back. An empty tuple: one tier is fastest over the whole range.
     """
     hardware = hardware_preset(hardware)
     check_config(config)

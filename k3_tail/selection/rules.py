@@ -10,7 +10,7 @@ import dataclasses
 
 from k3_tail._checks import check_int
 from k3_tail.config import TailConfig, check_config
-from k3_tail.hardware import GPU_PLATFORMS
+from k3_tail.hardware import GPU_PLATFORMS, device_platform
 from k3_tail.ops.collectives import SPLIT, describe_auto
 from k3_tail.ops.columns import padded_hidden_size
 from k3_tail.ops.tokens import padded_token_count
@@ -69,6 +69,19 @@ def select_tier(
     return dataclasses.replace(decision, notes=decision.notes + notes)
 
 
+def call_tier(config: TailConfig, num_tokens: int, tp_size: int, *, weight_layout: str, tier: Tier | str | None,
+              device) -> Tier:
+    """The tier a call runs: ``tier`` parsed and checked to run with ``weight_layout`` and ``config``
+    (ValueError naming ``tier`` otherwise), or for None what :func:`select_tier` picks for the call on
+    ``device``'s kind and platform."""
+    if tier is None:
+        return select_tier(config, num_tokens, tp_size, weight_layout=weight_layout, device_kind=device.device_kind,
+                           platform=device_platform(device)).tier
+    tier = Tier.parse(tier)
+    tier.record.check_runs(weight_layout, config)
+    return tier
+
+
 def _precondition(config: TailConfig, num_tokens: int, tp_size: int) -> TierDecision | None:
     """NATIVE with the failed precondition of the fast tiers, or None when they all hold."""
     if tp_size == 1:
@@ -97,7 +110,7 @@ class VllmRules(SelectionPolicy):
          VLLM_KIMI_K3_AMD_PREFILL_SP_MIN_TOKENS; the rule says when only the layout kept it out).
       2. SCATTER_GATHER if ``config.use_scatter_gather`` and T <= ``scatter_gather_max_tokens``.
       3. ONE_KERNEL on a GPU platform ("cuda", "rocm") for T <= ``config.one_kernel_max_tokens`` (decode):
-         one GPU kernel per call besides the two all-reduces, where the XLA tiers launch 5-8; the rule
+         one GPU kernel per call besides the two all-reduces, where the XLA tiers launch 3-8; the rule
          that follows says why not when the tier cannot run here (no Pallas Triton backend, FP8
          activations). Not on a CPU, where its kernel runs in Pallas's interpret mode.
       4. OVERLAP if T <= ``overlap_token_threshold`` and overlap is not disabled; NATIVE there when
@@ -131,12 +144,12 @@ def _after_token_parallel(config: TailConfig, num_tokens: int, tp_size: int, pla
             f"use_scatter_gather is True and T={num_tokens} <= "
             f"scatter_gather_max_tokens={config.scatter_gather_max_tokens}",
         )
-    if platform in GPU_PLATFORMS and num_tokens <= config.one_kernel_max_tokens:
+    # Where its kernel runs compiled (its record's compiled_on: the GPU platforms), not interpreted.
+    if not Tier.ONE_KERNEL.record.runs_interpreted_on(platform) and num_tokens <= config.one_kernel_max_tokens:
         why = f"T={num_tokens} <= one_kernel_max_tokens={config.one_kernel_max_tokens} on {platform}"
         reason = Tier.ONE_KERNEL.why_not("column", config)
         if reason is None:
-            return TierDecision(Tier.ONE_KERNEL, f"{why}: one GPU kernel per call besides its two all-reduces "
-                                                 "(the XLA tiers launch 5 to 8)")
+            return TierDecision(Tier.ONE_KERNEL, f"{why}: one GPU kernel per call besides its two all-reduces")
         later = _after_one_kernel(config, num_tokens, tp_size)
         return dataclasses.replace(later, rule=f"{later.rule} (not one_kernel although {why}: {reason})")
     return _after_one_kernel(config, num_tokens, tp_size)
@@ -164,7 +177,7 @@ def _after_one_kernel(config: TailConfig, num_tokens: int, tp_size: int) -> Tier
 
 
 # Platforms whose devices are GPUs: where vLLM's thresholds were set ("gpu" is JAX's name for both).
-_GPU_PLATFORMS = ("cuda", "rocm", "gpu")
+_GPU_PLATFORMS = (*GPU_PLATFORMS, "gpu")
 
 
 def gpu_rules_note(config: TailConfig, platform: str | None) -> str | None:

@@ -4,7 +4,7 @@ AR(r); one kernel per rank normalises the reduced latent, multiplies it by the r
 the kernel and adds the result into the rank's own columns of its shared partial, in float32, rounded
 once (:func:`k3_tail.ops.fused_projection.norm_project_add`); one all-reduce of that [T, H] buffer
 stitches the blocks and sums the shared partials. At decode, where the tail moves 6 MB of weights per
-rank and the XLA tiers launch 5-8 kernels, the whole call is one kernel besides its two all-reduces.
+rank and the XLA tiers launch 3-8 kernels, the whole call is one kernel besides its two all-reduces.
 
 The kernel is Pallas's Triton backend, the only Pallas GPU backend on ROCm (Mosaic GPU refuses AMD
 devices) and deprecated since jax 0.11 without a removal date; where a jax has no such backend the tier
@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from k3_tail.config import TailConfig
 from k3_tail.hardware import GPU_PLATFORMS
 from k3_tail.ops.columns import assemble_column_blocks, padded_hidden_size
-from k3_tail.ops.fused_projection import LARGEST_ROW_TILE, TARGET_PROGRAMS, norm_project_add, triton_unavailable
+from k3_tail.ops.fused_projection import LARGEST_ROW_TILE, norm_project_add, triton_unavailable
 from k3_tail.ops.scopes import SHARED_REDUCTION, UP_PROJECTION
 from k3_tail.tiers import column_parallel
 from k3_tail.tiers.context import TailCall
@@ -60,8 +60,7 @@ def _project_add(latent, norm_weight, up_proj_kernel, call: TailCall):
     result goes."""
     config = call.config
     block_width = padded_hidden_size(config.hidden_size, call.tp_size) // call.tp_size
-    # Interpreted (a CPU), the programs run in turn: nothing to fill, so K is not split (the split's own path is
-    # tested on the kernel itself, tests/test_one_kernel.py).
+    # Interpreted (a CPU), the kernel does not split K (the split's own path is tested on the kernel itself).
     interpret = RECORD.runs_interpreted_on(call.platform)
 
     def project_add(addend, *, into_addend):
@@ -70,7 +69,7 @@ def _project_add(latent, norm_weight, up_proj_kernel, call: TailCall):
                 latent, norm_weight if config.use_latent_norm else None, up_proj_kernel, addend,
                 rank=call.rank_index(), block_width=block_width, hidden_size=config.hidden_size,
                 eps=config.rms_norm_eps, scale=config.routed_scaling_factor, into_addend=into_addend,
-                interpret=interpret, target_programs=1 if interpret else TARGET_PROGRAMS,
+                interpret=interpret,
             )
 
     return project_add

@@ -11,10 +11,12 @@ import jax.numpy as jnp
 from jax import lax
 
 from k3_tail.config import TailConfig
+from k3_tail.hardware import device_platform
 from k3_tail.ops import collectives, fused_projection, norm, up_projection
 from k3_tail.ops.codecs import CODECS
 from k3_tail.ops.columns import WEIGHT_LAYOUTS
 from k3_tail.ops.up_projection import FP8_FORMATS
+from k3_tail.tiers import one_kernel
 
 # The weight layouts ("column", "replicated"), the up projection's FP8 formats and the all-reduce codecs
 # ("int8", "int6", "int4").
@@ -42,11 +44,11 @@ def rms_norm(x: jax.Array, weight: jax.Array | None, config: TailConfig) -> jax.
 def norm_project_add(latent: jax.Array, weight: jax.Array | None, kernel: jax.Array, addend: jax.Array,
                      config: TailConfig) -> jax.Array:
     """one_kernel's local work in its one Pallas kernel: ``round(RMSNorm(c * latent) @ kernel + addend)``,
-    [T, L] x [L, N] + [T, N] -> [T, N] in ``config.dtype``; interpreted on a CPU, compiled on a GPU."""
+    [T, L] x [L, N] + [T, N] -> [T, N] in ``config.dtype``; interpreted on a CPU, compiled on a GPU, as the tier."""
     return fused_projection.norm_project_add(
         latent, weight, kernel, addend, rank=jnp.zeros((1,), jnp.int32), block_width=kernel.shape[1],
         hidden_size=kernel.shape[1], eps=config.rms_norm_eps, scale=config.routed_scaling_factor, into_addend=False,
-        interpret=jax.devices()[0].platform == "cpu")
+        interpret=one_kernel.RECORD.runs_interpreted_on(device_platform(jax.devices()[0])))
 
 
 def all_reduce(x: jax.Array, config: TailConfig, *, axis_name: str, platform: str | None = None) -> jax.Array:

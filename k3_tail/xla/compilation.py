@@ -19,8 +19,7 @@ from jax.sharding import PartitionSpec as P
 from k3_tail._checks import AxisName, check_int, check_mesh
 from k3_tail.config import TailConfig, check_config
 from k3_tail.forward import forward_on_ranks
-from k3_tail.hardware import device_platform
-from k3_tail.selection.rules import select_tier
+from k3_tail.selection.rules import call_tier
 from k3_tail.ops.columns import check_weight_layout, padded_hidden_size
 from k3_tail.tiers.registry import Tier
 from k3_tail.ops.tokens import padded_token_count
@@ -131,12 +130,8 @@ def compile_tail(
     check_config(config)
     arguments = tail_arguments(config, mesh, num_tokens, axis_name=axis_name, weight_layout=weight_layout)
     device = mesh.devices.flat[0]
-    if tier is None:
-        tier = select_tier(
-            config, num_tokens, check_mesh(mesh, axis_name), weight_layout=weight_layout,
-            device_kind=device.device_kind, platform=device_platform(device),
-        ).tier
-    resolved = Tier.parse(tier)
+    resolved = call_tier(config, num_tokens, check_mesh(mesh, axis_name), weight_layout=weight_layout, tier=tier,
+                         device=device)
 
     def call(routed, shared, norm_weight, kernel, ranks):
         return forward_on_ranks(

@@ -452,7 +452,7 @@ def _make_directories(directory: Path, top: Path) -> None:
 
 
 def _locations(root: Path | None) -> tuple[Path, Path]:
-    """(where the stand-in directories go, the cache's top), symbolic links above the top resolved (the checks
+    """(where the stand-in directories go, the cache's top), symbolic links up to the top resolved (the checks
     then see the directories that hold the cache, not the links)."""
     if root is None:
         top = Path(os.path.realpath(cache_home() / "k3_tail"))
