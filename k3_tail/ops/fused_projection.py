@@ -60,6 +60,7 @@ _MANTISSA_BITS = 23
 _LARGEST_SLAB_EXPONENT = 126
 
 
+@functools.cache  # asked by every why_not of the tier; a failed import would search the path again each time
 def triton_unavailable() -> str | None:
     """Why the kernel cannot be built with this jax (its Pallas Triton backend cannot be imported), or None."""
     try:

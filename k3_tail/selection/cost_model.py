@@ -37,7 +37,7 @@ The model has two layers.
 
    - ``gpu_kernels``: the GPU kernels the tier's compiled call launches besides its collectives and
      copies, per XLA platform: its record's :class:`~k3_tail.tiers.record.GpuKernelCounts`, counted in
-     the compiled programs (one for one_kernel; 4-8 for the XLA tiers at decode).
+     the compiled programs (one for one_kernel; 3-8 for the XLA tiers at decode).
 
 2. **Time** (:func:`predict_time`) from a roofline for the local work, an alpha-beta model for the
    collectives and a fixed cost per kernel, with the :class:`Hardware` figures:

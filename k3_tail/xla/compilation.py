@@ -129,9 +129,8 @@ def compile_tail(
     """
     check_config(config)
     arguments = tail_arguments(config, mesh, num_tokens, axis_name=axis_name, weight_layout=weight_layout)
-    device = mesh.devices.flat[0]
-    resolved = call_tier(config, num_tokens, check_mesh(mesh, axis_name), weight_layout=weight_layout, tier=tier,
-                         device=device)
+    device, tp_size = mesh.devices.flat[0], check_mesh(mesh, axis_name)
+    resolved = call_tier(config, num_tokens, tp_size, weight_layout=weight_layout, tier=tier, device=device)
 
     def call(routed, shared, norm_weight, kernel, ranks):
         return forward_on_ranks(
@@ -142,6 +141,6 @@ def compile_tail(
     options = compiler_options(resolved, device.platform)
     if dump_to is not None:
         options["xla_dump_to"] = os.fspath(dump_to)
-    ranks = jax.ShapeDtypeStruct((check_mesh(mesh, axis_name),), jnp.int32, sharding=NamedSharding(mesh, P(axis_name)))
+    ranks = jax.ShapeDtypeStruct((tp_size,), jnp.int32, sharding=NamedSharding(mesh, P(axis_name)))
     return jax.jit(call).lower(*arguments, ranks).compile(compiler_options=options)
 
