@@ -17,12 +17,23 @@ of columns over all of L, which leaves Hb/16 = 56 programs at Kimi-K3's p = 8: a
 CUs needs about 1024. So K is split too: program (r, j, s) multiplies row tile r, column tile j (16
 columns: 32-byte runs of bf16) and slab s of K (:func:`fused_grid`: 1568 programs at T <= 16, p = 8),
 and the last of the S programs of a tile (an atomic counter, release/acquire at GPU scope) sums the S
-partials in a fixed order and applies the row scale and the add. Each slab is normalised by the power
-of two at or above its own largest magnitude, so no program needs the whole row first; the last program
-rescales the partials to the row's largest such power (exact: powers of two) and takes the row's sum of
-squares from the latent itself (L values a row).
-Partials, slab exponents and counters are the kernel's scratch outputs: S*T*Hb*4 + S*J*T*4 + R*J*4 bytes
-(107 KB at T = 1, p = 8; the split is capped so that they stay about a quarter of the weight block's bytes).
+partials in a fixed order and applies the row scale and the add. Each slab is scaled by the power of two
+at or above its own largest magnitude, so no program needs the whole row first; the last program
+rescales the partials to the row's largest such power (exact: powers of two) and, with the norm, takes
+the row's sum of squares from the latent itself (L values a row).
+Partials, slab exponents and counters are the kernel's scratch outputs: S*T*Hb*4 + S*J*T*4 + R*J*128
+bytes (111 KB at T = 1, p = 8; the split is capped so that the partials stay within half the weight
+block's bytes). ``serial_split=True`` sums the same S slabs in each tile's one program instead, in the same
+order, without counters or scratch: the split kernel's result bit for bit, its ordering's oracle.
+
+Memory ordering (docs/design.md, "The kernel's memory ordering"). A program's stores of its partial and
+exponent must be visible to the tile's last program before that one loads them. On NVIDIA a program is
+4 warps: ``bar.sync``, thread 0's ``atom.acq_rel.gpu`` on the counter, ``bar.sync`` (PTX's cumulativity
+through the barrier; the acquire invalidates L1). On AMD the memory model orders a release or an acquire
+only for the wavefront that executes it, and a workgroup barrier does not make another wavefront's
+stores complete, so a program there is ONE wavefront (:func:`warps_per_program`): the atomic's own
+``buffer_wbl2`` / ``s_waitcnt vmcnt(0)`` release and ``buffer_inv`` acquire then cover every store and
+load of the program. Each counter has a 128-byte line of its own (:data:`COUNTER_STRIDE`).
 """
 
 from __future__ import annotations
@@ -51,7 +62,12 @@ SMALLEST_ROW_TILE = 16
 # Programs per call to aim for: AMD's MI300X tuning guide asks for at least about 1024 workgroups (304
 # CUs); on an H100 (132 SMs) that is about 8 a SM.
 TARGET_PROGRAMS = 1024
-NUM_WARPS = 4
+# Warps a program on NVIDIA, whose acquire-release atomic orders the whole CTA through bar.sync; one
+# wavefront elsewhere (module docstring).
+CUDA_WARPS = 4
+# int32 words from one tile's counter to the next: 128 bytes, a cache line of its own on every GPU, so
+# that no two tiles' atomics contend for one line.
+COUNTER_STRIDE = 32
 
 _PALLAS_TRITON = "jax.experimental.pallas.triton"
 # float32 exponents: a power of two 2^e is the bit pattern (e + 127) << 23, normal for e in [-126, 127].
@@ -70,6 +86,16 @@ def triton_unavailable() -> str | None:
     return None
 
 
+def warps_per_program(platform: str | None) -> int:
+    """Warps (wavefronts on AMD) a program of the kernel runs on device ``platform``: :data:`CUDA_WARPS` on
+    "cuda", else 1. One wavefront a program is what makes the split's counter correct on AMD (module
+    docstring); it is also the choice for a GPU whose vendor is not known. The cost: a program's 16-column
+    tile is held by 64 lanes, not 256 (T <= 16: the other 3 wavefronts held only masked-off copies), and a
+    compute unit hides memory latency with at most ~5 resident wavefronts of this kernel at 1568 programs on
+    304 CUs, not ~20."""
+    return CUDA_WARPS if platform == "cuda" else 1
+
+
 @dataclasses.dataclass(frozen=True)
 class FusedGrid:
     """The kernel's grid for T tokens, L = ``latent_size`` and a column block of Hb = ``block_width``.
@@ -77,7 +103,7 @@ class FusedGrid:
     row_tile: rows a program multiplies (a power of two, 16 to 64). rows, columns, splits: R, J, S, the
     grid's extent over row tiles, column tiles of :data:`COLUMN_TILE` and slabs of K of ``split_depth``
     (a multiple of :data:`K_STEP`): the largest slab for which R*J*S reaches :data:`TARGET_PROGRAMS`,
-    else the smallest (S = 1 when the row and column tiles alone reach it).
+    else the smallest the scratch cap allows (S = 1 when the row and column tiles alone reach it).
     """
 
     row_tile: int
@@ -91,12 +117,18 @@ class FusedGrid:
         """R * J * S."""
         return self.rows * self.columns * self.splits
 
+    @property
+    def fills(self) -> bool:
+        """Whether the grid reaches :data:`TARGET_PROGRAMS` programs."""
+        return self.programs >= TARGET_PROGRAMS
+
     def scratch_bytes(self, num_tokens: int) -> int:
-        """Bytes of the kernel's scratch outputs: partials, slab exponents, counters (none when S = 1)."""
+        """Bytes of the kernel's scratch outputs: partials, slab exponents, counters (none when S = 1). Each
+        is written once and read once per call."""
         if self.splits == 1:
             return 0
         return 4 * (self.splits * num_tokens * self.columns * COLUMN_TILE
-                    + self.splits * self.columns * num_tokens + self.rows * self.columns)
+                    + self.splits * self.columns * num_tokens + self.rows * self.columns * COUNTER_STRIDE)
 
 
 def fused_grid(num_tokens: int, latent_size: int, block_width: int, *,
@@ -104,13 +136,14 @@ def fused_grid(num_tokens: int, latent_size: int, block_width: int, *,
     """The :class:`FusedGrid` for T = ``num_tokens`` >= 1, L = ``latent_size`` and Hb = ``block_width``.
 
     K is split into the fewest slabs of whole K steps that give ``target_programs`` programs, but into at most
-    L / (8T): the partials (4*S*T*Hb bytes) stay within a quarter of a bf16 weight block's bytes.
+    L / (4T): the partials (4*S*T*Hb bytes, written and read once) stay within half a bf16 weight block's
+    bytes. Kimi-K3 (L 3584): 1344 to 1568 programs at T <= 16 and p = 4, 8 or 16.
     """
     row_tile = min(max(SMALLEST_ROW_TILE, 1 << (num_tokens - 1).bit_length()), LARGEST_ROW_TILE)
     rows = -(-num_tokens // row_tile)
     columns = -(-block_width // COLUMN_TILE)
     steps = -(-latent_size // K_STEP)
-    most = max(1, min(steps, latent_size // (8 * num_tokens)))
+    most = max(1, min(steps, latent_size // (4 * num_tokens)))
     wanted = min(-(-target_programs // (rows * columns)), most)
     depth_steps = max(1, steps // wanted)  # slabs of whole K steps: at least ``wanted`` of them
     if -(-steps // depth_steps) > most:
@@ -125,13 +158,16 @@ def norm_project_add(
     addend: jax.Array | None,
     *,
     rank: jax.Array,
+    tp_size: int,
     block_width: int,
     hidden_size: int,
     eps: float,
     scale: float,
     into_addend: bool,
     interpret: bool,
+    platform: str | None = None,
     target_programs: int | None = None,
+    serial_split: bool = False,
 ) -> jax.Array:
     """``round(RMSNorm_g(scale * latent) @ W[:, C] + addend[:, C])`` in one kernel (module docstring).
 
@@ -142,7 +178,9 @@ def norm_project_add(
       kernel: the whole [L, H] kernel (C is read at columns rank*Hb..) or this rank's [L, Hb] block,
         an array of the latent's dtype or a QuantizedKernel.
       addend: a [T, Wa] array in the latent's dtype whose columns C are added (Wa >= H), or None.
-      rank: int32 [1], this rank's index k.
+      rank: int32 [1], this rank's index k in [0, p). A traced index outside it touches no memory outside
+        the arrays and gives NaN in the first block's columns (never a plausible y).
+      tp_size: p.
       block_width: Hb, the width of one rank's block (padded_hidden_size(H, p) / p).
       hidden_size: H: the columns of C at or above H are left out.
       eps, scale: the norm's epsilon and routed_scaling_factor c (norm_is_computable holds for them).
@@ -150,8 +188,10 @@ def norm_project_add(
         column-parallel stitch), else the [T, Hb] block itself (``addend``'s columns C added when given;
         columns past H are zero).
       interpret: run in Pallas's interpret mode (a CPU has no Triton); the same kernel, programs in turn.
+      platform: the device platform it compiles for ("cuda", "rocm", ...): :func:`warps_per_program`.
       target_programs: the programs the grid aims at (:func:`fused_grid`; 1: no split of K). None:
         :data:`TARGET_PROGRAMS` compiled, 1 interpreted (its programs run in turn: nothing to fill).
+      serial_split: sum the grid's S slabs in each tile's one program (module docstring).
 
     Returns:
       [T, Wa] or [T, Hb] in the latent's dtype.
@@ -173,16 +213,20 @@ def norm_project_add(
     if target_programs is None:
         target_programs = 1 if interpret else TARGET_PROGRAMS
     grid = fused_grid(num_tokens, latent_size, block_width, target_programs=target_programs)
+    communicates = grid.splits > 1 and not serial_split
     quantized = isinstance(kernel, QuantizedKernel)
     values = kernel.values if quantized else kernel
     kernel_offset = values.shape[1] != block_width  # the whole kernel: C starts at rank * Hb
     use_norm = norm_weight is not None and scale != 0
     flags = _KernelFlags(
-        grid=grid, num_tokens=num_tokens, latent_size=latent_size, block_width=block_width, hidden_size=hidden_size,
-        use_norm=use_norm, scale=float(scale), sqrt_eps=math.sqrt(eps / scale**2) if use_norm else 0.0,
+        grid=grid, num_tokens=num_tokens, latent_size=latent_size, tp_size=tp_size, block_width=block_width,
+        hidden_size=hidden_size, use_norm=use_norm, scale=float(scale),
+        sqrt_eps=math.sqrt(eps / scale**2) if use_norm else 0.0,
+        # Without the norm the slabs are only scaled down (2^e >= 1): the products of huge latents and FP8
+        # codes stay finite until the column scale; ordinary latents are multiplied as they are.
         floor_exponent=int(math.log2(row_scale_floor(eps, scale, latent_size))) if use_norm else 0,
         kernel_offset=kernel_offset, fp8_format=jnp.dtype(values.dtype).name if quantized else None,
-        has_addend=addend is not None, into_addend=into_addend,
+        has_addend=addend is not None, into_addend=into_addend, communicates=communicates,
         barriers=not interpret,
     )
     inputs = [rank.astype(jnp.int32).reshape(1), latent]
@@ -199,14 +243,13 @@ def norm_project_add(
         output = jax.ShapeDtypeStruct((num_tokens, block_width), dtype)
         aliases = {}
     outputs = [output]
-    if grid.splits > 1:
+    if communicates:
         counters = jnp.asarray(_counter_starts(grid.rows * grid.columns))
         aliases[len(inputs)] = 1
         inputs.append(counters)
         outputs += [jax.ShapeDtypeStruct(counters.shape, jnp.int32),
-                    jax.ShapeDtypeStruct((grid.splits, num_tokens, grid.columns * COLUMN_TILE), jnp.float32)]
-        if use_norm:
-            outputs.append(jax.ShapeDtypeStruct((grid.splits, grid.columns, num_tokens), jnp.int32))
+                    jax.ShapeDtypeStruct((grid.splits, num_tokens, grid.columns * COLUMN_TILE), jnp.float32),
+                    jax.ShapeDtypeStruct((grid.splits, grid.columns, num_tokens), jnp.int32)]
 
     def run(arrays):
         """The pallas_call on ``arrays``, its outputs typed as varying over what the arrays vary over."""
@@ -214,10 +257,10 @@ def norm_project_add(
         return pl.pallas_call(
             functools.partial(_kernel, flags=flags, pl=pl, plt=plt),
             out_shape=tuple(jax.ShapeDtypeStruct(o.shape, o.dtype, manual_axis_type=varying) for o in outputs),
-            grid=(grid.rows, grid.columns, grid.splits),
+            grid=(grid.rows, grid.columns, grid.splits if communicates else 1),
             input_output_aliases=aliases,
             interpret=interpret,
-            compiler_params=plt.CompilerParams(num_warps=NUM_WARPS),
+            compiler_params=plt.CompilerParams(num_warps=warps_per_program(platform)),
             name="k3_tail_norm_project_add",
             # The product's FLOPs, which the compiled program's custom call carries for k3_tail.xla.report.
             metadata={GEMM_FLOPS_KEY: str(2 * num_tokens * latent_size * block_width)},
@@ -257,16 +300,18 @@ class _KernelFlags:
     grid: FusedGrid
     num_tokens: int
     latent_size: int
+    tp_size: int
     block_width: int
     hidden_size: int
     use_norm: bool
     scale: float
     sqrt_eps: float  # sqrt(eps) / |c|
-    floor_exponent: int  # log2 of rms_norm's row-scale floor
+    floor_exponent: int  # the smallest slab exponent: log2 of rms_norm's row-scale floor, 0 without the norm
     kernel_offset: bool
     fp8_format: str | None  # the FP8 format of the kernel's values (passed as their bytes), or None
     has_addend: bool
     into_addend: bool
+    communicates: bool  # S > 1 slabs in S programs, summed by the last (else in the tile's one program)
     barriers: bool  # the GPU's: interpret mode runs programs in turn
 
 
@@ -279,19 +324,20 @@ def _kernel(*refs, flags: _KernelFlags, pl, plt):
     values_ref = refs.pop(0)
     column_scale_ref = refs.pop(0) if flags.fp8_format else None
     addend_ref = refs.pop(0) if flags.has_addend else None
-    if grid.splits > 1:
-        refs.pop(0)  # the zeroed counters, aliased to the counter output below
+    if flags.communicates:
+        refs.pop(0)  # the counters' starts, aliased to the counter output below
     out_ref = refs.pop(0)
-    counter_ref, partial_ref = (refs.pop(0), refs.pop(0)) if grid.splits > 1 else (None, None)
-    exponent_ref = refs.pop(0) if grid.splits > 1 and flags.use_norm else None
+    counter_ref, partial_ref, exponent_ref = refs if flags.communicates else (None, None, None)
 
-    r, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    r, j = pl.program_id(0), pl.program_id(1)
     rank = plt.load(rank_ref.at[jnp.zeros((1,), jnp.int32)])[0]  # the [1] block, then its scalar
+    # Every access below is masked by rank_ok: a rank outside [0, p) reads and writes nothing of another's.
+    rank_ok = (rank >= 0) & (rank < flags.tp_size)
     rows = r * grid.row_tile + jnp.arange(grid.row_tile)
     row_ok = rows < flags.num_tokens
     tile_columns = j * COLUMN_TILE + jnp.arange(COLUMN_TILE)
     global_columns = rank * flags.block_width + tile_columns
-    column_ok = (tile_columns < flags.block_width) & (global_columns < flags.hidden_size)
+    column_ok = (tile_columns < flags.block_width) & (global_columns < flags.hidden_size) & rank_ok
     kernel_columns = global_columns if flags.kernel_offset else tile_columns
     steps = grid.split_depth // K_STEP
 
@@ -310,30 +356,32 @@ def _kernel(*refs, flags: _KernelFlags, pl, plt):
         largest = lax.fori_loop(0, steps, body, jnp.zeros((grid.row_tile,), jnp.float32))
         return _exponent_at_or_above(largest, flags.floor_exponent)
 
-    exponent = slab_exponent(s) if flags.use_norm else None
+    def slab_partial(slab, exponent):
+        """The slab's [row_tile, COLUMN_TILE] product in float32, its latent scaled by 2^-exponent."""
+        inverse_scale = _power_of_two(-exponent)[:, None]
 
-    def product_body(step, partial):
-        ks, x = latent_tile(s * steps + step)
-        if flags.use_norm:
-            g = plt.load(weight_ref.at[ks], mask=ks < flags.latent_size, other=0.0).astype(jnp.float32)
-            operand = x * _power_of_two(-exponent)[:, None] * g[None, :]
-        else:
-            operand = x * flags.scale
-        mask = (ks < flags.latent_size)[:, None] & column_ok[None, :]
-        # The operands of the product in the activation dtype, as every tier's GEMM has them (an FP8 weight is
-        # exact in it), accumulated in float32.
-        w = plt.load(values_ref.at[ks[:, None], kernel_columns[None, :]], mask=mask, other=0)
-        w = (decode_fp8(w, flags.fp8_format) if flags.fp8_format else w).astype(latent_ref.dtype)
-        return partial + jnp.dot(operand.astype(latent_ref.dtype), w, preferred_element_type=jnp.float32,
-                                 precision=_precision(latent_ref.dtype))
+        def body(step, partial):
+            ks, x = latent_tile(slab * steps + step)
+            if flags.use_norm:
+                g = plt.load(weight_ref.at[ks], mask=ks < flags.latent_size, other=0.0).astype(jnp.float32)
+                operand = x * inverse_scale * g[None, :]
+            else:
+                operand = x * inverse_scale * flags.scale  # round(c x) 2^-e, exactly: a power of two
+            mask = (ks < flags.latent_size)[:, None] & column_ok[None, :]
+            # The operands of the product in the activation dtype, as every tier's GEMM has them (an FP8 weight
+            # is exact in it), accumulated in float32.
+            w = plt.load(values_ref.at[ks[:, None], kernel_columns[None, :]], mask=mask, other=0)
+            w = (decode_fp8(w, flags.fp8_format) if flags.fp8_format else w).astype(latent_ref.dtype)
+            return partial + jnp.dot(operand.astype(latent_ref.dtype), w, preferred_element_type=jnp.float32,
+                                     precision=_precision(latent_ref.dtype))
 
-    partial = lax.fori_loop(0, steps, product_body, jnp.zeros((grid.row_tile, COLUMN_TILE), jnp.float32))
+        return lax.fori_loop(0, steps, body, jnp.zeros((grid.row_tile, COLUMN_TILE), jnp.float32))
 
     def finish(projected, row_exponent):
-        """Row scale, column scale, the add, one rounding, the store."""
+        """Row scale, column scale, the add, one rounding, the store: ``projected`` is the tile's product with
+        the latent scaled by 2^-row_exponent."""
+        inverse_scale = _power_of_two(-row_exponent)
         if flags.use_norm:
-            inverse_scale = _power_of_two(-row_exponent)
-
             def squares(step, total):
                 _, x = latent_tile(step)
                 return total + jnp.sum(jnp.square(x * inverse_scale[:, None]), axis=1)
@@ -344,6 +392,9 @@ def _kernel(*refs, flags: _KernelFlags, pl, plt):
             projected = projected * (factor if flags.scale > 0 else -factor)[:, None]
         if flags.fp8_format:
             projected = projected * plt.load(column_scale_ref.at[kernel_columns], mask=column_ok, other=0.0)[None, :]
+        if not flags.use_norm:
+            # Back to the latent's own scale, after the column scale: finite wherever the result is.
+            projected = projected * _power_of_two(row_exponent)[:, None]
         mask = row_ok[:, None] & column_ok[None, :]
         out_columns = global_columns if flags.into_addend else tile_columns
         if flags.has_addend:
@@ -351,62 +402,70 @@ def _kernel(*refs, flags: _KernelFlags, pl, plt):
             projected = projected + addend.astype(jnp.float32)
         store_mask = mask if flags.into_addend else row_ok[:, None] & (tile_columns < flags.block_width)[None, :]
         projected = jnp.where(column_ok[None, :], projected, 0.0)
+        # A rank outside [0, p): NaN over the first block's columns instead, which the output always has.
+        first_block_ok = (tile_columns < flags.block_width) & (tile_columns < flags.hidden_size)
+        first_block = row_ok[:, None] & first_block_ok[None, :]
+        projected = jnp.where(rank_ok, projected, jnp.nan)
+        out_columns = jnp.where(rank_ok, out_columns, tile_columns)
+        store_mask = jnp.where(rank_ok, store_mask, first_block)
         plt.store(out_ref.at[rows[:, None], out_columns[None, :]], projected.astype(out_ref.dtype), mask=store_mask)
 
-    if grid.splits == 1:
-        finish(partial, exponent)
+    def combine(exponent_of, partial_of):
+        """The tile's S slabs summed in slab order, each rescaled exactly to the row's largest exponent E,
+        then finished: ``exponent_of(s)`` and ``partial_of(s, e_s)`` give slab s's."""
+        row_exponent = lax.fori_loop(0, grid.splits, lambda slab, e: jnp.maximum(e, exponent_of(slab)),
+                                     jnp.full((grid.row_tile,), flags.floor_exponent, jnp.int32))
+
+        def rescaled(slab, acc):
+            # 2^(e_s - E) <= 1: exact, or zero below float32's normals (a slab 2^126 below the row's largest).
+            exponent = exponent_of(slab)
+            return acc + partial_of(slab, exponent) * _power_of_two(exponent - row_exponent)[:, None]
+
+        finish(lax.fori_loop(0, grid.splits, rescaled, jnp.zeros((grid.row_tile, COLUMN_TILE), jnp.float32)),
+               row_exponent)
+
+    if not flags.communicates:
+        combine(slab_exponent, slab_partial)
         return
 
-    # Publish this slab's partial (and exponent), then count it; the last of the S slabs of tile (r, j)
-    # finishes the tile. The counter's atomic is acquire-release at GPU scope; the barriers order every
-    # thread's stores before it and every thread's loads after it.
+    # Publish this slab's partial and exponent, then count it; the last of the S slabs of tile (r, j)
+    # finishes the tile. The counter's atomic is acquire-release at GPU scope: on NVIDIA the barriers extend
+    # it to the program's every thread, on AMD the program is one wavefront (module docstring).
+    s = pl.program_id(2)
+    exponent = slab_exponent(s)
     valid_rows = row_ok[:, None]
-    plt.store(partial_ref.at[s, rows[:, None], tile_columns[None, :]], partial, mask=valid_rows)
-    if flags.use_norm:
-        plt.store(exponent_ref.at[s, j, rows], exponent, mask=row_ok)
+    plt.store(partial_ref.at[s, rows[:, None], tile_columns[None, :]], slab_partial(s, exponent), mask=valid_rows)
+    plt.store(exponent_ref.at[s, j, rows], exponent, mask=row_ok)
     if flags.barriers:
         plt.debug_barrier()
-    tile = r * grid.columns + j
-    done_before = plt.atomic_add(counter_ref, (tile,), jnp.int32(1)) - _counter_start(tile)
+    counter = (r * grid.columns + j) * COUNTER_STRIDE
+    done_before = plt.atomic_add(counter_ref, (counter,), jnp.int32(1)) - _counter_start(counter)
     if flags.barriers:
         plt.debug_barrier()
 
     @pl.when(done_before == grid.splits - 1)
     def _():
-        def slab_partial(slab):
-            return plt.load(partial_ref.at[slab, rows[:, None], tile_columns[None, :]], mask=valid_rows, other=0.0)
-
-        if not flags.use_norm:
-            total = lax.fori_loop(0, grid.splits, lambda slab, acc: acc + slab_partial(slab), jnp.zeros_like(partial))
-            finish(total, None)
-            return
-
-        def slab_exponent_of(slab):
-            return plt.load(exponent_ref.at[slab, j, rows], mask=row_ok, other=flags.floor_exponent)
-
-        row_exponent = lax.fori_loop(0, grid.splits, lambda slab, e: jnp.maximum(e, slab_exponent_of(slab)),
-                                     jnp.full((grid.row_tile,), flags.floor_exponent, jnp.int32))
-
-        def rescaled(slab, acc):
-            # 2^(e_s - E) <= 1: exact, or zero below float32's normals (a slab 2^126 below the row's largest).
-            return acc + slab_partial(slab) * _power_of_two(slab_exponent_of(slab) - row_exponent)[:, None]
-
-        finish(lax.fori_loop(0, grid.splits, rescaled, jnp.zeros_like(partial)), row_exponent)
+        combine(lambda slab: plt.load(exponent_ref.at[slab, j, rows], mask=row_ok, other=flags.floor_exponent),
+                lambda slab, _: plt.load(partial_ref.at[slab, rows[:, None], tile_columns[None, :]],
+                                         mask=valid_rows, other=0.0))
 
 
 # The counters start at these values, not at zero: XLA turns a constant of equal values (or an iota) into a
-# kernel that writes it, but copies any other constant in with a memcpy, which launches no kernel.
-_COUNTER_STRIDE, _COUNTER_MODULUS = 40503, 65521
+# kernel that writes it, but copies any other constant in with a memcpy, which launches no kernel. Word w of
+# the counters' array starts at (w mod M) * A mod M (below 2^31 in int32 arithmetic).
+_START_MULTIPLIER, _START_MODULUS = 7919, 65521
 
 
 def _counter_starts(count: int) -> np.ndarray:
-    """The tiles' counter start values, int32 [count]: :func:`_counter_start` of 0..count-1."""
-    return (np.arange(count, dtype=np.int64) * _COUNTER_STRIDE % _COUNTER_MODULUS).astype(np.int32)
+    """The counters of ``count`` tiles, int32 [count * COUNTER_STRIDE]: tile t's is word t * COUNTER_STRIDE
+    (the words between them are padding), every word w starting at :func:`_counter_start` of w."""
+    words = np.arange(count * COUNTER_STRIDE, dtype=np.int64)
+    return (words % _START_MODULUS * _START_MULTIPLIER % _START_MODULUS).astype(np.int32)
 
 
-def _counter_start(tile):
-    """The start value of tile ``tile``'s counter (the same formula, in the kernel)."""
-    return tile * _COUNTER_STRIDE % _COUNTER_MODULUS
+def _counter_start(word):
+    """The start value of the counters' word ``word`` (the same formula, in the kernel)."""
+    return word % _START_MODULUS * _START_MULTIPLIER % _START_MODULUS
 
 
 # FP8 formats by name: (exponent bias, whether the all-ones code is NaN (OCP's E4M3FN) or 0x80 is (FNUZ)).

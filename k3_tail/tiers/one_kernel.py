@@ -67,9 +67,9 @@ def _project_add(latent, norm_weight, up_proj_kernel, call: TailCall):
         with jax.named_scope(UP_PROJECTION):
             return norm_project_add(
                 latent, norm_weight if config.use_latent_norm else None, up_proj_kernel, addend,
-                rank=call.rank_index(), block_width=block_width, hidden_size=config.hidden_size,
-                eps=config.rms_norm_eps, scale=config.routed_scaling_factor, into_addend=into_addend,
-                interpret=interpret,
+                rank=call.rank_index(), tp_size=call.tp_size, block_width=block_width,
+                hidden_size=config.hidden_size, eps=config.rms_norm_eps, scale=config.routed_scaling_factor,
+                into_addend=into_addend, interpret=interpret, platform=call.platform,
             )
 
     return project_add

@@ -45,10 +45,11 @@ def norm_project_add(latent: jax.Array, weight: jax.Array | None, kernel: jax.Ar
                      config: TailConfig) -> jax.Array:
     """one_kernel's local work in its one Pallas kernel: ``round(RMSNorm(c * latent) @ kernel + addend)``,
     [T, L] x [L, N] + [T, N] -> [T, N] in ``config.dtype``; interpreted on a CPU, compiled on a GPU, as the tier."""
+    platform = device_platform(jax.devices()[0])
     return fused_projection.norm_project_add(
-        latent, weight, kernel, addend, rank=jnp.zeros((1,), jnp.int32), block_width=kernel.shape[1],
+        latent, weight, kernel, addend, rank=jnp.zeros((1,), jnp.int32), tp_size=1, block_width=kernel.shape[1],
         hidden_size=kernel.shape[1], eps=config.rms_norm_eps, scale=config.routed_scaling_factor, into_addend=False,
-        interpret=one_kernel.RECORD.runs_interpreted_on(device_platform(jax.devices()[0])))
+        interpret=one_kernel.RECORD.runs_interpreted_on(platform), platform=platform)
 
 
 def all_reduce(x: jax.Array, config: TailConfig, *, axis_name: str, platform: str | None = None) -> jax.Array:

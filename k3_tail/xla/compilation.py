@@ -9,6 +9,7 @@ cannot undo a schedule the library rests on. A model that calls the tail inside 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -19,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 from k3_tail._checks import AxisName, check_int, check_mesh
 from k3_tail.config import TailConfig, check_config
 from k3_tail.forward import forward_on_ranks
+from k3_tail.hardware import check_platform
 from k3_tail.selection.rules import call_tier
 from k3_tail.ops.columns import check_weight_layout, padded_hidden_size
 from k3_tail.tiers.registry import Tier
@@ -26,17 +28,19 @@ from k3_tail.ops.tokens import padded_token_count
 from k3_tail.ops.up_projection import QuantizedKernel, column_sharding
 
 
-def compiler_options(tier: Tier | str, platform: str) -> dict[str, Any]:
+def compiler_options(tier: Tier | str, platform: str | jax.Device) -> dict[str, Any]:
     """The per-executable XLA options the library applies to ``tier``.
 
     Args:
       tier: a :class:`k3_tail.Tier` or its value.
-      platform: a device's ``.platform`` ("gpu" for CUDA and ROCm alike, "cpu", ...).
+      platform: a device of the program's mesh, or its platform's name as :func:`k3_tail.select_tier` takes
+        it ("gpu" for CUDA and ROCm alike, "cuda", "rocm", "cpu", "tpu"; ValueError naming ``platform`` for
+        another).
 
     Returns:
       The tier record's ``compiler_options`` for that platform's family (empty when it needs none).
     """
-    return Tier.parse(tier).record.options_for(platform)
+    return Tier.parse(tier).record.options_for(check_platform(platform))
 
 
 def tail_arguments(
@@ -101,6 +105,7 @@ def compile_tail(
     axis_name: AxisName = "tp",
     weight_layout: str = "replicated",
     dump_to: str | os.PathLike | None = None,
+    xla_options: Mapping[str, Any] | None = None,
 ) -> jax.stages.Compiled:
     """The compiled executable of one :func:`k3_tail.tail_forward` call for T = ``num_tokens`` on ``mesh``.
 
@@ -118,6 +123,7 @@ def compile_tail(
       dump_to: a directory for XLA's dump of this compile (compiler option ``xla_dump_to``), from which
         :func:`k3_tail.xla.report.report` reads the GPU kernels the program launches
         (``report(compiled, dump_dir=dump_to)``); None: no dump.
+      xla_options: further per-executable XLA options, over the tier's (XLA refuses an unknown name).
 
     Returns:
       The ``jax.stages.Compiled`` program. Its arguments are :func:`tail_arguments` in that order,
@@ -138,7 +144,7 @@ def compile_tail(
             config=config, mesh=mesh, axis_name=axis_name, tier=resolved, weight_layout=weight_layout,
         )
 
-    options = compiler_options(resolved, device.platform)
+    options = compiler_options(resolved, device) | dict(xla_options or {})
     if dump_to is not None:
         options["xla_dump_to"] = os.fspath(dump_to)
     ranks = jax.ShapeDtypeStruct((tp_size,), jnp.int32, sharding=NamedSharding(mesh, P(axis_name)))

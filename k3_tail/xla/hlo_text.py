@@ -202,6 +202,15 @@ def kernel_grid(instruction: Instruction) -> tuple[int, int, int] | None:
     return (int(found["x"]), int(found["y"]), int(found["z"])) if len(found) == 3 else None
 
 
+def kernel_warps(instruction: Instruction) -> int | None:
+    """The warps (wavefronts on AMD) a program of a Triton or Pallas custom call runs, from its backend config,
+    or None."""
+    if instruction.opcode != "custom-call":
+        return None
+    found = re.search(r"\bnum_warps\s*=\s*(\d+)", instruction.attributes)
+    return int(found.group(1)) if found else None
+
+
 def is_gemm_custom_call(instruction: Instruction) -> bool:
     """A custom call into a GEMM library (cuBLAS, cuBLASLt, hipBLASLt, rocBLAS, oneDNN matmul)."""
     if instruction.opcode != "custom-call":

@@ -31,6 +31,7 @@ from k3_tail.xla.hlo_text import (
     dot_flops,
     exact_gemm_names,
     kernel_grid,
+    kernel_warps,
     parse_module,
     replica_group_size,
 )
@@ -51,7 +52,8 @@ _NO_DATA = {
 class Gemm:
     """A top-level instruction that runs a GEMM: its name, per-device FLOPs, schedule position, and the
     arrays it reads as the program passes them (an FP8 kernel that the fusion converts shows as f8e4m3fn);
-    for a Triton or Pallas kernel (one_kernel's) its launch grid (x, y, z), else None."""
+    for a Triton or Pallas kernel (one_kernel's) its launch grid (x, y, z) and the warps (wavefronts on AMD) of
+    each of its programs, else None."""
 
     name: str
     flops: int
@@ -59,6 +61,7 @@ class Gemm:
     operands: tuple[ArrayShape, ...]
     scopes: tuple[str, ...] = ()
     grid: tuple[int, int, int] | None = None
+    warps: int | None = None
 
     @property
     def operand_types(self) -> tuple[str, ...]:
@@ -247,7 +250,7 @@ def report(compiled: jax.stages.Compiled, *, shared_argument: int | None = 1,
         if flops and _collective_kind(module, instruction) is None:
             operands = tuple(array for operand in instruction.operands for array in symbols[operand].arrays)
             gemms.append(Gemm(instruction.name, flops, position, operands, _scopes(instruction),
-                              kernel_grid(instruction)))
+                              kernel_grid(instruction), kernel_warps(instruction)))
     gemm_names = {gemm.name for gemm in gemms}
 
     derives_from_shared = functools.partial(_derives_from, symbols=symbols, argument=shared_argument, memo={})
