@@ -25,7 +25,7 @@ Kimi-K3 ships its routed experts in MXFP4 only (compressed-tensors' ``mxfp4-pack
 by ``quantization_config`` in config.json's ``text_config``; everything else stays bf16). With
 ``LayerConfig(expert_quantization="mxfp4")`` (which :func:`layer_config_from_hf` sets from that
 ``quantization_config``) they load as stored, packed, each rank reading only the bytes of its slice
-(examples/kimi_k3_mxfp4.py has the format):
+(``k3_tail.mxfp4`` has the format):
 
     experts.e.w1.weight_packed  uint8 [m, L/2]   -> expert_gate[e] [L/2, m]         rank i: rows i*m/p ...
     experts.e.w1.weight_scale   uint8 [m, L/32]  -> expert_gate_scale[e] [L/32, m]  ... of w1 and w3
@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -56,13 +56,17 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 import k3_tail
-from examples import kimi_k3_mxfp4 as mxfp4
-from examples.kimi_k3_moe_layer import (ROUTED_EXPERT_SCALES, KimiK3MoELayer, LayerConfig, layer_parameters,
-                                        partition_specs)
+from examples.kimi_k3_moe_layer import (
+    ROUTED_EXPERT_SCALES,
+    KimiK3MoELayer,
+    LayerConfig,
+    layer_parameters,
+    partition_specs,
+)
 from examples.kimi_k3_situ import SITU_GATE_BOUND, SITU_UP_BOUND
-from k3_tail import hf_config
+from k3_tail import hf_config, mxfp4
 from k3_tail._checks import check_mesh
-from k3_tail.checkpoint import Checkpoint, open_checkpoint, sharded_array
+from k3_tail.checkpoint import Checkpoint, open_checkpoint
 from k3_tail.json_files import read_json
 
 # The model config's activation and routing, as this layer computes them.
@@ -71,7 +75,7 @@ SITU_BETAS = {"activation_situ_beta": SITU_GATE_BOUND, "activation_situ_linear_b
 # Each routed expert's three weights: (the layer's parameter, the checkpoint's name under experts.e.).
 EXPERT_WEIGHTS = (("expert_gate", "w1"), ("expert_up", "w3"), ("expert_down", "w2"))
 # What each of them is stored as, after "experts.e.wN.": in the layer's dtype, or as compressed-tensors' MXFP4.
-EXPERT_TENSORS = {None: ("weight",), "mxfp4": ("weight_packed", "weight_scale")}
+EXPERT_TENSORS = {None: ("weight",), "mxfp4": (mxfp4.PACKED, mxfp4.SCALE)}
 # The layer's 2-d parameters read as a torch Linear's transpose, by the name under block_sparse_moe.
 LINEAR_WEIGHTS = {
     "router_kernel": "gate.weight",
@@ -134,7 +138,7 @@ def expert_quantization_from_hf(text: Any) -> str | None:
     for key, group in groups.items():
         at, weights = f"{where}.config_groups.{key}", group.get("weights") or {}
         fields.update({f"{at}.format": (group.get("format", mxfp4.FORMAT), mxfp4.FORMAT),
-                       f"{at}.weights.num_bits": (weights.get("num_bits", 4), 4),
+                       f"{at}.weights.num_bits": (weights.get("num_bits", mxfp4.CODE_BITS), mxfp4.CODE_BITS),
                        f"{at}.weights.type": (weights.get("type", "float"), "float"),
                        f"{at}.weights.group_size": (weights.get("group_size", mxfp4.GROUP_SIZE), mxfp4.GROUP_SIZE),
                        f"{at}.input_activations": (group.get("input_activations"), None)})
@@ -212,15 +216,11 @@ def layer_weights(checkpoint: str | os.PathLike | Checkpoint, layer: int, *, con
                 checkpoint.expect(tensor, stored, dtype, layer=layer, what=what)
             weights[name] = place(name, functools.partial(read_experts, tensors["weight"]))
             continue
-        out, into = stored
-        packed, scales = tensors["weight_packed"], tensors["weight_scale"]
-        for tensor in packed:
-            checkpoint.expect(tensor, (out, into // mxfp4.CODES_PER_BYTE), np.uint8, layer=layer,
-                              what=f"{what}: two E2M1 codes per byte", dtype_source=mxfp4.FORMAT)
-        for tensor in scales:
-            checkpoint.expect(tensor, (out, into // mxfp4.GROUP_SIZE), np.uint8, layer=layer,
-                              what=f"{what}: one E8M0 scale per {mxfp4.GROUP_SIZE} input columns",
-                              dtype_source=mxfp4.FORMAT)
+        for suffix, (shape, holds) in mxfp4.stored_tensors(*stored).items():
+            for tensor in tensors[suffix]:
+                checkpoint.expect(tensor, shape, mxfp4.STORED_DTYPE, layer=layer, what=f"{what}: {holds}",
+                                  dtype_source=mxfp4.FORMAT)
+        packed, scales = tensors[mxfp4.PACKED], tensors[mxfp4.SCALE]
         weights[name] = place(name, functools.partial(read_experts, packed))
         weights[ROUTED_EXPERT_SCALES[name]] = place(ROUTED_EXPERT_SCALES[name], functools.partial(
             _read_checked_scales, functools.partial(read_experts, packed), functools.partial(read_experts, scales),
@@ -233,6 +233,31 @@ def layer_weights(checkpoint: str | os.PathLike | Checkpoint, layer: int, *, con
     else:
         weights["up_proj_kernel"] = kernel
     return weights
+
+
+def sharded_array(shape: Sequence[int], sharding: NamedSharding, read_block: Callable[[tuple[slice, ...]], np.ndarray],
+                  dtype: Any) -> jax.Array:
+    """``jax.make_array_from_callback`` with the index made explicit, for reading the layer's tensors.
+
+    Args:
+      shape: the global shape.
+      sharding: where the blocks go.
+      read_block: called with each device's index (one slice per axis, steps 1, bounds resolved);
+        returns that block.
+      dtype: the array's dtype; a block of another dtype is cast to it.
+
+    Returns:
+      The global array.
+    """
+    shape = tuple(shape)
+    dtype = np.dtype(dtype)
+
+    def block(index):
+        resolved = tuple(slice(*axis.indices(size)[:2]) for axis, size in zip(index, shape, strict=True))
+        value = read_block(resolved)
+        return value if value.dtype == dtype else value.astype(dtype)
+
+    return jax.make_array_from_callback(shape, sharding, block, dtype=dtype)
 
 
 def _check_expert_storage(checkpoint: Checkpoint, block: str, layer: int, config: LayerConfig) -> None:

@@ -27,11 +27,20 @@ from examples.kimi_k3_moe_layer import (
 )
 from examples.kimi_k3_routed_experts import routed_expert_method
 from examples.kimi_k3_routed_experts_bench import add_layer_arguments, cpu_layer_config, random_hidden_states
+from k3_tail.mxfp4 import MXFP4_BYTES
 from k3_tail.tools import layer_cost
 from k3_tail.tools.benchmark import Timing, tiers_for, time_round_robin
 from k3_tail.tools.blocks import WEIGHT_LAYOUTS
 from k3_tail.tools.experiment import (
-    AXIS_NAME, Experiment, ProgressBar, choice_list, format_table, positive_int_list, progress, spread_ms, stepped,
+    AXIS_NAME,
+    Experiment,
+    ProgressBar,
+    choice_list,
+    format_table,
+    positive_int_list,
+    progress,
+    spread_ms,
+    stepped,
 )
 from k3_tail.tools.layer_schedule import shared_reduction_placement
 from k3_tail.xla import report as xla_report
@@ -40,7 +49,7 @@ from k3_tail.xla.topologies import parse_topology
 PARTS = ("cpu", "h100", "early", "cost", "model")
 MODEL_HARDWARE, MODEL_TP_SIZE = "mi355x", 8
 EARLY_REDUCTION_HARDWARE = ("mi355x", "h200")
-EXPERT_PRECISIONS = {"bf16": None, "MXFP4": layer_cost.MXFP4_BYTES}
+EXPERT_PRECISIONS = {"bf16": None, "MXFP4": MXFP4_BYTES}
 # vLLM's published end-to-end gains of its tail tiers over its base path (Kimi-K3, 8k input / 1k output).
 VLLM_FIGURES = ("8 x MI355X: TTFT -5.1 .. -5.5 %, output throughput +3.05 .. +4.91 %; SM100 (B200): TTFT -4 %")
 # The first columns of the tables whose rows are per (T, tier): a blank line where T changes.

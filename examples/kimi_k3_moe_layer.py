@@ -45,12 +45,12 @@ by :func:`routed_expert_method` with its reason:
   experts on CPU and in XLA's default GPU pipeline (E times the useful FLOPs).
 
 MXFP4 experts (``LayerConfig(expert_quantization="mxfp4")``, as the released Kimi-K3 ships them): each
-routed kernel is held packed, its E2M1 codes two per byte and one E8M0 scale per 32 input rows
-(examples/kimi_k3_mxfp4.py), under the same names and partition specs, with a scale parameter beside
-each (``ROUTED_EXPERT_SCALES``): ``expert_gate``, ``expert_up`` uint8 [E, L/2, m] with
-``expert_gate_scale``, ``expert_up_scale`` [E, L/32, m], ``expert_down`` uint8 [E, m/2, L] with
-``expert_down_scale`` [E, m/32, L]. The routed-expert methods decode them exactly to the layer's
-dtype where they use them: 0.53 bytes per weight held instead of 2.
+routed kernel is held packed, its E2M1 codes two per byte and one E8M0 scale per 32 input rows (the
+format: ``k3_tail.mxfp4``; the kernels: examples/kimi_k3_mxfp4.py), under the same names and partition
+specs, with a scale parameter beside each (``ROUTED_EXPERT_SCALES``): ``expert_gate``, ``expert_up``
+uint8 [E, L/2, m] with ``expert_gate_scale``, ``expert_up_scale`` [E, L/32, m], ``expert_down`` uint8
+[E, m/2, L] with ``expert_down_scale`` [E, m/32, L]. The routed-expert methods decode them exactly to the
+layer's dtype where they use them: 0.53 bytes per weight held instead of 2.
 
 Numerics: weights and activations in ``config.tail.dtype`` (Kimi-K3: bf16), every GEMM accumulating
 in float32, the router, SiTU and the weighted sum in float32; activations are rounded to the dtype
@@ -81,17 +81,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import k3_tail
+from examples import kimi_k3_mxfp4
 from examples.kimi_k3_gemm import matmul
+from examples.kimi_k3_routed_experts import ROUTED_EXPERTS, routed_expert_method
+from examples.kimi_k3_situ import situ
+from k3_tail import mxfp4
 from k3_tail.tools.blocks import WEIGHT_LAYOUTS
 from k3_tail.tools.layer_cost import MoELayerSizes
 from k3_tail.xla.compilation import compiler_options
-from examples import kimi_k3_mxfp4 as mxfp4
-from examples.kimi_k3_routed_experts import ROUTED_EXPERTS, routed_expert_method
-from examples.kimi_k3_situ import situ
 
 KIMI_K3_NUM_EXPERTS, KIMI_K3_TOP_K = 896, 16
 # The parameters that hold the routed experts' weights (what k3_tail.tools.layer_schedule traces); with MXFP4
@@ -314,7 +314,7 @@ def random_checkpoint(config: LayerConfig, *, seed: int = 0) -> dict[str, np.nda
     nothing is compiled (XLA's CPU compiler takes seconds per ``jax.random.normal`` shape). With an FP8
     up projection the kernel is drawn in the layer's dtype, as the checkpoint ships it, and quantised
     (``k3_tail.quantize_up_proj``: values and per-column scales), as a server does at load. MXFP4
-    experts are random codes with one scale per kernel (``mxfp4.random_codes``), of the bf16 kernels' spread."""
+    experts are random codes with one scale per kernel (``kimi_k3_mxfp4.random_codes``), of the bf16 kernels' spread."""
     rng = np.random.default_rng(seed)
     weights = {}
     for name, p in layer_parameters(config).items():
@@ -322,7 +322,7 @@ def random_checkpoint(config: LayerConfig, *, seed: int = 0) -> dict[str, np.nda
             continue  # made with the quantised kernel, or with the packed codes
         if config.expert_quantization is not None and name in ROUTED_EXPERT_WEIGHTS:
             *leading, half, columns = p.shape
-            weights[name], weights[ROUTED_EXPERT_SCALES[name]] = mxfp4.random_codes(
+            weights[name], weights[ROUTED_EXPERT_SCALES[name]] = kimi_k3_mxfp4.random_codes(
                 rng, (*leading, half * mxfp4.CODES_PER_BYTE, columns), p.stddev)
             continue
         value = p.mean + p.stddev * rng.standard_normal(p.shape, dtype=np.float32)
@@ -370,10 +370,10 @@ def routed_partial(parameters: Mapping[str, jax.Array], hidden_states: jax.Array
     return routed.astype(config.dtype)
 
 
-def routed_expert_kernels(parameters: Mapping[str, jax.Array]) -> tuple[jax.Array | mxfp4.Mxfp4Kernel, ...]:
+def routed_expert_kernels(parameters: Mapping[str, jax.Array]) -> tuple[jax.Array | kimi_k3_mxfp4.Mxfp4Kernel, ...]:
     """(gate, up, down) as the routed-expert methods take them: the arrays, or MXFP4 codes with their scales."""
     if ROUTED_EXPERT_SCALES["expert_gate"] in parameters:
-        return tuple(mxfp4.Mxfp4Kernel(parameters[name], parameters[scale])
+        return tuple(kimi_k3_mxfp4.Mxfp4Kernel(parameters[name], parameters[scale])
                      for name, scale in ROUTED_EXPERT_SCALES.items())
     return tuple(parameters[name] for name in ROUTED_EXPERT_WEIGHTS)
 
@@ -460,9 +460,10 @@ def layer_compiler_options(config: LayerConfig, mesh: Mesh, num_tokens: int, *, 
     tail does; ``k3_tail.xla.compilation.compiler_options``) and, on a GPU, :data:`GPU_COMPILER_OPTIONS`."""
     device = mesh.devices.flat[0]
     if tier is None:
+        # The device, as the tail's own selection takes it: its platform decides ("rocm" or "cuda").
         tier = k3_tail.select_tier(config.tail, num_tokens, mesh.shape[axis_name], weight_layout=weight_layout,
-                                   device_kind=device.device_kind, platform=device.platform).tier
-    options = dict(compiler_options(tier, device.platform))
+                                   device_kind=device.device_kind, platform=device).tier
+    options = dict(compiler_options(tier, device))
     if device.platform == "gpu":
         options.update(GPU_COMPILER_OPTIONS)
     return options
@@ -569,7 +570,7 @@ class KimiK3MoELayer(nnx.Module):
     def plan(self, num_tokens: int) -> k3_tail.TierDecision:
         device = self.mesh.devices.flat[0]
         return k3_tail.select_tier(self.config.tail, num_tokens, self.tp_size, weight_layout=self.weight_layout,
-                                   device_kind=device.device_kind, platform=device.platform)
+                                   device_kind=device.device_kind, platform=device)
 
 
 def build_layer(config: LayerConfig, mesh: Mesh, *, seed: int = 0, axis_name: str = "tp",

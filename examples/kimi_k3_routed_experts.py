@@ -24,8 +24,11 @@ method issues a collective.
   weights read in place, once; the pairs beyond C in overflow rounds of S = :func:`overflow_slots`
   chunks (up to C pairs of one expert each, that expert's blocks gathered for the round) until none
   is left. 6 E C L m/p FLOPs for the first pass and 6 S C L m/p per round; routing every token to the
-  same k experts takes about k T / (C S) rounds: exact, but slow. MXFP4 weights are decoded for the
-  first pass's GEMMs (all E experts' blocks) and for each round's S gathered blocks.
+  same k experts takes about k T / (C S) rounds: exact, but slow. MXFP4 weights are decoded S experts
+  at a time: the first pass runs as a loop over groups of S experts, each decoded right before its
+  GEMMs, and each round decodes its S gathered blocks, so one group's decoded kernels exist at a time.
+  An empty slot's zero row meets its expert's weights; its output is selected away, not weighted by
+  zero, so a non-finite weight reaches only the tokens that chose its expert.
 - "ragged_dot": the pairs sorted by expert and one ``jax.lax.ragged_dot`` per kernel. It is the
   grouped GEMM's API, not its kernel: with jax 0.10.2 the CPU backend and XLA's default GPU pipeline
   compute it densely over all E groups, every row against every expert's weights, the other groups'
@@ -73,7 +76,7 @@ import jax
 import jax.numpy as jnp
 
 from examples.kimi_k3_gemm import matmul
-from examples.kimi_k3_mxfp4 import dense
+from examples.kimi_k3_mxfp4 import Mxfp4Kernel, dense
 from examples.kimi_k3_situ import situ
 
 if TYPE_CHECKING:
@@ -131,12 +134,24 @@ def experts_by_gather(latent, chosen, combine, gate, up, down) -> jax.Array:
     gather, multiply and reduce. 6 T k L m/p FLOPs, T*k blocks read; the largest arrays written are
     [T, k, m/p] and [T, k, L] float32.
     """
-    rows = latent.astype(jnp.float32)[:, None, :, None]                             # [T, 1, L, 1]
-    gate_in = (rows * dense(gate[chosen], jnp.float32)).sum(axis=2)                # [T, k, m/p]
-    up_in = (rows * dense(up[chosen], jnp.float32)).sum(axis=2)
+    rows = latent.astype(jnp.float32)[:, None, :]                                   # [T, 1, L]
+    gate_in = _products(rows, gate[chosen])                                         # [T, k, m/p]
+    up_in = _products(rows, up[chosen])
     activation = situ(gate_in, up_in).astype(latent.dtype).astype(jnp.float32)
-    out = (activation[..., None] * dense(down[chosen], jnp.float32)).sum(axis=2)  # [T, k, L]
+    out = _products(activation, down[chosen])                                       # [T, k, L]
     return _weighted_sum(combine, out)
+
+
+def _products(rows: jax.Array, blocks: jax.Array | Mxfp4Kernel) -> jax.Array:
+    """sum over K of rows[t, j, K] * blocks[t, j, K, N] in float32: rows [T, k or 1, K] float32, blocks gathered
+    [T, k, K, N] -> [T, k, N], as a multiply and a reduce. MXFP4 blocks are decoded by group
+    (``Mxfp4Kernel.decode_by_group``) and reduced over the group axes, which adds in the same order and lets XLA
+    fuse the gather of the codes into the reduction instead of copying them."""
+    if isinstance(blocks, Mxfp4Kernel):
+        values = blocks.decode_by_group(jnp.float32)                                # [T, k, K/32, 16, 2, N]
+        grouped = rows.reshape(*rows.shape[:-1], *values.shape[-4:-1], 1)
+        return (grouped * values).sum(axis=(-4, -3, -2))
+    return (rows[..., None] * blocks.astype(jnp.float32)).sum(axis=-2)
 
 
 def experts_by_capacity(latent, chosen, combine, gate, up, down) -> jax.Array:
@@ -166,13 +181,29 @@ def experts_by_capacity(latent, chosen, combine, gate, up, down) -> jax.Array:
         within = offsets[:, None] + jnp.arange(capacity)                            # [S, C]
         present = within < counts[experts][:, None]
         pair = jnp.where(present, starts[experts][:, None] + within, 0)
-        token, weight = token_of_pair[pair], jnp.where(present, combine_of_pair[pair], 0.0)
+        token, weight = token_of_pair[pair], combine_of_pair[pair]
         rows = jnp.where(present[..., None], latent[token], 0)                      # [S, C, L]
         out = _expert_mlp(rows, gate_blocks, up_blocks, down_blocks)
-        return result.at[token.reshape(-1)].add((weight[..., None] * out).reshape(-1, out.shape[-1]))
+        # A select, not a zero weight: an empty slot's zero row times a non-finite weight of its expert is NaN, and
+        # 0 * NaN would put it into the row of the token the slot points at, which never chose that expert.
+        contribution = jnp.where(present[..., None], weight[..., None] * out, 0.0)
+        return result.at[token.reshape(-1)].add(contribution.reshape(-1, out.shape[-1]))
 
     result = jnp.zeros(latent.shape, jnp.float32)
-    result = add_chunks(result, jnp.arange(num_experts), jnp.zeros(num_experts, counts.dtype), gate, up, down)
+    if isinstance(gate, Mxfp4Kernel):
+        # Decoded S experts at a time, each group's codes right before its GEMMs, so that no more than one group's
+        # decoded kernels (3 S L m/p values) exist at once; the last group starts at E - S, its experts that an
+        # earlier group took left empty. Arrays are read in place by one GEMM over all E.
+        def first_pass_group(index, result):
+            start = jnp.minimum(index * slots, num_experts - slots)
+            experts = start + jnp.arange(slots)
+            offsets = jnp.where(experts >= index * slots, 0, counts[experts])
+            return add_chunks(result, experts, offsets, *(kernel.experts(start, slots) for kernel in (gate, up, down)))
+
+        # The first group outside the loop: under shard_map its result varies over the ranks, as the loop's carry must.
+        result = jax.lax.fori_loop(1, -(-num_experts // slots), first_pass_group, first_pass_group(0, result))
+    else:
+        result = add_chunks(result, jnp.arange(num_experts), jnp.zeros(num_experts, counts.dtype), gate, up, down)
 
     extra_chunks = jnp.maximum(-(-counts // capacity) - 1, 0)                       # per expert, beyond chunk 0
     chunk_ends = jnp.cumsum(extra_chunks)

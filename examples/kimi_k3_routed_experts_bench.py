@@ -11,14 +11,19 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from examples import kimi_k3_moe_layer as layer_module
 from examples.kimi_k3_routed_experts import ROUTED_EXPERTS, routed_expert_method
 from k3_tail.tools.benchmark import Timing, time_round_robin
 from k3_tail.tools.experiment import (
-    Experiment, ProgressBar, choice_list, format_table, positive_int, positive_int_list, spread_ms,
+    Experiment,
+    ProgressBar,
+    choice_list,
+    format_table,
+    positive_int,
+    positive_int_list,
+    spread_ms,
 )
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -20,6 +22,25 @@ def check_int(name: str, value: Any, *, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
         raise ValueError(f"{name}: expected an integer >= {minimum}, got {value!r}")
     return int(value)
+
+
+def check_path(name: str, path: Any, *, expected: str) -> str:
+    """``path`` as a str, or ValueError naming ``name`` and the path unless it is a non-empty str or os.PathLike
+    (an empty one would be the working directory) that the file system can take: no NUL byte, and every
+    character one its encoding encodes (``os.fsencode``; UTF-8 refuses a lone surrogate such as "\\ud800").
+    Either would otherwise surface later as another error, naming neither. ``expected`` says what the path
+    stands for, for the message."""
+    if not isinstance(path, (str, os.PathLike)) or not (text := os.fsdecode(path)):
+        raise ValueError(f"{name}: expected {expected}, got {path!r}")
+    if "\0" in text:
+        raise ValueError(f"{name}: {text!r} holds a NUL byte, which no file name can")
+    try:
+        os.fsencode(text)
+    except UnicodeEncodeError as error:
+        raise ValueError(f"{name}: {text!r} cannot be a file name here: the file system's encoding "
+                         f"({sys.getfilesystemencoding()}) cannot encode {error.object[error.start:error.end]!r} "
+                         f"({error.reason})") from None
+    return text
 
 
 def check_axis_name(axis_name: Any) -> str | tuple[str, ...]:

@@ -55,9 +55,10 @@ class TailConfig:
       overlap_token_threshold: largest token count served by the overlap tier (vLLM: 256).
       disable_overlap: never pick the overlap tier (vLLM_DISABLE_SHARED_EXPERTS_STREAM).
       one_kernel_max_tokens: on a GPU (CUDA or ROCm), pick the one_kernel tier for 0 < T <= this many
-        tokens (decode; 0: never), where one GPU kernel per call beats the XLA tiers' 3-8 (the default,
-        64: its tiles hold the whole batch, so the weight block is read once, and the cost model predicts
-        it fastest at least that far on every preset: docs/guide.md).
+        tokens (decode; 0: never, which K3_TAIL_DISABLE_ONE_KERNEL=1 sets through ``from_env``), where one
+        GPU kernel per call beats the XLA tiers' 3-8 (the default, 16: as far as the kernel's split of K
+        gives it the 1024 programs a GPU wants, for p = 2 to 16, and the cost model predicts it fastest at
+        least that far on every preset: docs/guide.md).
       use_scatter_gather / scatter_gather_max_tokens: pick the scatter-gather tier for
         0 < T <= max tokens, as vLLM does with its fused tier-0 op (off by default: vLLM enables it
         only on SM100 GPUs).
@@ -112,7 +113,7 @@ class TailConfig:
     fp8_activations: bool = False
     overlap_token_threshold: int = 256
     disable_overlap: bool = False
-    one_kernel_max_tokens: int = 64
+    one_kernel_max_tokens: int = 16
     use_scatter_gather: bool = False
     scatter_gather_max_tokens: int = 128
     has_shared_experts: bool = True
@@ -238,9 +239,9 @@ class TailConfig:
         return QUICK_REDUCE_MIN_MIB[dtype, max(rows)][self.all_reduce_quantization] * 2**20
 
     def sum_plan(self, tp_size: int, platform: str | None = None) -> SumPlan:
-        """How this config's sums travel over ``tp_size`` ranks of ``platform`` (a device's ``.platform``;
-        None: not known): the all-reduce form, and the codec with the buffer sizes it quantises (an empty
-        buffer never is: nothing travels)."""
+        """How this config's sums travel over ``tp_size`` ranks of ``platform`` (as
+        :func:`k3_tail.hardware.device_platform` names a device's; None: not known): the all-reduce form, and
+        the codec with the buffer sizes it quantises (an empty buffer never is: nothing travels)."""
         minimum = self.quantization_min_bytes(tp_size)
         if minimum is None:
             return SumPlan(self.all_reduce_form, platform)
@@ -249,9 +250,9 @@ class TailConfig:
 
     @classmethod
     def from_env(cls, base: TailConfig | None = None, environ: Mapping[str, str] | None = None) -> TailConfig:
-        """``base`` (default: Kimi-K3) with vLLM's variables in ``environ`` (default: ``os.environ``) applied
-        (:func:`k3_tail.vllm_env.config_changes` says which set what); ValueError naming the field for a
-        value that does not parse or that the field does not take."""
+        """``base`` (default: Kimi-K3) with vLLM's variables, and k3_tail's K3_TAIL_DISABLE_ONE_KERNEL, in
+        ``environ`` (default: ``os.environ``) applied (:func:`k3_tail.vllm_env.config_changes` says which set
+        what); ValueError naming the field for a value that does not parse or that the field does not take."""
         base = cls.kimi_k3() if base is None else base
         return dataclasses.replace(base, **config_changes(os.environ if environ is None else environ))
 

@@ -6,19 +6,19 @@ import functools
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from k3_tail._checks import AxisName, check_axis_name, check_mesh, expect_array, expect_optional, expect_rank
 from k3_tail.config import TailConfig, check_config
-from k3_tail.hardware import device_platform
+from k3_tail.hardware import GPU_PLATFORMS, device_platform
+from k3_tail.ops.columns import check_weight_layout, pad_columns, padded_hidden_size
+from k3_tail.ops.pallas_triton import ignore_triton_deprecation_warning
+from k3_tail.ops.tokens import pad_tokens
+from k3_tail.ops.up_projection import check_up_proj_kernel, column_sharding, column_spec
 from k3_tail.per_rank import latent_moe_tail
 from k3_tail.selection.rules import call_tier
-from k3_tail.ops.columns import check_weight_layout, pad_columns, padded_hidden_size
-from k3_tail.tiers.registry import Tier
-from k3_tail.ops.tokens import pad_tokens
 from k3_tail.tiers.context import is_token_sharded_output
-from k3_tail.ops.up_projection import check_up_proj_kernel, column_sharding, column_spec
+from k3_tail.tiers.registry import Tier
 
 
 def tail_forward(
@@ -71,47 +71,76 @@ def tail_forward(
     Raises:
       ValueError: naming the argument, for bad shapes or dtypes, a mesh without the axis or a wrong p.
     """
-    return forward_on_ranks(routed_partials, shared_partials, norm_weight, up_proj_kernel,
-                            rank_indices(mesh, axis_name), config=config, mesh=mesh, axis_name=axis_name, tier=tier,
-                            weight_layout=weight_layout)
-
-
-def rank_indices(mesh: Mesh, axis_name: AxisName = "tp") -> jax.Array:
-    """``jnp.arange(p, dtype=jnp.int32)`` placed ``P(axis_name)`` on ``mesh``: each rank's block is the ``rank`` that
-    :func:`k3_tail.latent_moe_tail` takes (the one_kernel tier then needs no kernel to find it)."""
-    tp_size = check_mesh(mesh, check_axis_name(axis_name))
-    return jax.device_put(np.arange(tp_size, dtype=np.int32), NamedSharding(mesh, P(axis_name)))
-
-
-def forward_on_ranks(routed_partials, shared_partials, norm_weight, up_proj_kernel, ranks, *, config: TailConfig,
-                     mesh: Mesh, axis_name: AxisName = "tp", tier: Tier | str | None = None,
-                     weight_layout: str = "replicated") -> jax.Array:
-    """:func:`tail_forward` with the ranks' indices given (:func:`rank_indices`): an argument of the program
-    where :func:`k3_tail.compile_tail` compiles one, which the one_kernel tier's kernel reads."""
     check_config(config)
     axis_name = check_axis_name(axis_name)
     weight_layout = check_weight_layout(weight_layout)
+    tp_size = check_mesh(mesh, axis_name)
     # Checked as given, before jit converts them: a float64 or a list is reported as what it is.
-    _check_global_inputs(routed_partials, shared_partials, norm_weight, up_proj_kernel, config=config,
-                         tp_size=check_mesh(mesh, axis_name), weight_layout=weight_layout)
-    parsed_tier = None if tier is None else Tier.parse(tier)
-    return _tail_forward_jit(
-        routed_partials,
-        shared_partials,
-        norm_weight,
-        up_proj_kernel,
-        ranks,
-        config=config,
-        mesh=mesh,
-        axis_name=axis_name,
-        tier=parsed_tier,
-        weight_layout=weight_layout,
-    )
+    num_tokens = _check_global_inputs(routed_partials, shared_partials, norm_weight, up_proj_kernel, config=config,
+                                      tp_size=tp_size, weight_layout=weight_layout)
+    resolved = _resolved_tier(config, num_tokens, mesh, axis_name, tier, weight_layout)
+    return _tail_forward_jit(routed_partials, shared_partials, norm_weight, up_proj_kernel,
+                             *_per_rank_inputs(resolved, mesh, axis_name, abstract=False), config=config, mesh=mesh,
+                             axis_name=axis_name, tier=resolved, weight_layout=weight_layout)
+
+
+def lowered_tail(config: TailConfig, mesh: Mesh, arguments, *, axis_name: AxisName = "tp",
+                 tier: Tier | str | None = None, weight_layout: str = "replicated") -> jax.stages.Lowered:
+    """:func:`tail_forward`'s program lowered for abstract ``arguments`` (routed, shared, norm weight, kernel, as
+    :func:`k3_tail.xla.compilation.tail_arguments` makes them), with the per-rank inputs its tier reads (one_kernel:
+    the ranks' indices) as arguments of their own after them: what :func:`k3_tail.compile_tail` compiles."""
+    check_config(config)
+    axis_name = check_axis_name(axis_name)
+    weight_layout = check_weight_layout(weight_layout)
+    num_tokens = arguments[0].shape[0 if config.fused_output_is_reduced else 1]
+    resolved = _resolved_tier(config, num_tokens, mesh, axis_name, tier, weight_layout)
+    program = functools.partial(_tail_forward_jit, config=config, mesh=mesh, axis_name=axis_name, tier=resolved,
+                                weight_layout=weight_layout)
+    return jax.jit(program).lower(*arguments, *_per_rank_inputs(resolved, mesh, axis_name, abstract=True))
+
+
+def _resolved_tier(config, num_tokens, mesh, axis_name, tier, weight_layout) -> Tier:
+    """The tier a call with T = ``num_tokens`` on ``mesh`` takes (``tier`` checked, or the selection's)."""
+    resolved = _call_tier(config, num_tokens, mesh, axis_name, None if tier is None else Tier.parse(tier),
+                          weight_layout)
+    if resolved.record.compiled_on is not None and device_platform(mesh.devices.flat[0]) in GPU_PLATFORMS:
+        # jit caches _tail_forward_jit's trace, the Pallas kernel's included, but every new program that holds it
+        # lowers the kernel again: in a warnings context (a later pytest test) that no longer has the filter the
+        # kernel's trace installed (ops/pallas_triton.py). This runs in the context that program lowers in.
+        ignore_triton_deprecation_warning()
+    return resolved
+
+
+@functools.lru_cache(maxsize=1024)  # selected once per call shape, as jit traces once: not in every call
+def _call_tier(config, num_tokens, mesh, axis_name, tier, weight_layout) -> Tier:
+    return call_tier(config, num_tokens, check_mesh(mesh, axis_name), weight_layout=weight_layout, tier=tier,
+                     device=mesh.devices.flat[0])
+
+
+def _per_rank_inputs(tier: Tier, mesh: Mesh, axis_name: AxisName, *, abstract: bool) -> tuple:
+    """The per-rank inputs ``tier``'s record says it reads, as arguments of the program (none for most tiers):
+    one_kernel's ranks' indices, each rank's block of arange(p) (inside the program they would cost a kernel
+    that converts the partition id), placed once per mesh, or their abstract value."""
+    if not tier.record.reads_rank:
+        return ()
+    sharding = NamedSharding(mesh, P(axis_name))
+    if abstract:
+        return (jax.ShapeDtypeStruct((check_mesh(mesh, axis_name),), np.int32, sharding=sharding),)
+    return (_placed_rank_indices(mesh, axis_name),)
+
+
+@functools.cache  # placed once per mesh and axis, as jit caches its programs: no transfer in every call
+def _placed_rank_indices(mesh: Mesh, axis_name: AxisName) -> jax.Array:
+    """``arange(p, dtype=int32)`` placed ``P(axis_name)`` on ``mesh``: each rank's block is its ``rank``. A
+    concrete array even when a caller's jit traces the first call (which then holds it as a constant)."""
+    with jax.ensure_compile_time_eval():
+        return jax.device_put(np.arange(check_mesh(mesh, axis_name), dtype=np.int32),
+                              NamedSharding(mesh, P(axis_name)))
 
 
 @functools.partial(jax.jit, static_argnames=("config", "mesh", "axis_name", "tier", "weight_layout"))
-def _tail_forward_jit(routed_partials, shared_partials, norm_weight, up_proj_kernel, ranks, *, config, mesh, axis_name,
-                      tier, weight_layout):
+def _tail_forward_jit(routed_partials, shared_partials, norm_weight, up_proj_kernel, ranks=None, *, config, mesh,
+                      axis_name, tier, weight_layout):
     tp_size = check_mesh(mesh, axis_name)
     num_tokens = routed_partials.shape[0 if config.fused_output_is_reduced else 1]
     if weight_layout == "column":
@@ -134,7 +163,6 @@ def _tail_forward_jit(routed_partials, shared_partials, norm_weight, up_proj_ker
     args = (*args, ranks)
     specs = (*specs, column_spec(up_proj_kernel, columns), P(axis_name))
     device = mesh.devices.flat[0]
-    tier = call_tier(config, num_tokens, tp_size, weight_layout=weight_layout, tier=tier, device=device)
     per_rank_tail = functools.partial(
         latent_moe_tail, config=config, axis_name=axis_name, weight_layout=weight_layout, tier=tier, device=device,
     )
@@ -154,8 +182,8 @@ def _tail_forward_jit(routed_partials, shared_partials, norm_weight, up_proj_ker
 
 
 def _check_global_inputs(routed_partials, shared_partials, norm_weight, up_proj_kernel, *, config, tp_size,
-                         weight_layout) -> None:
-    """Validate the global shapes and dtypes against the config and p."""
+                         weight_layout) -> int:
+    """Validate the global shapes and dtypes against the config and p; return T."""
     hidden, latent = config.hidden_size, config.latent_size
     routed_shape = np.shape(routed_partials)
     if config.fused_output_is_reduced:
@@ -185,3 +213,4 @@ def _check_global_inputs(routed_partials, shared_partials, norm_weight, up_proj_
         kernel_shapes.append((latent, padded))
     check_up_proj_kernel(up_proj_kernel, dtype=config.dtype, up_proj_dtype=config.up_proj_dtype, shapes=kernel_shapes,
                          sizes=f"L={latent}, H={hidden}, p={tp_size}")
+    return num_tokens

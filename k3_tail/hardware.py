@@ -2,7 +2,8 @@
 
 Data only (no dependency on the rest of the library), so that :class:`k3_tail.TailConfig` can check a
 preset name. The presets' ``fp8_formats`` are also what FP8 activations are checked against on a device
-(:func:`native_fp8_formats`); :func:`device_platform` tells ROCm from CUDA (JAX calls both "gpu").
+(:func:`native_fp8_formats`); :func:`device_platform` tells ROCm from CUDA (JAX calls both "gpu"), and
+:func:`check_platform` reads the ``platform`` argument of selection and compilation.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import dataclasses
 import math
 import re
 from types import MappingProxyType
+
+import jax
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,8 +64,8 @@ class Hardware:
                 f"fp8_formats: expected a tuple of FP8 dtype names, non-empty exactly when peak_fp8_flops is set, "
                 f"got {self.fp8_formats!r}"
             )
-        if self.platform not in GPU_PLATFORMS:
-            raise ValueError(f"platform: expected one of {GPU_PLATFORMS}, got {self.platform!r}")
+        if self.platform not in GPU_VENDOR_PLATFORMS:
+            raise ValueError(f"platform: expected one of {GPU_VENDOR_PLATFORMS}, got {self.platform!r}")
 
 
 # Assumed, for every preset: no vendor publishes a per-collective latency. 10 us is the order of the
@@ -73,8 +76,12 @@ _ASSUMED_COLLECTIVE_LATENCY_S = 10e-6
 # kernel, 17.56 us p50 against 19.76 us). Dependent kernels cost their launch and the gap before the next; a CUDA
 # or HIP graph shortens the launch, not the gap.
 _ASSUMED_KERNEL_LAUNCH_S = 2e-6
-# The XLA platforms of GPUs, as device_platform names them.
-GPU_PLATFORMS = ("cuda", "rocm")
+# The XLA platforms of GPUs, one per vendor, as device_platform names them: what presets and kernel counts are for.
+GPU_VENDOR_PLATFORMS = ("cuda", "rocm")
+# Every name of a GPU's platform: the vendors' and JAX's own "gpu" (a device's ``.platform`` for both vendors).
+GPU_PLATFORMS = (*GPU_VENDOR_PLATFORMS, "gpu")
+# The platform names that selection and compilation take: JAX's (a device's ``.platform``) and the vendors'.
+PLATFORMS = ("cpu", "gpu", "tpu", *GPU_VENDOR_PLATFORMS)
 
 # Each figure from the GPU's data sheet; link bandwidth is per GPU per direction, all links to its peers together.
 # mi300x: AMD Instinct MI300X data sheet (2023): peak BF16 1307.4 TFLOPs dense (2614.9 with sparsity); 192 GB HBM3,
@@ -148,6 +155,18 @@ def device_platform(device) -> str:
     if "cuda" in version or kind.startswith("nvidia"):
         return "cuda"
     return platform
+
+
+def check_platform(platform) -> str | None:
+    """The platform a ``platform`` argument names: a name of :data:`PLATFORMS` as it is, a ``jax.Device``'s
+    :func:`device_platform` (whatever its backend), None (not known) as it is; ValueError naming ``platform``
+    for anything else."""
+    if isinstance(platform, jax.Device):
+        return device_platform(platform)
+    if platform is None or (isinstance(platform, str) and platform in PLATFORMS):
+        return platform
+    raise ValueError(f"platform: expected one of {PLATFORMS} (JAX's names and the GPU vendors'), a jax.Device "
+                     f"or None, got {platform!r}")
 
 
 def hardware_preset(hardware: Hardware | str) -> Hardware:

@@ -33,6 +33,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from k3_tail._checks import check_path
 from k3_tail.json_files import read_json
 
 CONFIG_FILE = "config.json"
@@ -72,11 +73,9 @@ def config_file(path: str | os.PathLike) -> Path:
     """The config.json that ``path`` stands for: ``path`` itself when it names a JSON file, the one in
     ``path`` when it is a checkpoint directory, or the one beside ``path`` when it is a ``.safetensors``
     file (the paths :func:`k3_tail.load_tail_weights` takes). ValueError for an empty path or when that
-    file does not exist."""
-    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
-        raise ValueError(f"config: expected a path to {CONFIG_FILE}, a checkpoint directory or a .safetensors "
-                         f"file, got {path!r}")
-    given = Path(path)
+    file does not exist, and for a path that no file can have (:func:`k3_tail._checks.check_path`)."""
+    given = Path(check_path("config", path, expected=f"a path to {CONFIG_FILE}, a checkpoint directory or a "
+                                                     ".safetensors file"))
     file, beside = given, ""
     if given.is_dir():
         file = given / CONFIG_FILE

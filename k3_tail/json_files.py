@@ -3,6 +3,8 @@
 :func:`read_json` reads a file as RFC 8259 JSON and nothing looser, and turns every way a file can fail
 into a ValueError naming the file (and the field, where there is one):
 
+- a path that no file can have (a NUL byte, a character the file system's encoding cannot encode) is
+  refused as every entry point refuses it (:func:`k3_tail._checks.check_path`);
 - only a regular file is read: a FIFO, a device or a directory is refused before any byte is read, and
   opening never blocks (``O_NONBLOCK``; a FIFO would otherwise wait for a writer forever);
 - at most ``max_bytes`` (default ``MAX_JSON_BYTES``, 256 MiB), checked before parsing: the largest file
@@ -16,7 +18,7 @@ into a ValueError naming the file (and the field, where there is one):
   integer-digit limit is set to;
 - nesting too deep for the parser (its RecursionError) is a ValueError too.
 
-Standard library only: every layer of the package may use it.
+It imports only :mod:`k3_tail._checks` (the path check): every layer of the package may use it.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ import math
 import os
 import stat
 from typing import Any
+
+from k3_tail._checks import check_path
 
 # The largest JSON file read: four times the released Kimi-K3's checkpoint index (about 60 MB).
 MAX_JSON_BYTES = 256 * 2**20
@@ -38,7 +42,7 @@ def read_json(path: Any, *, what: str, field_prefix: str = "", max_bytes: int = 
     """The JSON value in the file at ``path`` (module docstring: what is refused).
 
     Args:
-      path: a str or os.PathLike naming the file; symbolic links are followed.
+      path: a str or os.PathLike naming the file (:func:`k3_tail._checks.check_path`); symbolic links are followed.
       what: what the file is, the first word of every message about the file ("config", "checkpoint").
       field_prefix: put before a field's path in a message (``"selection_table."`` makes
         ``selection_table.ranges[1].tier``).
@@ -49,9 +53,7 @@ def read_json(path: Any, *, what: str, field_prefix: str = "", max_bytes: int = 
         than ``max_bytes``, is not UTF-8 or not JSON; ``"<field>: duplicate key ... (in '<path>')"`` for a
         key given twice in one object.
     """
-    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
-        raise ValueError(f"{what}: expected the path of a JSON file, got {path!r}")
-    name = os.fspath(path)
+    name = check_path(what, path, expected="the path of a JSON file")
     raw = _read_regular_file(name, what=what, max_bytes=max_bytes)
     try:
         text = raw.decode("utf-8")

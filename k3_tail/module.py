@@ -13,22 +13,17 @@ from jax.sharding import Mesh
 
 from k3_tail._checks import AxisName, check_axis_name, check_mesh, expect_array
 from k3_tail.checkpoint import load_tail_weights
-from k3_tail.hardware import device_platform
 from k3_tail.config import TailConfig, check_config
-from k3_tail.forward import forward_on_ranks, rank_indices
+from k3_tail.forward import tail_forward
+from k3_tail.ops.columns import check_weight_layout, pad_columns, padded_hidden_size
+from k3_tail.ops.up_projection import QuantizedKernel, check_fp8_activations, quantize_up_proj
 from k3_tail.per_rank import latent_moe_tail
 from k3_tail.selection.decision import TierDecision
 from k3_tail.selection.rules import select_tier
 from k3_tail.shared_reduction import reduce_shared
-from k3_tail.ops.columns import check_weight_layout, pad_columns, padded_hidden_size
 from k3_tail.tiers.registry import Tier
-from k3_tail.ops.up_projection import QuantizedKernel, check_fp8_activations, quantize_up_proj
 
 _LECUN_NORMAL = nnx.initializers.lecun_normal()
-
-
-class TpRank(nnx.Variable):
-    """Each TP rank's index, a variable that is no parameter (an optimiser over ``nnx.Param`` leaves it out)."""
 
 
 class LatentMoETail(nnx.Module):
@@ -55,8 +50,6 @@ class LatentMoETail(nnx.Module):
         quantised from the initial kernel (or the loaded one).
       up_proj_scale: float32 [Hs], the per-column scales of the FP8 values, sharded like the kernel's
         columns; None without FP8.
-      tp_rank: a :class:`TpRank` (not a parameter): int32 [p] sharded ``(axis_name,)``, each rank's block its
-        index, which :meth:`per_rank` hands :func:`k3_tail.latent_moe_tail` as ``rank``.
 
     Raises:
       ValueError: naming the argument, for a bad config, mesh, axis or layout, or FP8 activations in a
@@ -90,7 +83,6 @@ class LatentMoETail(nnx.Module):
             if config.use_latent_norm
             else None
         )
-        self.tp_rank = _tp_rank(mesh, axis_name)
 
     @classmethod
     def from_checkpoint(
@@ -131,7 +123,6 @@ class LatentMoETail(nnx.Module):
         module.up_proj_kernel = _sharded_param(values, (None, columns), mesh)
         module.up_proj_scale = None if scale is None else _sharded_param(scale, (columns,), mesh)
         module.norm_scale = None if norm_weight is None else _sharded_param(norm_weight, (None,), mesh)
-        module.tp_rank = _tp_rank(mesh, module.axis_name)
         return module
 
     def load_up_proj(self, kernel) -> None:
@@ -178,7 +169,7 @@ class LatentMoETail(nnx.Module):
         """
         device = self.mesh.devices.flat[0]
         return select_tier(self.config, num_tokens, self.tp_size, weight_layout=self.weight_layout,
-                           device_kind=device.device_kind, platform=device_platform(device))
+                           device_kind=device.device_kind, platform=device)
 
     def __call__(self, routed_partials, shared_partials, *, tier: Tier | str | None = None) -> jax.Array:
         """y from routed_partials [p, T, L] and shared_partials [p, T, H].
@@ -194,11 +185,11 @@ class LatentMoETail(nnx.Module):
           rows, [T', H], sharded over the TP axis on its tokens (rows from T on zero), as
           :meth:`per_rank` returns each rank's [T'/p, H] of it.
         """
-        return forward_on_ranks(routed_partials, shared_partials, *self._weights(), self.tp_rank[...],
-                                config=self.config, mesh=self.mesh, axis_name=self.axis_name, tier=tier,
-                                weight_layout=self.weight_layout)
+        return tail_forward(routed_partials, shared_partials, *self._weights(), config=self.config, mesh=self.mesh,
+                            axis_name=self.axis_name, tier=tier, weight_layout=self.weight_layout)
 
-    def per_rank(self, routed_partial, shared_partial, *, tier: Tier | str | None = None) -> jax.Array:
+    def per_rank(self, routed_partial, shared_partial, *, tier: Tier | str | None = None,
+                 rank: jax.Array | None = None) -> jax.Array:
         """This rank's result, inside a shard_map over the module's mesh that hands it its parameter blocks.
 
         The in_spec of the module is ``nnx.StateSharding(nnx.get_partition_spec(nnx.state(module)))``
@@ -208,6 +199,8 @@ class LatentMoETail(nnx.Module):
           routed_partial: this rank's [T, L], as :func:`k3_tail.latent_moe_tail` takes it.
           shared_partial: this rank's [T, H] (or the reduced shared output), as there.
           tier: a tier to force, or None to select one.
+          rank: this rank's index, int32 [1], as :func:`k3_tail.latent_moe_tail` takes it (without it the
+            one_kernel tier finds it with a second GPU kernel).
 
         Returns:
           What :func:`k3_tail.latent_moe_tail` returns: [T, H], or with ``config.sequence_parallel``
@@ -216,7 +209,7 @@ class LatentMoETail(nnx.Module):
         """
         return latent_moe_tail(routed_partial, shared_partial, *self._weights(), config=self.config,
                                axis_name=self.axis_name, weight_layout=self.weight_layout, tier=tier,
-                               device=self.mesh.devices.flat[0], rank=self.tp_rank[...])
+                               device=self.mesh.devices.flat[0], rank=rank)
 
     def reduce_shared(self, shared_partial) -> jax.Array:
         """:func:`k3_tail.reduce_shared` on the module's TP axis, inside a shard_map over its mesh.
@@ -238,11 +231,6 @@ class LatentMoETail(nnx.Module):
         if self.up_proj_scale is not None:
             kernel = QuantizedKernel(kernel, self.up_proj_scale[...])
         return None if self.norm_scale is None else self.norm_scale[...], kernel
-
-
-def _tp_rank(mesh: Mesh, axis_name: AxisName) -> TpRank:
-    """The ranks' indices (:func:`k3_tail.forward.rank_indices`) as the module's :class:`TpRank`."""
-    return TpRank(nnx.with_partitioning(lambda: rank_indices(mesh, axis_name), (axis_name,), mesh=mesh)())
 
 
 def _sharded_param(value: jax.Array, sharding: tuple, mesh: Mesh) -> nnx.Param:

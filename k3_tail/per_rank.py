@@ -10,16 +10,22 @@ import jax
 import numpy as np
 
 from k3_tail._checks import (
-    AxisName, axis_size_in_scope, check_axis_name, expect_array, expect_optional, expect_rank, varies_over,
+    AxisName,
+    axis_size_in_scope,
+    check_axis_name,
+    expect_array,
+    expect_optional,
+    expect_rank,
+    varies_over,
 )
 from k3_tail.config import TailConfig, check_config
 from k3_tail.hardware import device_platform
-from k3_tail.selection.rules import call_tier
 from k3_tail.ops.columns import check_weight_layout, padded_hidden_size
-from k3_tail.tiers.registry import Tier
 from k3_tail.ops.tokens import pad_tokens, padded_token_count
-from k3_tail.tiers.context import TailCall
 from k3_tail.ops.up_projection import QuantizedKernel, check_fp8_activations, check_up_proj_kernel
+from k3_tail.selection.rules import call_tier
+from k3_tail.tiers.context import TailCall
+from k3_tail.tiers.registry import Tier
 
 
 def latent_moe_tail(
@@ -101,9 +107,9 @@ def latent_moe_tail(
     # One platform for the selection and for the sums ("rocm" or "cuda" for a GPU, not JAX's "gpu").
     platform = device_platform(device)
     tier = call_tier(config, num_tokens, tp_size, weight_layout=weight_layout, tier=tier, device=device)
-    _check_reduction_contract(routed_partial, shared_partial, config=config, axis_name=axis_name)
     if rank is not None:
-        _check_rank(rank, axis_name)
+        _check_rank(rank, axis_name, tp_size)
+    _check_reduction_contract(routed_partial, shared_partial, config=config, axis_name=axis_name)
 
     if config.sequence_parallel:
         # Zero token rows up to a multiple of p, so that each rank owns T'/p rows of the output, for every
@@ -116,10 +122,15 @@ def latent_moe_tail(
     return tier.record.function(routed_partial, shared_partial, norm_weight, up_proj_kernel, call)
 
 
-def _check_rank(rank, axis_name: AxisName) -> None:
-    """ValueError naming ``rank`` unless it is an int32 [1] that varies over the TP axis (where JAX tracks that)."""
+def _check_rank(rank, axis_name: AxisName, tp_size: int) -> None:
+    """ValueError naming ``rank`` unless it is an int32 [1] that varies over the TP axis (where JAX tracks that)
+    and, where its value is known at trace time, lies in [0, p). (A traced one outside it gives NaN: the
+    one_kernel tier's kernel masks it both ways.)"""
     expect_array(rank, "rank", [(1,)], np.dtype(np.int32), "this rank's index: its block of jnp.arange(p)",
                  dtype_field="int32")
+    if not isinstance(rank, jax.core.Tracer) and not 0 <= int(np.asarray(rank)[0]) < tp_size:
+        raise ValueError(f"rank: expected this rank's index in [0, {tp_size}) along {axis_name!r}, got "
+                         f"{int(np.asarray(rank)[0])}")
     if varies_over(rank, axis_name) is False:
         raise ValueError(f"rank: expected this rank's index, which varies over {axis_name!r} (the block of "
                          f"jnp.arange(p, dtype=jnp.int32) with in_spec P({axis_name!r})), but its type is the same "

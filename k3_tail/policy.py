@@ -18,6 +18,8 @@ class SelectionPolicy(abc.ABC):
 
     @abc.abstractmethod
     def select(self, config: Any, num_tokens: int, tp_size: int, *, weight_layout: str | None = None,
-               device_kind: str | None = None, platform: str | None = None) -> Any:
+               device_kind: str | None = None, platform: Any = None) -> Any:
         """The TierDecision for ``config`` (a TailConfig) at T = ``num_tokens`` on ``tp_size`` ranks, with
-        the call's kernel layout, device kind and platform where known (None: not known)."""
+        the call's kernel layout, device kind and platform where known (None: not known; the platform as
+        :func:`k3_tail.select_tier` takes it: a name of ``k3_tail.hardware.PLATFORMS`` or a ``jax.Device``,
+        checked by :func:`k3_tail.hardware.check_platform`)."""

@@ -10,8 +10,8 @@ from __future__ import annotations
 import jax
 
 from k3_tail._checks import AxisName, axis_size_in_scope, check_axis_name, expect_array, expect_rank
-from k3_tail.hardware import device_platform
 from k3_tail.config import TailConfig, check_config
+from k3_tail.hardware import device_platform
 from k3_tail.ops.scopes import SHARED_REDUCTION
 from k3_tail.ops.tokens import pad_tokens
 from k3_tail.tiers.context import TailCall

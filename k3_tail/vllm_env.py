@@ -1,4 +1,5 @@
-"""vLLM's environment variables as :class:`~k3_tail.TailConfig` fields (what ``TailConfig.from_env`` applies).
+"""vLLM's environment variables as :class:`~k3_tail.TailConfig` fields (what ``TailConfig.from_env`` applies),
+and one of k3_tail's own, named K3_TAIL_*, for a switch vLLM has no variable for.
 
 Below the config: it returns field values, and the config applies them.
 """
@@ -18,6 +19,8 @@ SHARED_OUTPUT_REDUCED = "VLLM_KIMI_K3_SHARED_OUTPUT_AR_OVERLAP"
 QUICK_REDUCE_QUANTIZATION = "VLLM_ROCM_QUICK_REDUCE_QUANTIZATION"
 QUICK_REDUCE_MAX_SIZE_MB = "VLLM_ROCM_QUICK_REDUCE_MAX_SIZE_BYTES_MB"
 QUICK_REDUCE_CAST_BF16_TO_FP16 = "VLLM_ROCM_QUICK_REDUCE_CAST_BF16_TO_FP16"
+# k3_tail's own: vLLM has no one_kernel tier, so no variable for it.
+DISABLE_ONE_KERNEL = "K3_TAIL_DISABLE_ONE_KERNEL"
 
 _INTEGERS = ((OVERLAP_TOKEN_THRESHOLD, "overlap_token_threshold"),
              (PREFILL_TOKEN_PARALLEL_MIN_TOKENS, "prefill_token_parallel_min_tokens"))
@@ -29,7 +32,7 @@ _FALSE_WORDS = ("0", "false", "no", "off", "")
 
 
 def config_changes(environ: Mapping[str, str]) -> dict[str, Any]:
-    """The TailConfig fields that the vLLM variables set in ``environ`` give, by field name.
+    """The TailConfig fields that the vLLM variables (and k3_tail's) set in ``environ`` give, by field name.
 
     VLLM_SHARED_EXPERTS_STREAM_TOKEN_THRESHOLD sets ``overlap_token_threshold`` and
     VLLM_KIMI_K3_AMD_PREFILL_SP_MIN_TOKENS ``prefill_token_parallel_min_tokens`` (integers; the config
@@ -40,7 +43,9 @@ def config_changes(environ: Mapping[str, str]) -> dict[str, Any]:
     ``all_reduce_quantization``: INT8, INT6, INT4 the codec; NONE off; FP, QuickReduce's unquantised
     two-shot form, sets ``all_reduce_form`` to "reduce-scatter+all-gather" (for every sum: both forms are
     exact, so no size window is needed). VLLM_ROCM_QUICK_REDUCE_MAX_SIZE_BYTES_MB sets
-    ``quantized_all_reduce_max_bytes`` (an integer, in MiB). Unset variables set nothing.
+    ``quantized_all_reduce_max_bytes`` (an integer, in MiB). K3_TAIL_DISABLE_ONE_KERNEL (a boolean as
+    above) true sets ``one_kernel_max_tokens`` to 0, so that vLLM's rules, the default policy, never pick
+    the one_kernel tier; false sets nothing (the base's limit stays). Unset variables set nothing.
 
     Raises:
       ValueError: naming the field and the variable, for a value that does not parse.
@@ -57,6 +62,9 @@ def config_changes(environ: Mapping[str, str]) -> dict[str, Any]:
     for variable, field in _BOOLEANS:
         if variable in environ:
             changes[field] = _boolean(environ[variable], variable, field)
+    if DISABLE_ONE_KERNEL in environ and _boolean(environ[DISABLE_ONE_KERNEL], DISABLE_ONE_KERNEL,
+                                                  "one_kernel_max_tokens"):
+        changes["one_kernel_max_tokens"] = 0
     return changes
 
 

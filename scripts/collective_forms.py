@@ -13,14 +13,19 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from k3_tail import TailConfig
 from k3_tail.tools.benchmark import Timing, time_round_robin
 from k3_tail.tools.blocks import CODEC_NAMES, all_reduce
 from k3_tail.tools.experiment import (
-    AXIS_NAME, Experiment, choice_list, format_table, positive_int_list, progress, spread_ms,
+    AXIS_NAME,
+    Experiment,
+    choice_list,
+    format_table,
+    positive_int_list,
+    progress,
+    spread_ms,
 )
 
 DEFAULT_ROWS = (16, 64, 256, 1024, 2048)

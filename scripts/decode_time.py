@@ -15,9 +15,7 @@ from jax.sharding import PartitionSpec as P
 from k3_tail import TailConfig, Tier, tail_forward
 from k3_tail.tools.benchmark import Timing, place_partials, place_weights, time_round_robin
 from k3_tail.tools.blocks import WEIGHT_LAYOUTS, project
-from k3_tail.tools.experiment import (
-    AXIS_NAME, Experiment, format_table, median_columns, positive_int_list, progress,
-)
+from k3_tail.tools.experiment import AXIS_NAME, Experiment, format_table, median_columns, positive_int_list, progress
 
 
 def main(argv: list[str] | None = None) -> int:

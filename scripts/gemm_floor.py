@@ -9,7 +9,13 @@ from k3_tail import TailConfig, Tier
 from k3_tail.tools.benchmark import config_dict, local_gemm_columns, measure_local_gemm, measure_tiers
 from k3_tail.tools.blocks import WEIGHT_LAYOUTS
 from k3_tail.tools.experiment import (
-    AXIS_NAME, Experiment, format_ms, format_table, median_columns, positive_int, progress,
+    AXIS_NAME,
+    Experiment,
+    format_ms,
+    format_table,
+    median_columns,
+    positive_int,
+    progress,
 )
 
 

@@ -21,8 +21,18 @@ from k3_tail.tiers.registry import Tier
 from k3_tail.tools.benchmark import config_dict, default_token_counts, tiers_for, time_runs
 from k3_tail.tools.blocks import WEIGHT_LAYOUTS, norm_project_add, rms_norm
 from k3_tail.tools.experiment import (
-    Experiment, add_shape_arguments, announce_machine, format_ms, format_table, median_columns, positive_int,
-    positive_int_list, progress, quartiles_ms, stepped, use_cpu_without_gpu,
+    Experiment,
+    add_shape_arguments,
+    announce_machine,
+    format_ms,
+    format_table,
+    median_columns,
+    positive_int,
+    positive_int_list,
+    progress,
+    quartiles_ms,
+    stepped,
+    use_cpu_without_gpu,
 )
 
 DEFAULT_TP_SIZES = (4, 8)

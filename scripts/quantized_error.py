@@ -18,7 +18,14 @@ from k3_tail.tools.accuracy import random_partials, random_weights, reference_ta
 from k3_tail.tools.benchmark import place, tiers_for
 from k3_tail.tools.blocks import CODEC_NAMES
 from k3_tail.tools.experiment import (
-    AXIS_NAME, Experiment, ProgressBar, choice_list, markdown_table, positive_int, positive_int_list, tier_list,
+    AXIS_NAME,
+    Experiment,
+    ProgressBar,
+    choice_list,
+    markdown_table,
+    positive_int,
+    positive_int_list,
+    tier_list,
 )
 
 BASELINE = "bf16"

@@ -27,7 +27,6 @@ from k3_tail.tiers.column_parallel import stitched_buffer
 from k3_tail.tiers.context import TailCall
 from reference import TOLERANCE, make_inputs, reference_latent, relative_error
 
-
 # LLVM's optimisation and XLA CPU's newer (MLIR) fusion emitters off: XLA compiles the same HLO programs in
 # about a quarter of the CPU time (measured: 0.25 s instead of 1.0-1.3 s per program), which the suite's
 # time budget needs. For programs and processes whose results the tests check, not their speed; both are

@@ -17,8 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors.numpy import save_file
 
-from k3_tail import checkpoint as checkpoint_module
-from k3_tail.checkpoint import Checkpoint
+from k3_tail.checkpoint import Checkpoint, files as checkpoint_files
 
 WRAPPER = "language_model."
 VISION_TENSORS = ("vision_tower.patch_embed.proj.weight", "vision_tower.blocks.0.attn.qkv.weight",
@@ -158,7 +157,7 @@ def record_slices(monkeypatch) -> list[tuple[str, tuple[slice, ...], int]]:
     """A list that every slice k3_tail.checkpoint asks safetensors for from now on (for the test) appends
     (tensor name, index, bytes returned) to: what safetensors copied out of the files."""
     calls = []
-    open_file = checkpoint_module.safe_open
+    open_file = checkpoint_files.safe_open
 
     class RecordingSlice:
         def __init__(self, name, tensor):
@@ -185,6 +184,6 @@ def record_slices(monkeypatch) -> list[tuple[str, tuple[slice, ...], int]]:
         def get_slice(self, name):
             return RecordingSlice(name, self._handle.get_slice(name))
 
-    monkeypatch.setattr(checkpoint_module, "safe_open",
+    monkeypatch.setattr(checkpoint_files, "safe_open",
                         lambda path, framework: RecordingFile(open_file(path, framework=framework)))
     return calls

@@ -13,15 +13,21 @@ import subprocess
 import sys
 
 import pytest
-from helpers import command_environment, make_tp_mesh, once_per_session
 
+from helpers import command_environment, make_tp_mesh, once_per_session
 from k3_tail import TailConfig, Tier
 from k3_tail.cli import main
-from k3_tail.tools.experiment import ProgressBar
 from k3_tail.tools.benchmark import (
-    Measurement, Timing, check_tiers, default_token_counts, local_gemm_columns, measure_local_gemm, measure_tiers,
+    Measurement,
+    Timing,
+    check_tiers,
+    default_token_counts,
+    local_gemm_columns,
+    measure_local_gemm,
+    measure_tiers,
     token_ladder,
 )
+from k3_tail.tools.experiment import ProgressBar
 
 SMALL_CONFIG = TailConfig(hidden_size=48, latent_size=16)
 SMALL_FLAGS = ["--hidden-size", "64", "--latent-size", "32"]

@@ -12,7 +12,12 @@ from helpers import command_environment, make_tp_mesh
 from k3_tail import TailConfig, Tier, select_tier, tail_forward
 from k3_tail.selection.cost_model import CostModelPolicy
 from k3_tail.selection.table import (
-    FORMAT, MAX_FILE_BYTES, MAX_RANGES, SelectionTable, TokenRange, table_from_measurements,
+    FORMAT,
+    MAX_FILE_BYTES,
+    MAX_RANGES,
+    SelectionTable,
+    TokenRange,
+    table_from_measurements,
 )
 from k3_tail.tools.benchmark import Measurement, Timing
 from reference import TOLERANCE, make_inputs, reference_tail, relative_error

@@ -25,8 +25,8 @@ from jax.sharding import PartitionSpec as P
 from safetensors import SafetensorError, safe_open
 
 import k3_tail
-from hf_checkpoint import TinyModel, record_slices, tiny_model, write_checkpoint
 from helpers import FAST_COMPILE_XLA_FLAGS, make_tp_mesh
+from hf_checkpoint import TinyModel, record_slices, tiny_model, write_checkpoint
 from k3_tail import hf_config
 from k3_tail.checkpoint import Checkpoint
 from reference import TOLERANCE, TailInputs, make_inputs, reference_tail, relative_error
@@ -521,51 +521,47 @@ def raw_safetensors(path, header, data):
     return path
 
 
-# (header, data, the tensor named in the message or None): each a file safetensors refuses.
+# (header, data): each a file safetensors refuses.
 MALFORMED = {
-    "negative-start": ({NAME: entry([2], [-8, 0])}, b"", NAME),
-    "negative-end": ({NAME: entry([0], [0, -4])}, b"", NAME),
-    "overlapping": ({NAME: entry([2], [0, 8]), OTHER: entry([2], [4, 12])}, bytes(12), OTHER),
-    "shifted-by-4": ({NAME: entry([2], [4, 12])}, bytes(12), NAME),
-    "gap": ({NAME: entry([1], [0, 4]), OTHER: entry([1], [8, 12])}, bytes(12), OTHER),
-    "end-before-start": ({NAME: entry([0], [0, 0]), OTHER: entry([1], [4, 0])}, bytes(4), OTHER),
-    "float-dim": ({NAME: entry([2.0], [0, 8])}, bytes(8), NAME),
-    "string-dim": ({NAME: entry(["2"], [0, 8])}, bytes(8), NAME),
-    "bool-dim": ({NAME: entry([True, 2], [0, 8])}, bytes(8), NAME),
-    "negative-dim": ({NAME: entry([-2, -1], [0, 8])}, bytes(8), NAME),
-    "float-offsets": ({NAME: entry([2], [0.0, 8.0])}, bytes(8), NAME),
-    "string-offsets": ({NAME: entry([2], ["0", "8"])}, bytes(8), NAME),
-    "bool-offsets": ({NAME: entry([1], [False, True])}, bytes(1), NAME),
-    "three-offsets": ({NAME: entry([2], [0, 8, 8])}, bytes(8), NAME),
-    "bytes-not-the-shapes": ({NAME: entry([3], [0, 8])}, bytes(8), NAME),
-    "unknown-dtype": ({NAME: entry([2], [0, 8], dtype="F12")}, bytes(8), NAME),
-    "header-not-utf-8": (json.dumps({NAME: entry([2], [0, 8])}).encode().replace(b"routed", b"rout\xffd"), bytes(8),
-                         None),
-    "header-not-json": (b"{" + json.dumps(NAME).encode() + b": ", bytes(8), None),
-    "header-too-deep": (b"[" * 100_000 + b"]" * 100_000, b"", None),
-    "header-5000-digits": (b'{"x": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1' + b"0" * 5000 + b"]}}", b"",
-                           None),
-    "header-an-array": (b"[]", b"", None),
-    "metadata-not-strings": ({"__metadata__": {"format": 1}, NAME: entry([2], [0, 8])}, bytes(8), None),
-    "truncated-data": ({NAME: entry([2], [0, 8])}, bytes(4), None),
-    "bytes-after-the-data": ({NAME: entry([2], [0, 8])}, bytes(12), None),
-    "header-longer-than-the-file": (b'{"a": ', b"", None),
+    "negative-start": ({NAME: entry([2], [-8, 0])}, b""),
+    "negative-end": ({NAME: entry([0], [0, -4])}, b""),
+    "overlapping": ({NAME: entry([2], [0, 8]), OTHER: entry([2], [4, 12])}, bytes(12)),
+    "shifted-by-4": ({NAME: entry([2], [4, 12])}, bytes(12)),
+    "gap": ({NAME: entry([1], [0, 4]), OTHER: entry([1], [8, 12])}, bytes(12)),
+    "end-before-start": ({NAME: entry([0], [0, 0]), OTHER: entry([1], [4, 0])}, bytes(4)),
+    "float-dim": ({NAME: entry([2.0], [0, 8])}, bytes(8)),
+    "string-dim": ({NAME: entry(["2"], [0, 8])}, bytes(8)),
+    "bool-dim": ({NAME: entry([True, 2], [0, 8])}, bytes(8)),
+    "negative-dim": ({NAME: entry([-2, -1], [0, 8])}, bytes(8)),
+    "float-offsets": ({NAME: entry([2], [0.0, 8.0])}, bytes(8)),
+    "string-offsets": ({NAME: entry([2], ["0", "8"])}, bytes(8)),
+    "bool-offsets": ({NAME: entry([1], [False, True])}, bytes(1)),
+    "three-offsets": ({NAME: entry([2], [0, 8, 8])}, bytes(8)),
+    "bytes-not-the-shapes": ({NAME: entry([3], [0, 8])}, bytes(8)),
+    "unknown-dtype": ({NAME: entry([2], [0, 8], dtype="F12")}, bytes(8)),
+    "header-not-utf-8": (json.dumps({NAME: entry([2], [0, 8])}).encode().replace(b"routed", b"rout\xffd"), bytes(8)),
+    "header-not-json": (b"{" + json.dumps(NAME).encode() + b": ", bytes(8)),
+    "header-too-deep": (b"[" * 100_000 + b"]" * 100_000, b""),
+    "header-5000-digits": (b'{"x": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1' + b"0" * 5000 + b"]}}", b""),
+    "header-an-array": (b"[]", b""),
+    "metadata-not-strings": ({"__metadata__": {"format": 1}, NAME: entry([2], [0, 8])}, bytes(8)),
+    "truncated-data": ({NAME: entry([2], [0, 8])}, bytes(4)),
+    "bytes-after-the-data": ({NAME: entry([2], [0, 8])}, bytes(12)),
+    "header-longer-than-the-file": (b'{"a": ', b""),
 }
 
 
 @pytest.mark.parametrize("case", MALFORMED)
-def test_a_file_safetensors_refuses_is_a_value_error_naming_the_file_and_the_tensor(case, tmp_path):
-    header, data, tensor = MALFORMED[case]
-    path = raw_safetensors(tmp_path / "model.safetensors", header, data)
+def test_a_file_safetensors_refuses_is_a_value_error_naming_the_file_with_safetensors_reason(case, tmp_path):
+    """safetensors' own reason stands: it names the tensor where one is at fault (the offsets' cases)."""
+    path = raw_safetensors(tmp_path / "model.safetensors", *MALFORMED[case])
     if case == "header-longer-than-the-file":
-        path.write_bytes(struct.pack("<Q", 1000) + header)
-    with pytest.raises(SafetensorError):
+        path.write_bytes(struct.pack("<Q", 1000) + MALFORMED[case][0])
+    with pytest.raises(SafetensorError) as refused:
         safe_open(path, "numpy")
-    with pytest.raises(ValueError, match=rf"^checkpoint: {re.escape(repr(str(path)))}: .*safetensors refuses the "
-                                         rf"file \(") as error:
+    with pytest.raises(ValueError, match=rf"^checkpoint: {re.escape(repr(str(path)))}: safetensors refuses the "
+                                         rf"file \({re.escape(str(refused.value))}\)$"):
         Checkpoint(tmp_path)
-    if tensor is not None:
-        assert re.search(rf"(: |`){re.escape(tensor)}(: |`)", str(error.value)), str(error.value)
 
 
 # (header, data): files safetensors reads, each read as it reads them.
@@ -616,16 +612,17 @@ def test_a_tensor_safetensors_numpy_reader_does_not_return_is_refused_by_name(tm
     with safe_open(path, "numpy") as reference, pytest.raises(AttributeError, match="float8_e4m3fn"):
         reference.get_slice("language_model." + name)[0:1]
     checkpoint = Checkpoint(path)
-    assert checkpoint.info("language_model." + name).dtype_label == "F8_E4M3"
+    assert checkpoint.info("language_model." + name).dtype_name == "F8_E4M3"
     with pytest.raises(ValueError, match=rf"^language_model\.{re.escape(name)}: stored as F8_E4M3, which safetensors' "
                                          r"numpy reader does not return \(numpy has no such type\)"):
         checkpoint.read("language_model." + name, (slice(0, 1),))
 
 
 def test_an_empty_block_reads_nothing(checkpoints, reads):
+    """No byte is copied: the block's dtype is safetensors' answer to an empty read that it accepts."""
     block = Checkpoint(checkpoints["wrapped-file"]).read("language_model." + UP.format(1), (slice(3, 3),))
     assert block.shape == (0, LATENT) and block.dtype == CONFIG.dtype
-    assert reads == []
+    assert [size for _, _, size in reads] == [0]
 
 
 # LatentMoETail.from_checkpoint

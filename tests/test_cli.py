@@ -13,7 +13,11 @@ import pytest
 from helpers import command_environment
 from k3_tail.cli import CLOSED_PIPE_STATUS, COMMANDS, build_parser, calibrate, demo, hlo, main
 from k3_tail.cli.common import (
-    all_reduce_quantization_options, describe_config, format_selection_gap, measurement_config, up_projection_options,
+    all_reduce_quantization_options,
+    describe_config,
+    format_selection_gap,
+    measurement_config,
+    up_projection_options,
 )
 from k3_tail.config import TailConfig
 from k3_tail.selection.rules import gpu_rules_note, select_tier

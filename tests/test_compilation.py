@@ -14,18 +14,16 @@ import textwrap
 import jax
 import jax.numpy as jnp
 import pytest
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from helpers import gpu_mesh_for, make_tp_mesh
-from k3_tail import Tier, TailConfig, compile_tail, select_tier
+from k3_tail import TailConfig, Tier, compile_tail, select_tier
 from k3_tail.hardware import HARDWARE, native_fp8_formats
-from k3_tail.xla.compilation import compiler_options, tail_arguments
-from k3_tail.xla.topologies import GPU_TARGETS
 from k3_tail.xla import rocm_stand_ins
+from k3_tail.xla.compilation import compiler_options, tail_arguments
 from k3_tail.xla.hlo_text import parse_module
 from k3_tail.xla.report import report
-from k3_tail.xla.topologies import TopologyUnavailable, parse_topology, topology_mesh
+from k3_tail.xla.topologies import GPU_TARGETS, TopologyUnavailable, parse_topology, topology_mesh
 
 CONFIG = TailConfig(hidden_size=99, latent_size=64)
 
@@ -40,6 +38,15 @@ def test_gpu_options_pin_what_each_tier_rests_on(tier):
 @pytest.mark.parametrize("tier", list(Tier))
 def test_cpu_needs_no_options(tier):
     assert compiler_options(tier, "cpu") == {}
+
+
+def test_a_device_gets_the_options_of_its_platform():
+    assert compiler_options(Tier.OVERLAP, jax.devices()[0]) == compiler_options(Tier.OVERLAP, "cpu")
+
+
+def test_an_unknown_platform_gets_a_value_error_naming_platform_not_empty_options():
+    with pytest.raises(ValueError, match="^platform: expected one of"):
+        compiler_options(Tier.OVERLAP, "nvidia")
 
 
 @pytest.mark.parametrize("weight_layout", ["column", "replicated"])

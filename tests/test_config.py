@@ -1,4 +1,5 @@
-"""TailConfig: defaults, the Kimi-K3 preset, vLLM's environment variables, and rejected values."""
+"""TailConfig: defaults, the Kimi-K3 preset, vLLM's environment variables (and k3_tail's own), and rejected
+values."""
 
 import dataclasses
 
@@ -6,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from k3_tail import TailConfig
+from k3_tail import TailConfig, Tier, select_tier
 
 
 def test_defaults_follow_the_spec():
@@ -115,11 +116,25 @@ def test_from_env_without_variables_keeps_the_base():
         ("VLLM_ROCM_QUICK_REDUCE_MAX_SIZE_BYTES_MB", "big", "quantized_all_reduce_max_bytes"),
         ("VLLM_ROCM_QUICK_REDUCE_MAX_SIZE_BYTES_MB", "0", "quantized_all_reduce_max_bytes"),
         ("VLLM_ROCM_QUICK_REDUCE_CAST_BF16_TO_FP16", "fp16", "quantized_all_reduce_fp16_sizes_for_bf16"),
+        ("K3_TAIL_DISABLE_ONE_KERNEL", "maybe", "one_kernel_max_tokens"),
     ],
 )
 def test_from_env_rejects_unparsable_values(variable, value, field):
     with pytest.raises(ValueError, match=f"^{field}:"):
         TailConfig.from_env(environ={variable: value})
+
+
+@pytest.mark.parametrize("word", ["1", "true", "ON"])
+def test_from_env_turns_the_one_kernel_tier_off_with_k3_tails_switch(word):
+    config = TailConfig.from_env(environ={"K3_TAIL_DISABLE_ONE_KERNEL": word})
+    assert config.one_kernel_max_tokens == 0
+    assert select_tier(config, 1, 8, weight_layout="column", platform="rocm").tier is not Tier.ONE_KERNEL
+
+
+@pytest.mark.parametrize("word", ["0", "false", ""])
+def test_from_env_keeps_the_bases_one_kernel_limit_where_the_switch_is_false(word):
+    base = TailConfig(hidden_size=96, latent_size=64, one_kernel_max_tokens=7)
+    assert TailConfig.from_env(base, environ={"K3_TAIL_DISABLE_ONE_KERNEL": word}) == base
 
 
 def test_from_env_reads_the_prefill_token_parallel_threshold():

@@ -16,11 +16,22 @@ import pytest
 
 from helpers import compiled_tail, gpu_mesh_for, make_tp_mesh, tier_layouts, topology_params
 from k3_tail import TailConfig, Tier
-from k3_tail.xla.compilation import tail_arguments
 from k3_tail.selection.cost_model import (
-    ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, HARDWARE, REDUCE_SCATTER, CollectiveCost, Crossover, Hardware,
-    TierCost, best_tier, crossovers, predict_time, tier_cost,
+    ALL_GATHER,
+    ALL_REDUCE,
+    ALL_TO_ALL,
+    HARDWARE,
+    REDUCE_SCATTER,
+    CollectiveCost,
+    Crossover,
+    Hardware,
+    TierCost,
+    best_tier,
+    crossovers,
+    predict_time,
+    tier_cost,
 )
+from k3_tail.xla.compilation import tail_arguments
 from k3_tail.xla.hlo_text import parse_module
 from k3_tail.xla.report import report
 
@@ -287,10 +298,12 @@ def test_one_shot_wins_only_through_the_latency_it_saves(hardware):
 
 @pytest.mark.parametrize("hardware", sorted(HARDWARE))
 def test_replicated_layout_one_kernel_then_overlap(hardware):
-    """What the model implies for Kimi-K3 at TP8: one kernel wins decode, the hidden AR the batches after."""
+    """What the model implies for Kimi-K3 at TP8: one kernel wins decode, the hidden AR the batches after (near
+    the crossover the kernel's scratch, which steps with its split of K, may hand a few counts back)."""
     changes = crossovers(K3, P, hardware=hardware, weight_layout="replicated", token_range=(1, 1024))
-    assert [(c.before, c.after) for c in changes] == [(Tier.ONE_KERNEL, Tier.OVERLAP)]
-    assert K3.one_kernel_max_tokens < changes[0].num_tokens <= 512
+    assert {(c.before, c.after) for c in changes} <= {(Tier.ONE_KERNEL, Tier.OVERLAP), (Tier.OVERLAP, Tier.ONE_KERNEL)}
+    assert changes[0].before is Tier.ONE_KERNEL and changes[-1].after is Tier.OVERLAP
+    assert K3.one_kernel_max_tokens < changes[0].num_tokens and changes[-1].num_tokens <= 512
 
 
 @pytest.mark.parametrize("hardware", ["mi300x", "mi325x", "mi355x"])
@@ -405,7 +418,8 @@ def test_bad_arguments_are_value_errors_naming_the_argument(case):
     "field, value",
     [("name", ""), ("peak_flops", 0), ("hbm_bytes_per_s", -1.0), ("link_bytes_per_s", math.inf),
      ("collective_latency_s", -1e-6), ("peak_flops", True), ("collective_latency_s", math.nan),
-     ("peak_fp8_flops", 0), ("fp8_formats", ()), ("fp8_formats", "float8_e4m3fn")],
+     ("peak_fp8_flops", 0), ("fp8_formats", ()), ("fp8_formats", "float8_e4m3fn"),
+     ("platform", "gpu")],  # a preset's kernel counts are its vendor's: JAX's "gpu" names none
 )
 def test_bad_hardware_fields_are_value_errors_naming_the_field(field, value):
     with pytest.raises(ValueError, match=f"^{field}:"):

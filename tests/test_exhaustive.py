@@ -13,7 +13,11 @@ import pytest
 
 import k3_tail
 from helpers import (
-    assert_column_tier_writes_only_its_own_block, make_tp_mesh, reduced_shared, tier_layouts, token_sharded_rows,
+    assert_column_tier_writes_only_its_own_block,
+    make_tp_mesh,
+    reduced_shared,
+    tier_layouts,
+    token_sharded_rows,
 )
 from reference import TOLERANCE, make_inputs, reference_tail, relative_error, tolerance
 

@@ -130,3 +130,22 @@ def test_a_zero_latent_row_with_the_smallest_eps_normalises_to_zeros(tier):
                              mesh=make_tp_mesh(4), tier=tier)
     assert np.all(np.isfinite(np.asarray(y, np.float32)))
     assert relative_error(y, reference_tail(config, inputs)) <= tolerance(config, inputs)
+
+
+@pytest.mark.parametrize(("value", "finite"), [(1.6e38, True), (2.5e38, False)], ids=["sum-in-range", "sum-overflows"])
+@pytest.mark.parametrize("tier", list(k3_tail.Tier), ids=lambda tier: tier.value)
+def test_finite_partials_give_a_finite_y_while_their_sum_is_in_the_dtypes_range(tier, value, finite):
+    """The contract's limit (docs/design.md, section 5): the latent's sum over the ranks is formed in the activation
+    dtype, so two ranks' 1.6e38 in one element (sum 3.2e38, below bf16's 3.39e38) stay finite and exact, while two
+    2.5e38s overflow the sum to infinity and that token's row of y is NaN on every tier: never a finite result."""
+    inputs = make_inputs(SMALL, 4, 3)
+    routed = inputs.routed.copy()
+    routed[1:3, 1, 7] = value
+    inputs = dataclasses.replace(inputs, routed=routed)
+    y = np.asarray(k3_tail.tail_forward(inputs.routed, inputs.shared, inputs.norm_weight, inputs.kernel, config=SMALL,
+                                        mesh=make_tp_mesh(4), tier=tier), np.float64)
+    if finite:
+        assert np.isfinite(y).all()
+        assert relative_error(y, reference_tail(SMALL, inputs)) <= tolerance(SMALL, inputs)
+    else:
+        assert np.isnan(y[1]).all() and np.isfinite(np.delete(y, 1, axis=0)).all()

@@ -6,12 +6,21 @@ target, T = 1 and 16, both layouts; the default decode call (the one_kernel tier
 weight block where it lies and launches a grid that fills the device.
 """
 
-import pytest
+import atexit
+import functools
+import shutil
+import tempfile
 
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec
+
+import k3_tail
 from helpers import compiled_report, compiled_tail, gpu_mesh_for, tier_layouts, topology_params
-from k3_tail import Tier, TailConfig
+from k3_tail import TailConfig, Tier, padded_hidden_size
 from k3_tail.hardware import device_platform
-from k3_tail.ops.fused_projection import TARGET_PROGRAMS
+from k3_tail.ops.fused_launch import TARGET_PROGRAMS
 
 CONFIG = TailConfig.kimi_k3()
 P = 8
@@ -54,3 +63,38 @@ def test_one_kernel_reads_its_block_where_it_lies_and_fills_the_device(target_me
     x, y, z = gemm.grid
     assert x * y * z >= TARGET_PROGRAMS
     assert gemm.flops == 2 * num_tokens * CONFIG.latent_size * CONFIG.hidden_size // P
+
+
+@functools.cache
+def model_pattern_report(mesh, num_tokens, pass_rank):
+    """The XlaReport (GPU kernels included) of the README's model pattern: the tail inside a model's own
+    jax.shard_map over ``mesh``, its rank passed (``rank=``, the block of arange(p)) or found by the tail."""
+    config, p = CONFIG, mesh.shape["tp"]
+    hidden, latent = config.hidden_size, config.latent_size
+    ranks, replicated, columns = PartitionSpec("tp"), PartitionSpec(), PartitionSpec(None, "tp")
+
+    def layer(routed, shared, norm_weight, kernel, rank):
+        return k3_tail.latent_moe_tail(routed[0], shared[0], norm_weight, kernel, config=config, axis_name="tp",
+                                       weight_layout="column", rank=rank if pass_rank else None,
+                                       device=mesh.devices.flat[0])
+
+    def spec(shape, dtype, partition):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, partition))
+
+    arguments = (spec((p, num_tokens, latent), config.dtype, ranks), spec((p, num_tokens, hidden), config.dtype, ranks),
+                 spec((latent,), config.dtype, replicated),
+                 spec((latent, padded_hidden_size(hidden, p)), config.dtype, columns), spec((p,), jnp.int32, ranks))
+    mapped = jax.shard_map(layer, mesh=mesh, out_specs=replicated,
+                           in_specs=(ranks, ranks, replicated, columns, ranks))
+    dump_dir = tempfile.mkdtemp(prefix="k3_tail_test_pattern_")
+    atexit.register(shutil.rmtree, dump_dir, ignore_errors=True)
+    compiled = jax.jit(mapped).lower(*arguments).compile(compiler_options={"xla_dump_to": dump_dir})
+    return k3_tail.xla.report.report(compiled, dump_dir=dump_dir)
+
+
+@pytest.mark.parametrize("num_tokens", DECODE)
+def test_the_readme_model_pattern_is_one_gpu_kernel_with_its_rank_passed(target_mesh, num_tokens):
+    """latent_moe_tail inside a model's shard_map with rank=: one kernel; without it the partition id's convert
+    adds a second (what the README says of rank=)."""
+    assert model_pattern_report(target_mesh, num_tokens, True).gpu_kernel_count == 1
+    assert model_pattern_report(target_mesh, num_tokens, False).gpu_kernel_count == 2

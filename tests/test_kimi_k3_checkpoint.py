@@ -14,8 +14,8 @@ import pytest
 from examples import kimi_k3_moe_layer as layer_module
 from examples.kimi_k3_checkpoint import layer_config_from_hf, load_layer
 from examples.kimi_k3_moe_reference import reference_layer
-from hf_checkpoint import TinyModel, record_reads, tiny_model, write_checkpoint
 from helpers import FAST_COMPILE_OPTIONS, make_tp_mesh
+from hf_checkpoint import TinyModel, record_reads, tiny_model, write_checkpoint
 from reference import TOLERANCE, relative_error
 
 MODEL = TinyModel(hidden_size=16)

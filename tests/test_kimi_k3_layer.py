@@ -38,11 +38,11 @@ import covering
 import k3_tail
 from examples import kimi_k3_moe_layer as layer_module
 from examples.kimi_k3_gemm import matmul
-from examples.kimi_k3_routed_experts import ROUTED_EXPERTS, routed_expert_method
 from examples.kimi_k3_moe_reference import choice_margin, reference_layer, reference_partials
+from examples.kimi_k3_routed_experts import ROUTED_EXPERTS, routed_expert_method
+from helpers import FAST_COMPILE_OPTIONS, make_tp_mesh, token_sharded_rows
 from k3_tail.selection import cost_model
 from k3_tail.tools import layer_cost
-from helpers import FAST_COMPILE_OPTIONS, make_tp_mesh, token_sharded_rows
 from reference import TOLERANCE, relative_error, tolerance
 
 HIDDEN, LATENT, EXPERT_WIDTH, SHARED_WIDTH, EXPERTS, TOP_K = 64, 32, 16, 24, 8, 2

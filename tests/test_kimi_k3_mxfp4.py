@@ -1,29 +1,34 @@
-"""MXFP4 routed experts (examples/kimi_k3_mxfp4.py, and their loading in examples/kimi_k3_checkpoint.py).
+"""MXFP4 routed experts (k3_tail/mxfp4.py, examples/kimi_k3_mxfp4.py, and their loading in
+examples/kimi_k3_checkpoint.py).
 
-The decoder against an independent one (tests/mxfp4_fixture.py: ml_dtypes' float4_e2m1fn on each nibble,
-2.0 ** (u - 127) in float64) on every byte value, so all 16 codes in both nibbles, under scales at both ends
-of E8M0's range and its NaN. A tiny model in Kimi-K3's layout (tests/hf_checkpoint.py: H 16, L 64, 4
-experts of width m = 64, top 2, on p = 2 CPU devices: each rank holds one group of 32 of w2's input
-columns) written twice with safetensors' writer: its routed experts as compressed-tensors' MXFP4 (encoded
-by the fixture), and as the bf16 ``weight`` tensors those bytes decode to. The MXFP4 layer holds its
-experts packed, each rank reading only its bytes, and computes bit for bit what the bf16 layer computes.
+The decoder against an independent one (tests/mxfp4_fixture.py: ml_dtypes' float4_e2m1fn on each nibble and
+float8_e8m0fnu on each scale, in float64) on every byte value, so all 16 codes in both nibbles, under scales at
+both ends of E8M0's range and its NaN; where the format's dtypes alone are exact on the CPU (all but the
+subnormal products XLA:CPU flushes) and that a GPU program uses nothing else. A tiny model in Kimi-K3's layout
+(tests/hf_checkpoint.py: H 16, L 64, 4 experts of width m = 64, top 2, on p = 2 CPU devices: each rank holds one
+group of 32 of w2's input columns) written twice with safetensors' writer: its routed experts as
+compressed-tensors' MXFP4 (encoded by the fixture), and as the bf16 ``weight`` tensors those bytes decode to.
+The MXFP4 layer holds its experts packed, each rank reading only its bytes, and computes bit for bit what the
+bf16 layer computes.
 """
 
 import dataclasses
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import k3_tail
 import mxfp4_fixture
-from examples import kimi_k3_moe_layer as layer_module
-from examples import kimi_k3_mxfp4 as mxfp4
+from examples import kimi_k3_moe_layer as layer_module, kimi_k3_mxfp4
 from examples.kimi_k3_checkpoint import layer_config_from_hf, load_layer
-from k3_tail.tools.layer_cost import MXFP4_BYTES
+from helpers import FAST_COMPILE_OPTIONS, gpu_mesh_for, make_tp_mesh, topology_params
 from hf_checkpoint import TinyModel, record_reads, tiny_model, write_checkpoint
-from helpers import FAST_COMPILE_OPTIONS, make_tp_mesh
+from k3_tail import mxfp4
+from k3_tail.mxfp4 import MXFP4_BYTES
 
 MODEL = TinyModel(hidden_size=16, latent_size=64, expert_width=64)
 TP_SIZE, LAYER = 2, 1
@@ -106,6 +111,59 @@ def test_the_low_nibble_is_the_even_input_column():
     assert decoded[:3, 0].tolist() == [1.0, 6.0, 0.0]  # code 2 (1.0) in row 0, code 7 (6.0) in row 1
 
 
+# E8M0's subnormal 2^-127, its two smallest normals, 1, its largest and NaN, each under the 16 E2M1 codes.
+EDGE_SCALES = np.array([0, 1, 2, 127, 254, 255], np.uint8)
+CODES = np.arange(16, dtype=np.uint8)
+# The (code, u) whose product XLA:CPU flushes to +-0: every nonzero code under u = 0 (2^-127 is a subnormal
+# operand) and +-0.5 under u = 1 (0.5 * 2^-126 = 2^-127, a subnormal result).
+FLUSHED = {(code, 0) for code in range(16) if code & 7} | {(1, 1), (9, 1)}
+
+
+def misses(actual, expected):
+    """The (code, u) of a [CODES, EDGE_SCALES] table where ``actual`` is not ``expected``: another value, a NaN
+    against a number, or the other sign bit."""
+    a, e = actual.astype(np.float64), expected.astype(np.float64)
+    same = ((a == e) | (np.isnan(a) & np.isnan(e))) & (np.signbit(a) == np.signbit(e))
+    return {(int(CODES[i]), int(EDGE_SCALES[j])) for i, j in np.argwhere(~same)}
+
+
+def test_xla_cpu_converts_the_formats_dtypes_exactly_subnormal_scale_and_nan_included():
+    """So what XLA:CPU flushes in the dtype route is the multiply, not the conversions."""
+    values = jax.jit(lambda codes: codes.astype(jnp.uint4).view(jnp.float4_e2m1fn).astype(jnp.float32))(CODES)
+    scales = jax.jit(lambda scales: scales.view(jnp.float8_e8m0fnu).astype(jnp.float32))(EDGE_SCALES)
+    np.testing.assert_array_equal(np.asarray(values), CODES.view(ml_dtypes.float4_e2m1fn).astype(np.float32))
+    assert np.signbit(np.asarray(values)).tolist() == [code >= 8 for code in range(16)]
+    assert np.asarray(scales, np.float64).tolist()[:5] == [2.0 ** -127, 2.0 ** -126, 2.0 ** -125, 1.0, 2.0 ** 127]
+    assert np.isnan(np.asarray(scales)[5])
+
+
+@pytest.mark.parametrize("dtype", mxfp4.DECODED_DTYPES, ids=lambda dtype: dtype.name)
+def test_on_the_cpu_the_hand_built_bits_are_needed_exactly_where_the_dtype_route_flushes(dtype):
+    """Every code under each edge scale against ml_dtypes (float64 rounded to the dtype: 6 * 2^127 is inf). The
+    dtype route (``values_by_dtypes``) misses FLUSHED alone, where it gives +-0; the decoder, which on the CPU
+    builds the values under u <= 1 from their bits, misses nothing."""
+    with np.errstate(over="ignore"):
+        expected = mxfp4_fixture.values(CODES[:, None], EDGE_SCALES[None, :]).astype(dtype)
+    values = CODES.view(ml_dtypes.float4_e2m1fn)[:, None]
+    route = np.asarray(jax.jit(mxfp4.values_by_dtypes)(values, EDGE_SCALES[None, :])).astype(dtype)
+    assert misses(route, expected) == FLUSHED
+    assert [float(route[code, list(EDGE_SCALES).index(u)]) for code, u in sorted(FLUSHED)] == [0.0] * len(FLUSHED)
+    packed = np.repeat((CODES | CODES << 4)[:, None], len(EDGE_SCALES), axis=1)  # one group: code c in rows 2c, 2c + 1
+    decoded = np.asarray(decode(packed, EDGE_SCALES[None, :], dtype=dtype))[::2]
+    assert misses(decoded, expected) == set()
+
+
+@pytest.mark.parametrize("topology", topology_params("h100x8", "mi300xx8", "mi355xx8"))
+def test_a_gpu_program_decodes_through_the_formats_dtypes_alone(topology):
+    """Compiled for a deviceless GPU topology, the decoder converts float4_e2m1fn codes and float8_e8m0fnu scales
+    and multiplies them, with no select: the hand-built bits are the CPU program's only."""
+    replicated = NamedSharding(gpu_mesh_for(topology), P())
+    packed, scale = (jax.ShapeDtypeStruct(shape, jnp.uint8, sharding=replicated) for shape in ((16, 8), (1, 8)))
+    hlo = decode.lower(packed, scale, dtype=jnp.bfloat16).compile().as_text()
+    assert "f4e2m1fn" in hlo and "f8e8m0fnu" in hlo
+    assert " select(" not in hlo
+
+
 def test_only_the_groups_past_float32s_largest_finite_overflow():
     """u = 254 (2^127) with a code of 2 or more; u = 253 with 4 or more; never u = 255 (NaN) or below 253."""
     codes = {"1.5": 0x3, "2": 0x4, "4": 0x6}
@@ -158,10 +216,10 @@ def test_each_rank_holds_0_53_bytes_per_expert_weight(layers):
     weights = layer_module.ROUTED_EXPERT_WEIGHTS
     sizes = (MODEL.num_experts, MODEL.latent_size, MODEL.expert_width, TP_SIZE)
     quantized = expert_bytes(layers[0], (*weights, *layer_module.ROUTED_EXPERT_SCALES.values()))
-    assert quantized == mxfp4.expert_bytes_per_rank(*sizes, MXFP4_BYTES) == 3 * 4 * 64 * 32 * 17 // 32
-    assert expert_bytes(layers[1], weights) == mxfp4.expert_bytes_per_rank(*sizes, 2)
-    assert mxfp4.expert_bytes_per_rank(896, 3584, 3072, 8, MXFP4_BYTES) == 1_965_293_568
-    assert mxfp4.expert_bytes_per_rank(896, 3584, 3072, 8, 2) == 7_398_752_256
+    assert quantized == kimi_k3_mxfp4.expert_bytes_per_rank(*sizes, MXFP4_BYTES) == 3 * 4 * 64 * 32 * 17 // 32
+    assert expert_bytes(layers[1], weights) == kimi_k3_mxfp4.expert_bytes_per_rank(*sizes, 2)
+    assert kimi_k3_mxfp4.expert_bytes_per_rank(896, 3584, 3072, 8, MXFP4_BYTES) == 1_965_293_568
+    assert kimi_k3_mxfp4.expert_bytes_per_rank(896, 3584, 3072, 8, 2) == 7_398_752_256
 
 
 # What each rank reads of one expert's stored tensors (m = L = 64, p = 2): (the axis the ranks split, the

@@ -35,13 +35,12 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import k3_tail
-from examples import kimi_k3_moe_layer as layer_module
-from examples import kimi_k3_routed_experts as routed_experts
+from examples import kimi_k3_moe_layer as layer_module, kimi_k3_routed_experts as routed_experts
 from examples.kimi_k3_moe_reference import reference_routed_experts
+from helpers import FAST_COMPILE_OPTIONS, gpu_mesh_for, make_tp_mesh, once_per_session, topology_params
 from k3_tail.tools import layer_cost
 from k3_tail.tools.layer_schedule import SharedReductionPlacement, shared_reduction_placement
 from k3_tail.xla import report as xla_report
-from helpers import FAST_COMPILE_OPTIONS, gpu_mesh_for, make_tp_mesh, once_per_session, topology_params
 from reference import relative_error
 
 LATENT, EXPERT_WIDTH, EXPERTS, TOP_K, TP_SIZE = 32, 16, 8, 2, 2
@@ -183,8 +182,7 @@ def compile_kimi_layer(topology, num_tokens):
     examples/kimi_k3_layer_share.py compiles it (``compile_layer``: with the layer's compiler options)."""
     mesh = k3_tail.topology_mesh(topology)
     tp_size, device = mesh.shape["tp"], mesh.devices.flat[0]
-    tier = k3_tail.select_tier(KIMI.tail, num_tokens, tp_size, device_kind=device.device_kind,
-                               platform=device.platform).tier
+    tier = k3_tail.select_tier(KIMI.tail, num_tokens, tp_size, device_kind=device.device_kind, platform=device).tier
     compiled = layer_module.compile_layer(KIMI, mesh, num_tokens)
     return {"tp_size": tp_size, "gemm_flops": xla_report.report(compiled, shared_argument=None).gemm_flops,
             "useful_flops": layer_cost.layer_flops(KIMI.sizes, num_tokens, tp_size, tier=tier),

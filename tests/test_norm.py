@@ -8,10 +8,10 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import k3_tail
-from k3_tail.ops.norm import rms_norm
-from k3_tail.tiers.context import TailCall
 import k3_tail.ops.norm
 from helpers import make_tp_mesh
+from k3_tail.ops.norm import rms_norm
+from k3_tail.tiers.context import TailCall
 from reference import TOLERANCE, make_inputs, reference_latent, relative_error
 
 

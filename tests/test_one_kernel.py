@@ -13,11 +13,15 @@ import numpy as np
 import pytest
 
 import k3_tail
-from k3_tail.ops import fused_projection
-from k3_tail.selection import cost_model
+from k3_tail.ops import float_bits, fused_launch, fused_projection
+from k3_tail.ops.fused_launch import TARGET_PROGRAMS, fused_grid
 from k3_tail.ops.fused_projection import (
-    TARGET_PROGRAMS, fused_grid, norm_project_add, norm_project_add_reference,
+    norm_project_add,
+    norm_project_add_into,
+    norm_project_add_into_reference,
+    norm_project_add_reference,
 )
+from k3_tail.selection import cost_model
 from k3_tail.tiers import one_kernel
 from reference import relative_error
 
@@ -72,14 +76,22 @@ def inputs(case, seed=0):
 
 
 def arguments(case):
-    return dict(block_width=HB, hidden_size=H, eps=1e-5, scale=case.scale, into_addend=case.addend == "into")
+    return dict(tp_size=P, block_width=HB, hidden_size=H, eps=1e-5, scale=case.scale)
 
 
 def kernel_call(case, **overrides):
-    """norm_project_add for ``case`` in interpret mode, jitted, taking (latent, weight, kernel, addend, rank)."""
-    options = dict(arguments(case), tp_size=P, interpret=True, target_programs=case.target_programs) | overrides
-    return jax.jit(lambda latent, weight, kernel, addend, rank: norm_project_add(
-        latent, weight, kernel, addend, rank=rank, **options))
+    """The kernel for ``case`` (norm_project_add_into with an "into" addend, else norm_project_add) in interpret
+    mode, jitted, taking (latent, weight, kernel, addend, rank)."""
+    options = dict(arguments(case), interpret=True, target_programs=case.target_programs) | overrides
+    kernel = norm_project_add_into if case.addend == "into" else norm_project_add
+    return jax.jit(lambda latent, weight, kernel_, addend, rank: kernel(
+        latent, weight, kernel_, addend, rank=rank, **options))
+
+
+def reference(case, latent, weight, kernel, addend):
+    """The kernel's float32 reference for ``case``."""
+    function = norm_project_add_into_reference if case.addend == "into" else norm_project_add_reference
+    return function(latent, weight, kernel, addend, rank=jnp.array([case.rank], jnp.int32), **arguments(case))
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda case: case.id)
@@ -88,7 +100,7 @@ def test_the_kernel_computes_its_float32_reference(case):
     columns of the addend outside C are its own, bit for bit."""
     latent, weight, kernel, addend = inputs(case)
     got = kernel_call(case)(latent, weight, kernel, addend, jnp.array([case.rank], jnp.int32))
-    want = norm_project_add_reference(latent, weight, kernel, addend, rank=case.rank, **arguments(case))
+    want = reference(case, latent, weight, kernel, addend)
     assert got.shape == want.shape and got.dtype == case.dtype
     own = slice(case.rank * HB, min((case.rank + 1) * HB, H))
     if case.addend == "into":
@@ -153,9 +165,9 @@ def test_fp8_weights_without_the_norm_take_huge_latents_to_finite_results(fp8_fo
 ])
 def test_a_slab_scale_is_the_power_of_two_at_or_above_its_largest_magnitude(value, exponent):
     """Clipped to [floor, 126], so that dividing by it stays exact and in range; NaN and infinity give 126."""
-    got = fused_projection._exponent_at_or_above(jnp.float32(value), -20)
+    got = float_bits.exponent_at_or_above(jnp.float32(value), -20)
     assert int(got) == exponent
-    assert float(fused_projection._power_of_two(got)) == 2.0**exponent
+    assert float(float_bits.power_of_two(got)) == 2.0**exponent
 
 
 @pytest.mark.parametrize("tp_size", [2, 4, 8, 16])
@@ -187,14 +199,14 @@ def test_the_counters_start_at_values_xla_cannot_fold_into_a_broadcast():
 
 def test_each_tiles_counter_has_a_128_byte_line_of_its_own():
     """No two tiles' atomics contend for one cache line (128 bytes on every GPU here)."""
-    assert fused_projection.COUNTER_STRIDE * 4 == 128
-    assert fused_projection._counter_starts(28).size == 28 * fused_projection.COUNTER_STRIDE
+    assert fused_launch.COUNTER_STRIDE * 4 == 128
+    assert fused_projection._counter_starts(28).size == 28 * fused_launch.COUNTER_STRIDE
 
 
 @pytest.mark.parametrize(("platform", "warps"), [("cuda", 4), ("rocm", 1), ("gpu", 1), (None, 1)])
 def test_a_program_is_one_wavefront_except_on_nvidia(platform, warps):
     """AMD orders a release or acquire for its own wavefront only; a GPU of unknown vendor is taken as AMD's."""
-    assert fused_projection.warps_per_program(platform) == warps
+    assert fused_launch.warps_per_program(platform) == warps
 
 
 # --- Where selection uses it --------------------------------------------------------------------------------
@@ -244,7 +256,7 @@ def test_fp8_bytes_decode_to_their_values_exactly(fp8_format):
     """All 256 codes, against ml_dtypes' view of the same bytes (NaN where it has NaN, signed zeros)."""
     codes = np.arange(256, dtype=np.uint8)
     want = codes.view(jnp.dtype(fp8_format)).astype(np.float32)
-    got = np.asarray(fused_projection.decode_fp8(jnp.asarray(codes), fp8_format))
+    got = np.asarray(float_bits.decode_fp8(jnp.asarray(codes), fp8_format))
     np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
     finite = ~np.isnan(want)
     np.testing.assert_array_equal(got[finite], want[finite])
@@ -259,4 +271,3 @@ def test_the_cost_model_policy_picks_one_kernel_only_where_it_runs_compiled(plat
     decision = k3_tail.select_tier(config, 1, 8, weight_layout="column", platform=platform)
     assert decision.tier is tier
     assert ("one_kernel" in decision.rule) == (tier is k3_tail.Tier.ONE_KERNEL)
-

@@ -215,9 +215,12 @@ def per_rank_call(**overrides):
          r"^shared_partial: expected shape \(1, 97\) \(the reduced shared output's rows of this rank"),
         ({"config": dataclasses.replace(CONFIG, shared_output_is_reduced=True),
           "shared_partial": np.zeros((3, 97), jnp.bfloat16)}, r"^shared_partial: expected dtype float32"),
+        ({"rank": np.array([4], np.int32)}, r"^rank: expected this rank's index in \[0, 4\) along 'tp', got 4"),
+        ({"rank": np.array([-1], np.int32)}, r"^rank: expected this rank's index in \[0, 4\) along 'tp', got -1"),
     ],
     ids=["routed-width", "routed-global", "shared-rows", "shared-missing", "norm-dtype", "column-block",
-         "one_shot-column", "axis-repeated", "config", "reduced-shared-rows", "reduced-shared-dtype"],
+         "one_shot-column", "axis-repeated", "config", "reduced-shared-rows", "reduced-shared-dtype", "rank-above",
+         "rank-below"],
 )
 def test_bad_per_rank_input_is_a_value_error_naming_the_argument(overrides, message):
     with pytest.raises(ValueError, match=message):

@@ -45,6 +45,13 @@ def test_a_record_with_needs_says_why_it_cannot_run():
         record.check_runs("column", argument="tiers")
 
 
+@pytest.mark.parametrize(("platform", "compiled"), [("cuda", True), ("rocm", True), ("gpu", True), ("cpu", False),
+                                                   ("tpu", False), (None, False)])
+def test_one_kernels_pallas_kernel_compiles_on_every_gpu_platform_jaxs_gpu_included(platform, compiled):
+    """As the call on a GPU device, whose platform device_platform may only know as JAX's "gpu"."""
+    assert k3_tail.Tier.ONE_KERNEL.record.runs_interpreted_on(platform) is not compiled
+
+
 @pytest.mark.parametrize(("platform", "family"), [("cuda", "gpu"), ("rocm", "gpu"), ("gpu", "gpu"), ("cpu", "cpu")])
 def test_compiler_options_are_looked_up_by_platform_family(platform, family):
     options = k3_tail.Tier.OVERLAP.record.options_for(platform)

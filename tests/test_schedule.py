@@ -16,10 +16,10 @@ import jax
 import pytest
 
 from helpers import compiled_tail, gpu_mesh_for, topology_params
-from k3_tail import Tier, TailConfig, tail_forward
-from k3_tail.xla.compilation import compiler_options, tail_arguments
+from k3_tail import TailConfig, Tier, tail_forward
 from k3_tail.ops.codecs import CODECS
 from k3_tail.ops.up_projection import gemm_rows
+from k3_tail.xla.compilation import compiler_options, tail_arguments
 from k3_tail.xla.hlo_text import parse_module
 from k3_tail.xla.report import report
 

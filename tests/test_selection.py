@@ -2,9 +2,11 @@
 
 import dataclasses
 
+import jax
 import pytest
 
 from k3_tail import SelectionTable, TailConfig, Tier, select_tier
+from k3_tail.hardware import device_platform
 from k3_tail.selection.cost_model import CostModelPolicy
 from k3_tail.selection.rules import VllmRules, gpu_rules_note
 from k3_tail.selection.table import TokenRange
@@ -235,3 +237,47 @@ def test_the_gpu_thresholds_note_is_one_line_naming_calibrate_and_the_table_it_w
 def test_no_gpu_thresholds_note_where_a_precondition_picks_native(num_tokens, tp_size):
     """p = 1 and T = 0 take native under every policy: no threshold chose it."""
     assert not any("GPU thresholds" in note for note in select_tier(K3, num_tokens, tp_size, platform="cpu").notes)
+
+
+# ---- The platform argument: JAX's names, the GPU vendors', or a device ----------------------------------------------
+
+GPU_NAMES = ["cuda", "rocm", "gpu"]
+
+
+def test_jaxs_gpu_platform_name_picks_one_kernel_at_decode_as_a_gpu_device_does():
+    """JAX's Device.platform is "gpu" for CUDA and ROCm devices, whose calls run one_kernel at T = 1."""
+    assert select_tier(K3, 1, 8, weight_layout="column", platform="gpu").tier is Tier.ONE_KERNEL
+
+
+@pytest.mark.parametrize("policy", [None, CostModelPolicy("mi355x"), CostModelPolicy("h200")],
+                         ids=["vllm-rules", "cost-model-mi355x", "cost-model-h200"])
+@pytest.mark.parametrize("changes", [{}, {"shared_output_is_reduced": True}, {"all_reduce_quantization": "int4"},
+                                     {"sequence_parallel": True, "prefill_token_parallel_min_tokens": 512}],
+                         ids=["k3", "reduced-shared", "int4-sums", "token-parallel-prefill"])
+@pytest.mark.parametrize("weight_layout", ["column", "replicated"])
+def test_gpu_selects_the_tier_and_notes_that_cuda_and_rocm_both_get(policy, changes, weight_layout):
+    """Nothing selection decides depends on the GPU's vendor, so JAX's "gpu" needs no vendor to answer."""
+    config = dataclasses.replace(K3, selection_policy=policy, **changes)
+    for num_tokens in (1, 16, 64, 65, 256, 257, 1024, 8192):
+        decisions = [select_tier(config, num_tokens, 8, weight_layout=weight_layout, platform=name)
+                     for name in GPU_NAMES]
+        assert len({(decision.tier, decision.notes) for decision in decisions}) == 1, (num_tokens, decisions)
+
+
+def test_a_device_selects_as_the_platform_device_platform_names():
+    device = jax.devices()[0]
+    assert select_tier(K3, 16, 8, weight_layout="column", platform=device) == \
+        select_tier(K3, 16, 8, weight_layout="column", platform=device_platform(device))
+
+
+@pytest.mark.parametrize("platform", ["banana", "GPU", "Cuda", "", "hip", 3])
+def test_an_unknown_platform_is_a_value_error_naming_platform_and_the_names_taken(platform):
+    with pytest.raises(ValueError, match=r"^platform: expected one of \('cpu', 'gpu', 'tpu', 'cuda', 'rocm'\)"):
+        select_tier(K3, 16, 8, platform=platform)
+
+
+@pytest.mark.parametrize("policy", [VllmRules(), CostModelPolicy("mi300x"), K3_TABLE],
+                         ids=["vllm-rules", "cost-model", "table"])
+def test_every_policy_refuses_an_unknown_platform_when_asked_itself(policy):
+    with pytest.raises(ValueError, match="^platform: "):
+        policy.select(K3, 16, 8, weight_layout="column", device_kind="cpu", platform="banana")

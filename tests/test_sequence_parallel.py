@@ -13,8 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import k3_tail
 from covering import DIVISIBLE_HIDDEN_SIZE, LATENT_SIZE, TAIL_CASES

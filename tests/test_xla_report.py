@@ -8,7 +8,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from helpers import gpu_mesh_for, make_tp_mesh, topology_params
-from k3_tail import Tier, TailConfig, compile_tail
+from k3_tail import TailConfig, Tier, compile_tail
 from k3_tail.xla.hlo_text import dot_flops, parse_module, replica_group_size
 from k3_tail.xla.report import report
 

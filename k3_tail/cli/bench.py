@@ -26,8 +26,14 @@ from typing import IO
 import jax
 
 from k3_tail.cli.common import (
-    add_measurement_arguments, describe_config, format_bench_table, measure, measurement_config, measurement_tiers,
-    selected_tiers, untimed_tiers,
+    add_measurement_arguments,
+    describe_config,
+    format_bench_table,
+    measure,
+    measurement_config,
+    measurement_tiers,
+    selected_tiers,
+    untimed_tiers,
 )
 from k3_tail.hardware import device_platform
 from k3_tail.selection.rules import gpu_rules_note

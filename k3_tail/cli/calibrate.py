@@ -20,7 +20,12 @@ from collections.abc import Sequence
 import jax
 
 from k3_tail.cli.common import (
-    add_measurement_arguments, describe_config, format_bench_table, measure, measurement_config, measurement_tiers,
+    add_measurement_arguments,
+    describe_config,
+    format_bench_table,
+    measure,
+    measurement_config,
+    measurement_tiers,
 )
 from k3_tail.hardware import device_platform
 from k3_tail.selection.table import table_from_measurements

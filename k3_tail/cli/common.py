@@ -19,7 +19,6 @@ from collections.abc import Mapping, Sequence
 import jax
 from jax.sharding import Mesh
 
-from k3_tail.hardware import device_platform
 from k3_tail.config import ALL_REDUCE_QUANTIZATIONS, TailConfig
 from k3_tail.ops.collectives import ALL_REDUCE_FORMS
 from k3_tail.ops.columns import WEIGHT_LAYOUTS
@@ -29,8 +28,17 @@ from k3_tail.selection.rules import select_tier
 from k3_tail.tiers.registry import Tier
 from k3_tail.tools.benchmark import CPU_MAX_TOKENS, DEFAULT_MAX_TOKENS, Measurement, Timing, check_tiers, measure_tiers
 from k3_tail.tools.experiment import (
-    AXIS_NAME, CommandError, ProgressBar, add_devices_argument, add_seed_argument, add_shape_arguments,
-    non_negative_int, positive_int, positive_int_list, tier_list, tier_values,
+    AXIS_NAME,
+    CommandError,
+    ProgressBar,
+    add_devices_argument,
+    add_seed_argument,
+    add_shape_arguments,
+    non_negative_int,
+    positive_int,
+    positive_int_list,
+    tier_list,
+    tier_values,
 )
 from k3_tail.tools.tables import format_ms, format_percent, quartiles_ms, within_noise
 from k3_tail.units import format_seconds
@@ -70,7 +78,7 @@ def mesh_decision(config: TailConfig, num_tokens: int, mesh: Mesh, weight_layout
     """What :func:`select_tier` picks for a call on ``mesh`` (its TP size, device kind and platform)."""
     device = mesh.devices.flat[0]
     return select_tier(config, num_tokens, mesh.shape[AXIS_NAME], weight_layout=weight_layout,
-                       device_kind=device.device_kind, platform=device_platform(device))
+                       device_kind=device.device_kind, platform=device)
 
 
 def add_weight_layout_argument(parser: argparse.ArgumentParser) -> None:
@@ -205,8 +213,8 @@ def untimed_tiers(config: TailConfig, weight_layout: str, platform: str | None) 
     for tier in Tier:
         reason = tier.why_not(weight_layout, config)
         if reason is None and tier.record.runs_interpreted_on(platform):
-            reason = (f"{tier.value}'s Pallas kernel runs interpreted on {platform} (compiled on "
-                      f"{' and '.join(tier.record.compiled_on)} GPUs): nothing to time here")
+            reason = (f"{tier.value}'s Pallas kernel runs interpreted on {platform} (compiled on GPUs only): "
+                      "nothing to time here")
         if reason is not None:
             lines.append(reason)
     return lines
@@ -278,9 +286,8 @@ def selected_tiers(measurements: Sequence[Measurement], config: TailConfig, *,
                    device: jax.Device) -> dict[tuple[int, int, str], TierDecision]:
     """What select_tier picks for each call of ``measurements`` (``config``, T, p, layout, on ``device``'s kind
     and platform), by (p, T, weight layout): the tier the bench table stars and its plot rings."""
-    platform = device_platform(device)
     return {key: select_tier(config, key[1], key[0], weight_layout=key[2], device_kind=device.device_kind,
-                             platform=platform)
+                             platform=device)
             for key in dict.fromkeys((m.tp_size, m.num_tokens, m.weight_layout) for m in measurements)}
 
 

@@ -28,12 +28,20 @@ import jax
 import numpy as np
 
 from k3_tail.cli.common import (
-    DEFAULT_REPEATS, add_all_reduce_quantization_arguments, add_up_projection_arguments, add_weight_layout_argument,
-    all_reduce_quantization_options, describe_config, format_selection_gap, format_vs_fastest, mesh_decision,
-    untimed_tiers, up_projection_options,
+    DEFAULT_REPEATS,
+    add_all_reduce_quantization_arguments,
+    add_up_projection_arguments,
+    add_weight_layout_argument,
+    all_reduce_quantization_options,
+    describe_config,
+    format_selection_gap,
+    format_vs_fastest,
+    mesh_decision,
+    untimed_tiers,
+    up_projection_options,
 )
 from k3_tail.config import TailConfig
-from k3_tail.forward import forward_on_ranks, rank_indices
+from k3_tail.forward import tail_forward
 from k3_tail.hardware import device_platform
 from k3_tail.ops.codecs import CODECS
 from k3_tail.selection.decision import TierDecision
@@ -41,8 +49,15 @@ from k3_tail.selection.rules import gpu_rules_note
 from k3_tail.tiers.registry import Tier
 from k3_tail.tools.benchmark import Timing, place_partials, place_weights, tiers_for, time_runs
 from k3_tail.tools.experiment import (
-    AXIS_NAME, CommandError, add_devices_argument, add_seed_argument, demo_devices, positive_int, positive_int_list,
-    progress, tp_mesh,
+    AXIS_NAME,
+    CommandError,
+    add_devices_argument,
+    add_seed_argument,
+    demo_devices,
+    positive_int,
+    positive_int_list,
+    progress,
+    tp_mesh,
 )
 
 DEFAULT_TOKEN_COUNTS = (1, 16, 64, 320)
@@ -108,12 +123,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"not run: {reason}")
     progress("placing the weights on the mesh")
     norm_weight, up_proj_kernel = place_weights(config, mesh, args.weight_layout, rng, axis_name=AXIS_NAME)
-    ranks = rank_indices(mesh, AXIS_NAME)  # placed once, not in every timed call
     rows = []
     for index, num_tokens in enumerate(args.tokens, start=1):
         routed_partials, shared_partials = place_partials(config, mesh, num_tokens, rng, axis_name=AXIS_NAME)
         forward = functools.partial(
-            forward_on_ranks, routed_partials, shared_partials, norm_weight, up_proj_kernel, ranks,
+            tail_forward, routed_partials, shared_partials, norm_weight, up_proj_kernel,
             config=config, mesh=mesh, axis_name=AXIS_NAME, weight_layout=args.weight_layout,
         )
         selection = mesh_decision(config, num_tokens, mesh, args.weight_layout)

@@ -26,20 +26,33 @@ import jax
 from jax.sharding import Mesh
 
 from k3_tail.cli.common import (
-    QUANTIZATION_CHOICES, add_reduced_shared_argument, add_up_projection_arguments, describe_config, mesh_decision,
+    QUANTIZATION_CHOICES,
+    add_reduced_shared_argument,
+    add_up_projection_arguments,
+    describe_config,
+    mesh_decision,
     up_projection_options,
 )
 from k3_tail.config import TailConfig
 from k3_tail.ops.columns import WEIGHT_LAYOUTS
 from k3_tail.tiers.registry import Tier
 from k3_tail.tools.experiment import (
-    AXIS_NAME, CommandError, add_devices_argument, stepped, choice_list, demo_devices, non_negative_int,
-    positive_int, positive_int_list, tier_values, tp_mesh,
+    AXIS_NAME,
+    CommandError,
+    add_devices_argument,
+    choice_list,
+    demo_devices,
+    non_negative_int,
+    positive_int,
+    positive_int_list,
+    stepped,
+    tier_values,
+    tp_mesh,
 )
 from k3_tail.tools.tables import format_table, markdown_table, terminal_width
 from k3_tail.units import format_bytes
 from k3_tail.xla import report as xla_report
-from k3_tail.xla.compilation import compile_tail, compiler_options
+from k3_tail.xla.compilation import compile_tail, compiler_options, tail_arguments
 from k3_tail.xla.topologies import TopologyUnavailable, topology_mesh
 
 DEFAULT_HLO_TOKENS = 16
@@ -397,7 +410,7 @@ def print_report(args: argparse.Namespace, case: Case, mesh: Mesh, fp8_format: s
     config = case.config(fp8_format, args.reduced_shared)
     _, report, tier, why = compile_case(case, mesh, config)
     tp_size = mesh.shape[AXIS_NAME]
-    options = compiler_options(tier, mesh.devices.flat[0].platform)
+    options = compiler_options(tier, mesh.devices.flat[0])
     if args.json:
         print(json.dumps({
             "topology": case.topology, "tier": tier.value, "tier_reason": why, "num_tokens": case.num_tokens,
@@ -419,9 +432,10 @@ def case_row(case: Case, mesh: Mesh, config: TailConfig) -> dict[str, Any]:
     """The table row of ``case``: the case and its figures per device (plain data)."""
     compiled, report, tier, why = compile_case(case, mesh, config)
     tp_size = mesh.shape[AXIS_NAME]
-    # The kernel is the last argument but the ranks' indices (int32, where the tier reads them); an FP8 kernel's
-    # float32 scales follow its values.
-    arguments = [array for array in report.arguments if array.dtype != "s32"]
+    # The tail's own arguments come first (then the per-rank inputs its tier reads); the kernel is the last of them,
+    # an FP8 kernel's float32 scales after its values.
+    own = tail_arguments(config, mesh, case.num_tokens, axis_name=AXIS_NAME, weight_layout=case.weight_layout)
+    arguments = report.arguments[:len(jax.tree.leaves(own))]
     kernel_arguments = arguments[-1:] if config.up_proj_dtype is None else arguments[-2:]
     kernel_elements = {config.latent_size * config.hidden_size, config.latent_size * config.hidden_size // tp_size}
     operands = [array for gemm in report.gemms for array in gemm.operands]

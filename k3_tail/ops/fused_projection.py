@@ -1,7 +1,7 @@
 """One GPU kernel for the tail's local work: RMSNorm, this rank's column block of the up projection and
 the add, fused (Pallas, Triton backend), with its float32 reference :func:`norm_project_add_reference`.
 
-XLA launches 3-7 kernels for the same work (it fuses no row reduction into a GEMM and no ``x * g``
+XLA launches 3-8 kernels for the same work (it fuses no row reduction into a GEMM and no ``x * g``
 prologue); at decode they, not the 6 MB of weights, are what costs. :func:`norm_project_add` computes,
 for this rank k of p, block width Hb and own columns C = [k*Hb, (k+1)*Hb) cut at H,
 
@@ -49,33 +49,22 @@ import numpy as np
 from jax import lax
 
 from k3_tail._checks import varying_axes
+from k3_tail.ops.float_bits import decode_fp8, exponent_at_or_above, power_of_two
+from k3_tail.ops.fused_launch import (
+    COLUMN_TILE,
+    COUNTER_STRIDE,
+    K_STEP,
+    TARGET_PROGRAMS,
+    FusedGrid,
+    fused_grid,
+    warps_per_program,
+)
 from k3_tail.ops.norm import rms_norm, row_scale_floor
+from k3_tail.ops.pallas_triton import ignore_triton_deprecation_warning
 from k3_tail.ops.scopes import GEMM_FLOPS_KEY
 from k3_tail.ops.up_projection import QuantizedKernel
 
-# Tile sizes: the MMA needs at least 16 rows, columns and depth; 16 bf16 columns are a 32-byte run (an NVIDIA
-# sector; an AMD cache line's other half is the next tile's, read from the cache).
-COLUMN_TILE = 16
-K_STEP = 64
-LARGEST_ROW_TILE = 64
-SMALLEST_ROW_TILE = 16
-# Programs per call to aim for: AMD's MI300X tuning guide asks for at least about 1024 workgroups (304
-# CUs); on an H100 (132 SMs) that is about 8 a SM.
-TARGET_PROGRAMS = 1024
-# Warps a program on NVIDIA, whose acquire-release atomic orders the whole CTA through bar.sync; one
-# wavefront elsewhere (module docstring).
-CUDA_WARPS = 4
-# int32 words from one tile's counter to the next: 128 bytes, a cache line of its own on every GPU, so
-# that no two tiles' atomics contend for one line.
-COUNTER_STRIDE = 32
-
 _PALLAS_TRITON = "jax.experimental.pallas.triton"
-# float32 exponents: a power of two 2^e is the bit pattern (e + 127) << 23, normal for e in [-126, 127].
-_EXPONENT_BIAS = 127
-_MANTISSA_BITS = 23
-_LARGEST_SLAB_EXPONENT = 126
-
-
 @functools.cache  # asked by every why_not of the tier; a failed import would search the path again each time
 def triton_unavailable() -> str | None:
     """Why the kernel cannot be built with this jax (its Pallas Triton backend cannot be imported), or None."""
@@ -84,71 +73,6 @@ def triton_unavailable() -> str | None:
     except ImportError as error:  # a jax without the backend (deprecated since jax 0.11)
         return f"this jax ({jax.__version__}) has no Pallas Triton backend ({_PALLAS_TRITON}: {error})"
     return None
-
-
-def warps_per_program(platform: str | None) -> int:
-    """Warps (wavefronts on AMD) a program of the kernel runs on device ``platform``: :data:`CUDA_WARPS` on
-    "cuda", else 1. One wavefront a program is what makes the split's counter correct on AMD (module
-    docstring); it is also the choice for a GPU whose vendor is not known. The cost: a program's 16-column
-    tile is held by 64 lanes, not 256 (T <= 16: the other 3 wavefronts held only masked-off copies), and a
-    compute unit hides memory latency with at most ~5 resident wavefronts of this kernel at 1568 programs on
-    304 CUs, not ~20."""
-    return CUDA_WARPS if platform == "cuda" else 1
-
-
-@dataclasses.dataclass(frozen=True)
-class FusedGrid:
-    """The kernel's grid for T tokens, L = ``latent_size`` and a column block of Hb = ``block_width``.
-
-    row_tile: rows a program multiplies (a power of two, 16 to 64). rows, columns, splits: R, J, S, the
-    grid's extent over row tiles, column tiles of :data:`COLUMN_TILE` and slabs of K of ``split_depth``
-    (a multiple of :data:`K_STEP`): the largest slab for which R*J*S reaches :data:`TARGET_PROGRAMS`,
-    else the smallest the scratch cap allows (S = 1 when the row and column tiles alone reach it).
-    """
-
-    row_tile: int
-    rows: int
-    columns: int
-    splits: int
-    split_depth: int
-
-    @property
-    def programs(self) -> int:
-        """R * J * S."""
-        return self.rows * self.columns * self.splits
-
-    @property
-    def fills(self) -> bool:
-        """Whether the grid reaches :data:`TARGET_PROGRAMS` programs."""
-        return self.programs >= TARGET_PROGRAMS
-
-    def scratch_bytes(self, num_tokens: int) -> int:
-        """Bytes of the kernel's scratch outputs: partials, slab exponents, counters (none when S = 1). Each
-        is written once and read once per call."""
-        if self.splits == 1:
-            return 0
-        return 4 * (self.splits * num_tokens * self.columns * COLUMN_TILE
-                    + self.splits * self.columns * num_tokens + self.rows * self.columns * COUNTER_STRIDE)
-
-
-def fused_grid(num_tokens: int, latent_size: int, block_width: int, *,
-               target_programs: int = TARGET_PROGRAMS) -> FusedGrid:
-    """The :class:`FusedGrid` for T = ``num_tokens`` >= 1, L = ``latent_size`` and Hb = ``block_width``.
-
-    K is split into the fewest slabs of whole K steps that give ``target_programs`` programs, but into at most
-    L / (4T): the partials (4*S*T*Hb bytes, written and read once) stay within half a bf16 weight block's
-    bytes. Kimi-K3 (L 3584): 1344 to 1568 programs at T <= 16 and p = 4, 8 or 16.
-    """
-    row_tile = min(max(SMALLEST_ROW_TILE, 1 << (num_tokens - 1).bit_length()), LARGEST_ROW_TILE)
-    rows = -(-num_tokens // row_tile)
-    columns = -(-block_width // COLUMN_TILE)
-    steps = -(-latent_size // K_STEP)
-    most = max(1, min(steps, latent_size // (4 * num_tokens)))
-    wanted = min(-(-target_programs // (rows * columns)), most)
-    depth_steps = max(1, steps // wanted)  # slabs of whole K steps: at least ``wanted`` of them
-    if -(-steps // depth_steps) > most:
-        depth_steps = -(-steps // most)
-    return FusedGrid(row_tile, rows, columns, -(-steps // depth_steps), depth_steps * K_STEP)
 
 
 def norm_project_add(
@@ -163,13 +87,13 @@ def norm_project_add(
     hidden_size: int,
     eps: float,
     scale: float,
-    into_addend: bool,
     interpret: bool,
     platform: str | None = None,
     target_programs: int | None = None,
     serial_split: bool = False,
 ) -> jax.Array:
-    """``round(RMSNorm_g(scale * latent) @ W[:, C] + addend[:, C])`` in one kernel (module docstring).
+    """This rank's [T, Hb] block ``round(RMSNorm_g(scale * latent) @ W[:, C] + addend[:, C])`` in one kernel
+    (module docstring); its columns past H are zero.
 
     Args:
       latent: [T, L], the reduced routed latent x (the activation dtype, bf16 or float32).
@@ -184,9 +108,6 @@ def norm_project_add(
       block_width: Hb, the width of one rank's block (padded_hidden_size(H, p) / p).
       hidden_size: H: the columns of C at or above H are left out.
       eps, scale: the norm's epsilon and routed_scaling_factor c (norm_is_computable holds for them).
-      into_addend: return ``addend`` [T, Wa] with its columns C replaced (the output aliases it: the
-        column-parallel stitch), else the [T, Hb] block itself (``addend``'s columns C added when given;
-        columns past H are zero).
       interpret: run in Pallas's interpret mode (a CPU has no Triton); the same kernel, programs in turn.
       platform: the device platform it compiles for ("cuda", "rocm", ...): :func:`warps_per_program`.
       target_programs: the programs the grid aims at (:func:`fused_grid`; 1: no split of K). None:
@@ -194,69 +115,99 @@ def norm_project_add(
       serial_split: sum the grid's S slabs in each tile's one program (module docstring).
 
     Returns:
-      [T, Wa] or [T, Hb] in the latent's dtype.
+      [T, Hb] in the latent's dtype.
 
     Cost: reads 2*L*Hb weight bytes (L*Hb for FP8), T*L latent values about twice, T*Hb addend values;
     2*T*L*Hb FLOPs; :meth:`FusedGrid.scratch_bytes` of scratch; one kernel launch (and, when S > 1, a memcpy of
     the counters' starts).
     """
+    if latent.shape[0] == 0:
+        return jnp.zeros((0, block_width), latent.dtype)
+    return _fused_call(latent, norm_weight, kernel, addend, into_addend=False, rank=rank, tp_size=tp_size,
+                       block_width=block_width, hidden_size=hidden_size, eps=eps, scale=scale, interpret=interpret,
+                       platform=platform, target_programs=target_programs, serial_split=serial_split)
+
+
+def norm_project_add_into(
+    latent: jax.Array,
+    norm_weight: jax.Array | None,
+    kernel: jax.Array | QuantizedKernel,
+    addend: jax.Array,
+    **options,
+) -> jax.Array:
+    """``addend`` [T, Wa] with its columns C (those below H) replaced by :func:`norm_project_add`'s: the output
+    aliases ``addend`` (column_parallel's stitch: a rank adds its block into its own columns of its shared
+    partial). ``options``: :func:`norm_project_add`'s keywords. Cost: :func:`norm_project_add`'s."""
+    if addend is None:
+        raise ValueError("addend: expected the [T, W] array to write into, got None")
+    if latent.shape[0] == 0:
+        return addend
+    return _fused_call(latent, norm_weight, kernel, addend, into_addend=True, **options)
+
+
+def _fused_call(latent, norm_weight, kernel, addend, *, into_addend: bool, rank, tp_size, block_width, hidden_size,
+                eps, scale, interpret, platform=None, target_programs=None, serial_split=False):
+    """The kernel's pallas_call (:func:`norm_project_add`): into ``addend`` or into a new [T, Hb] block."""
     # Pallas is loaded with the first call only: `import k3_tail` stays light, and a jax without it imports.
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plt
 
+    if not interpret:  # jax 0.12 warns when the user's program lowers the kernel (k3_tail.ops.pallas_triton)
+        ignore_triton_deprecation_warning()
     num_tokens, latent_size = latent.shape
     dtype = latent.dtype
-    if into_addend and addend is None:
-        raise ValueError("addend: expected the [T, W] array to write into with into_addend=True, got None")
-    if num_tokens == 0:
-        return addend if into_addend else jnp.zeros((0, block_width), dtype)
     if target_programs is None:
         target_programs = 1 if interpret else TARGET_PROGRAMS
     grid = fused_grid(num_tokens, latent_size, block_width, target_programs=target_programs)
     communicates = grid.splits > 1 and not serial_split
     quantized = isinstance(kernel, QuantizedKernel)
     values = kernel.values if quantized else kernel
-    kernel_offset = values.shape[1] != block_width  # the whole kernel: C starts at rank * Hb
     use_norm = norm_weight is not None and scale != 0
-    flags = _KernelFlags(
+    spec = _KernelSpec(
         grid=grid, num_tokens=num_tokens, latent_size=latent_size, tp_size=tp_size, block_width=block_width,
-        hidden_size=hidden_size, use_norm=use_norm, scale=float(scale),
-        sqrt_eps=math.sqrt(eps / scale**2) if use_norm else 0.0,
+        hidden_size=hidden_size, scale=float(scale), sqrt_eps=math.sqrt(eps / scale**2) if use_norm else 0.0,
         # Without the norm the slabs are only scaled down (2^e >= 1): the products of huge latents and FP8
         # codes stay finite until the column scale; ordinary latents are multiplied as they are.
         floor_exponent=int(math.log2(row_scale_floor(eps, scale, latent_size))) if use_norm else 0,
-        kernel_offset=kernel_offset, fp8_format=jnp.dtype(values.dtype).name if quantized else None,
-        has_addend=addend is not None, into_addend=into_addend, communicates=communicates,
-        barriers=not interpret,
+        kernel_offset=values.shape[1] != block_width,  # the whole kernel: C starts at rank * Hb
+        fp8_format=jnp.dtype(values.dtype).name if quantized else None, into_addend=into_addend,
+        communicates=communicates, barriers=not interpret,
     )
-    inputs = [rank.astype(jnp.int32).reshape(1), latent]
-    inputs += [norm_weight] if use_norm else []
-    # FP8 values travel as their bytes and are decoded in the kernel (decode_fp8): Pallas's Triton lowering casts
-    # from no float8_e4m3fnuz (MI300X's format); the bitcast is free.
-    inputs += [lax.bitcast_convert_type(values, jnp.uint8) if quantized else values]
-    inputs += [kernel.scale] if quantized else []
-    inputs += [] if addend is None else [addend]
-    if into_addend:
-        output = jax.ShapeDtypeStruct(addend.shape, dtype)
-        aliases = {len(inputs) - 1: 0}
-    else:
-        output = jax.ShapeDtypeStruct((num_tokens, block_width), dtype)
-        aliases = {}
-    outputs = [output]
+    # The kernel's inputs in its signature's order, None where absent. FP8 values travel as their bytes and are
+    # decoded in the kernel (decode_fp8): Pallas's Triton lowering casts from no float8_e4m3fnuz (MI300X's
+    # format); the bitcast is free.
+    inputs = (rank.astype(jnp.int32).reshape(1), latent, norm_weight if use_norm else None,
+              lax.bitcast_convert_type(values, jnp.uint8) if quantized else values,
+              kernel.scale if quantized else None, addend,
+              jnp.asarray(_counter_starts(grid.rows * grid.columns)) if communicates else None)
+    present = [array for array in inputs if array is not None]
+    output = jax.ShapeDtypeStruct(addend.shape if into_addend else (num_tokens, block_width), dtype)
+    scratch = (jax.ShapeDtypeStruct(inputs[-1].shape, jnp.int32),
+               jax.ShapeDtypeStruct((grid.splits, num_tokens, grid.columns * COLUMN_TILE), jnp.float32),
+               jax.ShapeDtypeStruct((grid.splits, grid.columns, num_tokens), jnp.int32)) if communicates else None
+    # Indices among the inputs passed (absent ones take none): the output writes into the addend, the counters
+    # count in place.
+    def passed_index(position):
+        return sum(array is not None for array in inputs[:position])
+
+    aliases = {passed_index(_ADDEND_INPUT): 0} if into_addend else {}
     if communicates:
-        counters = jnp.asarray(_counter_starts(grid.rows * grid.columns))
-        aliases[len(inputs)] = 1
-        inputs.append(counters)
-        outputs += [jax.ShapeDtypeStruct(counters.shape, jnp.int32),
-                    jax.ShapeDtypeStruct((grid.splits, num_tokens, grid.columns * COLUMN_TILE), jnp.float32),
-                    jax.ShapeDtypeStruct((grid.splits, grid.columns, num_tokens), jnp.int32)]
+        aliases[passed_index(_COUNTER_STARTS_INPUT)] = 1
 
     def run(arrays):
-        """The pallas_call on ``arrays``, its outputs typed as varying over what the arrays vary over."""
+        """The pallas_call on ``arrays`` (``inputs``' present ones), its outputs typed as varying over what the
+        arrays vary over."""
         arrays, varying = _vary_alike(arrays)
+        arrays = iter(arrays)
+        placed = [None if array is None else next(arrays) for array in inputs]
+
+        def typed(shape):
+            return jax.ShapeDtypeStruct(shape.shape, shape.dtype, manual_axis_type=varying)
+
+        out_shape = (typed(output), None if scratch is None else tuple(typed(s) for s in scratch))
         return pl.pallas_call(
-            functools.partial(_kernel, flags=flags, pl=pl, plt=plt),
-            out_shape=tuple(jax.ShapeDtypeStruct(o.shape, o.dtype, manual_axis_type=varying) for o in outputs),
+            functools.partial(_kernel, spec=spec, pl=pl, plt=plt),
+            out_shape=out_shape,
             grid=(grid.rows, grid.columns, grid.splits if communicates else 1),
             input_output_aliases=aliases,
             interpret=interpret,
@@ -264,15 +215,15 @@ def norm_project_add(
             name="k3_tail_norm_project_add",
             # The product's FLOPs, which the compiled program's custom call carries for k3_tail.xla.report.
             metadata={GEMM_FLOPS_KEY: str(2 * num_tokens * latent_size * block_width)},
-        )(*arrays)[0]
+        )(*placed)[0]
 
-    axes = tuple(sorted(set().union(*(varying_axes(array) for array in inputs)), key=str))
+    axes = tuple(sorted(set().union(*(varying_axes(array) for array in present)), key=str))
     if interpret and axes:
         # Pallas's interpreter cannot take values that vary over shard_map's axes (jax 0.10-0.12 fail with
         # "Primitive ... requires varying manual axes to match"), so each device runs the kernel for every
         # device, on their gathered inputs, and keeps its own result: p times the work, on a CPU only.
-        stacked = [lax.all_gather(a, axes, to="invarying") if varying_axes(a) else None for a in inputs]
-        shared = [None if s is not None else a for a, s in zip(inputs, stacked, strict=True)]
+        stacked = [lax.all_gather(a, axes, to="invarying") if varying_axes(a) else None for a in present]
+        shared = [None if s is not None else a for a, s in zip(present, stacked, strict=True)]
 
         def one_device(rows):
             rows = iter(rows)
@@ -280,7 +231,11 @@ def norm_project_add(
 
         every = lax.map(one_device, [s for s in stacked if s is not None])
         return lax.dynamic_index_in_dim(every, lax.axis_index(axes), keepdims=False)
-    return run(inputs)
+    return run(present)
+
+
+# Positions of the kernel's inputs that outputs alias (its signature's order).
+_ADDEND_INPUT, _COUNTER_STARTS_INPUT = 5, 6
 
 
 def _vary_alike(arrays: list) -> tuple[list, object]:
@@ -294,8 +249,8 @@ def _vary_alike(arrays: list) -> tuple[list, object]:
 
 
 @dataclasses.dataclass(frozen=True)
-class _KernelFlags:
-    """What the kernel body is specialised on (static)."""
+class _KernelSpec:
+    """What the kernel body is specialised on (static): the grid, the sizes and the modes of one call."""
 
     grid: FusedGrid
     num_tokens: int
@@ -303,48 +258,45 @@ class _KernelFlags:
     tp_size: int
     block_width: int
     hidden_size: int
-    use_norm: bool
     scale: float
-    sqrt_eps: float  # sqrt(eps) / |c|
+    sqrt_eps: float  # sqrt(eps) / |c| with the norm, else 0
     floor_exponent: int  # the smallest slab exponent: log2 of rms_norm's row-scale floor, 0 without the norm
-    kernel_offset: bool
+    kernel_offset: bool  # the whole [L, H] kernel, read at the rank's columns (else the rank's block)
     fp8_format: str | None  # the FP8 format of the kernel's values (passed as their bytes), or None
-    has_addend: bool
-    into_addend: bool
+    into_addend: bool  # the output is the addend with the rank's columns replaced (else the [T, Hb] block)
     communicates: bool  # S > 1 slabs in S programs, summed by the last (else in the tile's one program)
     barriers: bool  # the GPU's: interpret mode runs programs in turn
 
 
-def _kernel(*refs, flags: _KernelFlags, pl, plt):
-    """Program (r, j, s) of :func:`norm_project_add` (module docstring)."""
-    grid = flags.grid
-    refs = list(refs)
-    rank_ref, latent_ref = refs.pop(0), refs.pop(0)
-    weight_ref = refs.pop(0) if flags.use_norm else None
-    values_ref = refs.pop(0)
-    column_scale_ref = refs.pop(0) if flags.fp8_format else None
-    addend_ref = refs.pop(0) if flags.has_addend else None
-    if flags.communicates:
-        refs.pop(0)  # the counters' starts, aliased to the counter output below
-    out_ref = refs.pop(0)
-    counter_ref, partial_ref, exponent_ref = refs if flags.communicates else (None, None, None)
+def _kernel(rank_ref, latent_ref, norm_weight_ref, values_ref, column_scale_ref, addend_ref, counter_starts_ref,
+            out_ref, scratch_refs, *, spec: _KernelSpec, pl, plt):
+    """Program (r, j, s) of :func:`norm_project_add` (module docstring); absent inputs are None.
 
+    rank_ref: int32 [1]. latent_ref: [T, L]. norm_weight_ref: [L], or None without the norm. values_ref: [L, Hb] or
+    [L, H] in the activation dtype, or uint8 FP8 bytes. column_scale_ref: float32 [Hb] or [H] with FP8 values.
+    addend_ref: [T, Wa] or None. counter_starts_ref: int32 [R*J*COUNTER_STRIDE], aliased to the counters.
+    out_ref: [T, Wa] (aliasing addend_ref) or [T, Hb]. scratch_refs: (counters, float32 partials [S, T, J*16],
+    int32 exponents [S, J, T]) when the split communicates, else None.
+    """
+    del counter_starts_ref  # the counters' starts: their ref is the counters' output, aliased
+    grid = spec.grid
+    use_norm = norm_weight_ref is not None
     r, j = pl.program_id(0), pl.program_id(1)
     rank = plt.load(rank_ref.at[jnp.zeros((1,), jnp.int32)])[0]  # the [1] block, then its scalar
     # Every access below is masked by rank_ok: a rank outside [0, p) reads and writes nothing of another's.
-    rank_ok = (rank >= 0) & (rank < flags.tp_size)
+    rank_ok = (rank >= 0) & (rank < spec.tp_size)
     rows = r * grid.row_tile + jnp.arange(grid.row_tile)
-    row_ok = rows < flags.num_tokens
+    row_ok = rows < spec.num_tokens
     tile_columns = j * COLUMN_TILE + jnp.arange(COLUMN_TILE)
-    global_columns = rank * flags.block_width + tile_columns
-    column_ok = (tile_columns < flags.block_width) & (global_columns < flags.hidden_size) & rank_ok
-    kernel_columns = global_columns if flags.kernel_offset else tile_columns
+    global_columns = rank * spec.block_width + tile_columns
+    column_ok = (tile_columns < spec.block_width) & (global_columns < spec.hidden_size) & rank_ok
+    kernel_columns = global_columns if spec.kernel_offset else tile_columns
     steps = grid.split_depth // K_STEP
 
     def latent_tile(step):
         """The latent's [row_tile, K_STEP] tile at K step ``step`` (zeros outside), in float32."""
         ks = step * K_STEP + jnp.arange(K_STEP)
-        mask = row_ok[:, None] & (ks < flags.latent_size)[None, :]
+        mask = row_ok[:, None] & (ks < spec.latent_size)[None, :]
         return ks, plt.load(latent_ref.at[rows[:, None], ks[None, :]], mask=mask, other=0.0).astype(jnp.float32)
 
     def slab_exponent(slab):
@@ -354,24 +306,24 @@ def _kernel(*refs, flags: _KernelFlags, pl, plt):
             _, x = latent_tile(slab * steps + step)
             return jnp.maximum(largest, jnp.max(jnp.abs(x), axis=1))
         largest = lax.fori_loop(0, steps, body, jnp.zeros((grid.row_tile,), jnp.float32))
-        return _exponent_at_or_above(largest, flags.floor_exponent)
+        return exponent_at_or_above(largest, spec.floor_exponent)
 
     def slab_partial(slab, exponent):
         """The slab's [row_tile, COLUMN_TILE] product in float32, its latent scaled by 2^-exponent."""
-        inverse_scale = _power_of_two(-exponent)[:, None]
+        inverse_scale = power_of_two(-exponent)[:, None]
 
         def body(step, partial):
             ks, x = latent_tile(slab * steps + step)
-            if flags.use_norm:
-                g = plt.load(weight_ref.at[ks], mask=ks < flags.latent_size, other=0.0).astype(jnp.float32)
+            if use_norm:
+                g = plt.load(norm_weight_ref.at[ks], mask=ks < spec.latent_size, other=0.0).astype(jnp.float32)
                 operand = x * inverse_scale * g[None, :]
             else:
-                operand = x * inverse_scale * flags.scale  # round(c x) 2^-e, exactly: a power of two
-            mask = (ks < flags.latent_size)[:, None] & column_ok[None, :]
+                operand = x * inverse_scale * spec.scale  # round(c x) 2^-e, exactly: a power of two
+            mask = (ks < spec.latent_size)[:, None] & column_ok[None, :]
             # The operands of the product in the activation dtype, as every tier's GEMM has them (an FP8 weight
             # is exact in it), accumulated in float32.
             w = plt.load(values_ref.at[ks[:, None], kernel_columns[None, :]], mask=mask, other=0)
-            w = (decode_fp8(w, flags.fp8_format) if flags.fp8_format else w).astype(latent_ref.dtype)
+            w = (decode_fp8(w, spec.fp8_format) if spec.fp8_format else w).astype(latent_ref.dtype)
             return partial + jnp.dot(operand.astype(latent_ref.dtype), w, preferred_element_type=jnp.float32,
                                      precision=_precision(latent_ref.dtype))
 
@@ -380,30 +332,31 @@ def _kernel(*refs, flags: _KernelFlags, pl, plt):
     def finish(projected, row_exponent):
         """Row scale, column scale, the add, one rounding, the store: ``projected`` is the tile's product with
         the latent scaled by 2^-row_exponent."""
-        inverse_scale = _power_of_two(-row_exponent)
-        if flags.use_norm:
+        inverse_scale = power_of_two(-row_exponent)
+        if use_norm:
             def squares(step, total):
                 _, x = latent_tile(step)
                 return total + jnp.sum(jnp.square(x * inverse_scale[:, None]), axis=1)
 
-            total = lax.fori_loop(0, -(-flags.latent_size // K_STEP), squares, jnp.zeros((grid.row_tile,), jnp.float32))
-            epsilon_term = jnp.square(flags.sqrt_eps * inverse_scale)
-            factor = lax.rsqrt(total / flags.latent_size + epsilon_term)
-            projected = projected * (factor if flags.scale > 0 else -factor)[:, None]
-        if flags.fp8_format:
+            total = lax.fori_loop(0, pl.cdiv(spec.latent_size, K_STEP), squares,
+                                  jnp.zeros((grid.row_tile,), jnp.float32))
+            epsilon_term = jnp.square(spec.sqrt_eps * inverse_scale)
+            factor = lax.rsqrt(total / spec.latent_size + epsilon_term)
+            projected = projected * (factor if spec.scale > 0 else -factor)[:, None]
+        if spec.fp8_format:
             projected = projected * plt.load(column_scale_ref.at[kernel_columns], mask=column_ok, other=0.0)[None, :]
-        if not flags.use_norm:
+        if not use_norm:
             # Back to the latent's own scale, after the column scale: finite wherever the result is.
-            projected = projected * _power_of_two(row_exponent)[:, None]
+            projected = projected * power_of_two(row_exponent)[:, None]
         mask = row_ok[:, None] & column_ok[None, :]
-        out_columns = global_columns if flags.into_addend else tile_columns
-        if flags.has_addend:
+        out_columns = global_columns if spec.into_addend else tile_columns
+        if addend_ref is not None:
             addend = plt.load(addend_ref.at[rows[:, None], global_columns[None, :]], mask=mask, other=0.0)
             projected = projected + addend.astype(jnp.float32)
-        store_mask = mask if flags.into_addend else row_ok[:, None] & (tile_columns < flags.block_width)[None, :]
+        store_mask = mask if spec.into_addend else row_ok[:, None] & (tile_columns < spec.block_width)[None, :]
         projected = jnp.where(column_ok[None, :], projected, 0.0)
         # A rank outside [0, p): NaN over the first block's columns instead, which the output always has.
-        first_block_ok = (tile_columns < flags.block_width) & (tile_columns < flags.hidden_size)
+        first_block_ok = (tile_columns < spec.block_width) & (tile_columns < spec.hidden_size)
         first_block = row_ok[:, None] & first_block_ok[None, :]
         projected = jnp.where(rank_ok, projected, jnp.nan)
         out_columns = jnp.where(rank_ok, out_columns, tile_columns)
@@ -414,38 +367,39 @@ def _kernel(*refs, flags: _KernelFlags, pl, plt):
         """The tile's S slabs summed in slab order, each rescaled exactly to the row's largest exponent E,
         then finished: ``exponent_of(s)`` and ``partial_of(s, e_s)`` give slab s's."""
         row_exponent = lax.fori_loop(0, grid.splits, lambda slab, e: jnp.maximum(e, exponent_of(slab)),
-                                     jnp.full((grid.row_tile,), flags.floor_exponent, jnp.int32))
+                                     jnp.full((grid.row_tile,), spec.floor_exponent, jnp.int32))
 
         def rescaled(slab, acc):
             # 2^(e_s - E) <= 1: exact, or zero below float32's normals (a slab 2^126 below the row's largest).
             exponent = exponent_of(slab)
-            return acc + partial_of(slab, exponent) * _power_of_two(exponent - row_exponent)[:, None]
+            return acc + partial_of(slab, exponent) * power_of_two(exponent - row_exponent)[:, None]
 
         finish(lax.fori_loop(0, grid.splits, rescaled, jnp.zeros((grid.row_tile, COLUMN_TILE), jnp.float32)),
                row_exponent)
 
-    if not flags.communicates:
+    if not spec.communicates:
         combine(slab_exponent, slab_partial)
         return
 
     # Publish this slab's partial and exponent, then count it; the last of the S slabs of tile (r, j)
     # finishes the tile. The counter's atomic is acquire-release at GPU scope: on NVIDIA the barriers extend
     # it to the program's every thread, on AMD the program is one wavefront (module docstring).
+    counter_ref, partial_ref, exponent_ref = scratch_refs
     s = pl.program_id(2)
     exponent = slab_exponent(s)
     valid_rows = row_ok[:, None]
     plt.store(partial_ref.at[s, rows[:, None], tile_columns[None, :]], slab_partial(s, exponent), mask=valid_rows)
     plt.store(exponent_ref.at[s, j, rows], exponent, mask=row_ok)
-    if flags.barriers:
+    if spec.barriers:
         plt.debug_barrier()
     counter = (r * grid.columns + j) * COUNTER_STRIDE
     done_before = plt.atomic_add(counter_ref, (counter,), jnp.int32(1)) - _counter_start(counter)
-    if flags.barriers:
+    if spec.barriers:
         plt.debug_barrier()
 
     @pl.when(done_before == grid.splits - 1)
     def _():
-        combine(lambda slab: plt.load(exponent_ref.at[slab, j, rows], mask=row_ok, other=flags.floor_exponent),
+        combine(lambda slab: plt.load(exponent_ref.at[slab, j, rows], mask=row_ok, other=spec.floor_exponent),
                 lambda slab, _: plt.load(partial_ref.at[slab, rows[:, None], tile_columns[None, :]],
                                          mask=valid_rows, other=0.0))
 
@@ -468,42 +422,9 @@ def _counter_start(word):
     return word % _START_MODULUS * _START_MULTIPLIER % _START_MODULUS
 
 
-# FP8 formats by name: (exponent bias, whether the all-ones code is NaN (OCP's E4M3FN) or 0x80 is (FNUZ)).
-_FP8_CODES = {"float8_e4m3fn": (7, True), "float8_e4m3fnuz": (8, False)}
-
-
-def decode_fp8(codes: jax.Array, fp8_format: str) -> jax.Array:
-    """The float32 values of E4M3 bytes ``codes`` (uint8) in ``fp8_format``, "float8_e4m3fn" or "float8_e4m3fnuz",
-    exactly, from their bits: sign, 4 exponent bits, 3 mantissa bits; subnormals, signed zeros and NaN as the
-    format has them (E4M3FN: S.1111.111 is NaN; FNUZ: 0x80 is, and there is no negative zero)."""
-    bias, all_ones_is_nan = _FP8_CODES[fp8_format]
-    bits = codes.astype(jnp.int32)
-    negative = (bits & 0x80) != 0
-    exponent, mantissa = (bits >> 3) & 0xF, bits & 0x7
-    normal = lax.bitcast_convert_type(((exponent - bias + _EXPONENT_BIAS) << _MANTISSA_BITS) | (mantissa << 20),
-                                      jnp.float32)
-    magnitude = jnp.where(exponent > 0, normal, mantissa.astype(jnp.float32) * 2.0 ** (-2 - bias))
-    nan = (exponent == 0xF) & (mantissa == 0x7) if all_ones_is_nan else bits == 0x80
-    return jnp.where(nan, jnp.nan, jnp.where(negative, -magnitude, magnitude))
-
-
 def _precision(dtype) -> lax.Precision:
     """float32 products at float32 precision (Triton would take TF32 on NVIDIA), others as they are."""
     return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else lax.Precision.DEFAULT
-
-
-def _exponent_at_or_above(x: jax.Array, floor_exponent: int) -> jax.Array:
-    """int32 e with 2^e >= x (x >= 0 float32), clipped to [floor_exponent, 126]; NaN and infinity give 126."""
-    bits = lax.bitcast_convert_type(x, jnp.int32)
-    biased = lax.shift_right_logical(bits, jnp.int32(_MANTISSA_BITS))
-    exponent = biased - _EXPONENT_BIAS + jnp.where((bits & ((1 << _MANTISSA_BITS) - 1)) != 0, 1, 0)
-    return jnp.clip(exponent, floor_exponent, _LARGEST_SLAB_EXPONENT)
-
-
-def _power_of_two(exponent: jax.Array) -> jax.Array:
-    """float32 2^exponent for int32 exponents in [-126, 127]; 0 below."""
-    biased = jnp.clip(exponent + _EXPONENT_BIAS, 0, 2 * _EXPONENT_BIAS)
-    return lax.bitcast_convert_type(lax.shift_left(biased, jnp.int32(_MANTISSA_BITS)), jnp.float32)
 
 
 def norm_project_add_reference(
@@ -512,31 +433,46 @@ def norm_project_add_reference(
     kernel: jax.Array | QuantizedKernel,
     addend: jax.Array | None,
     *,
-    rank: int,
+    rank: jax.Array,
+    tp_size: int,
     block_width: int,
     hidden_size: int,
     eps: float,
     scale: float,
-    into_addend: bool,
 ) -> jax.Array:
-    """:func:`norm_project_add` in plain float32 jnp (``rank`` a Python int): the norm of
+    """:func:`norm_project_add` in plain float32 jnp, [T, Hb], for a ``rank`` (int32 [1]) in [0, p): the norm of
     :func:`~k3_tail.ops.norm.rms_norm`, the product at full float32 precision, one rounding."""
+    del tp_size  # the kernel's bound on rank, which the reference is not asked outside
     dtype = latent.dtype
     weights = kernel.dequantize() if isinstance(kernel, QuantizedKernel) else jnp.asarray(kernel, jnp.float32)
-    start = rank * block_width
-    own = slice(start, min(start + block_width, hidden_size))
-    if weights.shape[1] == block_width:
-        block = weights[:, : own.stop - own.start]
-    else:
-        block = weights[:, own]
+    start = rank.astype(jnp.int32).reshape(())[()] * block_width
+    own = start + jnp.arange(block_width) < hidden_size
+    if weights.shape[1] != block_width:  # the whole kernel: the rank's columns, zero past H
+        weights = lax.dynamic_slice_in_dim(_padded_columns(weights, block_width), start, block_width, 1)
     normed = rms_norm(latent, norm_weight if scale != 0 else None, eps=eps, scale=scale)
     if norm_weight is None or scale == 0:
         normed = normed.astype(dtype).astype(jnp.float32)
-    projected = jnp.dot(normed, block, precision=lax.Precision.HIGHEST)
+    projected = jnp.dot(normed, weights, precision=lax.Precision.HIGHEST)
     if addend is not None:
-        projected = projected + addend[:, own].astype(jnp.float32)
-    projected = projected.astype(dtype)
-    if into_addend:
-        return addend.at[:, own].set(projected)
-    width = own.stop - own.start
-    return jnp.pad(projected, [(0, 0), (0, block_width - width)])
+        own_addend = lax.dynamic_slice_in_dim(_padded_columns(addend, block_width), start, block_width, 1)
+        projected = projected + own_addend.astype(jnp.float32)
+    return jnp.where(own, projected, 0.0).astype(dtype)
+
+
+def norm_project_add_into_reference(latent, norm_weight, kernel, addend: jax.Array, **options) -> jax.Array:
+    """:func:`norm_project_add_into` in plain float32 jnp: ``addend`` with its columns C below H replaced by
+    :func:`norm_project_add_reference`'s block (``options``: its keywords)."""
+    block = norm_project_add_reference(latent, norm_weight, kernel, addend, **options)
+    start = options["rank"].astype(jnp.int32).reshape(())[()] * options["block_width"]
+    width = addend.shape[1]
+    padded = _padded_columns(addend, options["block_width"])
+    own = lax.dynamic_slice_in_dim(padded, start, options["block_width"], 1)
+    keep = start + jnp.arange(options["block_width"]) < options["hidden_size"]
+    padded = lax.dynamic_update_slice_in_dim(padded, jnp.where(keep, block, own), start, 1)
+    return padded[:, :width]
+
+
+def _padded_columns(x: jax.Array, block_width: int) -> jax.Array:
+    """``x`` [R, W] (W >= H) with ``block_width`` zero columns after it: a valid rank's block, which starts below
+    H, then lies inside, and a dynamic slice of it never clips."""
+    return jnp.pad(x, [(0, 0), (0, block_width)])

@@ -59,9 +59,10 @@ def inverse_rms(x: jax.Array, *, eps: float, scale: float = 1.0) -> jax.Array:
     large = magnitude >= root_eps
     ratio = jnp.where(large, root_eps / jnp.where(large, magnitude, 1.0), magnitude / root_eps)
     inner = jnp.where(large, mean + jnp.square(ratio), 1.0 + jnp.square(ratio) * mean)
-    first = jnp.where(large, 1.0 / jnp.where(large, magnitude, 1.0), 1.0 / root_eps)
+    # Divided last: 1 / m alone is subnormal (and flushed to zero on CPUs and GPUs) for m > 2^126, a row of
+    # bf16's largest values, whose factor sqrt(L) / m is still normal.
     sign = 1.0 if scale > 0 else -1.0
-    return (sign * first) * lax.rsqrt(inner)
+    return sign * lax.rsqrt(inner) / jnp.where(large, magnitude, root_eps)
 
 
 def _max_and_scaled_sum_of_squares(x: jax.Array) -> tuple[jax.Array, jax.Array]:

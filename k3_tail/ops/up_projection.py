@@ -27,8 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from k3_tail._checks import describe, expect_array
 from k3_tail.hardware import FP8_ARCHITECTURES, device_platform, native_fp8_formats

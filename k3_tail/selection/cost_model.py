@@ -21,6 +21,9 @@ The model has two layers.
      a call it equals the per-rank bytes of the program's activation arguments and result;
      intermediates that XLA's fusion decides (the float32 projection of the replicated layout, the
      normalised latent, the column tier's [T, H] buffer) are not counted.
+   - ``scratch_bytes``: a kernel's own scratch, written and read back once (``TierRecord.scratch_bytes``:
+     one_kernel's split of K, the partials of the grid ``fused_grid`` gives it, 0.25-0.53 of its weight
+     block at T = 16), twice its bytes.
    - ``collectives``: every collective the tier issues, with its buffer as :mod:`k3_tail.xla.report`
      counts it (the reduced buffer of an all-reduce, the input of a reduce-scatter, the gathered
      result of an all-gather, the per-rank send buffer of an all-to-all) and its per-rank ring wire
@@ -42,7 +45,7 @@ The model has two layers.
 2. **Time** (:func:`predict_time`) from a roofline for the local work, an alpha-beta model for the
    collectives and a fixed cost per kernel, with the :class:`Hardware` figures:
 
-       local      = max(gemm_flops / peak, (weight_bytes + activation_bytes) / hbm_bytes_per_s)
+       local      = max(gemm_flops / peak, (weight_bytes + activation_bytes + scratch_bytes) / hbm_bytes_per_s)
        collective = collective_latency_s + wire_bytes / link_bytes_per_s   (0 for a group of 1 rank)
        launches   = gpu_kernels (on the preset's platform) * kernel_launch_s
        total      = sum(serial collectives) + max(local, sum(hidden collectives)) + launches
@@ -88,11 +91,12 @@ import dataclasses
 import functools
 from collections.abc import Callable, Iterable, Mapping
 
+import jax
 import numpy as np
 
 from k3_tail._checks import check_int
 from k3_tail.config import TailConfig, check_config
-from k3_tail.hardware import GPU_PLATFORMS, HARDWARE, Hardware, hardware_preset
+from k3_tail.hardware import GPU_VENDOR_PLATFORMS, HARDWARE, Hardware, check_platform, hardware_preset
 from k3_tail.ops.codecs import CODECS
 from k3_tail.ops.collectives import SumPlan
 from k3_tail.ops.columns import check_weight_layout
@@ -179,7 +183,8 @@ class TierCost:
     """Per-rank cost of one tail call by one tier (module docstring: formulas).
 
     gemm_flops: FLOPs of the up projection. weight_bytes: kernel (and norm weight) bytes read.
-    activation_bytes: activation input and output bytes. collectives: in the order the tier issues them.
+    activation_bytes: activation input and output bytes. scratch_bytes: a kernel's scratch traffic (written,
+    then read). collectives: in the order the tier issues them.
     fp8_gemm: the FP8 format of both GEMM operands (``fp8_activations``), else None. gpu_kernels: the GPU
     kernels the call launches, by XLA platform ("cuda", "rocm").
     """
@@ -194,6 +199,7 @@ class TierCost:
     collectives: tuple[CollectiveCost, ...]
     fp8_gemm: str | None = None
     gpu_kernels: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    scratch_bytes: int = 0
 
     def collective_bytes(self, kind: str) -> int:
         """Sum of ``buffer_bytes`` of the collectives of ``kind`` (0 when there is none)."""
@@ -224,7 +230,7 @@ def _tier_cost(config: TailConfig, num_tokens: int, tp_size: int, tier: Tier, we
     """:func:`tier_cost` of checked arguments, the sums travelling as ``sums`` says."""
     if num_tokens == 0 and not config.sequence_parallel:
         return TierCost(tier, num_tokens, tp_size, weight_layout, 0, 0, 0, (),
-                        gpu_kernels=dict.fromkeys(GPU_PLATFORMS, 0))
+                        gpu_kernels=dict.fromkeys(GPU_VENDOR_PLATFORMS, 0))
     element = config.dtype.itemsize
     latent, hidden = config.latent_size, config.hidden_size
     record = tier.record
@@ -258,7 +264,9 @@ def _tier_cost(config: TailConfig, num_tokens: int, tp_size: int, tier: Tier, we
         collectives=tuple(collectives),
         fp8_gemm=config.up_proj_dtype.name if config.fp8_activations else None,
         gpu_kernels={platform: record.gpu_kernels.of(platform, weight_layout, num_tokens)
-                     for platform in GPU_PLATFORMS},
+                     for platform in GPU_VENDOR_PLATFORMS},
+        # Written once, read back once.
+        scratch_bytes=0 if record.scratch_bytes is None else 2 * record.scratch_bytes(config, num_tokens, tp_size),
     )
 
 
@@ -287,8 +295,9 @@ def predict_time(cost: TierCost, hardware: Hardware | str) -> Prediction:
     """The :class:`Prediction` for ``cost`` on ``hardware`` (a :class:`Hardware` or a key of HARDWARE).
 
     total = sum(serial collective times) + max(local, sum(hidden collective times)) + launches, where
-    local = max(gemm_flops / peak, (weight_bytes + activation_bytes) / hbm_bytes_per_s) (peak: the preset's
-    FP8 peak for a GEMM of two FP8 operands in a format it multiplies, else its BF16 peak), a collective
+    local = max(gemm_flops / peak, (weight_bytes + activation_bytes + scratch_bytes) / hbm_bytes_per_s)
+    (peak: the preset's FP8 peak for a GEMM of two FP8 operands in a format it multiplies, else its BF16
+    peak), a collective
     takes collective_latency_s + wire_bytes / link_bytes_per_s (nothing over a group of one rank) and
     launches = gpu_kernels on the preset's platform * kernel_launch_s.
     """
@@ -313,7 +322,7 @@ def _time_terms(cost: TierCost, hardware: Hardware) -> tuple[float, float, float
     peak = hardware.peak_fp8_flops if cost.fp8_gemm in hardware.fp8_formats else hardware.peak_flops
     return (
         cost.gemm_flops / peak,
-        (cost.weight_bytes + cost.activation_bytes) / hardware.hbm_bytes_per_s,
+        (cost.weight_bytes + cost.activation_bytes + cost.scratch_bytes) / hardware.hbm_bytes_per_s,
         serial,
         hidden,
     )
@@ -360,10 +369,11 @@ class CostModelPolicy(SelectionPolicy):
             raise ValueError(f"hardware: expected one of {sorted(HARDWARE)}, got {self.hardware!r}")
 
     def select(self, config: TailConfig, num_tokens: int, tp_size: int, *, weight_layout: str | None = None,
-               device_kind: str | None = None, platform: str | None = None) -> TierDecision:
-        """:func:`best_tier` among every tier that runs, compiled, on ``platform`` (one_kernel only on a GPU
-        platform: elsewhere, or with the platform unknown, its kernel would run interpreted); ValueError
-        without ``weight_layout``, which the price depends on."""
+               device_kind: str | None = None, platform: str | jax.Device | None = None) -> TierDecision:
+        """:func:`best_tier` among every tier that runs, compiled, on ``platform`` (as :func:`k3_tail.select_tier`
+        takes it; one_kernel only on a GPU platform: elsewhere, or with the platform unknown, its kernel would
+        run interpreted); ValueError without ``weight_layout``, which the price depends on."""
+        platform = check_platform(platform)
         if weight_layout is None:
             raise ValueError('weight_layout: the cost-model selection policy prices the call, so it needs its '
                              'weight layout')

@@ -8,16 +8,17 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
+
 from k3_tail._checks import check_int
 from k3_tail.config import TailConfig, check_config
-from k3_tail.hardware import GPU_PLATFORMS, device_platform
+from k3_tail.hardware import GPU_PLATFORMS, check_platform
 from k3_tail.ops.collectives import SPLIT, describe_auto
 from k3_tail.ops.columns import padded_hidden_size
 from k3_tail.ops.tokens import padded_token_count
 from k3_tail.policy import SelectionPolicy
 from k3_tail.selection.buffers import collective_buffers
 from k3_tail.selection.decision import TierDecision
-from k3_tail.tiers.context import is_token_sharded_output
 from k3_tail.tiers.record import SUM_KINDS
 from k3_tail.tiers.registry import Tier
 
@@ -29,7 +30,7 @@ def select_tier(
     *,
     weight_layout: str | None = None,
     device_kind: str | None = None,
-    platform: str | None = None,
+    platform: str | jax.Device | None = None,
 ) -> TierDecision:
     """Pick the tier for a call with ``num_tokens`` tokens (T) on ``tp_size`` (p) TP ranks.
 
@@ -37,10 +38,15 @@ def select_tier(
       config: the tail's :class:`~k3_tail.TailConfig`; ``config.selection_policy`` picks the tier
         once the preconditions below hold (None: :class:`VllmRules`).
       num_tokens, tp_size: T >= 0 and p >= 1.
-      weight_layout, device_kind, platform: the call's kernel layout and its devices'
-        ``.device_kind`` and ``.platform``, where the caller knows them (None: not known). A measured
-        table checks the first two, the cost model prices the layout, the token_parallel rule needs
-        it, and with the platform the notes say how the sums travel there
+      weight_layout, device_kind: the call's kernel layout and its devices' ``.device_kind``, where the
+        caller knows them (None: not known). A measured table checks both, the cost model prices the
+        layout and the token_parallel rule needs it.
+      platform: where the call runs: a device of its mesh (a ``jax.Device``: its
+        :func:`~k3_tail.hardware.device_platform` decides, as in the call), or a platform's name as JAX
+        and device_platform give it, "cpu", "gpu", "tpu", "cuda" or "rocm"; None: not known. "gpu", JAX's
+        name for CUDA and ROCm devices alike, selects as either does: no rule, policy or note here
+        depends on the vendor (the GPU kernel counts the cost model charges are its preset's). The
+        one_kernel rule needs a GPU platform, and the notes say how the sums travel there
         (``config.all_reduce_form``, :mod:`k3_tail.ops.collectives`).
 
     Returns:
@@ -49,8 +55,8 @@ def select_tier(
       changes it).
 
     Raises:
-      ValueError: naming the argument for a bad one, or the policy's (a table measured elsewhere, the
-        cost model without ``weight_layout``).
+      ValueError: naming the argument for a bad one (``platform`` for a name not listed above), or the
+        policy's (a table measured elsewhere, the cost model without ``weight_layout``).
 
     The fast tiers need p > 1, a shared-expert partial, an unreduced routed output and a non-empty
     batch; otherwise NATIVE, the rule naming the failed condition, whatever the policy.
@@ -60,12 +66,16 @@ def select_tier(
     check_config(config)
     num_tokens = check_int("num_tokens", num_tokens, minimum=0)
     tp_size = check_int("tp_size", tp_size, minimum=1)
+    platform_name = check_platform(platform)
     decision = _precondition(config, num_tokens, tp_size)
-    if decision is None:
+    by_policy = decision is None
+    if by_policy:
         policy = config.selection_policy or VllmRules()
+        # As given: a device of a backend k3_tail does not list is taken, its platform's name would not be.
         decision = policy.select(config, num_tokens, tp_size, weight_layout=weight_layout, device_kind=device_kind,
                                  platform=platform)
-    notes = _call_notes(config, decision.tier, num_tokens, tp_size, weight_layout, platform)
+    gpu_rules = gpu_rules_note(config, platform_name) if by_policy else None
+    notes = _call_notes(config, decision.tier, num_tokens, tp_size, weight_layout, platform_name, gpu_rules)
     return dataclasses.replace(decision, notes=decision.notes + notes)
 
 
@@ -76,7 +86,7 @@ def call_tier(config: TailConfig, num_tokens: int, tp_size: int, *, weight_layou
     ``device``'s kind and platform."""
     if tier is None:
         return select_tier(config, num_tokens, tp_size, weight_layout=weight_layout, device_kind=device.device_kind,
-                           platform=device_platform(device)).tier
+                           platform=device).tier
     tier = Tier.parse(tier)
     tier.record.check_runs(weight_layout, config)
     return tier
@@ -109,7 +119,7 @@ class VllmRules(SelectionPolicy):
          ``prefill_token_parallel_min_tokens`` > 0, T >= it and the replicated kernel layout (vLLM's
          VLLM_KIMI_K3_AMD_PREFILL_SP_MIN_TOKENS; the rule says when only the layout kept it out).
       2. SCATTER_GATHER if ``config.use_scatter_gather`` and T <= ``scatter_gather_max_tokens``.
-      3. ONE_KERNEL on a GPU platform ("cuda", "rocm") for T <= ``config.one_kernel_max_tokens`` (decode):
+      3. ONE_KERNEL on a GPU platform ("cuda", "rocm", "gpu") for T <= ``config.one_kernel_max_tokens`` (decode):
          one GPU kernel per call besides the two all-reduces, where the XLA tiers launch 3-8; the rule
          that follows says why not when the tier cannot run here (no Pallas Triton backend, FP8
          activations). Not on a CPU, where its kernel runs in Pallas's interpret mode.
@@ -124,7 +134,8 @@ class VllmRules(SelectionPolicy):
     """
 
     def select(self, config: TailConfig, num_tokens: int, tp_size: int, *, weight_layout: str | None = None,
-               device_kind: str | None = None, platform: str | None = None) -> TierDecision:
+               device_kind: str | None = None, platform: str | jax.Device | None = None) -> TierDecision:
+        platform = check_platform(platform)
         minimum = config.prefill_token_parallel_min_tokens
         if not (config.sequence_parallel and minimum and num_tokens >= minimum):
             return _after_token_parallel(config, num_tokens, tp_size, platform)
@@ -176,16 +187,12 @@ def _after_one_kernel(config: TailConfig, num_tokens: int, tp_size: int) -> Tier
         f"are padded to {padded_hidden_size(config.hidden_size, tp_size)} and sliced back",))
 
 
-# Platforms whose devices are GPUs: where vLLM's thresholds were set ("gpu" is JAX's name for both).
-_GPU_PLATFORMS = (*GPU_PLATFORMS, "gpu")
-
-
 def gpu_rules_note(config: TailConfig, platform: str | None) -> str | None:
     """The note that the default rules (:class:`VllmRules`: ``config.selection_policy`` None or
     ``VllmRules()``) are vLLM's GPU thresholds, where they pick for a platform known not to be a GPU's
     ("cpu", "tpu"), with how to measure this machine instead; None elsewhere: on a GPU, on a platform
     not known (None), under a measured table or the cost model."""
-    if platform is None or platform in _GPU_PLATFORMS:
+    if platform is None or platform in GPU_PLATFORMS:
         return None
     if config.selection_policy is not None and not isinstance(config.selection_policy, VllmRules):
         return None
@@ -195,10 +202,10 @@ def gpu_rules_note(config: TailConfig, platform: str | None) -> str | None:
 
 
 def _call_notes(config: TailConfig, tier: Tier, num_tokens: int, tp_size: int, weight_layout: str | None,
-                platform: str | None) -> tuple[str, ...]:
-    """The facts about this call of ``tier``, each only where it applies: that vLLM's GPU thresholds
-    picked it for a platform that is no GPU (:func:`gpu_rules_note`; not where a precondition picked
-    native, which no threshold decides), how its unquantised all-reduces travel (where not as one
+                platform: str | None, gpu_rules: str | None) -> tuple[str, ...]:
+    """The facts about this call of ``tier``, each only where it applies: ``gpu_rules``, that vLLM's GPU
+    thresholds picked it for a platform that is no GPU (:func:`gpu_rules_note`, None where a precondition
+    picked native, which no threshold decides), how its unquantised all-reduces travel (where not as one
     all-reduce each), which of the sums it sends are quantised, how a reduced shared output and
     token-sharded output (with the padded token count) change the tier."""
     # The facts first, from the tier's record and the config, then the words. The sums (all-reduces,
@@ -207,13 +214,9 @@ def _call_notes(config: TailConfig, tier: Tier, num_tokens: int, tp_size: int, w
     buffers = collective_buffers(config, num_tokens, tp_size, tier=tier, weight_layout=layout,
                                  sums=config.sum_plan(tp_size, platform))
     sums = [buffer for buffer in buffers if buffer.kind in SUM_KINDS and buffer.nbytes] if tp_size > 1 else []
-    token_sharded = is_token_sharded_output(config, num_tokens, tp_size)
     minimum = config.quantization_min_bytes(tp_size)
 
-    notes = []
-    gpu_rules = gpu_rules_note(config, platform)
-    if gpu_rules is not None and _precondition(config, num_tokens, tp_size) is None:
-        notes.append(gpu_rules)
+    notes = [gpu_rules] if gpu_rules is not None else []
     all_reduces = [buffer for buffer in sums if buffer.form is not None]
     if config.all_reduce_form != "auto" and all_reduces:
         notes.append(f"all_reduce_form={config.all_reduce_form!r}")
@@ -233,10 +236,11 @@ def _call_notes(config: TailConfig, tier: Tier, num_tokens: int, tp_size: int, w
                      + (f"; outside that range, in {config.dtype.name}: {', '.join(plain)}" if plain else ""))
     if config.shared_output_is_reduced:
         notes.append(f"shared output reduced before the tail: {tier.record.shared_reduced_form}")
-    if token_sharded:
+    # Token-sharded output is the config's sequence_parallel, for every call (is_token_sharded_output).
+    if config.sequence_parallel:
         notes.append(f"sequence-parallel output: {tier.record.token_sharded_form}")
     padded = padded_token_count(num_tokens, tp_size)
-    if token_sharded and padded != num_tokens:
+    if config.sequence_parallel and padded != num_tokens:
         why = "is empty" if num_tokens == 0 else f"is not divisible by tp_size={tp_size}"
         notes.append(f"T={num_tokens} {why} and JAX arrays shard evenly only, so the tokens are padded with zero "
                      f"rows to T'={padded}: each rank returns its {padded // tp_size} of the [{padded}, H] output, "

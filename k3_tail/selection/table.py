@@ -47,7 +47,11 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+import jax
+
+from k3_tail._checks import check_path
 from k3_tail.config import ALL_REDUCE_QUANTIZATIONS, TailConfig
+from k3_tail.hardware import check_platform
 from k3_tail.json_files import read_json
 from k3_tail.ops.columns import WEIGHT_LAYOUTS
 from k3_tail.ops.up_projection import FP8_FORMATS
@@ -181,9 +185,11 @@ class SelectionTable(SelectionPolicy):
         return self.ranges[index]
 
     def select(self, config: TailConfig, num_tokens: int, tp_size: int, *, weight_layout: str | None = None,
-               device_kind: str | None = None, platform: str | None = None) -> TierDecision:
+               device_kind: str | None = None, platform: str | jax.Device | None = None) -> TierDecision:
         """The tier of the range that holds ``num_tokens``, after :meth:`check_matches` (ValueError when
-        the call is not where the table was measured)."""
+        the call is not where the table was measured; ``platform``, checked as :func:`k3_tail.select_tier`
+        checks it, does not enter: the device kind says more)."""
+        check_platform(platform)
         self.check_matches(config, tp_size, weight_layout=weight_layout, device_kind=device_kind)
         token_range = self.range_for(num_tokens)
         source = f", {self.source}" if self.source else ""
@@ -230,7 +236,7 @@ class SelectionTable(SelectionPolicy):
         if len(text.encode()) > MAX_FILE_BYTES:
             raise ValueError(f"selection_table: its JSON would be {len(text.encode())} bytes, more than the "
                              f"{MAX_FILE_BYTES}-byte limit that load reads; shorten source")
-        with open(path, "w") as file:
+        with open(check_path("selection_table", path, expected="a path to write the table to"), "w") as file:
             file.write(text)
 
     @classmethod

@@ -6,10 +6,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from k3_tail.tiers.context import TailCall
 from k3_tail.ops.columns import assemble_column_blocks, own_kernel_block, pad_columns
-from k3_tail.tiers.record import CallShape, CollectiveTerm, GpuKernelCounts, TierRecord
 from k3_tail.ops.scopes import SHARED_REDUCTION
+from k3_tail.tiers.context import TailCall
+from k3_tail.tiers.record import CallShape, CollectiveTerm, GpuKernelCounts, TierRecord
 
 
 def column_parallel_tail(routed_partial, shared_partial, norm_weight, up_proj_kernel, call: TailCall) -> jax.Array:

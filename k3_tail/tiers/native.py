@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import jax
 
-from k3_tail.tiers.context import TailCall
 from k3_tail.ops.columns import project_all_columns
-from k3_tail.tiers.record import CallShape, CollectiveTerm, GpuKernelCounts, TierRecord
 from k3_tail.ops.tokens import own_tokens
+from k3_tail.tiers.context import TailCall
+from k3_tail.tiers.record import CallShape, CollectiveTerm, GpuKernelCounts, TierRecord
 
 
 def native_tail(routed_partial, shared_partial, norm_weight, up_proj_kernel, call: TailCall) -> jax.Array:

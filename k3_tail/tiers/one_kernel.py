@@ -19,9 +19,9 @@ import jax
 import jax.numpy as jnp
 
 from k3_tail.config import TailConfig
-from k3_tail.hardware import GPU_PLATFORMS
 from k3_tail.ops.columns import assemble_column_blocks, padded_hidden_size
-from k3_tail.ops.fused_projection import LARGEST_ROW_TILE, norm_project_add, triton_unavailable
+from k3_tail.ops.fused_launch import COMPILED_ON, LARGEST_ROW_TILE, fused_grid
+from k3_tail.ops.fused_projection import norm_project_add, norm_project_add_into, triton_unavailable
 from k3_tail.ops.scopes import SHARED_REDUCTION, UP_PROJECTION
 from k3_tail.tiers import column_parallel
 from k3_tail.tiers.context import TailCall
@@ -42,37 +42,37 @@ def one_kernel_tail(routed_partial, shared_partial, norm_weight, up_proj_kernel,
     config = call.config
     hidden = config.hidden_size
     latent = call.reduced_latent(routed_partial)
-    project_add = _project_add(latent, norm_weight, up_proj_kernel, call)
+    norm_weight = norm_weight if config.use_latent_norm else None
+    options = _kernel_options(call)
     if not config.shared_output_is_reduced:
         buffer = shared_partial if shared_partial is not None else jnp.zeros((latent.shape[0], hidden), config.dtype)
-        return call.reduce_output(project_add(buffer, into_addend=True), scope=SHARED_REDUCTION)
-    if call.token_sharded:
-        # This rank's shared rows are not its columns' rows: the blocks travel to token rows first.
-        own = project_add(None, into_addend=False)
-        return call.add_shared(assemble_column_blocks(own, hidden_size=hidden, token_sharded=True,
-                                                      axis_name=call.axis_name), shared_partial)
-    own = project_add(shared_partial, into_addend=False)
-    return assemble_column_blocks(own, hidden_size=hidden, token_sharded=False, axis_name=call.axis_name)
-
-
-def _project_add(latent, norm_weight, up_proj_kernel, call: TailCall):
-    """The kernel for this call, taking only what differs between its uses: the addend and where the
-    result goes."""
-    config = call.config
-    block_width = padded_hidden_size(config.hidden_size, call.tp_size) // call.tp_size
-    # Interpreted (a CPU), the kernel does not split K (the split's own path is tested on the kernel itself).
-    interpret = RECORD.runs_interpreted_on(call.platform)
-
-    def project_add(addend, *, into_addend):
         with jax.named_scope(UP_PROJECTION):
-            return norm_project_add(
-                latent, norm_weight if config.use_latent_norm else None, up_proj_kernel, addend,
-                rank=call.rank_index(), tp_size=call.tp_size, block_width=block_width,
-                hidden_size=config.hidden_size, eps=config.rms_norm_eps, scale=config.routed_scaling_factor,
-                into_addend=into_addend, interpret=interpret, platform=call.platform,
-            )
+            summed = norm_project_add_into(latent, norm_weight, up_proj_kernel, buffer, **options)
+        return call.reduce_output(summed, scope=SHARED_REDUCTION)
+    # With token-sharded output this rank's shared rows are not its columns' rows: the blocks travel to token
+    # rows first and the shared rows are added after.
+    with jax.named_scope(UP_PROJECTION):
+        own = norm_project_add(latent, norm_weight, up_proj_kernel, None if call.token_sharded else shared_partial,
+                               **options)
+    assembled = assemble_column_blocks(own, hidden_size=hidden, token_sharded=call.token_sharded,
+                                       axis_name=call.axis_name)
+    return call.add_shared(assembled, shared_partial) if call.token_sharded else assembled
 
-    return project_add
+
+def _kernel_options(call: TailCall) -> dict:
+    """The kernel's keywords for this call: the rank and sizes, the norm's constants, where it compiles."""
+    config = call.config
+    return dict(rank=call.rank_index(), tp_size=call.tp_size,
+                block_width=padded_hidden_size(config.hidden_size, call.tp_size) // call.tp_size,
+                hidden_size=config.hidden_size, eps=config.rms_norm_eps, scale=config.routed_scaling_factor,
+                # Interpreted (a CPU), the kernel does not split K (the split's path is tested on the kernel).
+                interpret=RECORD.runs_interpreted_on(call.platform), platform=call.platform)
+
+
+def _scratch_bytes(config: TailConfig, num_tokens: int, tp_size: int) -> int:
+    """The kernel's scratch for T tokens on p ranks: its grid's (fused_grid: the split of K on a GPU)."""
+    block_width = padded_hidden_size(config.hidden_size, tp_size) // tp_size
+    return fused_grid(num_tokens, config.latent_size, block_width).scratch_bytes(num_tokens)
 
 
 def _why_not(config: TailConfig | None) -> str | None:
@@ -99,5 +99,7 @@ RECORD = TierRecord(
                                   rocm={"column": (1, 1), "replicated": (1, 1)}),
     unavailable=_why_not,
     rows_per_weight_read=LARGEST_ROW_TILE,
-    compiled_on=GPU_PLATFORMS,
+    compiled_on=COMPILED_ON,
+    scratch_bytes=_scratch_bytes,
+    reads_rank=True,
 )

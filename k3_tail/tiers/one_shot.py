@@ -14,10 +14,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from k3_tail.tiers.context import TailCall
 from k3_tail.ops.norm import inverse_rms
-from k3_tail.tiers.record import CallShape, CollectiveTerm, GpuKernelCounts, TierRecord
 from k3_tail.ops.scopes import PACKED_REDUCTION
+from k3_tail.tiers.context import TailCall
+from k3_tail.tiers.record import CallShape, CollectiveTerm, GpuKernelCounts, TierRecord
 
 
 def one_shot_tail(routed_partial, shared_partial, norm_weight, up_proj_kernel, call: TailCall) -> jax.Array:

@@ -31,10 +31,10 @@ from types import MappingProxyType
 import jax
 from jax import lax
 
-from k3_tail.tiers.context import TailCall
 from k3_tail.ops.columns import gather_columns, project_own_columns
-from k3_tail.tiers.record import CallShape, CollectiveTerm, GpuKernelCounts, TierRecord
 from k3_tail.ops.tokens import own_tokens
+from k3_tail.tiers.context import TailCall
+from k3_tail.tiers.record import CallShape, CollectiveTerm, GpuKernelCounts, TierRecord
 
 
 def overlap_tail(routed_partial, shared_partial, norm_weight, up_proj_kernel, call: TailCall) -> jax.Array:

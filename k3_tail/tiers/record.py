@@ -164,7 +164,11 @@ class TierRecord:
     Triton backend, which a jax may lack). rows_per_weight_read: the token rows of the tier's GEMM tile,
     when it reads its kernel once per tile of them (:meth:`weight_reads`), else None (once). compiled_on:
     the device platforms where its kernel runs compiled, elsewhere interpreted (one_kernel's Pallas kernel:
-    "cuda", "rocm"), or None (everywhere: it is XLA's).
+    :data:`k3_tail.hardware.GPU_PLATFORMS`, "gpu" included), or None (everywhere: it is XLA's).
+    scratch_bytes: the bytes of scratch its kernel writes and reads back once per call, as a function of
+    (config, T, p) (one_kernel's split of K: partials, exponents, counters), or None (none). reads_rank: its
+    ranks read their own index (one_kernel's kernel writes at its columns), which the programs that place
+    the inputs (:mod:`k3_tail.forward`) pass as an argument, each rank's block of arange(p).
     """
 
     name: str
@@ -184,6 +188,8 @@ class TierRecord:
     unavailable: Callable[[TailConfig | None], str | None] | None = None
     rows_per_weight_read: int | None = None
     compiled_on: tuple[str, ...] | None = None
+    scratch_bytes: Callable[[TailConfig, int, int], int] | None = None
+    reads_rank: bool = False
 
     def why_not(self, weight_layout: str, config: TailConfig | None = None) -> str | None:
         """Why the tier cannot run with ``weight_layout`` and ``config`` (None: not considered), or None."""

@@ -6,10 +6,10 @@ from types import MappingProxyType
 
 import jax
 
-from k3_tail.tiers.context import TailCall
 from k3_tail.ops.columns import assemble_column_blocks, own_kernel_block, pad_columns
-from k3_tail.tiers.record import REDUCE_SCATTER, CallShape, CollectiveTerm, GpuKernelCounts, TierRecord
 from k3_tail.ops.scopes import SHARED_REDUCTION
+from k3_tail.tiers.context import TailCall
+from k3_tail.tiers.record import REDUCE_SCATTER, CallShape, CollectiveTerm, GpuKernelCounts, TierRecord
 
 
 def scatter_gather_tail(routed_partial, shared_partial, norm_weight, up_proj_kernel, call: TailCall) -> jax.Array:

@@ -14,11 +14,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from k3_tail.tiers.context import TailCall
 from k3_tail.ops.norm import rms_norm
-from k3_tail.tiers.record import ALL_GATHER, REDUCE_SCATTER, CallShape, CollectiveTerm, GpuKernelCounts, TierRecord
 from k3_tail.ops.scopes import LATENT_REDUCTION, SHARED_REDUCTION
 from k3_tail.ops.tokens import gather_tokens, own_tokens, pad_tokens
+from k3_tail.tiers.context import TailCall
+from k3_tail.tiers.record import ALL_GATHER, REDUCE_SCATTER, CallShape, CollectiveTerm, GpuKernelCounts, TierRecord
 
 
 def token_parallel_tail(routed_partial, shared_partial, norm_weight, up_proj_kernel, call: TailCall) -> jax.Array:

@@ -1,11 +1,11 @@
 """Timing the tiers: wall time of :func:`k3_tail.tail_forward` per (token count, tier) on a mesh.
 
 What a measurement is: inputs random with a fixed seed, placed on the mesh before timing (the
-weights and the ranks' indices once, each token count's partials once), so that no host transfer is timed; each
+weights once, each token count's partials once), so that no host transfer is timed; each
 (T, tier) first runs ``warmup`` times (the first run compiles), then ``repeats`` timed runs, each
 waiting for its result (``block_until_ready``). A :class:`Measurement` keeps the median, the
 quartiles and the extremes of those runs in seconds. Times include the Python dispatch of
-:func:`k3_tail.forward.forward_on_ranks` (``tail_forward`` with the ranks' indices placed), as a caller sees it.
+:func:`k3_tail.tail_forward`, as a caller sees it.
 
 The "bare local GEMM" (:func:`measure_local_gemm`) is the floor a tier's compute cannot go under:
 the [T, L] x [L, columns] projection alone, bf16 (the config's dtype) in, float32 accumulated,
@@ -35,16 +35,15 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from k3_tail._checks import AxisName, check_int, check_mesh
 from k3_tail.config import TailConfig
-from k3_tail.forward import forward_on_ranks, rank_indices
-from k3_tail.ops.columns import check_weight_layout, pad_columns, padded_hidden_size
+from k3_tail.forward import tail_forward
 from k3_tail.hardware import device_platform
-from k3_tail.tiers.registry import Tier
+from k3_tail.ops.columns import check_weight_layout, pad_columns, padded_hidden_size
 from k3_tail.ops.up_projection import column_sharding, quantize_up_proj
+from k3_tail.tiers.registry import Tier
 
 DEFAULT_MAX_TOKENS = 8192
 CPU_MAX_TOKENS = 1024
@@ -193,12 +192,11 @@ def measure_tiers(
     warmup = check_int("warmup", warmup, minimum=1)
     rng = np.random.default_rng(seed)
     norm_weight, up_proj_kernel = place_weights(config, mesh, weight_layout, rng, axis_name=axis_name)
-    ranks = rank_indices(mesh, axis_name)  # placed once, not in every timed call
     measurements = []
     for num_tokens in token_counts:
         routed_partials, shared_partials = place_partials(config, mesh, num_tokens, rng, axis_name=axis_name)
         forward = functools.partial(
-            forward_on_ranks, routed_partials, shared_partials, norm_weight, up_proj_kernel, ranks,
+            tail_forward, routed_partials, shared_partials, norm_weight, up_proj_kernel,
             config=config, mesh=mesh, axis_name=axis_name, weight_layout=weight_layout,
         )
         for tier in tiers:

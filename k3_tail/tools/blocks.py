@@ -12,11 +12,10 @@ from jax import lax
 
 from k3_tail.config import TailConfig
 from k3_tail.hardware import device_platform
-from k3_tail.ops import collectives, fused_projection, norm, up_projection
+from k3_tail.ops import collectives, fused_launch, fused_projection, norm, up_projection
 from k3_tail.ops.codecs import CODECS
 from k3_tail.ops.columns import WEIGHT_LAYOUTS
 from k3_tail.ops.up_projection import FP8_FORMATS
-from k3_tail.tiers import one_kernel
 
 # The weight layouts ("column", "replicated"), the up projection's FP8 formats and the all-reduce codecs
 # ("int8", "int6", "int4").
@@ -48,8 +47,8 @@ def norm_project_add(latent: jax.Array, weight: jax.Array | None, kernel: jax.Ar
     platform = device_platform(jax.devices()[0])
     return fused_projection.norm_project_add(
         latent, weight, kernel, addend, rank=jnp.zeros((1,), jnp.int32), tp_size=1, block_width=kernel.shape[1],
-        hidden_size=kernel.shape[1], eps=config.rms_norm_eps, scale=config.routed_scaling_factor, into_addend=False,
-        interpret=one_kernel.RECORD.runs_interpreted_on(platform), platform=platform)
+        hidden_size=kernel.shape[1], eps=config.rms_norm_eps, scale=config.routed_scaling_factor,
+        interpret=fused_launch.runs_interpreted_on(platform), platform=platform)
 
 
 def all_reduce(x: jax.Array, config: TailConfig, *, axis_name: str, platform: str | None = None) -> jax.Array:

@@ -7,7 +7,7 @@ holds them.
 
 Per TP rank, T tokens, p ranks, d bytes per activation and weight element (the config's dtype) and
 d_e per routed-expert weight element (d by default; Kimi-K3's released checkpoint stores the routed
-experts in MXFP4, ``MXFP4_BYTES`` = 4.25 bits: 4-bit values and one 8-bit scale per 32):
+experts in MXFP4, ``k3_tail.mxfp4.MXFP4_BYTES`` = 4.25 bits: 4-bit values and one 8-bit scale per 32):
 
 | kernel | FLOPs | bytes |
 | --- | --- | --- |
@@ -49,8 +49,6 @@ from k3_tail.ops.tokens import padded_token_count
 from k3_tail.selection import cost_model
 from k3_tail.tiers.registry import Tier
 from k3_tail.tools.blocks import gemm_rows
-
-MXFP4_BYTES = 4.25 / 8
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,6 +20,7 @@ import jax
 
 from k3_tail.xla import report as xla_report
 from k3_tail.xla.hlo_text import parse_module
+
 # Instructions that name or regroup values without computing.
 _NO_COMPUTE = {"parameter", "constant", "bitcast", "get-tuple-element", "tuple", "opt-barrier"}
 

@@ -14,18 +14,17 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from k3_tail._checks import AxisName, check_int, check_mesh
+from k3_tail._checks import AxisName, check_int, check_mesh, check_path
 from k3_tail.config import TailConfig, check_config
-from k3_tail.forward import forward_on_ranks
+from k3_tail.forward import lowered_tail
 from k3_tail.hardware import check_platform
-from k3_tail.selection.rules import call_tier
 from k3_tail.ops.columns import check_weight_layout, padded_hidden_size
-from k3_tail.tiers.registry import Tier
 from k3_tail.ops.tokens import padded_token_count
 from k3_tail.ops.up_projection import QuantizedKernel, column_sharding
+from k3_tail.selection.rules import call_tier
+from k3_tail.tiers.registry import Tier
 
 
 def compiler_options(tier: Tier | str, platform: str | jax.Device) -> dict[str, Any]:
@@ -128,25 +127,21 @@ def compile_tail(
     Returns:
       The ``jax.stages.Compiled`` program. Its arguments are :func:`tail_arguments` in that order,
       flat, Nones dropped (an FP8 kernel is two: values, then scales), so the shared partial is argument 1,
-      and last the ranks' indices (int32 [p] split over the axis, :func:`k3_tail.forward.rank_indices`).
+      and after them the per-rank inputs the tier reads (:func:`k3_tail.forward.lowered_tail`).
 
     Raises:
       ValueError: naming the argument, for a bad config, mesh, token count, tier or layout.
     """
     check_config(config)
+    if dump_to is not None:
+        dump_to = check_path("dump_to", dump_to, expected="a directory for XLA's dump")
     arguments = tail_arguments(config, mesh, num_tokens, axis_name=axis_name, weight_layout=weight_layout)
     device, tp_size = mesh.devices.flat[0], check_mesh(mesh, axis_name)
     resolved = call_tier(config, num_tokens, tp_size, weight_layout=weight_layout, tier=tier, device=device)
 
-    def call(routed, shared, norm_weight, kernel, ranks):
-        return forward_on_ranks(
-            routed, shared, norm_weight, kernel, ranks,
-            config=config, mesh=mesh, axis_name=axis_name, tier=resolved, weight_layout=weight_layout,
-        )
-
     options = compiler_options(resolved, device) | dict(xla_options or {})
     if dump_to is not None:
-        options["xla_dump_to"] = os.fspath(dump_to)
-    ranks = jax.ShapeDtypeStruct((tp_size,), jnp.int32, sharding=NamedSharding(mesh, P(axis_name)))
-    return jax.jit(call).lower(*arguments, ranks).compile(compiler_options=options)
+        options["xla_dump_to"] = dump_to
+    lowered = lowered_tail(config, mesh, arguments, axis_name=axis_name, tier=resolved, weight_layout=weight_layout)
+    return lowered.compile(compiler_options=options)
 

@@ -17,12 +17,11 @@ from typing import Any
 
 import jax
 
+from k3_tail._checks import check_path
 from k3_tail.ops.codecs import CODECS
+from k3_tail.ops.scopes import PREFIX as SCOPE_PREFIX, SCOPES
 from k3_tail.tiers.record import RING_WIRE_FACTORS
-from k3_tail.ops.scopes import PREFIX as SCOPE_PREFIX
-from k3_tail.ops.scopes import SCOPES
 from k3_tail.units import format_bytes, format_flops
-from k3_tail.xla.launches import read_launches
 from k3_tail.xla.hlo_text import (
     ArrayShape,
     Instruction,
@@ -35,6 +34,7 @@ from k3_tail.xla.hlo_text import (
     parse_module,
     replica_group_size,
 )
+from k3_tail.xla.launches import read_launches
 
 _COLLECTIVE_KINDS = (
     "all-reduce", "all-gather", "reduce-scatter", "all-to-all", "ragged-all-to-all", "collective-permute",
@@ -235,6 +235,8 @@ def report(compiled: jax.stages.Compiled, *, shared_argument: int | None = 1,
     """
     if not isinstance(shared_argument, (int, type(None))) or isinstance(shared_argument, bool):
         raise ValueError(f"shared_argument: expected an argument index or None, got {shared_argument!r}")
+    if dump_dir is not None:
+        dump_dir = check_path("dump_dir", dump_dir, expected="the directory XLA dumped the compile into")
     module = parse_module(compiled.as_text())
     schedule = module.entry.instructions
     symbols = module.entry.by_name()

@@ -1,0 +1,61 @@
+"""The GPU acceptance run of one_kernel's kernel: back-to-back checked calls, then its time against the XLA tiers'.
+
+    python scripts/gpu_acceptance.py [--calls N] [--devices all|1] [--seed S] [--json FILE|-]
+
+Every case and mode of k3_tail.tools.acceptance (its docstring: what a call checks), --calls calls each on
+every device, then scripts/gpu_profile.py's timing at the cases' T (skipped where the kernel runs
+interpreted). Exit status 1 on any mismatch (README: "GPU acceptance run").
+"""
+
+import functools
+
+import gpu_profile
+import jax
+
+from k3_tail import TailConfig, Tier
+from k3_tail.hardware import device_platform
+from k3_tail.tools import acceptance
+from k3_tail.tools.experiment import Experiment, announce_machine, positive_int, tp_mesh, use_cpu_without_gpu
+
+
+def time_against_xla_tiers(config: TailConfig, device: jax.Device, token_counts, seed: int) -> dict:
+    """gpu_profile's rows at p = 8, column layout, on ``device``, and the kernel's ratios to the XLA tiers."""
+    platform = device_platform(device)
+    if Tier.ONE_KERNEL.record.runs_interpreted_on(platform):
+        return {"skipped": f"the kernel runs interpreted on {platform}: nothing to time"}
+    arguments, drop_activations = gpu_profile.input_maker(config, device, seed)
+    run_xla, run_kernel = (jax.jit(functools.partial(work, config=config))
+                           for work in (gpu_profile.local_work, gpu_profile.fused_local_work))
+    rows = [gpu_profile.measure(case, arguments(case), run_kernel if case["tier"] == Tier.ONE_KERNEL.value else run_xla,
+                                repeats=gpu_profile.GPU_REPEATS, warmup=1, hardware=None)
+            for case in gpu_profile.cases(config, (acceptance.TP_SIZE,), token_counts, ("column",), platform)]
+    drop_activations()
+    return {"rows": rows, "ratios": acceptance.kernel_ratios(rows)}
+
+
+def main(argv: list[str] | None = None, *, oracle: acceptance.Oracle = acceptance.serial_split_oracle) -> int:
+    """The run (module docstring); ``oracle`` computes what each split call must equal bit for bit."""
+    experiment = Experiment(__doc__, devices=False)
+    experiment.parser.add_argument("--calls", type=positive_int, metavar="N", help="checked calls per case and mode "
+                                   f"(default: {acceptance.GPU_CALLS} on a GPU, {acceptance.CPU_CALLS} on the CPU)")
+    experiment.parser.add_argument("--devices", choices=("all", "1"), default="all",
+                                   help="every device, each checking the per-rank shapes of p = 8 (default), or one")
+    args = experiment.parse(argv)
+    use_cpu_without_gpu()
+    mesh = tp_mesh(jax.devices()[: None if args.devices == "all" else 1])
+    config, device = TailConfig.kimi_k3(), mesh.devices.flat[0]
+    experiment.machine = announce_machine(experiment.out)
+    calls = args.calls or (acceptance.CPU_CALLS if device.platform == "cpu" else acceptance.GPU_CALLS)
+    cases = acceptance.kimi_k3_cases(config, device)
+    experiment.print(f"{mesh.size} x {device.device_kind!r}: {calls} calls per case and mode, seed {args.seed}")
+    reports = acceptance.run_cases(cases, mesh, calls=calls, config=config, seed=args.seed, oracle=oracle)
+    experiment.print("", acceptance.format_reports(reports))
+    timing = time_against_xla_tiers(config, device, sorted({case.num_tokens for case in cases}), args.seed)
+    passed = acceptance.all_passed(reports)
+    experiment.finish(settings={"calls": calls, "devices": mesh.size, "seed": args.seed}, passed=passed,
+                      cases=reports, timing=timing)
+    return 0 if passed else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,116 @@
+"""scripts/gpu_acceptance.py on the CPU, in this process (its main), at Kimi-K3's shapes with its CPU defaults.
+
+On the CPU the kernel runs interpreted: the run exercises the checks' code, not the split's memory ordering,
+and reports the command-buffer mode and the timing as not applicable. What the GPU compiles for the two modes
+is checked on deviceless GPU topologies.
+"""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax import lax
+
+import k3_tail
+from helpers import gpu_mesh_for, topology_params
+from k3_tail.tools import acceptance
+from k3_tail.tools.experiment import tp_mesh
+
+SCRIPTS = Path(__file__).parent.parent / "scripts"
+KIMI_K3 = k3_tail.TailConfig.kimi_k3()
+# On a GPU backend (JAX_PLATFORMS=rocm) the run is the real one, minutes long: the README's command, not a test.
+on_the_cpu = pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU run; a GPU runs the script itself")
+
+
+@pytest.fixture(scope="module")
+def script():
+    """scripts/gpu_acceptance.py as a module (scripts/ is no package; it imports gpu_profile beside it)."""
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        specification = importlib.util.spec_from_file_location("gpu_acceptance", SCRIPTS / "gpu_acceptance.py")
+        module = importlib.util.module_from_spec(specification)
+        specification.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(SCRIPTS))
+    return module
+
+
+@pytest.fixture(scope="module")
+def passing_run(script, tmp_path_factory):
+    path = tmp_path_factory.mktemp("gpu_acceptance") / "report.json"
+    status = script.main(["--devices", "1", "--json", str(path)])
+    return status, json.loads(path.read_text())
+
+
+@on_the_cpu
+def test_the_cpu_run_passes(passing_run):
+    status, report = passing_run
+    assert status == 0 and report["passed"] is True
+
+
+@on_the_cpu
+def test_every_case_is_checked_plain_with_k_split_and_within_tolerance(passing_run):
+    _, report = passing_run
+    plain = [case for case in report["cases"] if case["mode"] == "plain"]
+    cases = acceptance.kimi_k3_cases(KIMI_K3, jax.devices()[0])
+    assert [case["case"] for case in plain] == [case.name for case in cases]
+    for case in plain:
+        assert case["status"] == "pass" and case["calls"] == acceptance.CPU_CALLS and case["splits"] > 1
+        assert case["mismatches"] == 0 and case["nonfinite"] == 0
+        assert 0 < case["max_relative_error"] <= case["tolerance"] == acceptance.RELATIVE_TOLERANCE
+        assert (case["device_kind"], case["jax"]) == ("cpu", jax.__version__)
+    assert {case["kernel"] for case in plain} == {"bfloat16", "float8_e4m3fn"}
+
+
+@on_the_cpu
+def test_the_calls_cover_every_rank(passing_run):
+    _, report = passing_run
+    assert set().union(*(case.get("ranks", ()) for case in report["cases"])) == set(range(acceptance.TP_SIZE))
+
+
+@on_the_cpu
+def test_command_buffers_and_timing_are_reported_not_applicable_on_the_cpu(passing_run):
+    _, report = passing_run
+    graphed = [case for case in report["cases"] if case["mode"] == "command_buffers"]
+    assert graphed and all(case["status"] == "not applicable on cpu" and "calls" not in case for case in graphed)
+    assert "interpreted" in report["timing"]["skipped"]
+
+
+def one_flipped_bit(latent, norm_weight, kernel, addend, **arguments):
+    """The serial oracle with the lowest bit of its first element flipped: wrong by one bf16 ulp."""
+    bits = lax.bitcast_convert_type(acceptance.serial_split_oracle(latent, norm_weight, kernel, addend, **arguments),
+                                    jnp.uint16)
+    return lax.bitcast_convert_type(bits.at[0, 0].set(bits[0, 0] ^ 1), jnp.bfloat16)
+
+
+@on_the_cpu
+def test_a_mismatch_with_the_oracle_fails_the_run(script, tmp_path):
+    path = tmp_path / "report.json"
+    assert script.main(["--calls", "1", "--devices", "1", "--json", str(path)], oracle=one_flipped_bit) == 1
+    report = json.loads(path.read_text())
+    plain = [case for case in report["cases"] if case["mode"] == "plain"]
+    assert report["passed"] is False
+    assert all(case["status"] == "fail" and case["mismatches"] == case["mismatching_calls"] == 1 for case in plain)
+
+
+@on_the_cpu
+def test_every_device_checks_a_rank_of_its_own():
+    """Call c on device d is rank (c + d) mod p: call 7 on two devices checks ranks 7 and 0."""
+    mesh = tp_mesh(jax.devices()[:2])
+    report = acceptance.run_case(acceptance.Case(1, "bfloat16"), "plain", mesh, calls=1, first_call=7, config=KIMI_K3,
+                                 seed=1)
+    assert report["status"] == "pass" and report["devices"] == 2 and report["ranks"] == [0, 7]
+
+
+@pytest.mark.parametrize("topology", topology_params("h100x8", "mi300xx8"))
+def test_the_command_buffer_mode_compiles_to_one_graph_and_plain_to_none(topology):
+    """The whole checked call in one kCommandBuffer thunk (XLA's dump), or in none; one device of the topology."""
+    mesh = tp_mesh(gpu_mesh_for(topology).devices.flat[:1])
+    case = acceptance.Case(16, "bfloat16")
+    thunks = {mode: acceptance.compile_check(case, mode, mesh, config=KIMI_K3, seed=0,
+                                             oracle=acceptance.serial_split_oracle)[1] for mode in acceptance.MODES}
+    assert thunks == {"plain": 0, "command_buffers": 1}
