@@ -12,6 +12,7 @@ from k3_tail._checks import AxisName, check_axis_name, check_mesh, expect_array,
 from k3_tail.config import TailConfig, check_config
 from k3_tail.hardware import GPU_PLATFORMS, device_platform
 from k3_tail.ops.columns import check_weight_layout, pad_columns, padded_hidden_size
+from k3_tail.ops.fused_projection import shard_map_may_type_values
 from k3_tail.ops.pallas_triton import ignore_triton_deprecation_warning
 from k3_tail.ops.tokens import pad_tokens
 from k3_tail.ops.up_projection import check_up_proj_kernel, column_sharding, column_spec
@@ -175,9 +176,8 @@ def _tail_forward_jit(routed_partials, shared_partials, norm_weight, up_proj_ker
 
     in_specs = tuple(None if x is None else spec for x, spec in zip(args, specs, strict=True))
     out_spec = P(axis_name) if is_token_sharded_output(config, num_tokens, tp_size) else P()
-    # Pallas's interpreter takes no values typed as varying over the mesh (docs/design.md, section 2.13): where this
-    # call's kernel runs interpreted, the shard_map does not type them, and each device runs only its own kernel.
-    check_vma = not tier.record.runs_interpreted_on(device_platform(device))
+    # A tier with a Pallas kernel: typed as its kernel allows (shard_map_may_type_values: not interpreted).
+    check_vma = tier.record.compiled_on is None or shard_map_may_type_values(device_platform(device))
     return jax.shard_map(per_rank, mesh=mesh, in_specs=in_specs, out_specs=out_spec, check_vma=check_vma)(*args)
 
 

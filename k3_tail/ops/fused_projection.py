@@ -57,6 +57,7 @@ from k3_tail.ops.fused_launch import (
     TARGET_PROGRAMS,
     FusedGrid,
     fused_grid,
+    runs_interpreted_on,
     warps_per_program,
 )
 from k3_tail.ops.norm import rms_norm, row_scale_floor
@@ -73,6 +74,16 @@ def triton_unavailable() -> str | None:
     except ImportError as error:  # a jax without the backend (deprecated since jax 0.11)
         return f"this jax ({jax.__version__}) has no Pallas Triton backend ({_PALLAS_TRITON}: {error})"
     return None
+
+
+def shard_map_may_type_values(platform: str | None) -> bool:
+    """Whether a ``jax.shard_map`` whose ranks run this kernel on ``platform`` may type its values as varying
+    over its axes (``check_vma``): everywhere the kernel compiles. Where it runs interpreted, Pallas's
+    interpreter takes no such values (jax 0.10-0.12: "Primitive ... requires varying manual axes to match"):
+    a shard_map that leaves them untyped (:mod:`k3_tail.forward`'s) runs each rank's kernel alone, and in one
+    that types them (a caller's) :func:`norm_project_add` gathers the inputs and runs every rank's kernel on
+    each, p times the work: the one workaround of that limitation, in its two forms."""
+    return not runs_interpreted_on(platform)
 
 
 def norm_project_add(
@@ -219,9 +230,8 @@ def _fused_call(latent, norm_weight, kernel, addend, *, into_addend: bool, rank,
 
     axes = tuple(sorted(set().union(*(varying_axes(array) for array in present)), key=str))
     if interpret and axes:
-        # Pallas's interpreter cannot take values that vary over shard_map's axes (jax 0.10-0.12 fail with
-        # "Primitive ... requires varying manual axes to match"), so each device runs the kernel for every
-        # device, on their gathered inputs, and keeps its own result: p times the work, on a CPU only.
+        # A shard_map that types its values as varying (shard_map_may_type_values): each device runs the kernel
+        # for every device, on their gathered inputs, and keeps its own result: p times the work, on a CPU only.
         stacked = [lax.all_gather(a, axes, to="invarying") if varying_axes(a) else None for a in present]
         shared = [None if s is not None else a for a, s in zip(present, stacked, strict=True)]
 
