@@ -189,8 +189,9 @@ def _elf_images(payload: bytes) -> list[bytes]:
 
 def _snappy_streams(blob: bytes):
     """The raw snappy streams in ``blob`` (an executable's serialisation: headers, then the compressed proto),
-    decompressed. Their start is not recorded where a reader could find it, so every offset is tried: a
-    stream starts with its length as a varint and decodes to exactly that many bytes."""
+    decompressed. Neither their start nor their end is recorded where a reader could find it, and a library
+    decoder (cramjam's, python-snappy's) takes exactly one whole stream: so every offset is tried with this
+    small decoder, which stops where a stream's stated length is reached (a varint first, then elements)."""
     offset = 0
     while offset < len(blob):
         decoded = _snappy_at(blob, offset)
