@@ -77,23 +77,33 @@ def kernel_code(compiled, kernel_name: str) -> KernelCode:
                      f"{kernel_name!r}")
 
 
-def _disassemble(image: bytes, kernel_name: str) -> KernelCode:
+def disassembly(image: bytes) -> tuple[str, str]:
+    """(the processor, the whole disassembly text) of a code object ``image`` (:func:`code_objects`): AMDGCN by
+    ``llvm-objdump``, SASS by ``nvdisasm``.
+
+    Raises:
+      ValueError: for an ELF image of neither machine.
+      DisassemblerUnavailable: when no disassembler for its architecture is installed.
+    """
     machine, flags = struct.unpack_from("<H4xI", image, 18)[0], struct.unpack_from("<I", image, 48)[0]
     with tempfile.TemporaryDirectory(prefix="k3_tail_code_") as directory:
         path = Path(directory) / "kernel.elf"
         path.write_bytes(image)
         if machine == _EM_AMDGPU:
             processor = _AMDGPU_PROCESSORS.get(flags & _AMDGPU_MACH_MASK, f"amdgcn mach {flags & 0xFF:#x}")
-            text = _objdump(path, processor)
-            return KernelCode(kernel_name, processor, _function(text, kernel_name, _amdgcn_instruction,
-                                                                r"<{name}>:$", r"^[0-9a-f]+ <.*>:$"))
+            return processor, _objdump(path, processor)
         if machine == _EM_CUDA:
-            text = _run([nvdisasm(), str(path)])
-            processor = f"sm_{(flags >> 8) & 0xFF}" if (flags >> 8) & 0xFF else "sm_?"
-            return KernelCode(kernel_name, processor, _function(text, kernel_name, _sass_instruction,
-                                                                r"^\.text\.{name}:", r"^//-{5,}|^\s*\.section"))
-    raise ValueError(f"kernel_name: {kernel_name!r} lies in a code object of ELF machine {machine}, neither "
-                     "AMDGPU nor CUDA")
+            return (f"sm_{(flags >> 8) & 0xFF}" if (flags >> 8) & 0xFF else "sm_?"), _run([nvdisasm(), str(path)])
+    raise ValueError(f"image: expected an AMDGPU or CUDA code object, got one of ELF machine {machine}")
+
+
+def _disassemble(image: bytes, kernel_name: str) -> KernelCode:
+    processor, text = disassembly(image)
+    if processor.startswith("sm_"):
+        return KernelCode(kernel_name, processor, _function(text, kernel_name, _sass_instruction,
+                                                            r"^\.text\.{name}:", r"^//-{5,}|^\s*\.section"))
+    return KernelCode(kernel_name, processor, _function(text, kernel_name, _amdgcn_instruction,
+                                                        r"<{name}>:$", r"^[0-9a-f]+ <.*>:$"))
 
 
 def _objdump(path: Path, processor: str) -> str:
