@@ -25,4 +25,11 @@ def ignore_triton_deprecation_warning() -> None:
     while a Triton kernel is traced, so that the lowering that follows does not warn. Every other warning,
     other DeprecationWarnings included, is filtered as before. Installing it again moves the one entry to
     the front of ``warnings.filters``; it never adds a second."""
-    warnings.filterwarnings("ignore", message=re.escape(DEPRECATION_MESSAGE), category=DeprecationWarning)
+    message = re.escape(DEPRECATION_MESSAGE)
+    first = warnings.filters[0] if warnings.filters else None
+    # Already first (every call of tail_forward on a GPU asks): leave the filters, and the caches that a change of
+    # them clears, alone.
+    if first is not None and first[0] == "ignore" and first[2] is DeprecationWarning and first[3] is None and (
+            getattr(first[1], "pattern", None) == message):
+        return
+    warnings.filterwarnings("ignore", message=message, category=DeprecationWarning)
