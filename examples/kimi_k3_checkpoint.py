@@ -120,10 +120,10 @@ def layer_config_from_hf(config: Any, **tail_overrides: Any) -> LayerConfig:
 def expert_quantization_from_hf(text: Any) -> str | None:
     """"mxfp4" when the text config ``text`` (``hf_config.text_config``'s) has a ``quantization_config`` of
     compressed-tensors' ``mxfp4-pack-quantized`` format (4-bit float weights in groups of 32, activations
-    unquantised), None when it has none. ValueError naming the field for any other quantisation."""
+    unquantised), its own or else its wrapper's top-level one (where compressed-tensors writes it), None when
+    neither has one. ValueError naming the field for any other quantisation."""
     text = hf_config.text_config(text)
-    where = text.name("quantization_config")
-    quantization = text.get("quantization_config")
+    quantization, where = text.inherited("quantization_config")
     if quantization is None:
         return None
     groups = quantization.get("config_groups", {}) if isinstance(quantization, Mapping) else None

@@ -26,9 +26,15 @@ and the hidden states. ``python -m examples.kimi_k3_mxfp4 [--topology cpu|h100x8
 per rank, temp bytes, bytes accessed and kernels against bf16 experts (:func:`compiled_figures`). No
 program writes a decoded copy of the experts: the gather method (decode) reduces over the group axes of
 ``decode_by_group``, so XLA fuses the gather of the codes into the multiply-reduce, and the capacity
-method (prefill) decodes S = E/16 experts at a time right before their GEMMs; the layer's temp memory
-(docs/performance.md has the table) is 1.6-1.7 / 5.1-6.2 MB at T = 1 / 16 (bf16 experts: 0.4-0.5 / 5.3-6.4)
-and 0.34-0.45 GB at T = 2048 (bf16: 0.67 GB), where it was 24 MB / 387 MB / 7.80 GB.
+method (prefill) takes S = E/16 experts at a time, each of its GEMMs on a GPU one Pallas kernel that decodes
+the codes in its operand load (:meth:`Mxfp4Kernel.matmul`, ``k3_tail.ops.mxfp4_matmul``; XLA fuses no decode
+into a GEMM and wrote each group's kernels decoded, 154 MB each); the layer's temp memory (docs/performance.md
+has the table) is 1.6-1.7 / 5.1-6.2 MB at T = 1 / 16 (bf16 experts: 0.4-0.5 / 5.3-6.4) and 0.19 GB at T = 2048
+(bf16: 0.67 GB), where it was 24 MB / 387 MB / 7.80 GB. On the CPU the capacity GEMMs multiply the decoded group.
+
+:func:`mxfp4_path` says, per method and device, which path a call takes and why no other route is (gfx950's
+MXFP4 matrix instruction would need the activations quantised, whose cost :func:`activation_quantization_error`
+measures; gfx942 has no FP4 instruction and a one-time FP8 copy does not fit it; Hopper multiplies FP8 at most).
 """
 
 from __future__ import annotations
@@ -38,12 +44,16 @@ import dataclasses
 import tempfile
 
 import jax
+import ml_dtypes
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import k3_tail
+from examples.kimi_k3_gemm import matmul
+from k3_tail import hardware
 from k3_tail.mxfp4 import CODES_PER_BYTE, E2M1_MAGNITUDES, GROUP_SIZE, MXFP4_BYTES, SCALE_BIAS, decode, decode_by_group
-from k3_tail.xla import report as xla_report
+from k3_tail.ops.mxfp4_matmul import mxfp4_matmul
+from k3_tail.xla import hlo_text, report as xla_report
 
 
 @jax.tree_util.register_dataclass
@@ -74,6 +84,17 @@ class Mxfp4Kernel:
     def decode_by_group(self, dtype) -> jax.Array:
         """The kernel's values [..., K/32, 16, 2, N] in ``dtype`` (``k3_tail.mxfp4.decode_by_group``)."""
         return decode_by_group(self.packed, self.scale, dtype)
+
+    def matmul(self, rows: jax.Array) -> jax.Array:
+        """rows [S, C, K] (the layer's dtype) times these S kernels [S, K, N], float32 [S, C, N], products in the rows'
+        dtype: on a GPU one Pallas kernel that decodes the codes in its operand load and writes no decoded weight
+        (``k3_tail.ops.mxfp4_matmul``), elsewhere XLA's GEMM of the decoded kernels (:func:`dense`)."""
+
+        def decoded(rows, packed, scale):
+            return matmul(rows, decode(packed, scale, rows.dtype))
+
+        return jax.lax.platform_dependent(rows, self.packed, self.scale, cuda=mxfp4_matmul, rocm=mxfp4_matmul,
+                                          default=decoded)
 
     def experts(self, start: jax.Array, count: int) -> Mxfp4Kernel:
         """Experts start .. start + count - 1 of the leading axis, still packed, as a dynamic slice (read in place
@@ -111,16 +132,105 @@ DECODE_PATHS = {
     "capacity": "S = E/16 experts at a time decoded to the layer's dtype right before their GEMMs (a loop)",
     "ragged_dot": "every expert decoded to the layer's dtype before the grouped GEMMs",
 }
+# The capacity method's GEMMs on a GPU (Mxfp4Kernel.matmul).
+IN_KERNEL_PATH = ("S = E/16 experts at a time (a loop), each GEMM one Pallas kernel that decodes the codes in its "
+                  "operand load (k3_tail.ops.mxfp4_matmul)")
+# Kimi-K3's MoE layers (93 decoder layers, the first dense) and the HBM of the GPUs whose MXFP4 routes differ, from
+# their data sheets (k3_tail/hardware.py's presets cite them): what a one-time decode of every layer would have to fit.
+KIMI_K3_MOE_LAYERS = 92
+HBM_BYTES = {"mi300x": 192e9, "mi355x": 288e9, "h200": 141e9}
+# A one-time decode to FP8 with the group scales kept (MSLK's choice on gfx942): a byte a weight and a 32nd of one.
+FP8_WITH_GROUP_SCALES_BYTES = 1 + 1 / GROUP_SIZE
+# The element formats activations could be quantised to in MX blocks of 32 (for a native block-scaled product), with
+# the exponent of each one's largest power of two: the MX shared scale is 2^(floor(log2(amax)) - that).
+ACTIVATION_FORMATS = {"mxfp4": (ml_dtypes.float4_e2m1fn, 2), "mxfp8": (ml_dtypes.float8_e4m3fn, 8)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Mxfp4Path:
+    """How a call computes with MXFP4 experts (``decode``: :data:`DECODE_PATHS`' words for its method) and why no
+    other route is taken on its device (``reason``)."""
+
+    decode: str
+    reason: str
+
+
+def mxfp4_path(method: str, device, *, num_experts: int = 896, latent_size: int = 3584,
+               expert_intermediate_size: int = 3072, tp_size: int = 8) -> Mxfp4Path:
+    """The path MXFP4 experts take for routed-expert ``method`` on ``device`` (a ``jax.Device``), with the reason
+    that applies to that device; the sizes (Kimi-K3's by default) size the one-time decode it weighs.
+
+    Every target keeps the bf16 layer's products (docs/guide.md, MXFP4 experts), the capacity GEMMs on a GPU
+    decoding in the Pallas kernel's operand load (:data:`IN_KERNEL_PATH`): gfx950's block-scaled matrix
+    instruction would need the activations quantised, gfx942 has no FP4 instruction and a one-time FP8 decode does
+    not fit it, Hopper multiplies FP8 at most.
+    ValueError naming ``method`` when it is not a routed-expert method."""
+    if method not in DECODE_PATHS:
+        raise ValueError(f"method: expected one of {tuple(DECODE_PATHS)}, got {method!r}")
+    platform = hardware.device_platform(device)
+    decode = IN_KERNEL_PATH if method == "capacity" and platform in hardware.GPU_VENDOR_PLATFORMS else (
+        DECODE_PATHS[method])
+    preset = hardware.architecture(getattr(device, "device_kind", "")) if platform in hardware.GPU_PLATFORMS else None
+    if preset == "mi355x":
+        reason = ("gfx950's MXFP4 matrix instruction (v_mfma_scale_f32_*_f8f6f4, which jax.nn.scaled_matmul reaches "
+                  "for FP4 codes of both operands) takes both operands in at most 8 bits, and these experts' "
+                  "activations are bf16, as the checkpoint's quantization_config leaves them: quantising them "
+                  "would change the layer's function")
+        if jax.__version_info__ < (0, 11):
+            reason += f"; and jax {jax.__version__}'s XLA cannot lower a block-scaled FP4 product for ROCm"
+    elif preset == "mi300x":
+        held = expert_bytes_per_rank(num_experts, latent_size, expert_intermediate_size, tp_size,
+                                     FP8_WITH_GROUP_SCALES_BYTES)
+        reason = (f"gfx942 has no FP4 matrix instruction nor FP4 convert; a one-time decode to FP8 with the group "
+                  f"scales kept would hold {held / 1e9:.2f} GB a layer per rank at p = {tp_size}, "
+                  f"{held * KIMI_K3_MOE_LAYERS / 1e9:.0f} GB for Kimi-K3's {KIMI_K3_MOE_LAYERS} MoE layers, against "
+                  f"{HBM_BYTES[preset] / 1e9:.0f} GB of HBM, and gfx942's FP8 GEMMs take no scale per group of K")
+    elif preset == "h200":
+        reason = (f"Hopper's tensor cores multiply FP8 at most, and an FP8 copy would hold "
+                  f"{FP8_WITH_GROUP_SCALES_BYTES / MXFP4_BYTES:.2f}x the packed bytes")
+    else:
+        reason = f"no native MXFP4 product is known for a {getattr(device, 'device_kind', device)} device"
+    return Mxfp4Path(decode, reason)
+
+
+def activation_quantization_error(activation_format: str | None, *, rows: int = 16, depth: int = 3584,
+                                  columns: int = 384, seed: int = 0) -> float:
+    """The relative error (Frobenius norm, against the exact float64 product) of one expert's product
+    x @ W, x [rows, depth] standard normal and W [depth, columns] MXFP4 (uniform random codes, random scales
+    2^-8 .. 2^-5 per group), when x is first rounded to bfloat16 (``activation_format`` None: what the layer does)
+    or quantised in MX blocks of 32 along ``depth`` to "mxfp4" or "mxfp8" (E4M3; the MX rule, values over the
+    block's scale rounded to nearest and clamped to the format's largest). In float64 with ml_dtypes: no backend's
+    arithmetic in it. What a native block-scaled product would cost these experts (docs/guide.md, MXFP4 experts)."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((rows, depth))
+    codes = rng.integers(0, 16, (depth, columns), dtype=np.uint8).view(ml_dtypes.float4_e2m1fn).astype(np.float64)
+    weights = codes * np.repeat(2.0 ** rng.integers(-8, -4, (depth // GROUP_SIZE, columns)), GROUP_SIZE, axis=0)
+    if activation_format is None:
+        quantised = x.astype(ml_dtypes.bfloat16).astype(np.float64)
+    elif activation_format in ACTIVATION_FORMATS:
+        element, largest_exponent = ACTIVATION_FORMATS[activation_format]
+        largest = float(ml_dtypes.finfo(element).max)
+        blocks = x.reshape(rows, depth // GROUP_SIZE, GROUP_SIZE)
+        scales = 2.0 ** (np.floor(np.log2(np.abs(blocks).max(axis=-1, keepdims=True))) - largest_exponent)
+        values = np.clip(blocks / scales, -largest, largest).astype(element).astype(np.float64)
+        quantised = (values * scales).reshape(rows, depth)
+    else:
+        raise ValueError(f"activation_format: expected None or one of {tuple(ACTIVATION_FORMATS)}, "
+                         f"got {activation_format!r}")
+    exact = x @ weights
+    return float(np.linalg.norm(quantised @ weights - exact) / np.linalg.norm(exact))
 
 
 @dataclasses.dataclass(frozen=True)
 class CompiledFigures:
-    """Per rank, one compiled layer: XLA's temp bytes, the bytes it accesses (``XlaReport.bytes_accessed``) and the
-    GPU kernels it launches (None for a CPU program)."""
+    """Per rank, one compiled layer: XLA's temp bytes, the bytes it accesses (``XlaReport.bytes_accessed``), the
+    GPU kernels it launches (None for a CPU program) and the elements of the largest floating-point array it
+    writes (``k3_tail.xla.hlo_text.largest_float_write``: a decoded copy of the experts would be the largest)."""
 
     temp_bytes: int
     bytes_accessed: float
     kernels: int | None
+    largest_float_write: int
 
 
 def compiled_figures(quantization: str | None, mesh, num_tokens: int) -> CompiledFigures:
@@ -138,8 +248,9 @@ def compiled_figures(quantization: str | None, mesh, num_tokens: int) -> Compile
         options = {**layer_module.layer_compiler_options(config, mesh, num_tokens), "xla_dump_to": dump_dir}
         compiled = lowered.compile(compiler_options=options)
         figures = xla_report.report(compiled, shared_argument=None, dump_dir=dump_dir)
+    largest = hlo_text.largest_float_write(hlo_text.parse_module(compiled.as_text()))
     return CompiledFigures(compiled.memory_analysis().temp_size_in_bytes, figures.bytes_accessed,
-                           figures.gpu_kernel_count)
+                           figures.gpu_kernel_count, 0 if largest is None else largest.elements)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -161,13 +272,18 @@ def main(argv: list[str] | None = None) -> int:
     for name, per_weight in (("mxfp4", MXFP4_BYTES), ("bfloat16", 2)):
         held = expert_bytes_per_rank(experts, 3584, layer_module.KIMI_K3_EXPERT_INTERMEDIATE_SIZE, tp_size, per_weight)
         print(f"routed experts held as {name}: {held:,} bytes per rank ({per_weight:g} bytes per weight)")
+    device = mesh.devices.flat[0]
+    print(f"why no other route on {device.device_kind}: {mxfp4_path('gather', device, tp_size=tp_size).reason}")
+    print("activations' relative error in one expert's 3584-deep product: "
+          + ", ".join(f"{name or 'bf16 (the layer)'} {activation_quantization_error(name):.2%}"
+                      for name in (None, *ACTIVATION_FORMATS)))
     print(f"compiled for {args.topology} (p = {tp_size}, jax {jax.__version__}), per rank, MXFP4 experts / bf16:")
     config = layer_module.LayerConfig.kimi_k3(num_experts=experts, top_k=layer_module.KIMI_K3_TOP_K)
     for num_tokens in (int(tokens) for tokens in args.tokens.split(",")):
         method = layer_module.routed_expert_method(config, num_tokens).method
         mxfp4, bf16 = (compiled_figures(quantization, mesh, num_tokens) for quantization in ("mxfp4", None))
         kernels = "" if mxfp4.kernels is None else f", kernels {mxfp4.kernels} / {bf16.kernels}"
-        print(f"  T = {num_tokens:5}: {method}, {DECODE_PATHS[method]}\n"
+        print(f"  T = {num_tokens:5}: {method}, {mxfp4_path(method, device, tp_size=tp_size).decode}\n"
               f"            temp {mxfp4.temp_bytes:,} / {bf16.temp_bytes:,} bytes, accessed "
               f"{mxfp4.bytes_accessed:,.0f} / {bf16.bytes_accessed:,.0f} bytes{kernels}", flush=True)
     return 0

@@ -11,9 +11,10 @@ ranks), exactly: every (token, expert) pair, for any routing. A block may be MXF
 (``mxfp4.dense``) where it uses the weights, and gathers blocks while they are still packed.
 Each returns float32 [T, L]; GEMMs take
 the dtype's operands and accumulate in float32 (the capacity method's are examples/kimi_k3_gemm.matmul,
-which multiplies a capacity of one row as two), the SiTU output is rounded to the dtype where it enters
-the down GEMM, and the k slots' outputs are summed with their weights as a multiply and a reduce. No
-method issues a collective.
+which multiplies a capacity of one row as two, or for MXFP4 kernels on a GPU the Pallas kernel, whose
+additions run in another order: within float32 accumulation of XLA's), the SiTU output is rounded to
+the dtype where it enters the down GEMM, and the k slots' outputs are summed with their weights as a
+multiply and a reduce. No method issues a collective.
 
 - "gather" (decode, T * k <= E): for each (token, slot) the chosen expert's blocks are read where they
   lie and applied as a multiply and a reduce over the gathered block, which XLA fuses into one loop:
@@ -24,9 +25,10 @@ method issues a collective.
   weights read in place, once; the pairs beyond C in overflow rounds of S = :func:`overflow_slots`
   chunks (up to C pairs of one expert each, that expert's blocks gathered for the round) until none
   is left. 6 E C L m/p FLOPs for the first pass and 6 S C L m/p per round; routing every token to the
-  same k experts takes about k T / (C S) rounds: exact, but slow. MXFP4 weights are decoded S experts
-  at a time: the first pass runs as a loop over groups of S experts, each decoded right before its
-  GEMMs, and each round decodes its S gathered blocks, so one group's decoded kernels exist at a time.
+  same k experts takes about k T / (C S) rounds: exact, but slow. MXFP4 weights are taken S experts
+  at a time: the first pass runs as a loop over groups of S experts, and each round takes its S gathered
+  blocks; each GEMM is ``Mxfp4Kernel.matmul``, on a GPU one Pallas kernel that decodes the codes in its
+  operand load (no decoded weight is written), on the CPU XLA's GEMM of the group's decoded kernels.
   An empty slot's zero row meets its expert's weights; its output is selected away, not weighted by
   zero, so a non-finite weight reaches only the tokens that chose its expert.
 - "ragged_dot": the pairs sorted by expert and one ``jax.lax.ragged_dot`` per kernel. It is the
@@ -257,7 +259,11 @@ def _weighted_sum(combine: jax.Array, out: jax.Array) -> jax.Array:
 
 def _expert_mlp(rows: jax.Array, gate, up, down) -> jax.Array:
     """SiTU(rows @ gate, rows @ up) @ down per expert: rows [S, C, L], gate and up [S, L, m/p], down
-    [S, m/p, L] (arrays or MXFP4, decoded to the rows' dtype) -> [S, C, L] float32."""
-    gate, up, down = (dense(kernel, rows.dtype) for kernel in (gate, up, down))
-    activation = situ(matmul(rows, gate), matmul(rows, up)).astype(rows.dtype)
-    return matmul(activation, down)
+    [S, m/p, L] (arrays, or MXFP4 multiplied by ``Mxfp4Kernel.matmul``) -> [S, C, L] float32."""
+    activation = situ(_grouped_product(rows, gate), _grouped_product(rows, up)).astype(rows.dtype)
+    return _grouped_product(activation, down)
+
+
+def _grouped_product(rows: jax.Array, kernel: jax.Array | Mxfp4Kernel) -> jax.Array:
+    """rows [S, C, K] @ kernel [S, K, N] in float32, the products in the rows' dtype."""
+    return kernel.matmul(rows) if isinstance(kernel, Mxfp4Kernel) else matmul(rows, kernel.astype(rows.dtype))

@@ -126,15 +126,22 @@ FP8_ARCHITECTURES = MappingProxyType({
 })
 
 
-def native_fp8_formats(device_kind: str) -> tuple[str, ...] | None:
-    """The FP8 formats (dtype names) that the matrix units of a ``device_kind`` GPU multiply natively:
-    the ``fp8_formats`` of its architecture's preset (:data:`FP8_ARCHITECTURES`), or None when the kind
-    names none of those GPUs (not known here: neither format can be vouched for)."""
+def architecture(device_kind: str) -> str | None:
+    """The preset ("mi300x", "mi355x", "h200") whose matrix units a ``device_kind`` GPU shares
+    (:data:`FP8_ARCHITECTURES`), or None when the kind names none of those GPUs (a CPU, an unknown GPU)."""
     words = set(re.findall(r"[a-z0-9]+", str(device_kind).lower()))
     for names, preset in FP8_ARCHITECTURES.items():
         if words & set(names):
-            return HARDWARE[preset].fp8_formats
+            return preset
     return None
+
+
+def native_fp8_formats(device_kind: str) -> tuple[str, ...] | None:
+    """The FP8 formats (dtype names) that the matrix units of a ``device_kind`` GPU multiply natively:
+    the ``fp8_formats`` of its :func:`architecture`'s preset, or None when the kind names none of those
+    GPUs (not known here: neither format can be vouched for)."""
+    preset = architecture(device_kind)
+    return None if preset is None else HARDWARE[preset].fp8_formats
 
 
 def device_platform(device) -> str:

@@ -41,6 +41,10 @@ TEXT_CONFIG = "text_config"
 # The dtypes the tail computes in, as a config.json names them ("torch.bfloat16" is accepted too).
 TAIL_DTYPES = ("bfloat16", "float16", "float32")
 _DTYPE_FIELDS = ("torch_dtype", "dtype")
+# A wrapper's fields that serve its text config when that has none of its own: the dtype, and the quantisation
+# (compressed-tensors' ``ModelCompressor.update_config`` writes ``quantization_config`` at the top level; Kimi-K3's
+# release has it under ``text_config``).
+WRAPPER_FIELDS = (*_DTYPE_FIELDS, "quantization_config")
 # The most decoder layers a config may have: the largest length a Python range reports (moe_layers).
 MAX_LAYERS = sys.maxsize
 
@@ -52,8 +56,8 @@ class TextConfig:
     Attributes:
       fields: its fields, as the file holds them.
       where: "text_config." when they sit under a wrapper's ``text_config``, else "" (for messages).
-      wrapper: the wrapper's dtype fields (``torch_dtype``, ``dtype``), which serve a text config that
-        names no dtype of its own.
+      wrapper: the wrapper's fields that serve a text config without its own (:data:`WRAPPER_FIELDS`: the
+        dtype, and the quantisation, which Hugging Face's tools write at the top level).
     """
 
     fields: Mapping[str, Any]
@@ -67,6 +71,13 @@ class TextConfig:
     def name(self, field: str) -> str:
         """``field`` as the config spells it, for messages: ``text_config.field`` when nested."""
         return f"{self.where}{field}"
+
+    def inherited(self, field: str) -> tuple[Any, str]:
+        """(the value, its name as the config spells it) of ``field``: the text config's own, else the
+        wrapper's (one of :data:`WRAPPER_FIELDS`), else (None, the text config's name for it)."""
+        if field not in self.fields and field in self.wrapper:
+            return self.wrapper[field], field
+        return self.fields.get(field), self.name(field)
 
 
 def config_file(path: str | os.PathLike) -> Path:
@@ -105,8 +116,9 @@ def text_config(config: Any) -> TextConfig:
     text = config[TEXT_CONFIG]
     if not isinstance(text, Mapping):
         raise ValueError(f"{TEXT_CONFIG}: expected a JSON object, got {type(text).__name__}")
-    # A wrapper may give the dtype at its top level only: the text model's, unless it says otherwise.
-    wrapper = {name: config[name] for name in _DTYPE_FIELDS if name in config}
+    # A wrapper may give the dtype or the quantisation at its top level only: the text model's, unless it says
+    # otherwise.
+    wrapper = {name: config[name] for name in WRAPPER_FIELDS if name in config}
     return TextConfig(text, f"{TEXT_CONFIG}.", wrapper)
 
 

@@ -23,7 +23,7 @@ exact where float arithmetic keeps subnormals: on the GPU backends (XLA's defaul
 and AMDGPU alike). XLA:CPU flushes subnormal operands and results of float arithmetic to zero, which breaks the
 product for u = 0 (its scale is a subnormal operand: every value is 0) and for u = 1 with |code| = 0.5 (2^-127 is a
 subnormal result). There only, on the CPU only, the values are built from their bits with integer operations
-(:func:`_low_scale_bits`). A value past the dtype's largest finite (u = 253 with |code| >= 4, u = 254 with |code|
+(:func:`value_bits`). A value past the dtype's largest finite (u = 253 with |code| >= 4, u = 254 with |code|
 >= 2: up to 6 * 2^127) is +-inf, as the rounding multiply makes it; the checkpoint loader refuses such groups
 (:func:`overflowing_groups`).
 """
@@ -125,7 +125,7 @@ def _scaled(values: jax.Array, scale: jax.Array, dtype: np.dtype) -> jax.Array:
 
     def flushing(values, scales):
         codes = jax.lax.bitcast_convert_type(values, jnp.uint4)
-        bits = _low_scale_bits(codes, scales, _MANTISSA_BITS[dtype]).astype(_BITS_DTYPES[dtype])
+        bits = value_bits(codes, scales, _MANTISSA_BITS[dtype]).astype(_BITS_DTYPES[dtype])
         built = jax.lax.bitcast_convert_type(bits, dtype)
         return jnp.where(scales <= _LARGEST_FLUSHED_SCALE, built, by_dtypes(values, scales))
 
@@ -140,20 +140,27 @@ def values_by_dtypes(values: jax.Array, scales: jax.Array) -> jax.Array:
     return values.astype(jnp.float32) * jax.lax.bitcast_convert_type(scales, jnp.float8_e8m0fnu).astype(jnp.float32)
 
 
-def _low_scale_bits(codes: jax.Array, scales: jax.Array, mantissa_bits: int) -> jax.Array:
-    """The bits (uint32, in the low 1 + 8 + n bits) of code * 2^(u - 127) for u <= 1 in a float format of 8
-    exponent bits (bias 127) and n = ``mantissa_bits`` mantissa bits, for E2M1 ``codes`` and E8M0 exponents u
-    (broadcast): the values XLA:CPU's float arithmetic flushes, built with integer operations."""
+def value_bits(codes: jax.Array, scales: jax.Array, mantissa_bits: int) -> jax.Array:
+    """The bits (uint32, in the low 1 + 8 + n bits) of code * 2^(u - 127) in a float format of 8 exponent bits
+    (bias 127) and n = ``mantissa_bits`` mantissa bits (7: bfloat16, 23: float32), for E2M1 ``codes`` and E8M0
+    exponents u ``scales`` (integers, broadcast), built with integer operations alone, so that no float arithmetic
+    can flush them: every value exact, subnormals included, +-inf past the format's largest finite and NaN where
+    u = 255 (:func:`decode`'s values)."""
     n = mantissa_bits
     c, u = codes.astype(jnp.int32), scales.astype(jnp.int32)
     e, m = (c >> 1) & 3, c & 1
-    # A code of e >= 1 is (1 + m/2) 2^(e - 1): times 2^(u - 127) the biased exponent e + u - 1.
-    exponent = e + u - 1
-    normal = (exponent << n) | (m << (n - 1))
-    # Below the normal range (e = 0, or e = 1 with u = 0) the value is an integer multiple of the smallest
-    # subnormal 2^(-126 - n): 2|code| 2^(u + n - 2) of them (2|code| = m, or 2 + m), and those bits are that integer.
-    subnormal = (m + 2 * jnp.minimum(e, 1)) << (u + n - 2)
-    magnitude = jnp.where(exponent > 0, normal, subnormal)
+    # A code of e >= 1 is (1 + m/2) 2^(e - 1): times 2^(u - 127) the biased exponent e + u - 1, mantissa m/2. The
+    # one of e = 0, m = 1 is 2^-1: the biased exponent u - 1, mantissa 0. (e = m = 0 is zero.)
+    exponent = jnp.where(e > 0, e + u - 1, u - 1)
+    normal = (exponent << n) | jnp.where(e > 0, m << (n - 1), 0)
+    # Below the normal range (e = 0, or e = 1 with u = 0: only u <= 1 gets there) the value is an integer multiple
+    # of the smallest subnormal 2^(-126 - n): 2|code| 2^(u + n - 2) of them (2|code| = m, or 2 + m), and those bits
+    # are that integer.
+    subnormal = (m + 2 * jnp.minimum(e, 1)) << jnp.maximum(u + n - 2, 0)
+    finite = jnp.where((exponent > 0) & ((e > 0) | (m > 0)), normal, subnormal)
+    all_ones = _EXPONENT_FIELD_MAX << n
+    magnitude = jnp.where(u == NAN_SCALE, all_ones | (1 << (n - 1)), jnp.where(exponent >= _EXPONENT_FIELD_MAX,
+                                                                               all_ones, finite))
     return (((c >> 3) << (n + 8)) | magnitude).astype(jnp.uint32)
 
 

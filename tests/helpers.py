@@ -25,6 +25,7 @@ import k3_tail
 import k3_tail.xla.report
 from k3_tail.tiers.column_parallel import stitched_buffer
 from k3_tail.tiers.context import TailCall
+from k3_tail.xla import machine_code
 from reference import TOLERANCE, make_inputs, reference_latent, relative_error
 
 # LLVM's optimisation and XLA CPU's newer (MLIR) fusion emitters off: XLA compiles the same HLO programs in
@@ -298,3 +299,14 @@ def assert_column_tier_writes_only_its_own_block(config, tp_size, num_tokens, we
         projection = latent @ inputs.kernel[:, own].astype(np.float64)
         expected_own = inputs.shared[rank][:, own].astype(np.float64) + projection
         assert relative_error(buffers[rank][:, own], expected_own) <= TOLERANCE[config.dtype]
+
+
+def disassembled(read, *args):
+    """``read(*args)``, a reader of ``k3_tail.xla.machine_code`` (``kernel_code``, ``disassembly``); skipped with
+    the command that installs the missing disassembler, a failure under CI (``CI`` set), which installs them."""
+    try:
+        return read(*args)
+    except machine_code.DisassemblerUnavailable as missing:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(str(missing))

@@ -13,6 +13,7 @@ bf16 layer computes.
 """
 
 import dataclasses
+import types
 
 import jax
 import jax.numpy as jnp
@@ -181,6 +182,16 @@ def test_the_models_quantization_config_makes_the_layer_hold_mxfp4_experts(paths
     assert layer_config_from_hf(paths[1]).expert_quantization is None
 
 
+def test_a_wrappers_top_level_quantization_config_serves_a_text_config_without_one():
+    # Where compressed-tensors' ModelCompressor.update_config writes it; the text config's own comes first.
+    assert layer_config_from_hf({**MODEL.config(), "quantization_config": QUANTIZATION_CONFIG}).expert_quantization \
+        == "mxfp4"
+    with pytest.raises(ValueError, match=r"^quantization_config\.format: this layer loads"):
+        layer_config_from_hf({**MODEL.config(), "quantization_config": {**QUANTIZATION_CONFIG, "format": "nvfp4"}})
+    assert layer_config_from_hf({**mxfp4_config(), "quantization_config": {"quant_method": "fp8"}}
+                                ).expert_quantization == "mxfp4"
+
+
 def test_the_experts_stay_packed_in_the_layers_layout_and_decode_to_the_bf16_layers(layers):
     quantized, dense = (layer.parameter_values() for layer in layers)
     specs = layer_module.partition_specs(layers[0].config, TP_SIZE)
@@ -343,3 +354,53 @@ def test_stand_in_mxfp4_experts_are_valid_codes_of_about_the_kernels_spread():
         stored = (weights[name].swapaxes(-1, -2), weights[scale_name].swapaxes(-1, -2))  # torch's [out, in]
         spread = float(np.std(mxfp4_fixture.decode(*stored)))
         assert parameters[name].stddev / 2 ** 0.5 <= spread <= parameters[name].stddev * 2 ** 0.5, name
+
+
+def gpu_device(kind, platform):
+    """A stand-in ``jax.Device`` of a GPU of ``kind`` on ``platform`` ("rocm" or "cuda"), as a PJRT client shows it."""
+    return types.SimpleNamespace(platform="gpu", device_kind=kind, client=types.SimpleNamespace(_raw_platform=platform))
+
+
+GPUS = [("AMD Instinct MI355X", "rocm"), ("AMD MI300X", "rocm"), ("NVIDIA H100 80GB HBM3", "cuda")]
+
+
+@pytest.mark.parametrize("method", ["gather", "ragged_dot"])
+def test_decode_and_ragged_dot_decode_with_xla_on_every_device(method):
+    for device in (jax.devices("cpu")[0], *(gpu_device(*gpu) for gpu in GPUS)):
+        assert kimi_k3_mxfp4.mxfp4_path(method, device).decode == kimi_k3_mxfp4.DECODE_PATHS[method]
+
+
+def test_the_capacity_gemms_decode_in_the_kernels_operand_load_on_a_gpu_and_with_xla_on_the_cpu():
+    for gpu in GPUS:
+        assert kimi_k3_mxfp4.mxfp4_path("capacity", gpu_device(*gpu)).decode == kimi_k3_mxfp4.IN_KERNEL_PATH
+    assert kimi_k3_mxfp4.mxfp4_path("capacity", jax.devices("cpu")[0]).decode == kimi_k3_mxfp4.DECODE_PATHS[
+        "capacity"]
+
+
+@pytest.mark.parametrize(("kind", "platform", "says", "not_said"), [
+    ("AMD Instinct MI355X", "rocm", "activations are bf16", "HBM"),
+    ("AMD MI300X", "rocm", "3.81 GB a layer per rank at p = 8, 351 GB for Kimi-K3's 92 MoE layers, against 192 GB",
+     "activations"),
+    ("NVIDIA H100 80GB HBM3", "cuda", "1.94x the packed bytes", "gfx"),
+])
+def test_the_reason_names_what_stops_another_route_on_that_gpu_only(kind, platform, says, not_said):
+    reason = kimi_k3_mxfp4.mxfp4_path("capacity", gpu_device(kind, platform)).reason
+    assert says in reason and not_said not in reason
+
+
+def test_the_reason_on_mi300x_sizes_the_fp8_copy_by_the_tp_size():
+    assert "7.63 GB a layer per rank at p = 4" in kimi_k3_mxfp4.mxfp4_path(
+        "gather", gpu_device("AMD MI300X", "rocm"), tp_size=4).reason
+
+
+@pytest.mark.parametrize(("activation_format", "percent"), [(None, 0.17), ("mxfp8", 2.97), ("mxfp4", 11.42)])
+def test_quantising_the_activations_costs_what_the_guide_says(activation_format, percent):
+    error = kimi_k3_mxfp4.activation_quantization_error(activation_format)
+    assert round(100 * error, 2) == percent
+
+
+def test_an_unknown_method_or_activation_format_is_a_value_error_naming_it():
+    with pytest.raises(ValueError, match="activation_format: expected None or one of"):
+        kimi_k3_mxfp4.activation_quantization_error("int8")
+    with pytest.raises(ValueError, match="method: expected one of"):
+        kimi_k3_mxfp4.mxfp4_path("dense", jax.devices("cpu")[0])

@@ -5,17 +5,19 @@ GPU topology with its routed experts as MXFP4 and as bf16 (``examples.kimi_k3_mx
 (topology, T, format) once per session. Per rank: decode (T = 1, 16, the gather method) needs at most
 max(2 MB, the bf16 layer's) temp bytes (before: the gathered codes copied, 24 MB at T = 1 on H100, 387 MB at
 T = 16 on MI300X); prefill (T = 2048, the capacity method) at most twice the bf16 layer's (before: every expert's
-kernels decoded to bf16, 7.80 GB against 0.67 GB); and the bytes the MXFP4 layer accesses beyond the rest of the
-layer (the bf16 layer's bytes less its experts' 7.40 GB) at most 1.2 times the packed experts' 1.97 GB. (MI355X
-at T = 1 needed 7.09 MB while the decoder built the values' bits with integer operations: gfx950's XLA wrote out
-the gathered scales and an int32 u - 1 of the down kernel's; through the format's dtypes it needs 1.58 MB.)
+kernels decoded to bf16, 7.80 GB against 0.67 GB); the bytes the MXFP4 layer accesses beyond the rest of the
+layer (the bf16 layer's bytes less its experts' 7.40 GB) at most 1.2 times the packed experts' 1.97 GB; and no
+floating-point array it writes is as large as one group of decoded expert kernels (before the capacity GEMMs
+decoded in their operand load, each group's kernels were written decoded, 154 MB each). (MI355X at T = 1 needed
+7.09 MB while the decoder built the values' bits with integer operations: gfx950's XLA wrote out the gathered
+scales and an int32 u - 1 of the down kernel's; through the format's dtypes it needs 1.58 MB.)
 """
 
 import dataclasses
 
 import pytest
 
-from examples import kimi_k3_moe_layer as layer_module, kimi_k3_mxfp4 as mxfp4
+from examples import kimi_k3_moe_layer as layer_module, kimi_k3_mxfp4 as mxfp4, kimi_k3_routed_experts as routed_experts
 from helpers import gpu_mesh_for, once_per_session, topology_params
 from k3_tail.mxfp4 import MXFP4_BYTES
 
@@ -57,3 +59,14 @@ def test_the_mxfp4_experts_are_read_at_about_their_packed_bytes(figures, num_tok
     rest_of_layer = figures(topology, num_tokens, None).bytes_accessed - mxfp4.expert_bytes_per_rank(*EXPERT_SHAPE, 2)
     experts_read = figures(topology, num_tokens, "mxfp4").bytes_accessed - rest_of_layer
     assert experts_read <= READ_OVER_PACKED * mxfp4.expert_bytes_per_rank(*EXPERT_SHAPE, MXFP4_BYTES)
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+@pytest.mark.parametrize("num_tokens", [1, 16, 2048])
+def test_no_array_the_mxfp4_layer_writes_is_as_large_as_one_group_of_decoded_expert_kernels(figures, num_tokens,
+                                                                                            topology):
+    # One group of the capacity method: S = E/16 experts' [L, m/p] kernels. Before the decode moved into the GEMM's
+    # operand load (k3_tail.ops.mxfp4_matmul), the prefill layer wrote exactly that many bf16 values per kernel.
+    experts, latent, width, tp_size = EXPERT_SHAPE
+    group = routed_experts.overflow_slots(experts) * latent * (width // tp_size)
+    assert figures(topology, num_tokens, "mxfp4").largest_float_write < group

@@ -19,7 +19,6 @@ installs it; under CI (``CI`` set) they fail instead.
 
 import atexit
 import functools
-import os
 import re
 import shutil
 import tempfile
@@ -28,7 +27,7 @@ from pathlib import Path
 import pytest
 
 import k3_tail
-from helpers import gpu_mesh_for, topology_params
+from helpers import disassembled, gpu_mesh_for, topology_params
 from k3_tail import TailConfig, Tier
 from k3_tail.hardware import device_platform
 from k3_tail.xla import machine_code
@@ -63,12 +62,7 @@ def kernel_machine_code(mesh, num_tokens):
     """(the kernel's KernelCode, its report entry) in one_kernel's compiled call; skips (fails under CI) without
     a disassembler."""
     compiled, dump_dir = users_compile(mesh, num_tokens)
-    try:
-        code = machine_code.kernel_code(compiled, KERNEL)
-    except machine_code.DisassemblerUnavailable as missing:
-        if os.environ.get("CI"):
-            raise
-        pytest.skip(str(missing))
+    code = disassembled(machine_code.kernel_code, compiled, KERNEL)
     (gemm,) = k3_tail.xla.report.report(compiled, dump_dir=dump_dir).gemms
     return code, gemm
 

@@ -61,7 +61,7 @@ from k3_tail.ops.fused_launch import (
     warps_per_program,
 )
 from k3_tail.ops.norm import rms_norm, row_scale_floor
-from k3_tail.ops.pallas_triton import ignore_triton_deprecation_warning
+from k3_tail.ops.pallas_triton import dot_precision, ignore_triton_deprecation_warning, vary_alike
 from k3_tail.ops.scopes import GEMM_FLOPS_KEY
 from k3_tail.ops.up_projection import QuantizedKernel
 
@@ -208,7 +208,7 @@ def _fused_call(latent, norm_weight, kernel, addend, *, into_addend: bool, rank,
     def run(arrays):
         """The pallas_call on ``arrays`` (``inputs``' present ones), its outputs typed as varying over what the
         arrays vary over."""
-        arrays, varying = _vary_alike(arrays)
+        arrays, varying = vary_alike(arrays)
         arrays = iter(arrays)
         placed = [None if array is None else next(arrays) for array in inputs]
 
@@ -246,16 +246,6 @@ def _fused_call(latent, norm_weight, kernel, addend, *, into_addend: bool, rank,
 
 # Positions of the kernel's inputs that outputs alias (its signature's order).
 _ADDEND_INPUT, _COUNTER_STARTS_INPUT = 5, 6
-
-
-def _vary_alike(arrays: list) -> tuple[list, object]:
-    """``arrays`` cast to vary over the same mesh axes (their union) inside ``jax.shard_map``, and their
-    manual-axis type then, which the kernel's outputs take (outside shard_map: the trivial one)."""
-    axes = set().union(*(varying_axes(array) for array in arrays))
-    cast = [array if axes <= varying_axes(array) else
-            lax.pcast(array, tuple(sorted(axes - varying_axes(array), key=str)), to="varying") for array in arrays]
-    aval = jax.typeof(cast[0])
-    return cast, getattr(aval, "manual_axis_type", None) or getattr(aval, "mat", None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -335,7 +325,7 @@ def _kernel(rank_ref, latent_ref, norm_weight_ref, values_ref, column_scale_ref,
             w = plt.load(values_ref.at[ks[:, None], kernel_columns[None, :]], mask=mask, other=0)
             w = (decode_fp8(w, spec.fp8_format) if spec.fp8_format else w).astype(latent_ref.dtype)
             return partial + jnp.dot(operand.astype(latent_ref.dtype), w, preferred_element_type=jnp.float32,
-                                     precision=_precision(latent_ref.dtype))
+                                     precision=dot_precision(latent_ref.dtype))
 
         return lax.fori_loop(0, steps, body, jnp.zeros((grid.row_tile, COLUMN_TILE), jnp.float32))
 
@@ -430,11 +420,6 @@ def _counter_starts(count: int) -> np.ndarray:
 def _counter_start(word):
     """The start value of the counters' word ``word`` (the same formula, in the kernel)."""
     return word % _START_MODULUS * _START_MULTIPLIER % _START_MODULUS
-
-
-def _precision(dtype) -> lax.Precision:
-    """float32 products at float32 precision (Triton would take TF32 on NVIDIA), others as they are."""
-    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else lax.Precision.DEFAULT
 
 
 def norm_project_add_reference(

@@ -1,4 +1,5 @@
-"""The Pallas Triton backend's deprecation warning, kept out of the programs of k3_tail's users.
+"""What k3_tail's Pallas Triton kernels share: the backend's deprecation warning kept out of the programs of
+k3_tail's users, their outputs typed inside ``jax.shard_map``, their products' precision.
 
 jax 0.12 warns at every lowering of a Triton ``pallas_call`` (a ``DeprecationWarning``, jax's deprecation
 "jax-pallas-triton"): while the user's own ``jit`` lowers, after k3_tail's code has returned. A user whose
@@ -14,6 +15,12 @@ from __future__ import annotations
 
 import re
 import warnings
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from k3_tail._checks import varying_axes
 
 # How jax's message starts (jax/_src/pallas/triton/pallas_call_registration.py, jax 0.12).
 DEPRECATION_MESSAGE = "The Pallas Triton backend is deprecated"
@@ -33,3 +40,20 @@ def ignore_triton_deprecation_warning() -> None:
             getattr(first[1], "pattern", None) == message):
         return
     warnings.filterwarnings("ignore", message=message, category=DeprecationWarning)
+
+
+def vary_alike(arrays: list) -> tuple[list, object]:
+    """``arrays`` (a ``pallas_call``'s inputs) cast to vary over the same mesh axes (their union) inside
+    ``jax.shard_map``, and their manual-axis type then, which the kernel's outputs take (outside shard_map: the
+    trivial one)."""
+    axes = set().union(*(varying_axes(array) for array in arrays))
+    cast = [array if axes <= varying_axes(array) else
+            lax.pcast(array, tuple(sorted(axes - varying_axes(array), key=str)), to="varying") for array in arrays]
+    aval = jax.typeof(cast[0])
+    return cast, getattr(aval, "manual_axis_type", None) or getattr(aval, "mat", None)
+
+
+def dot_precision(dtype) -> lax.Precision:
+    """A kernel's ``jnp.dot`` precision for operands of ``dtype``: float32 products at float32 precision (Triton
+    would take TF32 on NVIDIA), others as they are."""
+    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else lax.Precision.DEFAULT

@@ -145,6 +145,25 @@ def parse_module(text: str) -> Module:
     return Module(header, computations)
 
 
+# Instructions that write no array of their own: views, tuples, constants, the program's inputs, and the control
+# flow whose results are its bodies' (a loop's tuple carries the weights it reads).
+_NOT_WRITTEN = frozenset({"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "after-all", "while",
+                          "conditional", "call"})
+_FLOAT_DTYPES = frozenset({"f8e4m3fn", "f8e5m2", "f8e4m3fnuz", "f8e5m2fnuz", "bf16", "f16", "f32", "f64"})
+
+
+def largest_float_write(module: Module) -> ArrayShape | None:
+    """The largest floating-point array (by elements) that an instruction of ``module`` writes: the results of
+    its kernels and other instructions outside fusion bodies (in the entry, loop bodies and branches), the
+    program's inputs and views of them left out. None when it writes none. A decoded copy of weights shows here."""
+    fused = {name for computation in module.computations.values() for instruction in computation.instructions
+             if instruction.opcode == "fusion" for name in instruction.called}
+    written = [array for computation in module.computations.values() if computation.name not in fused
+               for instruction in computation.instructions if instruction.opcode not in _NOT_WRITTEN
+               for array in instruction.arrays if array.dtype in _FLOAT_DTYPES]
+    return max(written, key=lambda array: array.elements, default=None)
+
+
 def array_shapes(type_text: str) -> tuple[ArrayShape, ...]:
     """All arrays in a result type such as ``bf16[16,7168]{1,0}`` or ``(f32[5,64], f32[5,99])``."""
     return tuple(

@@ -1,0 +1,163 @@
+"""The batched GEMM over MXFP4 kernels that decodes in its operand load (k3_tail/ops/mxfp4_matmul.py).
+
+On the CPU the kernel runs in Pallas's interpret mode, the same kernel with its programs in turn; it is held
+against a float64 product of the same operands (ml_dtypes' decoding, tests/mxfp4_fixture.py), within the bound
+of float32 accumulation: |y - exact| <= 2 K 2^-24 (|x| @ |W|) (each product is exact in float32, K additions
+each rounding once). Compiled for the deviceless GPU targets it is one kernel, writes nothing else, and
+multiplies on the matrix units, read from its machine code.
+"""
+
+import json
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import mxfp4_fixture
+from helpers import command_environment, disassembled, gpu_mesh_for, topology_params
+from k3_tail.ops.mxfp4_matmul import mxfp4_matmul, mxfp4_matmul_reference, row_tile
+from k3_tail.xla import machine_code
+
+FLOAT32_UNIT = 2.0 ** -24
+
+
+def operands(kernels, rows, depth, columns, *, dtype=jnp.bfloat16, scales=(118, 122), seed=0):
+    """(rows [S, C, K] of ``dtype``, packed uint8 [S, K/2, N], scale uint8 [S, K/32, N]): random normal rows,
+    random codes, scales drawn from ``scales`` (inclusive)."""
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((kernels, rows, depth)), dtype)
+    packed = rng.integers(0, 256, (kernels, depth // 2, columns), dtype=np.uint8)
+    scale = rng.integers(scales[0], scales[1] + 1, (kernels, depth // 32, columns), dtype=np.uint8)
+    return x, packed, scale
+
+
+def exact_weights(packed, scale):
+    """float64 [S, K, N] of ``packed`` [S, K/2, N] and ``scale`` [S, K/32, N] (the fixture's [..., in] decoder)."""
+    return np.swapaxes(mxfp4_fixture.decode(np.swapaxes(packed, 1, 2), np.swapaxes(scale, 1, 2)), 1, 2)
+
+
+def assert_within_float32_accumulation(result, x, packed, scale):
+    x = np.asarray(x, np.float64)
+    weights = exact_weights(packed, scale)
+    exact = x @ weights
+    bound = 2 * x.shape[-1] * FLOAT32_UNIT * (np.abs(x) @ np.abs(weights))
+    result = np.asarray(result, np.float64)
+    assert result.dtype == np.float64 and result.shape == exact.shape
+    assert np.all(np.abs(result - exact) <= bound), np.max(np.abs(result - exact) - bound)
+
+
+@pytest.mark.parametrize(("dtype", "kernels", "rows", "depth", "columns"), [
+    (jnp.bfloat16, 2, 5, 96, 80),     # rows and columns short of a tile; three groups
+    (jnp.float32, 1, 17, 64, 64),     # a row tile of 32, rows past 16; float32 products
+    (jnp.bfloat16, 3, 1, 32, 130),    # one row, one group, three column tiles
+])
+def test_the_kernel_computes_the_decoded_product_within_float32_accumulation(dtype, kernels, rows, depth, columns):
+    x, packed, scale = operands(kernels, rows, depth, columns, dtype=dtype)
+    result = mxfp4_matmul(x, jnp.asarray(packed), jnp.asarray(scale), interpret=True)
+    assert result.dtype == jnp.float32
+    assert_within_float32_accumulation(result, x, packed, scale)
+
+
+def test_the_reference_is_the_same_function():
+    x, packed, scale = operands(2, 5, 96, 80)
+    assert_within_float32_accumulation(mxfp4_matmul_reference(x, jnp.asarray(packed), jnp.asarray(scale)), x,
+                                       packed, scale)
+
+
+@pytest.mark.parametrize("u", [0, 1, 2, 252])
+def test_each_weight_is_the_references_at_the_ends_of_the_scale_range(u):
+    # One-hot rows pick row 3 of K: each output is one product, weight times 1, so no order of additions enters.
+    # u = 0 and 1 make subnormal weights, which the backend's float products may flush (XLA:CPU's do, the
+    # interpreted kernel's and the reference's alike); u = 252 values up to 6 * 2^125.
+    _, packed, scale = operands(1, 2, 64, 16, dtype=jnp.float32, scales=(u, u))
+    x = jnp.broadcast_to(jnp.where(jnp.arange(64) == 3, 1.0, 0.0).astype(jnp.float32), (1, 2, 64))
+    result = np.asarray(mxfp4_matmul(x, jnp.asarray(packed), jnp.asarray(scale), interpret=True))
+    reference = np.asarray(mxfp4_matmul_reference(x, jnp.asarray(packed), jnp.asarray(scale)))
+    assert np.array_equal(result, reference)
+    if u >= 2:  # normal weights: exactly the format's values
+        assert np.array_equal(result[0, 0], exact_weights(packed, scale)[0, 3].astype(np.float32))
+
+
+def test_a_nan_scale_reaches_exactly_the_outputs_of_its_column_and_an_overflowing_one_is_infinite():
+    x, packed, scale = operands(1, 3, 64, 16)
+    scale[0, 1, 5] = 255                      # NaN: every weight of column 5's second group
+    packed[0, :, 9] = 0x77                    # codes of 6 in column 9 ...
+    scale[0, :, 9] = 254                      # ... times 2^127: past float32's largest, +inf
+    x = jnp.abs(x)                            # so that column 9's infinite products do not cancel
+    result = np.asarray(mxfp4_matmul(x, jnp.asarray(packed), jnp.asarray(scale), interpret=True))
+    assert np.isnan(result[0, :, 5]).all()
+    assert np.isposinf(result[0, :, 9]).all()
+    others = np.delete(result[0], [5, 9], axis=1)
+    assert np.isfinite(others).all()
+
+
+def test_empty_batches_rows_and_columns_give_empty_results():
+    for kernels, rows, columns in ((0, 3, 16), (2, 0, 16), (2, 3, 0)):
+        x, packed, scale = operands(kernels, rows, 32, columns)
+        assert mxfp4_matmul(x, jnp.asarray(packed), jnp.asarray(scale), interpret=True).shape == (kernels, rows,
+                                                                                                 columns)
+
+
+@pytest.mark.parametrize(("rows", "tile"), [(1, 16), (16, 16), (17, 32), (46, 64), (64, 64), (200, 64)])
+def test_a_row_tile_is_the_power_of_two_at_or_above_the_rows_within_16_to_64(rows, tile):
+    assert row_tile(rows) == tile
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (lambda x, p, s: (x.astype(jnp.float16), p, s), "rows: expected"),
+    (lambda x, p, s: (x[..., :48], p, s), "rows: K must be a multiple of 32"),
+    (lambda x, p, s: (x, p[:, :-1], s), r"packed: expected uint8 \[2, 48, N\]"),
+    (lambda x, p, s: (x, p.astype(np.int8), s), "packed: expected uint8"),
+    (lambda x, p, s: (x, p, s[:, :, :-1]), "scale: expected 80 columns"),
+])
+def test_bad_operands_are_a_value_error_naming_the_argument(change, message):
+    x, packed, scale = change(*operands(2, 5, 96, 80))
+    with pytest.raises(ValueError, match=message):
+        mxfp4_matmul(x, jnp.asarray(packed), jnp.asarray(scale), interpret=True)
+
+
+KERNEL = "k3_tail_mxfp4_matmul"
+# The matrix instruction each target's code multiplies the decoded weights with (bf16 operands).
+MATRIX_INSTRUCTIONS = {"sm_90": r"\bH[G]?MMA\.\S*BF16", "gfx942": r"^v_mfma_f32_\w+_bf16\b",
+                       "gfx950": r"^v_mfma_f32_\w+_bf16\b"}
+
+
+@pytest.mark.parametrize("topology", topology_params("h100x8", "mi300xx8", "mi355xx8"))
+def test_compiled_it_is_one_kernel_with_no_scratch_that_multiplies_on_the_matrix_units(topology):
+    # One group of the capacity method's gate kernels at prefill: 56 experts, 46 rows, K = 3584, 384 columns.
+    device = gpu_mesh_for(topology).devices.flat[0]
+    mesh = Mesh(np.array([device]), ("x",))
+    shapes = (((56, 46, 3584), jnp.bfloat16), ((56, 1792, 384), jnp.uint8), ((56, 112, 384), jnp.uint8))
+    arguments = [jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, P())) for shape, dtype in shapes]
+    # Under shard_map, as in the layer: Pallas reads the target GPU from the mesh of the program it lowers in.
+    product = jax.shard_map(mxfp4_matmul, mesh=mesh, in_specs=(P(), P(), P()), out_specs=P())
+    # At XLA's default LLVM level, which the suite's fast compiles lower to 0 (no ROCm code object at level 0).
+    compiled = jax.jit(product).lower(*arguments).compile(compiler_options={"xla_backend_optimization_level": 2})
+    entry = compiled.as_text().split("ENTRY", 1)[1]
+    assert len(re.findall(r"= \S+ custom-call\(", entry)) == 1 and " fusion(" not in entry
+    assert compiled.memory_analysis().temp_size_in_bytes == 0
+    code = disassembled(machine_code.kernel_code, compiled, KERNEL)
+    pattern = MATRIX_INSTRUCTIONS[code.processor.rstrip("a")]  # sm_90a: sm_90's architecture-specific features
+    assert any(re.search(pattern, instruction) for instruction in code.instructions)
+
+
+
+def test_the_benchmark_checks_and_times_both_on_the_cpu_interpreted(tmp_path):
+    """scripts/mxfp4_matmul_bench.py as a user runs it (a GPU times the compiled kernel; here it is interpreted)."""
+    path = tmp_path / "bench.json"
+    command = [sys.executable, str(Path(__file__).parent.parent / "scripts" / "mxfp4_matmul_bench.py"), "--experts",
+               "2", "--rows", "5", "--shapes", "64x80", "--rounds", "2", "--warmup", "1", "--interpret", "--json",
+               str(path)]
+    result = subprocess.run(command, capture_output=True, text=True, env=command_environment(), timeout=120,
+                            check=False)
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+    (row,) = json.loads(path.read_text())["rows"]
+    assert row["shape"] == "64x80" and row["kernel"]["repeats"] == row["xla"]["repeats"] == 2
+    assert math.isclose(row["ratio"], row["kernel"]["median_s"] / row["xla"]["median_s"])
