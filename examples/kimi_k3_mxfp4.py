@@ -29,7 +29,7 @@ program writes a decoded copy of the experts: the gather method (decode) reduces
 method (prefill) takes S = E/16 experts at a time, each of its GEMMs on a GPU one Pallas kernel that decodes
 the codes in its operand load (:meth:`Mxfp4Kernel.matmul`, ``k3_tail.ops.mxfp4_matmul``; XLA fuses no decode
 into a GEMM and wrote each group's kernels decoded, 154 MB each); the layer's temp memory (docs/performance.md
-has the table) is 1.6-1.7 / 5.1-6.2 MB at T = 1 / 16 (bf16 experts: 0.4-0.5 / 5.3-6.4) and 0.19 GB at T = 2048
+has the table) is 1.6-1.7 / 5.1-6.2 MB at T = 1 / 16 (bf16 experts: 0.4-0.5 / 5.3-6.4) and 83-96 MB at T = 2048
 (bf16: 0.67 GB), where it was 24 MB / 387 MB / 7.80 GB. On the CPU the capacity GEMMs multiply the decoded group.
 
 :func:`mxfp4_path` says, per method and device, which path a call takes and why no other route is (gfx950's
@@ -44,6 +44,7 @@ import dataclasses
 import tempfile
 
 import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -61,45 +62,65 @@ from k3_tail.xla import hlo_text, report as xla_report
 class Mxfp4Kernel:
     """A kernel [..., K, N] (y = x @ W over K) held as MXFP4: ``packed`` uint8 [..., K/2, N], two codes per
     byte along K (low nibble the even row), and ``scale`` uint8 [..., K/32, N], one E8M0 exponent per 32
-    rows of K. A pytree, so it passes through ``jax.jit`` and ``shard_map`` as its two arrays."""
+    rows of K. ``selected`` (int32 [S], or None: all) picks S kernels of the leading (expert) axis without
+    moving them: what :meth:`matmul` multiplies (:meth:`experts`, :meth:`select`). A pytree, so it passes
+    through ``jax.jit`` and ``shard_map`` as its arrays."""
 
     packed: jax.Array
     scale: jax.Array
+    selected: jax.Array | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
-        """The decoded kernel's shape [..., K, N]."""
+        """The decoded kernel's shape [..., K, N] (of the selected kernels)."""
         *leading, half, columns = self.packed.shape
+        if self.selected is not None:
+            leading = [*self.selected.shape, *leading[1:]]
         return (*leading, CODES_PER_BYTE * half, columns)
 
     def __getitem__(self, index) -> Mxfp4Kernel:
         """The kernels picked by ``index`` over the leading (expert) axes, still packed: gathering them moves
-        0.53 bytes per weight."""
-        return Mxfp4Kernel(self.packed[index], self.scale[index])
+        0.53 bytes per weight (where the gather feeds a fusion, XLA reads them in place)."""
+        packed, scale = self.gathered()
+        return Mxfp4Kernel(packed[index], scale[index])
+
+    def gathered(self) -> tuple[jax.Array, jax.Array]:
+        """(packed, scale) of the selected kernels, gathered (a copy, but where a fusion consumes it)."""
+        if self.selected is None:
+            return self.packed, self.scale
+        return self.packed[self.selected], self.scale[self.selected]
 
     def decode(self, dtype) -> jax.Array:
-        """The kernel's values [..., K, N] in ``dtype`` (``k3_tail.mxfp4.decode``)."""
-        return decode(self.packed, self.scale, dtype)
+        """The (selected) kernels' values [..., K, N] in ``dtype`` (``k3_tail.mxfp4.decode``)."""
+        return decode(*self.gathered(), dtype)
 
     def decode_by_group(self, dtype) -> jax.Array:
-        """The kernel's values [..., K/32, 16, 2, N] in ``dtype`` (``k3_tail.mxfp4.decode_by_group``)."""
-        return decode_by_group(self.packed, self.scale, dtype)
+        """The (selected) kernels' values [..., K/32, 16, 2, N] in ``dtype`` (``k3_tail.mxfp4.decode_by_group``)."""
+        return decode_by_group(*self.gathered(), dtype)
 
     def matmul(self, rows: jax.Array) -> jax.Array:
-        """rows [S, C, K] (the layer's dtype) times these S kernels [S, K, N], float32 [S, C, N], products in the rows'
-        dtype: on a GPU one Pallas kernel that decodes the codes in its operand load and writes no decoded weight
-        (``k3_tail.ops.mxfp4_matmul``), elsewhere XLA's GEMM of the decoded kernels (:func:`dense`)."""
+        """rows [S, C, K] (the layer's dtype) times the S selected kernels [S, K, N] (all, when none are selected),
+        float32 [S, C, N], products in the rows' dtype: on a GPU one Pallas kernel that reads the codes where they
+        lie, decodes them in its operand load and writes no decoded weight (``k3_tail.ops.mxfp4_matmul``),
+        elsewhere XLA's GEMM of the decoded kernels (:func:`dense`)."""
 
-        def decoded(rows, packed, scale):
-            return matmul(rows, decode(packed, scale, rows.dtype))
+        def in_kernel(rows, packed, scale, selected):
+            return mxfp4_matmul(rows, packed, scale, kernels=selected)
 
-        return jax.lax.platform_dependent(rows, self.packed, self.scale, cuda=mxfp4_matmul, rocm=mxfp4_matmul,
+        def decoded(rows, packed, scale, selected):
+            return matmul(rows, decode(packed[selected], scale[selected], rows.dtype))
+
+        selected = jnp.arange(self.packed.shape[0]) if self.selected is None else self.selected
+        return jax.lax.platform_dependent(rows, self.packed, self.scale, selected, cuda=in_kernel, rocm=in_kernel,
                                           default=decoded)
 
     def experts(self, start: jax.Array, count: int) -> Mxfp4Kernel:
-        """Experts start .. start + count - 1 of the leading axis, still packed, as a dynamic slice (read in place
-        by what consumes it, where a gather of them is a copy)."""
-        return Mxfp4Kernel(*(jax.lax.dynamic_slice_in_dim(array, start, count) for array in (self.packed, self.scale)))
+        """Experts start .. start + count - 1 of the leading axis, selected (nothing moves)."""
+        return self.select(start + jnp.arange(count))
+
+    def select(self, experts: jax.Array) -> Mxfp4Kernel:
+        """Experts ``experts`` (int [S]) of the leading axis, selected (nothing moves)."""
+        return Mxfp4Kernel(self.packed, self.scale, jnp.asarray(experts, jnp.int32))
 
 
 def dense(kernel: jax.Array | Mxfp4Kernel, dtype) -> jax.Array:

@@ -215,7 +215,7 @@ def experts_by_capacity(latent, chosen, combine, gate, up, down) -> jax.Array:
         expert = jnp.minimum(jnp.searchsorted(chunk_ends, chunk, side="right", method="compare_all"), num_experts - 1)
         chunk_in_expert = chunk - (chunk_ends[expert] - extra_chunks[expert]) + 1     # 1 for its second chunk
         offsets = jnp.where(chunk < chunk_ends[-1], chunk_in_expert * capacity, counts[expert])
-        return add_chunks(result, expert, offsets, gate[expert], up[expert], down[expert])
+        return add_chunks(result, expert, offsets, *(_select(kernel, expert) for kernel in (gate, up, down)))
 
     rounds = -(-chunk_ends[-1] // slots)
     return jax.lax.fori_loop(0, rounds, overflow_round, result)
@@ -262,6 +262,11 @@ def _expert_mlp(rows: jax.Array, gate, up, down) -> jax.Array:
     [S, m/p, L] (arrays, or MXFP4 multiplied by ``Mxfp4Kernel.matmul``) -> [S, C, L] float32."""
     activation = situ(_grouped_product(rows, gate), _grouped_product(rows, up)).astype(rows.dtype)
     return _grouped_product(activation, down)
+
+
+def _select(kernel: jax.Array | Mxfp4Kernel, experts: jax.Array) -> jax.Array | Mxfp4Kernel:
+    """The kernels of ``experts`` [S]: an array's gathered (a copy of S blocks), MXFP4 ones selected where they lie."""
+    return kernel.select(experts) if isinstance(kernel, Mxfp4Kernel) else kernel[experts]
 
 
 def _grouped_product(rows: jax.Array, kernel: jax.Array | Mxfp4Kernel) -> jax.Array:

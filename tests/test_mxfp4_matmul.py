@@ -7,6 +7,7 @@ each rounding once). Compiled for the deviceless GPU targets it is one kernel, w
 multiplies on the matrix units, read from its machine code.
 """
 
+import functools
 import json
 import math
 import re
@@ -65,6 +66,21 @@ def test_the_kernel_computes_the_decoded_product_within_float32_accumulation(dty
     assert_within_float32_accumulation(result, x, packed, scale)
 
 
+def test_the_kernels_are_picked_by_index_in_any_order_and_repeated():
+    x, packed, scale = operands(3, 5, 64, 48)
+    picked = np.array([2, 0, 2])
+    result = mxfp4_matmul(x, jnp.asarray(packed), jnp.asarray(scale), kernels=jnp.asarray(picked), interpret=True)
+    assert_within_float32_accumulation(result, x, packed[picked], scale[picked])
+
+
+def test_an_index_outside_the_kernels_gives_its_block_nan_and_leaves_the_others_alone():
+    x, packed, scale = operands(3, 5, 64, 48)
+    picked = jnp.array([1, 3, -1])
+    for product in (functools.partial(mxfp4_matmul, interpret=True), mxfp4_matmul_reference):
+        result = np.asarray(product(x, jnp.asarray(packed), jnp.asarray(scale), kernels=picked))
+        assert np.isnan(result[1:]).all() and np.isfinite(result[0]).all()
+
+
 def test_the_reference_is_the_same_function():
     x, packed, scale = operands(2, 5, 96, 80)
     assert_within_float32_accumulation(mxfp4_matmul_reference(x, jnp.asarray(packed), jnp.asarray(scale)), x,
@@ -113,14 +129,21 @@ def test_a_row_tile_is_the_power_of_two_at_or_above_the_rows_within_16_to_64(row
 @pytest.mark.parametrize(("change", "message"), [
     (lambda x, p, s: (x.astype(jnp.float16), p, s), "rows: expected"),
     (lambda x, p, s: (x[..., :48], p, s), "rows: K must be a multiple of 32"),
-    (lambda x, p, s: (x, p[:, :-1], s), r"packed: expected uint8 \[2, 48, N\]"),
+    (lambda x, p, s: (x, p[:, :-1], s), r"packed: expected uint8 \[E, 48, N\]"),
     (lambda x, p, s: (x, p.astype(np.int8), s), "packed: expected uint8"),
-    (lambda x, p, s: (x, p, s[:, :, :-1]), "scale: expected 80 columns"),
+    (lambda x, p, s: (x, p, s[:, :, :-1]), r"scale: expected 2 kernels of 80 columns"),
+    (lambda x, p, s: (x, p[:1], s[:1]), "kernels: None multiplies kernel s by rows"),
 ])
 def test_bad_operands_are_a_value_error_naming_the_argument(change, message):
     x, packed, scale = change(*operands(2, 5, 96, 80))
     with pytest.raises(ValueError, match=message):
         mxfp4_matmul(x, jnp.asarray(packed), jnp.asarray(scale), interpret=True)
+
+
+def test_indices_of_another_shape_are_a_value_error_naming_kernels():
+    x, packed, scale = operands(2, 5, 96, 80)
+    with pytest.raises(ValueError, match=r"kernels: expected integers \[2\]"):
+        mxfp4_matmul(x, jnp.asarray(packed), jnp.asarray(scale), kernels=jnp.zeros(3, jnp.int32), interpret=True)
 
 
 KERNEL = "k3_tail_mxfp4_matmul"

@@ -1,10 +1,11 @@
 """A batched GEMM over MXFP4 kernels, decoded in the operand load: one GPU kernel (Pallas, Triton backend) that
 reads the packed codes and scales and never writes a decoded weight, with its reference :func:`mxfp4_matmul_reference`.
 
-For S kernels held as compressed-tensors' MXFP4 (:mod:`k3_tail.mxfp4`: ``packed`` uint8 [S, K/2, N], two codes a
-byte along K, ``scale`` uint8 [S, K/32, N]) and rows [S, C, K], :func:`mxfp4_matmul` computes
+For E kernels held as compressed-tensors' MXFP4 (:mod:`k3_tail.mxfp4`: ``packed`` uint8 [E, K/2, N], two codes a
+byte along K, ``scale`` uint8 [E, K/32, N]), rows [S, C, K] and the kernels' indices e [S], :func:`mxfp4_matmul`
+computes
 
-    y[s] = rows[s] @ decode(packed[s], scale[s])        float32 [S, C, N]
+    y[s] = rows[s] @ decode(packed[e[s]], scale[e[s]])        float32 [S, C, N]
 
 with the products of the rows' dtype (bfloat16 or float32: every MXFP4 value is exact in both) accumulated in
 float32, as XLA's GEMM of the decoded kernel computes them, in another order of the additions.
@@ -12,12 +13,14 @@ float32, as XLA's GEMM of the decoded kernel computes them, in another order of 
 Why a kernel. Compiled for H100, MI300X and MI355X, XLA fuses no decode into its GEMM's operand, whatever the
 layout (docs/guide.md, MXFP4 experts): at prefill it wrote each group of 56 experts' kernels decoded, 154 MB
 of bf16 a kernel, and read them back, 4.53 bytes moved a weight where the packed one is 0.53. Here program
-(s, j, i) takes kernel s's column tile j (:data:`BLOCK_COLUMNS` columns) and row tile i, and walks K one
+(s, j, i) takes kernel e[s]'s column tile j (:data:`BLOCK_COLUMNS` columns) and row tile i, and walks K one
 MXFP4 group (32 rows, 16 bytes a column, one scale) at a time: it loads the group's bytes and scales, builds
 the values' bits with integer operations (:func:`k3_tail.mxfp4.value_bits`: exact, subnormal scales, inf and
 NaN included, on every GPU whatever its float modes) and multiplies the group's even and odd rows of K by
 the low and the high codes. Each packed byte is read once per row tile (once while C <= 64); the rows are
-read once per column tile. Programs do not talk to each other.
+read once per column tile. Programs do not talk to each other. The kernels are read where they lie, by their
+indices e: a slice or a gather of them before the call would be a copy of their codes, which XLA writes before any
+custom call (38.5 MB per kernel for a group of 56 experts).
 """
 
 from __future__ import annotations
@@ -47,54 +50,67 @@ def row_tile(num_rows: int) -> int:
     return min(LARGEST_ROW_TILE, max(SMALLEST_ROW_TILE, 1 << max(num_rows - 1, 0).bit_length()))
 
 
-def mxfp4_matmul(rows: jax.Array, packed: jax.Array, scale: jax.Array, *, interpret: bool = False) -> jax.Array:
-    """rows[s] @ decode(packed[s], scale[s]) for each of S kernels, in one kernel (module docstring).
+def mxfp4_matmul(rows: jax.Array, packed: jax.Array, scale: jax.Array, *, kernels: jax.Array | None = None,
+                 interpret: bool = False) -> jax.Array:
+    """rows[s] @ decode(packed[kernels[s]], scale[kernels[s]]) for each of S kernels, in one kernel (module
+    docstring).
 
     Args:
       rows: [S, C, K], bfloat16 or float32: the products' dtype.
-      packed: uint8 [S, K/2, N], two E2M1 codes a byte along K (the low nibble the even row).
-      scale: uint8 [S, K/32, N], one E8M0 exponent per 32 rows of K.
+      packed: uint8 [E, K/2, N], two E2M1 codes a byte along K (the low nibble the even row).
+      scale: uint8 [E, K/32, N], one E8M0 exponent per 32 rows of K.
+      kernels: int32 [S], which of the E kernels each row block multiplies; None for all, in order (S = E). The
+        kernel reads them where they lie: a group of experts or a gathered few cost no copy of their codes.
+        An index outside [0, E) touches no memory outside the arrays and gives that block NaN.
       interpret: run in Pallas's interpret mode (a CPU has no Triton): the same kernel, programs in turn.
 
     Returns:
       float32 [S, C, N]. A NaN scale (u = 255) or a value past the dtype's range (+-inf) reaches the outputs that
       multiply it, as in the decoded kernel's GEMM.
 
-    Cost: reads the packed bytes (0.53 a weight) once per row tile, the rows once per column tile; writes the
-    output; 2 S C K N FLOPs; one kernel launch. No scratch.
+    Cost: reads the S kernels' packed bytes (0.53 a weight) once per row tile, the rows once per column tile;
+    writes the output; 2 S C K N FLOPs; one kernel launch. No scratch.
 
     Raises:
       ValueError: naming the argument, for shapes that do not pair or dtypes other than those above.
     """
-    _check(rows, packed, scale)
+    _check(rows, packed, scale, kernels)
     from jax.experimental import pallas as pl  # loaded with the first call: `import k3_tail` stays light
     from jax.experimental.pallas import triton as plt
 
     if not interpret:  # jax 0.12 warns when the user's program lowers the kernel (k3_tail.ops.pallas_triton)
         ignore_triton_deprecation_warning()
-    kernels, num_rows, depth = rows.shape
+    batch, num_rows, depth = rows.shape
     columns = packed.shape[-1]
-    if 0 in (kernels, num_rows, columns):
-        return jnp.zeros((kernels, num_rows, columns), jnp.float32)
+    if 0 in (batch, num_rows, columns):
+        return jnp.zeros((batch, num_rows, columns), jnp.float32)
     block_rows = row_tile(num_rows)
-    (rows, packed, scale), varying = vary_alike([rows, packed, scale])
-    out_shape = jax.ShapeDtypeStruct((kernels, num_rows, columns), jnp.float32, manual_axis_type=varying)
+    # Without indices block s multiplies kernel s, and the call takes no index array (XLA would make an iota of
+    # them a kernel of its own).
+    inputs = [rows, packed, scale] if kernels is None else [kernels.astype(jnp.int32), rows, packed, scale]
+    inputs, varying = vary_alike(inputs)
+    out_shape = jax.ShapeDtypeStruct((batch, num_rows, columns), jnp.float32, manual_axis_type=varying)
     return pl.pallas_call(
-        functools.partial(_kernel, block_rows=block_rows, pl=pl, plt=plt),
+        functools.partial(_kernel, indexed=kernels is not None, block_rows=block_rows, pl=pl, plt=plt),
         out_shape=out_shape,
-        grid=(kernels, pl.cdiv(columns, BLOCK_COLUMNS), pl.cdiv(num_rows, block_rows)),
+        grid=(batch, pl.cdiv(columns, BLOCK_COLUMNS), pl.cdiv(num_rows, block_rows)),
         interpret=interpret,
         # Triton's parameters choose its backend (jax 0.10 would take Mosaic GPU on NVIDIA without them).
         compiler_params=plt.CompilerParams(num_warps=WARPS),
         name="k3_tail_mxfp4_matmul",
-    )(rows, packed, scale)
+    )(*inputs)
 
 
-def _kernel(rows_ref, packed_ref, scale_ref, out_ref, *, block_rows, pl, plt):
-    """Program (s, j, i): rows tile i of kernel s times its column tile j, group by group (module docstring)."""
+def _kernel(*refs, indexed, block_rows, pl, plt):
+    """Program (s, j, i): rows tile i of block s times its kernel's column tile j, group by group (module
+    docstring). ``refs``: the kernels' indices when ``indexed``, then the rows, codes, scales and the output."""
+    kernels_ref, rows_ref, packed_ref, scale_ref, out_ref = refs if indexed else (None, *refs)
     num_rows, depth = rows_ref.shape[1:]
-    columns = packed_ref.shape[-1]
+    num_kernels, columns = packed_ref.shape[0], packed_ref.shape[-1]
     s, j, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    kernel = plt.load(kernels_ref.at[s + jnp.zeros((1,), jnp.int32)])[0] if indexed else s  # [1], then its scalar
+    kernel_ok = (kernel >= 0) & (kernel < num_kernels)
+    kernel = jnp.where(kernel_ok, kernel, 0)  # a bad index reads kernel 0 and is answered with NaN below
     row = i * block_rows + jnp.arange(block_rows)
     column = j * BLOCK_COLUMNS + jnp.arange(BLOCK_COLUMNS)
     row_ok, column_ok = row < num_rows, column < columns
@@ -103,9 +119,9 @@ def _kernel(rows_ref, packed_ref, scale_ref, out_ref, *, block_rows, pl, plt):
     def group_product(group, acc):
         byte_rows = group * _GROUP_BYTES + jnp.arange(_GROUP_BYTES)
         # Masked columns read code 0 under scale 0: the value 0, so they add nothing (and are not stored).
-        codes = plt.load(packed_ref.at[s, byte_rows[:, None], column[None, :]], mask=column_ok[None, :],
+        codes = plt.load(packed_ref.at[kernel, byte_rows[:, None], column[None, :]], mask=column_ok[None, :],
                          other=0).astype(jnp.int32)
-        exponents = plt.load(scale_ref.at[s, group, column], mask=column_ok, other=0).astype(jnp.int32)[None, :]
+        exponents = plt.load(scale_ref.at[kernel, group, column], mask=column_ok, other=0).astype(jnp.int32)[None, :]
         for nibble in range(CODES_PER_BYTE):  # the low codes are K's even rows of the group, the high ones its odd
             bits = value_bits((codes >> (4 * nibble)) & 0xF, exponents, _FLOAT32_MANTISSA_BITS)
             weights = lax.bitcast_convert_type(bits, jnp.float32).astype(dtype)  # exact: 2 significant bits
@@ -115,30 +131,42 @@ def _kernel(rows_ref, packed_ref, scale_ref, out_ref, *, block_rows, pl, plt):
         return acc
 
     acc = lax.fori_loop(0, depth // GROUP_SIZE, group_product, jnp.zeros((block_rows, BLOCK_COLUMNS), jnp.float32))
+    acc = jnp.where(kernel_ok, acc, jnp.nan)
     plt.store(out_ref.at[s, row[:, None], column[None, :]], acc, mask=row_ok[:, None] & column_ok[None, :])
 
 
-def mxfp4_matmul_reference(rows: jax.Array, packed: jax.Array, scale: jax.Array) -> jax.Array:
-    """:func:`mxfp4_matmul`'s function in plain jnp: the kernels decoded (:func:`k3_tail.mxfp4.decode`) to the rows'
-    dtype and multiplied by XLA's GEMM, accumulating in float32. Arguments and result as :func:`mxfp4_matmul`."""
-    _check(rows, packed, scale)
-    weights = decode(packed, scale, rows.dtype)
-    return jnp.einsum("sck,skn->scn", rows, weights, preferred_element_type=jnp.float32,
-                      precision=dot_precision(rows.dtype))
+def mxfp4_matmul_reference(rows: jax.Array, packed: jax.Array, scale: jax.Array, *,
+                           kernels: jax.Array | None = None) -> jax.Array:
+    """:func:`mxfp4_matmul`'s function in plain jnp: the kernels gathered, decoded (:func:`k3_tail.mxfp4.decode`) to
+    the rows' dtype and multiplied by XLA's GEMM, accumulating in float32. Arguments and result as
+    :func:`mxfp4_matmul`."""
+    _check(rows, packed, scale, kernels)
+    kernels = jnp.arange(rows.shape[0]) if kernels is None else kernels
+    weights = decode(packed[kernels], scale[kernels], rows.dtype)
+    product = jnp.einsum("sck,skn->scn", rows, weights, preferred_element_type=jnp.float32,
+                         precision=dot_precision(rows.dtype))
+    return jnp.where(((kernels >= 0) & (kernels < packed.shape[0]))[:, None, None], product, jnp.nan)
 
 
-def _check(rows, packed, scale) -> None:
-    """ValueError naming the argument unless rows [S, C, K] (a decoded dtype), packed uint8 [S, K/2, N] and scale
-    uint8 [S, K/32, N] pair, K a multiple of 32."""
+def _check(rows, packed, scale, kernels) -> None:
+    """ValueError naming the argument unless rows [S, C, K] (a decoded dtype), packed uint8 [E, K/2, N] and scale
+    uint8 [E, K/32, N] pair, K a multiple of 32, and kernels are integers [S] (or None, with S = E)."""
     if rows.ndim != 3 or jnp.dtype(rows.dtype) not in DECODED_DTYPES:
         raise ValueError(f"rows: expected [S, C, K] of {tuple(d.name for d in DECODED_DTYPES)}, got "
                          f"{rows.dtype} {tuple(rows.shape)}")
-    kernels, _, depth = rows.shape
+    depth = rows.shape[2]
     if depth % GROUP_SIZE:
         raise ValueError(f"rows: K must be a multiple of {GROUP_SIZE} (one scale per {GROUP_SIZE} rows), got {depth}")
     for name, array, height in (("packed", packed, depth // CODES_PER_BYTE), ("scale", scale, depth // GROUP_SIZE)):
-        if jnp.dtype(array.dtype) != STORED_DTYPE or array.ndim != 3 or tuple(array.shape[:2]) != (kernels, height):
-            raise ValueError(f"{name}: expected uint8 [{kernels}, {height}, N] for rows {tuple(rows.shape)}, got "
+        if jnp.dtype(array.dtype) != STORED_DTYPE or array.ndim != 3 or array.shape[1] != height:
+            raise ValueError(f"{name}: expected uint8 [E, {height}, N] for rows {tuple(rows.shape)}, got "
                              f"{array.dtype} {tuple(array.shape)}")
-    if scale.shape[2] != packed.shape[2]:
-        raise ValueError(f"scale: expected {packed.shape[2]} columns, packed's, got {scale.shape[2]}")
+    if tuple(scale.shape[::2]) != tuple(packed.shape[::2]):
+        raise ValueError(f"scale: expected {packed.shape[0]} kernels of {packed.shape[2]} columns, packed's, got "
+                         f"{tuple(scale.shape)}")
+    if kernels is None and packed.shape[0] != rows.shape[0]:
+        raise ValueError(f"kernels: None multiplies kernel s by rows[s], so packed needs S = {rows.shape[0]} "
+                         f"kernels, got {packed.shape[0]}; pass the indices of the kernels to use")
+    if kernels is not None and (kernels.shape != (rows.shape[0],) or not jnp.issubdtype(kernels.dtype, jnp.integer)):
+        raise ValueError(f"kernels: expected integers [{rows.shape[0]}] (one per row block), got {kernels.dtype} "
+                         f"{tuple(kernels.shape)}")
