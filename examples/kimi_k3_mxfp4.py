@@ -98,19 +98,22 @@ class Mxfp4Kernel:
         """The (selected) kernels' values [..., K/32, 16, 2, N] in ``dtype`` (``k3_tail.mxfp4.decode_by_group``)."""
         return decode_by_group(*self.gathered(), dtype)
 
-    def matmul(self, rows: jax.Array) -> jax.Array:
+    def matmul(self, rows: jax.Array, *, interpret: bool = False) -> jax.Array:
         """rows [S, C, K] (the layer's dtype) times the S selected kernels [S, K, N] (all, when none are selected),
         float32 [S, C, N], products in the rows' dtype: on a GPU one Pallas kernel that reads the codes where they
         lie, decodes them in its operand load and writes no decoded weight (``k3_tail.ops.mxfp4_matmul``),
-        elsewhere XLA's GEMM of the decoded kernels (:func:`dense`)."""
+        elsewhere XLA's GEMM of the decoded kernels (:func:`dense`). ``interpret``: the GPU's kernel on any
+        platform, in Pallas's interpret mode (a CPU runs what a GPU would)."""
 
         def in_kernel(rows, packed, scale, selected):
-            return mxfp4_matmul(rows, packed, scale, kernels=selected)
+            return mxfp4_matmul(rows, packed, scale, kernels=selected, interpret=interpret)
 
         def decoded(rows, packed, scale, selected):
             return matmul(rows, decode(packed[selected], scale[selected], rows.dtype))
 
         selected = jnp.arange(self.packed.shape[0]) if self.selected is None else self.selected
+        if interpret:
+            return in_kernel(rows, self.packed, self.scale, selected)
         return jax.lax.platform_dependent(rows, self.packed, self.scale, selected, cuda=in_kernel, rocm=in_kernel,
                                           default=decoded)
 

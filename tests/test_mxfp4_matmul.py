@@ -22,6 +22,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import mxfp4_fixture
+from examples import kimi_k3_mxfp4, kimi_k3_routed_experts as routed_experts
 from helpers import command_environment, disassembled, gpu_mesh_for, topology_params
 from k3_tail.ops.mxfp4_matmul import mxfp4_matmul, mxfp4_matmul_reference, row_tile
 from k3_tail.xla import machine_code
@@ -184,3 +185,62 @@ def test_the_benchmark_checks_and_times_both_on_the_cpu_interpreted(tmp_path):
     (row,) = json.loads(path.read_text())["rows"]
     assert row["shape"] == "64x80" and row["kernel"]["repeats"] == row["xla"]["repeats"] == 2
     assert math.isclose(row["ratio"], row["kernel"]["median_s"] / row["xla"]["median_s"])
+
+
+# The capacity method with the GPU's kernel, interpreted: 8 experts of L = 64, m/p = 32; "spread" routes 12 tokens
+# over all experts, "same-experts" 40 tokens to experts 3 and 5 (overflow rounds, their blocks picked by index).
+EXPERTS, LATENT, WIDTH = 8, 64, 32
+ROUTINGS = {"spread": 12, "same-experts": 40}
+
+
+def capacity_inputs(routing_name, poisoned_expert=None):
+    rng = np.random.default_rng(3)
+    num_tokens = ROUTINGS[routing_name]
+    if routing_name == "spread":
+        chosen = np.argsort(rng.random((num_tokens, EXPERTS)), axis=1)[:, :2]
+    else:
+        chosen = np.tile([3, 5], (num_tokens, 1))
+    combine = rng.random((num_tokens, 2)).astype(np.float32)
+    latent = jnp.asarray(rng.standard_normal((num_tokens, LATENT)), jnp.bfloat16)
+    shapes = ((EXPERTS, LATENT, WIDTH),) * 2 + ((EXPERTS, WIDTH, LATENT),)
+    kernels = [kimi_k3_mxfp4.random_codes(rng, shape, shape[1] ** -0.5) for shape in shapes]
+    if poisoned_expert is not None:
+        kernels[0][1][poisoned_expert, 0, 1] = 255  # a NaN scale in its gate kernel
+    return latent, jnp.asarray(chosen, jnp.int32), jnp.asarray(combine), [
+        kimi_k3_mxfp4.Mxfp4Kernel(jnp.asarray(packed), jnp.asarray(scale)) for packed, scale in kernels]
+
+
+@functools.cache
+def capacity_method(interpret):
+    """The capacity method, jitted, its MXFP4 GEMMs the GPU's kernel interpreted (``interpret``) or XLA's: the
+    kernel's matmul is patched in while it traces."""
+
+    def method(*arguments):
+        with pytest.MonkeyPatch.context() as patch:
+            if interpret:
+                patch.setattr(kimi_k3_mxfp4.Mxfp4Kernel, "matmul",
+                              functools.partialmethod(kimi_k3_mxfp4.Mxfp4Kernel.matmul, interpret=True))
+            return routed_experts.experts_by_capacity(*arguments)
+
+    return jax.jit(method)
+
+
+def capacity(latent, chosen, combine, kernels, *, interpret):
+    return np.asarray(capacity_method(interpret)(latent, chosen, combine, *kernels), np.float64)
+
+
+@pytest.mark.parametrize("routing_name", ROUTINGS)
+def test_the_capacity_method_with_the_kernel_computes_what_it_computes_with_xlas_gemms(routing_name):
+    # The products are the same; the kernel's float32 sums run in another order, which moves a SiTU output across a
+    # bf16 rounding now and then: relative error well under bf16's 2^-8, where a wrong expert's block would be O(1).
+    inputs = capacity_inputs(routing_name)
+    with_kernel, with_xla = capacity(*inputs, interpret=True), capacity(*inputs, interpret=False)
+    assert np.linalg.norm(with_kernel - with_xla) <= 1e-3 * np.linalg.norm(with_xla)
+
+
+@pytest.mark.parametrize("routing_name", ROUTINGS)
+def test_with_the_kernel_a_nan_scale_reaches_exactly_the_tokens_of_its_expert(routing_name):
+    for expert in (3, 7):  # one some tokens chose in both routings, one chosen only in the spread routing
+        latent, chosen, combine, kernels = capacity_inputs(routing_name, poisoned_expert=expert)
+        routed = capacity(latent, chosen, combine, kernels, interpret=True)
+        np.testing.assert_array_equal(~np.isfinite(routed).all(axis=1), np.asarray((chosen == expert).any(axis=1)))
