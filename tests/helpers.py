@@ -95,7 +95,10 @@ def gpu_mesh_for(topology, tp_size=8):
         pytest.skip(str(error))
 
 
-ROCM_WHEELS = importlib.util.find_spec("jax_plugins.xla_rocm7") is not None
+# Whether the ROCm plugin is installed (find_spec of a submodule imports its parent: jax_plugins exists only where
+# some plugin is, not in an environment of the project alone).
+ROCM_WHEELS = importlib.util.find_spec("jax_plugins") is not None and (
+    importlib.util.find_spec("jax_plugins.xla_rocm7") is not None)
 
 
 def topology_available(topology):
