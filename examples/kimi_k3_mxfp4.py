@@ -8,8 +8,8 @@ packing along the input axis: the gate and up kernels [E, L/2, m] and [E, L/32, 
 [E, m/2, L] and [E, m/32, L], sharded over the intermediate width m like the bf16 kernels. They are decoded
 inside the jitted expert computation, where each method uses a kernel (examples/kimi_k3_routed_experts.py):
 the gather method decodes only the T*k gathered blocks, inside the fusion that multiplies and reduces them.
-A GPU program decodes them through ``float4_e2m1fn`` and ``float8_e8m0fnu`` alone; a CPU program also builds
-the values under the scales 2^-127 and 2^-126 from their bits, which XLA:CPU's float arithmetic flushes.
+A GPU program decodes them through ``float4_e2m1fn`` and ``float8_e8m0fnu`` alone; a CPU program builds the
+values from their bits, since XLA:CPU's float arithmetic flushes those under the scales 2^-127 and 2^-126.
 
 Memory per rank, one Kimi-K3 MoE layer's routed experts at p = 8 (896 experts, m = 3072, L = 3584:
 3 * 896 * 3584 * 384 = 3,699,376,128 weights per rank; :func:`expert_bytes_per_rank`):

@@ -22,10 +22,10 @@ backend, u = 0 to the subnormal 2^-127 and u = 255 to NaN, so the one float oper
 exact where float arithmetic keeps subnormals: on the GPU backends (XLA's default: ``xla_gpu_ftz`` off, on NVPTX
 and AMDGPU alike). XLA:CPU flushes subnormal operands and results of float arithmetic to zero, which breaks the
 product for u = 0 (its scale is a subnormal operand: every value is 0) and for u = 1 with |code| = 0.5 (2^-127 is a
-subnormal result). There only, on the CPU only, the values are built from their bits with integer operations
-(:func:`value_bits`). A value past the dtype's largest finite (u = 253 with |code| >= 4, u = 254 with |code|
->= 2: up to 6 * 2^127) is +-inf, as the rounding multiply makes it; the checkpoint loader refuses such groups
-(:func:`overflowing_groups`).
+subnormal result). There, on the CPU only, every value is built from its bits with integer operations
+(:func:`value_bits`, exact under every scale). A value past the dtype's largest finite (u = 253 with |code| >= 4,
+u = 254 with |code| >= 2: up to 6 * 2^127) is +-inf, as the rounding multiply makes it; the checkpoint loader
+refuses such groups (:func:`overflowing_groups`).
 """
 
 from __future__ import annotations
@@ -53,8 +53,6 @@ _BITS_DTYPES = {np.dtype(jnp.bfloat16): jnp.uint16, np.dtype(np.float32): jnp.ui
 _EXPONENT_FIELD_MAX = 255  # all ones: inf and NaN
 # The scales (2^126, 2^127) under which a large code passes the decoded dtypes' largest finite (255 is NaN).
 OVERFLOWING_SCALES = (253, 254)
-# XLA:CPU flushes products under u <= this: 2^-127 (u = 0) is a subnormal operand, 0.5 * 2^-126 (u = 1) a result.
-_LARGEST_FLUSHED_SCALE = 1
 
 
 def stored_tensors(out_features: int, in_features: int) -> dict[str, tuple[tuple[int, int], str]]:
@@ -117,20 +115,19 @@ def decode_by_group(packed: jax.Array, scale: jax.Array, dtype) -> jax.Array:
 
 def _scaled(values: jax.Array, scale: jax.Array, dtype: np.dtype) -> jax.Array:
     """``values`` float4_e2m1fn [..., K/32, 16, 2, N] times their scales 2^(u - 127), u = ``scale`` uint8
-    [..., K/32, N], in ``dtype``: the dtypes' product, and on the CPU the bits built where that flushes."""
+    [..., K/32, N], in ``dtype``: the dtypes' product, and on the CPU (which flushes it) the bits built."""
     scales = scale[..., None, None, :]
 
     def by_dtypes(values, scales):
         return values_by_dtypes(values, scales).astype(dtype)
 
-    def flushing(values, scales):
+    def from_bits(values, scales):
         codes = jax.lax.bitcast_convert_type(values, jnp.uint4)
         bits = value_bits(codes, scales, _MANTISSA_BITS[dtype]).astype(_BITS_DTYPES[dtype])
-        built = jax.lax.bitcast_convert_type(bits, dtype)
-        return jnp.where(scales <= _LARGEST_FLUSHED_SCALE, built, by_dtypes(values, scales))
+        return jax.lax.bitcast_convert_type(bits, dtype)
 
     # Chosen as the program is lowered for its platform: a GPU program holds the dtypes' product only.
-    return jax.lax.platform_dependent(values, scales, cpu=flushing, default=by_dtypes)
+    return jax.lax.platform_dependent(values, scales, cpu=from_bits, default=by_dtypes)
 
 
 def values_by_dtypes(values: jax.Array, scales: jax.Array) -> jax.Array:
@@ -161,7 +158,9 @@ def value_bits(codes: jax.Array, scales: jax.Array, mantissa_bits: int) -> jax.A
     all_ones = _EXPONENT_FIELD_MAX << n
     magnitude = jnp.where(u == NAN_SCALE, all_ones | (1 << (n - 1)), jnp.where(exponent >= _EXPONENT_FIELD_MAX,
                                                                                all_ones, finite))
-    return (((c >> 3) << (n + 8)) | magnitude).astype(jnp.uint32)
+    # The NaN of u = 255 is the positive quiet NaN whatever the code's sign, as the dtypes' product gives it.
+    sign = jnp.where(u == NAN_SCALE, 0, c >> 3)
+    return ((sign << (n + 8)) | magnitude).astype(jnp.uint32)
 
 
 def overflowing_groups(packed: np.ndarray, scale: np.ndarray) -> np.ndarray:
