@@ -248,13 +248,15 @@ def activation_quantization_error(activation_format: str | None, *, rows: int = 
 @dataclasses.dataclass(frozen=True)
 class CompiledFigures:
     """Per rank, one compiled layer: XLA's temp bytes, the bytes it accesses (``XlaReport.bytes_accessed``), the
-    GPU kernels it launches (None for a CPU program) and the elements of the largest floating-point array it
-    writes (``k3_tail.xla.hlo_text.largest_float_write``: a decoded copy of the experts would be the largest)."""
+    GPU kernels it launches (None for a CPU program) and the elements of the largest floating-point and byte arrays
+    it writes (``k3_tail.xla.hlo_text.largest_write``: a decoded copy of the experts would be the largest of the
+    first, a copy of their packed codes of the second)."""
 
     temp_bytes: int
     bytes_accessed: float
     kernels: int | None
     largest_float_write: int
+    largest_byte_write: int
 
 
 def compiled_figures(quantization: str | None, mesh, num_tokens: int) -> CompiledFigures:
@@ -272,9 +274,10 @@ def compiled_figures(quantization: str | None, mesh, num_tokens: int) -> Compile
         options = {**layer_module.layer_compiler_options(config, mesh, num_tokens), "xla_dump_to": dump_dir}
         compiled = lowered.compile(compiler_options=options)
         figures = xla_report.report(compiled, shared_argument=None, dump_dir=dump_dir)
-    largest = hlo_text.largest_float_write(hlo_text.parse_module(compiled.as_text()))
+    module = hlo_text.parse_module(compiled.as_text())
+    largest = [hlo_text.largest_write(module, dtypes) for dtypes in (hlo_text.FLOAT_DTYPES, hlo_text.BYTE_DTYPES)]
     return CompiledFigures(compiled.memory_analysis().temp_size_in_bytes, figures.bytes_accessed,
-                           figures.gpu_kernel_count, 0 if largest is None else largest.elements)
+                           figures.gpu_kernel_count, *(0 if array is None else array.elements for array in largest))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -70,3 +70,12 @@ def test_no_array_the_mxfp4_layer_writes_is_as_large_as_one_group_of_decoded_exp
     experts, latent, width, tp_size = EXPERT_SHAPE
     group = routed_experts.overflow_slots(experts) * latent * (width // tp_size)
     assert figures(topology, num_tokens, "mxfp4").largest_float_write < group
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+def test_at_prefill_the_experts_packed_codes_are_read_where_they_lie(figures, topology):
+    # One expert's packed codes of a kernel: the capacity GEMMs take the experts by index, so no array the layer writes
+    # holds even one expert's (before: each group's codes were copied before each GEMM, 56 experts' worth, and each
+    # overflow round's gathered ones). The bytes accessed above cannot show it: XLA counts a loop's body once.
+    experts, latent, width, tp_size = EXPERT_SHAPE
+    assert figures(topology, 2048, "mxfp4").largest_byte_write < latent * (width // tp_size) // 2

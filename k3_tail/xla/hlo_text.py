@@ -149,18 +149,21 @@ def parse_module(text: str) -> Module:
 # flow whose results are its bodies' (a loop's tuple carries the weights it reads).
 _NOT_WRITTEN = frozenset({"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "after-all", "while",
                           "conditional", "call"})
-_FLOAT_DTYPES = frozenset({"f8e4m3fn", "f8e5m2", "f8e4m3fnuz", "f8e5m2fnuz", "bf16", "f16", "f32", "f64"})
+# The floating-point element types (a decoded copy of weights is one), and the 8-bit integer ones (packed codes).
+FLOAT_DTYPES = frozenset({"f8e4m3fn", "f8e5m2", "f8e4m3fnuz", "f8e5m2fnuz", "bf16", "f16", "f32", "f64"})
+BYTE_DTYPES = frozenset({"u8", "s8"})
 
 
-def largest_float_write(module: Module) -> ArrayShape | None:
-    """The largest floating-point array (by elements) that an instruction of ``module`` writes: the results of
-    its kernels and other instructions outside fusion bodies (in the entry, loop bodies and branches), the
-    program's inputs and views of them left out. None when it writes none. A decoded copy of weights shows here."""
+def largest_write(module: Module, dtypes: frozenset[str]) -> ArrayShape | None:
+    """The largest array (by elements) of an element type in ``dtypes`` that an instruction of ``module`` writes:
+    the results of its kernels and other instructions outside fusion bodies (in the entry, loop bodies and
+    branches), the program's inputs and views of them left out. None when it writes none. A decoded copy of
+    weights shows here among :data:`FLOAT_DTYPES`, a copy of packed codes among :data:`BYTE_DTYPES`."""
     fused = {name for computation in module.computations.values() for instruction in computation.instructions
              if instruction.opcode == "fusion" for name in instruction.called}
     written = [array for computation in module.computations.values() if computation.name not in fused
                for instruction in computation.instructions if instruction.opcode not in _NOT_WRITTEN
-               for array in instruction.arrays if array.dtype in _FLOAT_DTYPES]
+               for array in instruction.arrays if array.dtype in dtypes]
     return max(written, key=lambda array: array.elements, default=None)
 
 
