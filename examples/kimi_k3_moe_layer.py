@@ -107,7 +107,8 @@ ROUTER_BIAS_STDDEV, NORM_SCALE_STDDEV = 0.1, 0.1
 # XLA options of every GPU compile of the layer (layer_compiler_options), beside the tail tier's own. XLA's
 # latency-hiding scheduler is what keeps the early shared reduction in flight over the routed experts, and
 # jax 0.10.2's ROCm pipeline runs it only when asked: without it, a prefill's reduction (T = 2048, 8192) starts
-# after all routed work on MI300X and MI355X.
+# after all routed work on MI300X and MI355X. Command buffers keep XLA's default command types, which hold no
+# collective on jax 0.10.2 and 0.12 (docs/guide.md, "ROCm graphs and collectives"; tests/test_command_buffers.py).
 GPU_COMPILER_OPTIONS = {"xla_gpu_enable_latency_hiding_scheduler": True}
 
 
@@ -470,15 +471,18 @@ def layer_compiler_options(config: LayerConfig, mesh: Mesh, num_tokens: int, *, 
 
 
 def compile_layer(config: LayerConfig, mesh: Mesh, num_tokens: int, *, axis_name: str = "tp",
-                  weight_layout: str = "replicated", tier: k3_tail.Tier | str | None = None) -> jax.stages.Compiled:
+                  weight_layout: str = "replicated", tier: k3_tail.Tier | str | None = None,
+                  xla_options: Mapping[str, Any] | None = None) -> jax.stages.Compiled:
     """:func:`layer_forward` for T tokens compiled from :func:`abstract_parameters` (no values: also for a
-    deviceless GPU topology, ``k3_tail.topology_mesh``) with :func:`layer_compiler_options`."""
+    deviceless GPU topology, ``k3_tail.topology_mesh``) with :func:`layer_compiler_options`, and over them
+    ``xla_options`` (``{"xla_dump_to": directory}`` for XLA's dump of the compile)."""
     hidden = jax.ShapeDtypeStruct((num_tokens, config.hidden_size), config.dtype, sharding=NamedSharding(mesh, P()))
     parameters = abstract_parameters(config, mesh, axis_name=axis_name, weight_layout=weight_layout)
     lowered = layer_forward.lower(parameters, hidden, config=config, mesh=mesh, axis_name=axis_name,
                                   weight_layout=weight_layout, tier=tier)
-    return lowered.compile(compiler_options=layer_compiler_options(config, mesh, num_tokens, axis_name=axis_name,
-                                                                   weight_layout=weight_layout, tier=tier))
+    options = layer_compiler_options(config, mesh, num_tokens, axis_name=axis_name, weight_layout=weight_layout,
+                                     tier=tier)
+    return lowered.compile(compiler_options=options | dict(xla_options or {}))
 
 
 @functools.partial(jax.jit, static_argnames=("config", "mesh", "axis_name", "weight_layout"))

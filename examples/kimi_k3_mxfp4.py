@@ -284,17 +284,23 @@ def main(argv: list[str] | None = None) -> int:
     """Per rank, one Kimi-K3 MoE layer (896 experts, top 16) at p = 8: the routed experts' bytes from the
     shapes, and the layer compiled with MXFP4 and with bf16 experts: per T the path the MXFP4 experts take and
     the three figures (temp bytes, bytes accessed, kernels) of each."""
+    from k3_tail.tools.experiment import positive_int_list  # the harness's types, loaded for the command only
+
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--topology", default="cpu", help="cpu (8 CPU devices) or a deviceless GPU topology "
                         "of k3_tail.topology_mesh, e.g. h100x8 (default: cpu)")
-    parser.add_argument("--tokens", default="1,2048", help="token counts, comma-separated (default: 1,2048)")
+    parser.add_argument("--tokens", type=positive_int_list, default=(1, 2048), metavar="T,T,...",
+                        help="token counts, comma-separated (default: 1,2048)")
     args = parser.parse_args(argv)
     jax.config.update("jax_platforms", "cpu")  # compiles only: a deviceless topology needs no GPU backend
     jax.config.update("jax_num_cpu_devices", 8)
     from examples import kimi_k3_moe_layer as layer_module  # here: the layer imports this module
 
-    mesh = (jax.make_mesh((8,), ("tp",), devices=jax.devices()[:8]) if args.topology == "cpu"
-            else k3_tail.topology_mesh(args.topology))
+    try:
+        mesh = (jax.make_mesh((8,), ("tp",), devices=jax.devices()[:8]) if args.topology == "cpu"
+                else k3_tail.topology_mesh(args.topology))
+    except (ValueError, k3_tail.TopologyUnavailable) as error:
+        parser.error(f"--topology: {error}")
     tp_size, experts = mesh.shape["tp"], layer_module.KIMI_K3_NUM_EXPERTS
     for name, per_weight in (("mxfp4", MXFP4_BYTES), ("bfloat16", 2)):
         held = expert_bytes_per_rank(experts, 3584, layer_module.KIMI_K3_EXPERT_INTERMEDIATE_SIZE, tp_size, per_weight)
@@ -306,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
                       for name in (None, *ACTIVATION_FORMATS)))
     print(f"compiled for {args.topology} (p = {tp_size}, jax {jax.__version__}), per rank, MXFP4 experts / bf16:")
     config = layer_module.LayerConfig.kimi_k3(num_experts=experts, top_k=layer_module.KIMI_K3_TOP_K)
-    for num_tokens in (int(tokens) for tokens in args.tokens.split(",")):
+    for num_tokens in args.tokens:
         method = layer_module.routed_expert_method(config, num_tokens).method
         mxfp4, bf16 = (compiled_figures(quantization, mesh, num_tokens) for quantization in ("mxfp4", None))
         kernels = "" if mxfp4.kernels is None else f", kernels {mxfp4.kernels} / {bf16.kernels}"

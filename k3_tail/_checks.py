@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -26,10 +27,12 @@ def check_int(name: str, value: Any, *, minimum: int) -> int:
 
 def check_path(name: str, path: Any, *, expected: str) -> str:
     """``path`` as a str, or ValueError naming ``name`` and the path unless it is a non-empty str or os.PathLike
-    (an empty one would be the working directory) that the file system can take: no NUL byte, and every
-    character one its encoding encodes (``os.fsencode``; UTF-8 refuses a lone surrogate such as "\\ud800").
-    Either would otherwise surface later as another error, naming neither. ``expected`` says what the path
-    stands for, for the message."""
+    (an empty one would be the working directory) that the file system can take: no NUL byte, every
+    character one its encoding encodes (``os.fsencode``; UTF-8 refuses a lone surrogate such as "\\ud800"),
+    and no name longer than the file system takes (ENAMETOOLONG: 255 bytes a name, 4096 a path on Linux,
+    asked of the system with an ``lstat``, whose other errors, a missing file among them, are left to the
+    caller). Each would otherwise surface later as another error, naming none. ``expected`` says what the
+    path stands for, for the message."""
     if not isinstance(path, (str, os.PathLike)) or not (text := os.fsdecode(path)):
         raise ValueError(f"{name}: expected {expected}, got {path!r}")
     if "\0" in text:
@@ -40,6 +43,12 @@ def check_path(name: str, path: Any, *, expected: str) -> str:
         raise ValueError(f"{name}: {text!r} cannot be a file name here: the file system's encoding "
                          f"({sys.getfilesystemencoding()}) cannot encode {error.object[error.start:error.end]!r} "
                          f"({error.reason})") from None
+    try:
+        os.lstat(text)
+    except OSError as error:
+        if error.errno == errno.ENAMETOOLONG:
+            raise ValueError(f"{name}: {text!r} cannot be a file name here: the file system takes no name this "
+                             f"long ({len(os.fsencode(text))} bytes; {error.strerror})") from None
     return text
 
 

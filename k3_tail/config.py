@@ -252,7 +252,11 @@ class TailConfig:
     def from_env(cls, base: TailConfig | None = None, environ: Mapping[str, str] | None = None) -> TailConfig:
         """``base`` (default: Kimi-K3) with vLLM's variables, and k3_tail's K3_TAIL_DISABLE_ONE_KERNEL, in
         ``environ`` (default: ``os.environ``) applied (:func:`k3_tail.vllm_env.config_changes` says which set
-        what); ValueError naming the field for a value that does not parse or that the field does not take."""
+        what); ValueError naming the field for a value that does not parse or that the field does not take,
+        naming ``environ`` (or the variable) when it is no mapping of str to str, and naming ``base`` when it is
+        no TailConfig."""
+        if base is not None and not isinstance(base, TailConfig):
+            raise ValueError(f"base: expected a k3_tail.TailConfig or None (Kimi-K3's), got {type(base).__name__}")
         base = cls.kimi_k3() if base is None else base
         return dataclasses.replace(base, **config_changes(os.environ if environ is None else environ))
 

@@ -3,7 +3,8 @@
 Data only (no dependency on the rest of the library), so that :class:`k3_tail.TailConfig` can check a
 preset name. The presets' ``fp8_formats`` are also what FP8 activations are checked against on a device
 (:func:`native_fp8_formats`); :func:`device_platform` tells ROCm from CUDA (JAX calls both "gpu"), and
-:func:`check_platform` reads the ``platform`` argument of selection and compilation.
+:func:`check_platform` reads the ``platform`` argument of selection and compilation, :func:`check_device` every
+``device`` argument and :func:`check_device_kind` every ``device_kind`` one.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import dataclasses
 import math
 import re
 from types import MappingProxyType
+from typing import Any
 
 import jax
 
@@ -162,6 +164,32 @@ def device_platform(device) -> str:
     if "cuda" in version or kind.startswith("nvidia"):
         return "cuda"
     return platform
+
+
+def check_device(device: Any, argument: str = "device", *, optional: bool = False) -> jax.Device | None:
+    """``device`` unchanged when it is a ``jax.Device`` (of a host or a deviceless topology), or an object that
+    reads as one: a str ``platform`` and a non-empty str ``device_kind`` (what is read of a device: a stand-in
+    for a GPU the host lacks passes); None too when ``optional`` (the entry point documents what None stands
+    for). ValueError naming ``argument`` for anything else: a platform's or a GPU's name ("gpu", "rocm",
+    "MI300X"), which says neither the device kind nor the backend, an int, a mesh."""
+    if device is None and optional:
+        return None
+    kind = getattr(device, "device_kind", None)
+    if isinstance(device, jax.Device) or (isinstance(getattr(device, "platform", None), str)
+                                          and isinstance(kind, str) and kind):
+        return device
+    none = " or None" if optional else ""
+    raise ValueError(f"{argument}: expected a jax.Device (one of the mesh's: mesh.devices.flat[0]){none}, got "
+                     f"{device!r}")
+
+
+def check_device_kind(device_kind: Any, argument: str = "device_kind") -> str | None:
+    """``device_kind`` unchanged when it is a non-empty str (``jax.Device.device_kind``: "NVIDIA H200", "cpu")
+    or None (not known); ValueError naming ``argument`` otherwise."""
+    if device_kind is None or (isinstance(device_kind, str) and device_kind):
+        return device_kind
+    raise ValueError(f"{argument}: expected a device kind (jax.Device.device_kind, a non-empty string) or None, "
+                     f"got {device_kind!r}")
 
 
 def check_platform(platform) -> str | None:

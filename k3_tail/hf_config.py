@@ -9,7 +9,8 @@ top level. :func:`tail_fields` maps them to :class:`k3_tail.TailConfig` fields:
     routed_scaling_factor       -> routed_scaling_factor (1.0 when absent)
     latent_moe_use_norm         -> use_latent_norm
     torch_dtype (or dtype)      -> dtype: "bfloat16", "float16" or "float32" (the wrapper's when the
-                                   text config has neither; TailConfig's default when none does)
+                                   text config has neither; TailConfig's default when none does; both
+                                   given must agree)
 
 Decoder layer i is MoE when ``i >= first_k_dense_replace`` (default 0) and ``i % moe_layer_freq == 0``
 (default 1), as the model's reference code, vLLM and SGLang build it (Kimi-K3: layer 0 dense, 1-92
@@ -246,9 +247,11 @@ def _boolean(text: TextConfig, name: str) -> bool:
 
 
 def _dtype(text: TextConfig) -> str | None:
-    """The dtype the config names (``torch_dtype``, else ``dtype``; the text config's, else the wrapper's)
-    as one of TAIL_DTYPES, or None when it names none."""
+    """The dtype the config names (``torch_dtype`` or ``dtype``; the text config's, else the wrapper's) as one
+    of TAIL_DTYPES, or None when it names none. ValueError naming both fields when one level gives both and
+    they differ ("torch.bfloat16" and "bfloat16" agree): which the model was saved in cannot be told."""
     for fields, where in ((text.fields, text.where), (text.wrapper, "")):
+        named = {}
         for name in _DTYPE_FIELDS:
             value = fields.get(name)
             if value is None:
@@ -256,5 +259,10 @@ def _dtype(text: TextConfig) -> str | None:
             spelled = value.removeprefix("torch.") if isinstance(value, str) else value
             if spelled not in TAIL_DTYPES:
                 raise ValueError(f"{where}{name}: expected one of {TAIL_DTYPES}, got {value!r}")
-            return spelled
+            named[name] = spelled
+        if len(set(named.values())) > 1:
+            raise ValueError(f"{where}{_DTYPE_FIELDS[0]} and {where}{_DTYPE_FIELDS[1]}: they name different dtypes, "
+                             f"{fields[_DTYPE_FIELDS[0]]!r} and {fields[_DTYPE_FIELDS[1]]!r}; give one, or the same")
+        if named:
+            return next(iter(named.values()))
     return None

@@ -18,7 +18,8 @@ into a ValueError naming the file (and the field, where there is one):
   integer-digit limit is set to;
 - nesting too deep for the parser (its RecursionError) is a ValueError too.
 
-It imports only :mod:`k3_tail._checks` (the path check): every layer of the package may use it.
+It imports only :mod:`k3_tail._checks` (the path check): every layer of the package may use it. The write side
+is :mod:`k3_tail.output_files`.
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ def _read_regular_file(name: str, *, what: str, max_bytes: int) -> bytes:
     try:
         status = os.fstat(descriptor)
         if not stat.S_ISREG(status.st_mode):
-            raise ValueError(f"{what}: {name!r} is not a regular file ({_file_kind(status.st_mode)}); not read")
+            raise ValueError(f"{what}: {name!r} is not a regular file ({file_kind(status.st_mode)}); not read")
         if status.st_size > max_bytes:
             raise ValueError(f"{what}: {name!r} holds more than the {max_bytes}-byte limit of a JSON file read "
                              f"here ({status.st_size} bytes); not read")
@@ -109,7 +110,8 @@ def _read_regular_file(name: str, *, what: str, max_bytes: int) -> bytes:
     return raw
 
 
-def _file_kind(mode: int) -> str:
+def file_kind(mode: int) -> str:
+    """What a file of ``st_mode`` ``mode`` is, for a message: "a directory", "a FIFO", "a character device", ..."""
     kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
              (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
     return next((kind for test, kind in kinds if test(mode)), "another kind of file")

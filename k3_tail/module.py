@@ -52,8 +52,8 @@ class LatentMoETail(nnx.Module):
         columns; None without FP8.
 
     Raises:
-      ValueError: naming the argument, for a bad config, mesh, axis or layout, or FP8 activations in a
-        format the mesh's GPUs do not multiply natively (checked before any weight is made).
+      ValueError: naming the argument, for a bad config, mesh, axis, layout or ``rngs``, or FP8 activations
+        in a format the mesh's GPUs do not multiply natively (checked before any weight is made).
     """
 
     def __init__(
@@ -69,6 +69,8 @@ class LatentMoETail(nnx.Module):
         check_config(config)
         axis_name = check_axis_name(axis_name)
         check_mesh(mesh, axis_name)
+        if not isinstance(rngs, nnx.Rngs):
+            raise ValueError(f"rngs: expected a flax.nnx.Rngs (nnx.Rngs(0)), got {type(rngs).__name__}")
         # FP8 activations in a format the mesh's GPUs do not multiply are refused here, before any weight is made.
         check_fp8_activations(config.up_proj_dtype, config.fp8_activations, mesh.devices.flat[0])
         self.config = config
@@ -207,9 +209,10 @@ class LatentMoETail(nnx.Module):
           this rank's [T'/p, H] rows of y padded to T' = ``padded_token_count(T, p)`` rows, for every
           T (out_spec ``P(axis_name)``; :func:`k3_tail.is_token_sharded_output`).
         """
+        # No device: inside the caller's program the tier is the lowering platform's (an NNX model exported from a
+        # CPU host for ROCm holds ROCm's); the FP8 check ran against the mesh's devices when the module was made.
         return latent_moe_tail(routed_partial, shared_partial, *self._weights(), config=self.config,
-                               axis_name=self.axis_name, weight_layout=self.weight_layout, tier=tier,
-                               device=self.mesh.devices.flat[0], rank=rank)
+                               axis_name=self.axis_name, weight_layout=self.weight_layout, tier=tier, rank=rank)
 
     def reduce_shared(self, shared_partial) -> jax.Array:
         """:func:`k3_tail.reduce_shared` on the module's TP axis, inside a shard_map over its mesh.
@@ -222,8 +225,7 @@ class LatentMoETail(nnx.Module):
         Returns:
           The reduced shared output, in the form :meth:`per_rank` takes it.
         """
-        return reduce_shared(shared_partial, config=self.config, axis_name=self.axis_name,
-                             device=self.mesh.devices.flat[0])
+        return reduce_shared(shared_partial, config=self.config, axis_name=self.axis_name)
 
     def _weights(self) -> tuple[jax.Array | None, jax.Array | QuantizedKernel]:
         """(norm weight or None, up-projection kernel): the values of the parameters."""

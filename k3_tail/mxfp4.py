@@ -30,9 +30,13 @@ refuses such groups (:func:`overflowing_groups`).
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from k3_tail._checks import describe
 
 # compressed-tensors' name of the format, in config.json's quantization_config, and of a Linear's two tensors.
 QUANT_METHOD, FORMAT = "compressed-tensors", "mxfp4-pack-quantized"
@@ -69,20 +73,13 @@ def decode(packed: jax.Array, scale: jax.Array, dtype) -> jax.Array:
     fuses it into what consumes the values.
 
     Raises:
-      ValueError: naming the argument, for another dtype, arrays that are not uint8, or shapes that do not
-        pair (K/2 bytes per 32 rows of one scale).
+      ValueError: naming the argument, for another dtype (or no dtype: None, a list), arguments that are no
+        uint8 arrays (a list, bytes, None), or shapes that do not pair (K/2 bytes per 32 rows of one scale).
     """
-    dtype = np.dtype(dtype)
-    if dtype not in DECODED_DTYPES:
-        raise ValueError(f"dtype: MXFP4 decodes to one of {tuple(d.name for d in DECODED_DTYPES)}, got {dtype.name}")
-    for name, value in (("packed", packed), ("scale", scale)):
-        if np.dtype(value.dtype) != STORED_DTYPE or value.ndim < 2:
-            raise ValueError(f"{name}: expected a uint8 array of at least 2 axes, got {value.dtype} {value.shape}")
+    dtype = decoded_dtype(dtype)
+    check_packed(packed, scale)
     *leading, half, columns = packed.shape
     groups = half * CODES_PER_BYTE // GROUP_SIZE
-    if half % (GROUP_SIZE // CODES_PER_BYTE) or tuple(scale.shape) != (*leading, groups, columns):
-        raise ValueError(f"scale: expected shape {(*leading, groups, columns)} (one per {GROUP_SIZE} rows of packed "
-                         f"{tuple(packed.shape)}, {GROUP_SIZE // CODES_PER_BYTE} bytes each), got {tuple(scale.shape)}")
     # Each byte bitcast to its two float4_e2m1fn codes, the low nibble first: the unpacking in the format's dtype.
     # (Split by shifts into uint4, as decode_by_group splits them, the dense kernels' codes went K-minor in XLA's GPU
     # layout assignment, which copied every expert's codes transposed: 2.49 GB of temporaries at T = 2048 on H100
@@ -90,6 +87,39 @@ def decode(packed: jax.Array, scale: jax.Array, dtype) -> jax.Array:
     values = jnp.swapaxes(jax.lax.bitcast_convert_type(packed, jnp.float4_e2m1fn), -1, -2)  # [..., K/2, 2, N]
     values = values.reshape(*leading, groups, GROUP_SIZE // CODES_PER_BYTE, CODES_PER_BYTE, columns)
     return _scaled(values, scale, dtype).reshape(*leading, groups * GROUP_SIZE, columns)
+
+
+def decoded_dtype(dtype: Any) -> np.dtype:
+    """``dtype`` (a dtype or its name) as the numpy dtype, when it is one of :data:`DECODED_DTYPES`; ValueError
+    naming ``dtype`` otherwise (None included, which numpy would read as float64)."""
+    try:
+        value = None if dtype is None else np.dtype(dtype)
+    except (TypeError, ValueError):
+        value = None
+    if value not in DECODED_DTYPES:
+        got = value.name if value is not None else repr(dtype)
+        raise ValueError(f"dtype: MXFP4 decodes to one of {tuple(d.name for d in DECODED_DTYPES)}, got {got}")
+    return value
+
+
+def check_packed(packed: Any, scale: Any) -> None:
+    """ValueError naming the argument unless ``packed`` and ``scale`` are uint8 arrays (numpy or jax; concrete or
+    traced) of at least 2 axes that pair as codes [..., K/2, N] and scales [..., K/32, N] (:func:`decode`'s
+    layout, K a multiple of 32)."""
+    for name, value in (("packed", packed), ("scale", scale)):
+        if not hasattr(value, "shape") or not hasattr(value, "dtype"):
+            raise ValueError(f"{name}: expected a uint8 array of at least 2 axes, got {describe(value)}")
+        if np.dtype(value.dtype) != STORED_DTYPE or len(value.shape) < 2:
+            raise ValueError(f"{name}: expected a uint8 array of at least 2 axes, got {value.dtype} {value.shape}")
+    *leading, half, columns = packed.shape
+    if half % (GROUP_SIZE // CODES_PER_BYTE):
+        raise ValueError(f"packed: expected K/2 byte rows on its next-to-last axis, a multiple of "
+                         f"{GROUP_SIZE // CODES_PER_BYTE} (the {GROUP_SIZE} codes under one scale), got shape "
+                         f"{tuple(packed.shape)}")
+    groups = half * CODES_PER_BYTE // GROUP_SIZE
+    if tuple(scale.shape) != (*leading, groups, columns):
+        raise ValueError(f"scale: expected shape {(*leading, groups, columns)} (one per {GROUP_SIZE} rows of packed "
+                         f"{tuple(packed.shape)}, {GROUP_SIZE // CODES_PER_BYTE} bytes each), got {tuple(scale.shape)}")
 
 
 def decode_by_group(packed: jax.Array, scale: jax.Array, dtype) -> jax.Array:
@@ -167,12 +197,13 @@ def overflowing_groups(packed: np.ndarray, scale: np.ndarray) -> np.ndarray:
     """Which groups hold a value past float32's and bfloat16's largest finite (about 3.4e38), on the host: bool of
     ``scale``'s shape [..., K/32, N] for ``packed`` [..., K/2, N] (:func:`decode`'s layout). A code of exponent
     bits e >= 1 times 2^(u - 127) has the biased exponent e + u - 1, past 254 when e + u >= 256; only
-    :data:`OVERFLOWING_SCALES` can (u = 255 is NaN), so the codes matter only where the scale is one of those."""
-    scale = np.asarray(scale)
+    :data:`OVERFLOWING_SCALES` can (u = 255 is NaN), so the codes matter only where the scale is one of those.
+    ValueError naming the argument for arrays that do not pair (:func:`check_packed`)."""
+    check_packed(packed, scale)
+    packed, scale = np.asarray(packed), np.asarray(scale)
     suspect = np.isin(scale, OVERFLOWING_SCALES)
     if not suspect.any():
         return suspect
-    packed = np.asarray(packed)
     exponent_bits = np.maximum((packed >> 1) & 3, (packed >> 5) & 3)  # of the low and the high code
     *leading, half, columns = packed.shape
     group_max = exponent_bits.reshape(*leading, half * CODES_PER_BYTE // GROUP_SIZE, GROUP_SIZE // CODES_PER_BYTE,

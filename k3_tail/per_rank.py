@@ -19,11 +19,11 @@ from k3_tail._checks import (
     varies_over,
 )
 from k3_tail.config import TailConfig, check_config
-from k3_tail.hardware import device_platform
+from k3_tail.hardware import check_device, device_platform
 from k3_tail.ops.columns import check_weight_layout, padded_hidden_size
 from k3_tail.ops.tokens import pad_tokens, padded_token_count
 from k3_tail.ops.up_projection import QuantizedKernel, check_fp8_activations, check_up_proj_kernel
-from k3_tail.selection.rules import call_tier
+from k3_tail.selection.lowering import TailBranch, per_lowering_platform, tail_branch
 from k3_tail.tiers.context import TailCall
 from k3_tail.tiers.registry import Tier
 
@@ -45,8 +45,9 @@ def latent_moe_tail(
 
     Call it inside a ``jax.shard_map`` (under ``jax.jit`` or not) whose mesh has the TP axis
     ``axis_name``. The tier is selected at trace time exactly as :func:`k3_tail.select_tier` does
-    for this call; what the tier needs padded is padded (columns are sliced back). Never modifies
-    its inputs; costs are the selected tier's.
+    for this call on the platform the program is lowered for (``device``); what the tier needs padded is
+    padded (columns are sliced back). Never modifies its inputs; costs are the selected tier's. Composes with
+    jit, vmap, scan, remat, grad/vjp/jvp (every tier but quantised sums) and ``jax.export``.
 
     Args:
       routed_partial: [T, L] in ``config.dtype``, this rank's routed latent partial; the reduced
@@ -66,10 +67,12 @@ def latent_moe_tail(
         listed; p is the product of their sizes).
       weight_layout: where the kernel lives: "replicated" or "column".
       tier: a :class:`k3_tail.Tier` (or its value) to force, or None to select one.
-      device: a device of the mesh the call runs on. Its ``device_kind`` is what the "measured"
-        selection policy and the FP8 activation check use, its platform decides the all-reduce
-        form and, on ROCm, keeps adds out of GEMMs. None: ``jax.devices()[0]``, which is right
-        unless the mesh is made of other devices (a deviceless topology).
+      device: a device of the mesh the call runs on: the explicit override, and the only source of a device
+        kind. Its ``device_kind`` is what the "measured" selection policy and the FP8 activation check use,
+        its platform decides the tier, the all-reduce form and, on ROCm, keeps adds out of GEMMs. None (the
+        default): all of that follows the platform the program is lowered for, "cpu", "cuda" or "rocm" (any
+        other lowers the CPU's choice), one branch per distinct program joined by ``jax.lax.platform_dependent``:
+        an export or AOT lowering for ROCm from a CPU host holds ROCm's tier (docs/guide.md, "Exporting").
       rank: this rank's index along ``axis_name``, int32 [1]: its block of ``jnp.arange(p, dtype=jnp.int32)``
         passed into the shard_map with in_spec ``P(axis_name)``, as the model's weights are (the one_kernel
         tier writes its columns there). None: ``lax.axis_index``, which costs the one_kernel tier a second,
@@ -102,11 +105,12 @@ def latent_moe_tail(
         routed_partial, shared_partial, norm_weight, up_proj_kernel,
         config=config, tp_size=tp_size, weight_layout=weight_layout,
     )
-    device = jax.devices()[0] if device is None else device
-    check_fp8_activations(config.up_proj_dtype, config.fp8_activations, device)
-    # One platform for the selection and for the sums ("rocm" or "cuda" for a GPU, not JAX's "gpu").
-    platform = device_platform(device)
-    tier = call_tier(config, num_tokens, tp_size, weight_layout=weight_layout, tier=tier, device=device)
+    if tier is not None:
+        tier = Tier.parse(tier)
+        tier.record.check_runs(weight_layout, config)
+    device = check_device(device, optional=True)
+    if device is not None:
+        check_fp8_activations(config.up_proj_dtype, config.fp8_activations, device)
     if rank is not None:
         _check_rank(rank, axis_name, tp_size)
     _check_reduction_contract(routed_partial, shared_partial, config=config, axis_name=axis_name)
@@ -117,9 +121,20 @@ def latent_moe_tail(
         routed_partial = pad_tokens(routed_partial, tp_size)
         if shared_partial is not None and not config.shared_output_is_reduced:
             shared_partial = pad_tokens(shared_partial, tp_size)
-    call = TailCall.inside_shard_map(config, axis_name=axis_name, weight_layout=weight_layout,
-                                     platform=platform, rank=rank)
-    return tier.record.function(routed_partial, shared_partial, norm_weight, up_proj_kernel, call)
+
+    def branch_for(platform: str) -> TailBranch:
+        # One platform for the selection and for the sums ("rocm" or "cuda" for a GPU, not JAX's "gpu"): the
+        # device's where given, else the one the program is lowered for.
+        return tail_branch(config, num_tokens, tp_size, weight_layout=weight_layout, tier=tier,
+                           platform=platform if device is None else device_platform(device),
+                           device_kind=None if device is None else device.device_kind)
+
+    def run(branch: TailBranch, routed_partial, shared_partial, norm_weight, up_proj_kernel, rank):
+        call = TailCall.inside_shard_map(config, axis_name=axis_name, weight_layout=weight_layout,
+                                         platform=branch.platform, rank=rank)
+        return branch.tier.record.function(routed_partial, shared_partial, norm_weight, up_proj_kernel, call)
+
+    return per_lowering_platform(branch_for, run, routed_partial, shared_partial, norm_weight, up_proj_kernel, rank)
 
 
 def _check_rank(rank, axis_name: AxisName, tp_size: int) -> None:

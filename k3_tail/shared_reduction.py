@@ -11,9 +11,10 @@ import jax
 
 from k3_tail._checks import AxisName, axis_size_in_scope, check_axis_name, expect_array, expect_rank
 from k3_tail.config import TailConfig, check_config
-from k3_tail.hardware import device_platform
+from k3_tail.hardware import check_device, device_platform
 from k3_tail.ops.scopes import SHARED_REDUCTION
 from k3_tail.ops.tokens import pad_tokens
+from k3_tail.selection.lowering import LOWERING_PLATFORMS, per_lowering_platform
 from k3_tail.tiers.context import TailCall
 
 
@@ -37,8 +38,8 @@ def reduce_shared(
       config: the tail's :class:`k3_tail.TailConfig`, with shared experts and
         ``shared_output_is_reduced``.
       axis_name: the TP axis: a name, or a tuple of names as for :func:`k3_tail.latent_moe_tail`.
-      device: a device of the mesh (its platform decides the all-reduce's form); None:
-        ``jax.devices()[0]``.
+      device: a device of the mesh, whose platform then decides the all-reduce's form; None: the platform
+        the program is lowered for decides (``jax.lax.platform_dependent``), as in :func:`k3_tail.latent_moe_tail`.
 
     Returns:
       In ``config.dtype``: without ``config.sequence_parallel`` the sum [T, H], the same on every
@@ -49,7 +50,8 @@ def reduce_shared(
     Raises:
       ValueError: naming the argument, for a wrong shape or dtype, a config without shared experts or
         without ``shared_output_is_reduced`` (the tail it feeds must take a reduced shared output),
-        or no ``axis_name`` axis in scope.
+        no ``axis_name`` axis in scope, or a ``device`` that is no ``jax.Device``
+        (:func:`k3_tail.hardware.check_device`).
     """
     check_config(config)
     axis_name = check_axis_name(axis_name)
@@ -63,9 +65,24 @@ def reduce_shared(
     expect_rank(shared_partial, "shared_partial", "[T, H] (this rank's shared-expert partial)", 2)
     hidden = config.hidden_size
     expect_array(shared_partial, "shared_partial", [(shared_partial.shape[0], hidden)], config.dtype, f"H={hidden}")
-    platform = device_platform(jax.devices()[0] if device is None else device)  # as latent_moe_tail's sums
+    device = check_device(device, optional=True)
     if config.sequence_parallel:
         shared_partial = pad_tokens(shared_partial, tp_size)
-    # The layout is not read: the sum involves no kernel.
-    call = TailCall.inside_shard_map(config, axis_name=axis_name, weight_layout="replicated", platform=platform)
-    return call.reduce_output(shared_partial, scope=SHARED_REDUCTION)
+    nbytes = shared_partial.size * shared_partial.dtype.itemsize
+
+    def form_on(platform: str) -> str:
+        return config.sum_plan(tp_size, platform).form_for(config.dtype, nbytes)
+
+    def branch_for(platform: str) -> str:
+        # As latent_moe_tail's sums: the device's platform where given, else the lowering's; platforms whose sum
+        # travels alike share one branch (their first).
+        if device is not None:
+            return device_platform(device)
+        return next(other for other in LOWERING_PLATFORMS if form_on(other) == form_on(platform))
+
+    def run(platform: str, shared_partial):
+        # The layout is not read: the sum involves no kernel.
+        call = TailCall.inside_shard_map(config, axis_name=axis_name, weight_layout="replicated", platform=platform)
+        return call.reduce_output(shared_partial, scope=SHARED_REDUCTION)
+
+    return per_lowering_platform(branch_for, run, shared_partial)

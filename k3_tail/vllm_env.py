@@ -48,8 +48,12 @@ def config_changes(environ: Mapping[str, str]) -> dict[str, Any]:
     the one_kernel tier; false sets nothing (the base's limit stays). Unset variables set nothing.
 
     Raises:
-      ValueError: naming the field and the variable, for a value that does not parse.
+      ValueError: naming ``environ`` when it is no mapping of variable names to values (``os.environ``, a
+        dict), naming the variable when one of its names or values is not a str (as every environment's
+        are: an int or None would be read as no value, or fail as no string), and naming the field and the
+        variable for a value that does not parse.
     """
+    check_environ(environ)
     changes: dict[str, Any] = {}
     for variable, field in _INTEGERS:
         if variable in environ:
@@ -66,6 +70,21 @@ def config_changes(environ: Mapping[str, str]) -> dict[str, Any]:
                                                   "one_kernel_max_tokens"):
         changes["one_kernel_max_tokens"] = 0
     return changes
+
+
+def check_environ(environ: Any) -> Mapping[str, str]:
+    """``environ`` unchanged when it is a Mapping of str to str, as an environment is; ValueError naming
+    ``environ``, or the variable whose name or value is not a str, otherwise."""
+    if not isinstance(environ, Mapping):
+        raise ValueError(f"environ: expected a mapping of environment variable names to their values (os.environ "
+                         f"or a dict of str to str), got {type(environ).__name__}")
+    for variable, value in environ.items():
+        if not isinstance(variable, str):
+            raise ValueError(f"environ: expected variable names that are strings, got {variable!r}")
+        if not isinstance(value, str):
+            raise ValueError(f"environ[{variable!r}]: expected a string, as every environment variable's value is, "
+                             f"got {value!r}")
+    return environ
 
 
 def _integer(raw: str, variable: str, field: str) -> int:

@@ -4,10 +4,14 @@
 
 Every case and mode of k3_tail.tools.acceptance (its docstring: what a call checks), --calls calls each on
 every device, then scripts/gpu_profile.py's timing at the cases' T (skipped where the kernel runs
-interpreted). Exit status 1 on any mismatch (README: "GPU acceptance run").
+interpreted). Exit status (README: "GPU acceptance run"): 0 every case passed, 1 a mismatch, 2 it could not
+run: a bad argument or a --json file that cannot be written (refused before any case runs), or an error during
+the run (its traceback on stderr).
 """
 
 import functools
+import sys
+import traceback
 
 import gpu_profile
 import jax
@@ -41,6 +45,16 @@ def main(argv: list[str] | None = None, *, oracle: acceptance.Oracle = acceptanc
     experiment.parser.add_argument("--devices", choices=("all", "1"), default="all",
                                    help="every device, each checking the per-rank shapes of p = 8 (default), or one")
     args = experiment.parse(argv)
+    try:
+        return run(experiment, args, oracle)
+    except Exception:  # 1 means a mismatch and nothing else: a run that could not finish is 2
+        traceback.print_exc()
+        print(f"{experiment.parser.prog}: error: the run could not finish (the traceback above)", file=sys.stderr)
+        return 2
+
+
+def run(experiment: Experiment, args, oracle: acceptance.Oracle) -> int:
+    """Every case, then the timing and the report: 0 when every case passed, 1 on a mismatch."""
     use_cpu_without_gpu()
     mesh = tp_mesh(jax.devices()[: None if args.devices == "all" else 1])
     config, device = TailConfig.kimi_k3(), mesh.devices.flat[0]

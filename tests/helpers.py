@@ -123,6 +123,11 @@ def compiled_report(config, mesh, num_tokens, tier, weight_layout):
     return k3_tail.xla.report.report(compiled, dump_dir=dump_dir)
 
 
+def compiled_dump(config, mesh, num_tokens, tier, weight_layout):
+    """The directory of XLA's dump of :func:`compiled_tail`'s program (None for a CPU program)."""
+    return _compiled_and_dumped(config, mesh, num_tokens, tier, weight_layout)[1]
+
+
 @functools.cache
 def _compiled_and_dumped(config, mesh, num_tokens, tier, weight_layout):
     """(compiled, dump directory): a GPU program is compiled with XLA's dump, in a directory of this process

@@ -110,6 +110,15 @@ def test_the_wrappers_dtype_serves_a_text_config_that_names_none():
     assert config.dtype == np.dtype(jnp.float32)
 
 
+def test_a_text_config_whose_torch_dtype_and_dtype_disagree_is_refused_naming_both():
+    text = {**MODEL.text_config(), "torch_dtype": "torch.bfloat16", "dtype": "float32"}
+    with pytest.raises(ValueError, match=r"^text_config\.torch_dtype and text_config\.dtype: they name different "
+                                         r"dtypes, 'torch\.bfloat16' and 'float32'"):
+        k3_tail.TailConfig.from_hf_config({"text_config": text})
+    same = {**text, "dtype": "bfloat16"}  # the same dtype spelled both ways is no disagreement
+    assert k3_tail.TailConfig.from_hf_config({"text_config": same}).dtype == np.dtype(jnp.bfloat16)
+
+
 def test_a_model_without_a_latent_moe_is_refused():
     text = {key: value for key, value in MODEL.text_config().items() if key != "routed_expert_hidden_size"}
     with pytest.raises(ValueError, match=r"^text_config\.routed_expert_hidden_size: missing: this model has no "

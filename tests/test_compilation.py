@@ -79,7 +79,8 @@ def test_compile_tail_without_a_tier_compiles_the_selected_one(num_tokens):
     assert output.arrays[0].dims == (num_tokens, 99)
 
 
-@pytest.mark.parametrize(("argument", "value"), [("config", "kimi"), ("num_tokens", -1), ("weight_layout", "rows")])
+@pytest.mark.parametrize(("argument", "value"), [("config", "kimi"), ("num_tokens", -1), ("weight_layout", "rows"),
+                                                 ("xla_options", [("xla_dump_to", "/tmp")]), ("xla_options", {1: 2})])
 def test_bad_arguments_are_value_errors(argument, value):
     arguments = dict(config=CONFIG, mesh=make_tp_mesh(2), num_tokens=4)
     arguments[argument] = value

@@ -124,6 +124,24 @@ def test_from_env_rejects_unparsable_values(variable, value, field):
         TailConfig.from_env(environ={variable: value})
 
 
+@pytest.mark.parametrize(("environ", "message"), [
+    (["VLLM_DISABLE_SHARED_EXPERTS_STREAM=1"], r"^environ: expected a mapping .*, got list"),
+    ({"VLLM_SHARED_EXPERTS_STREAM_TOKEN_THRESHOLD": 256},
+     r"^environ\['VLLM_SHARED_EXPERTS_STREAM_TOKEN_THRESHOLD'\]: expected a string, .* got 256"),
+    ({"VLLM_DISABLE_SHARED_EXPERTS_STREAM": None},
+     r"^environ\['VLLM_DISABLE_SHARED_EXPERTS_STREAM'\]: expected a string"),
+    ({1: "1"}, r"^environ: expected variable names that are strings, got 1"),
+], ids=["list", "int-value", "none-value", "int-name"])
+def test_from_env_takes_only_a_mapping_of_strings_to_strings(environ, message):
+    with pytest.raises(ValueError, match=message):
+        TailConfig.from_env(environ=environ)
+
+
+def test_from_env_refuses_a_base_that_is_no_config():
+    with pytest.raises(ValueError, match="^base: expected a k3_tail.TailConfig or None"):
+        TailConfig.from_env({"hidden_size": 16}, environ={})
+
+
 @pytest.mark.parametrize("word", ["1", "true", "ON"])
 def test_from_env_turns_the_one_kernel_tier_off_with_k3_tails_switch(word):
     config = TailConfig.from_env(environ={"K3_TAIL_DISABLE_ONE_KERNEL": word})

@@ -10,6 +10,7 @@ compare element counts.
 
 import dataclasses
 import math
+import re
 
 import jax
 import pytest
@@ -23,6 +24,7 @@ from k3_tail.selection.cost_model import (
     HARDWARE,
     REDUCE_SCATTER,
     CollectiveCost,
+    CostModelPolicy,
     Crossover,
     Hardware,
     TierCost,
@@ -31,6 +33,7 @@ from k3_tail.selection.cost_model import (
     predict_time,
     tier_cost,
 )
+from k3_tail.selection.rules import VllmRules
 from k3_tail.xla.compilation import tail_arguments
 from k3_tail.xla.hlo_text import parse_module
 from k3_tail.xla.report import report
@@ -319,7 +322,7 @@ def test_replicated_layout_on_amd_without_one_kernel_one_shot_then_overlap(hardw
 @pytest.mark.parametrize("tp_size", [4, 8, 16])
 @pytest.mark.parametrize("hardware", sorted(HARDWARE))
 def test_one_kernel_max_tokens_is_inside_what_the_model_predicts_one_kernel_wins(hardware, tp_size, weight_layout):
-    """vLLM's rules pick one_kernel on GPUs up to one_kernel_max_tokens (64): the model predicts it fastest at
+    """vLLM's rules pick one_kernel on GPUs up to one_kernel_max_tokens (16): the model predicts it fastest at
     least that far, on every preset, TP size and layout."""
     for num_tokens in (1, 16, K3.one_kernel_max_tokens):
         decision = best_tier(K3, num_tokens, tp_size, hardware=hardware, weight_layout=weight_layout)
@@ -335,21 +338,27 @@ def test_token_parallel_wins_prefill_with_token_sharded_output(hardware):
 
 @pytest.mark.parametrize("hardware", sorted(HARDWARE))
 def test_column_layout_one_kernel_then_column_parallel_then_scatter_gather(hardware):
-    """Decode: one kernel; then two collectives beat three; many tokens: the reduce-scatter hidden behind the
-    GEMM wins."""
+    """Decode: one kernel; then two collectives beat three (near that crossover the kernel's grid, whose fill
+    steps with its row tiles and split of K, may hand a few counts back); many tokens: the reduce-scatter hidden
+    behind the GEMM wins."""
     changes = crossovers(K3, P, hardware=hardware, weight_layout="column")
-    assert [(c.before, c.after) for c in changes] == [(Tier.ONE_KERNEL, Tier.COLUMN_PARALLEL),
-                                                      (Tier.COLUMN_PARALLEL, Tier.SCATTER_GATHER)]
-    assert K3.one_kernel_max_tokens < changes[0].num_tokens <= 1024 and changes[1].num_tokens > 256
+    *one_kernel, last = changes
+    assert {(c.before, c.after) for c in one_kernel} <= {(Tier.ONE_KERNEL, Tier.COLUMN_PARALLEL),
+                                                         (Tier.COLUMN_PARALLEL, Tier.ONE_KERNEL)}
+    assert one_kernel[0].before is Tier.ONE_KERNEL and one_kernel[-1].after is Tier.COLUMN_PARALLEL
+    assert (last.before, last.after) == (Tier.COLUMN_PARALLEL, Tier.SCATTER_GATHER)
+    assert K3.one_kernel_max_tokens < one_kernel[0].num_tokens and one_kernel[-1].num_tokens <= 512
+    assert last.num_tokens > 256
 
 
 @pytest.mark.parametrize(("hardware", "weight_layout", "sequence_parallel", "quantization"), [
     (hardware, layout, sequence_parallel, None)
     for hardware in ("mi355x", "h200") for layout in ("column", "replicated") for sequence_parallel in (False, True)
-] + [("mi355x", "replicated", False, "int4"), ("h200", "column", True, "int8")])
+] + [("mi355x", "replicated", False, "int4"), ("h200", "column", True, "int8"), ("mi300x", "column", False, None)])
 def test_crossovers_are_where_best_tier_changes(hardware, weight_layout, sequence_parallel, quantization):
     """The vectorised scan agrees with best_tier at every T of the range (with quantised sums too, whose
-    default size window makes each sum's time piecewise in T)."""
+    default size window makes each sum's time piecewise in T, and on MI300X's column layout, where one_kernel's
+    grid hands a few counts back)."""
     config = TailConfig.kimi_k3(sequence_parallel=sequence_parallel, all_reduce_quantization=quantization)
     kwargs = {"hardware": hardware, "weight_layout": weight_layout}
     fastest = [best_tier(config, t, P, **kwargs).tier for t in range(1, 2049)]
@@ -424,6 +433,68 @@ def test_bad_arguments_are_value_errors_naming_the_argument(case):
 def test_bad_hardware_fields_are_value_errors_naming_the_field(field, value):
     with pytest.raises(ValueError, match=f"^{field}:"):
         dataclasses.replace(HARDWARE["h200"], **{field: value})
+
+
+# --- one_kernel's grid, and the default rules ------------------------------------------------------------------
+
+
+def test_one_kernel_runs_at_the_share_of_the_gpu_its_grid_fills():
+    """Its grid (fused_grid) reaches TARGET_PROGRAMS at decode; at T = 64 on 8 ranks the cap on its split of K
+    leaves 784 programs, and its local work runs at 784/1024 of both peaks. XLA's kernels fill the GPU."""
+    decode, batch = (tier_cost(K3, t, P, tier=Tier.ONE_KERNEL, weight_layout="column") for t in (16, 64))
+    assert (decode.grid_programs, decode.grid_fill) == (1568, 1.0)
+    assert (batch.grid_programs, batch.grid_fill) == (784, 784 / 1024)
+    filled = predict_time(dataclasses.replace(batch, grid_programs=None), "mi300x")
+    unfilled = predict_time(batch, "mi300x")
+    assert (unfilled.compute_s, unfilled.memory_s) == pytest.approx((filled.compute_s * 1024 / 784,
+                                                                      filled.memory_s * 1024 / 784))
+    xla = [tier_cost(K3, 64, P, tier=tier, weight_layout="column") for tier in Tier
+           if tier is not Tier.ONE_KERNEL and tier.supports("column")]
+    assert all(cost.grid_programs is None and cost.grid_fill == 1 for cost in xla)
+
+
+def test_an_unfilled_grid_ends_one_kernel_sooner():
+    """At T = 256 on MI300X (p = 8, column layout) one_kernel's grid is 672 programs: at that share column_parallel
+    is predicted faster, where a full grid would have kept one_kernel ahead."""
+    one_kernel, column = (tier_cost(K3, 256, P, tier=tier, weight_layout="column")
+                          for tier in (Tier.ONE_KERNEL, Tier.COLUMN_PARALLEL))
+    assert one_kernel.grid_programs == 672
+    seconds = {name: predict_time(cost, "mi300x").total_s for name, cost in
+               (("unfilled", one_kernel), ("filled", dataclasses.replace(one_kernel, grid_programs=None)),
+                ("column", column))}
+    assert seconds["filled"] < seconds["column"] < seconds["unfilled"]
+
+
+def test_the_reason_names_a_grid_that_does_not_fill_the_gpu():
+    assert "one_kernel" in best_tier(K3, 16, P, hardware="mi355x", weight_layout="column").rule
+    assert "programs" not in best_tier(K3, 16, P, hardware="mi355x", weight_layout="column").rule
+    assert "(its grid 784 of 1024 programs)" in best_tier(K3, 64, P, hardware="mi355x", weight_layout="column").rule
+
+
+# Each preset on its own platform, Kimi-K3 at p = 8 with the column layout, decode to prefill.
+PRESET_PLATFORMS = {"mi300x": "rocm", "mi355x": "rocm", "h200": "cuda"}
+RULES_SWEEP = (1, 2, 4, 8, 16, 17, 32, 48, 64, 65, 128, 256, 257, 512, 1024, 2048, 4096, 8192)
+
+
+@pytest.mark.parametrize("hardware", sorted(PRESET_PLATFORMS))
+def test_the_cost_model_agrees_with_the_default_rules_or_says_why_not(hardware):
+    """Both pick one_kernel at decode (T <= one_kernel_max_tokens). Where the tiers differ, the cost model's
+    reason names the rules' tier and the rule that picks it, after the predicted times of both; where it keeps
+    one_kernel past one_kernel_max_tokens, it says that the rules stop one_kernel there."""
+    platform = PRESET_PLATFORMS[hardware]
+    for num_tokens in RULES_SWEEP:
+        model = CostModelPolicy(hardware).select(K3, num_tokens, P, weight_layout="column", platform=platform)
+        rules = VllmRules().select(K3, num_tokens, P, weight_layout="column", platform=platform)
+        if num_tokens <= K3.one_kernel_max_tokens:
+            assert model.tier is rules.tier is Tier.ONE_KERNEL, model.rule
+        if model.tier is rules.tier:
+            assert "default rules" not in model.rule
+            continue
+        predicted, why = model.rule.split("; unlike the default rules, which ")
+        assert re.search(rf" {rules.tier.value} \d+\.\d\d us", predicted) and f" {model.tier.value} " in predicted
+        stop = f"stop one_kernel at one_kernel_max_tokens={K3.one_kernel_max_tokens} and " \
+            if model.tier is Tier.ONE_KERNEL else ""
+        assert why == f"{stop}pick {rules.tier.value} ({rules.rule})"
 
 
 # --- FP8 up-projection weights ----------------------------------------------------------------------------

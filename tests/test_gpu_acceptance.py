@@ -100,6 +100,25 @@ def test_a_mismatch_with_the_oracle_fails_the_case_and_the_run(monkeypatch, tmp_
     assert plain["status"] == "fail" and plain["mismatches"] == plain["mismatching_calls"] == 1
 
 
+@pytest.mark.parametrize("json_path", ["missing/report.json", "."])
+def test_a_json_path_it_cannot_write_exits_2_before_any_case_runs(json_path, monkeypatch, tmp_path, script, capsys):
+    monkeypatch.setattr(acceptance, "run_cases", lambda *args, **kwargs: pytest.fail("a case ran"))
+    with pytest.raises(SystemExit) as exit_info:
+        script.main(["--devices", "1", "--json", str(tmp_path / json_path)])
+    assert exit_info.value.code == 2 and "error: --json: " in capsys.readouterr().err
+
+
+def test_a_run_that_cannot_finish_exits_2_not_1(monkeypatch, script, capsys):
+    """1 means a mismatch and nothing else."""
+    def broken_oracle(*args, **kwargs):
+        raise RuntimeError("the oracle cannot run here")
+
+    monkeypatch.setattr(acceptance, "kimi_k3_cases", lambda config, device: (acceptance.Case(1, "bfloat16"),))
+    assert script.main(["--calls", "1", "--devices", "1"], oracle=broken_oracle) == 2
+    error = capsys.readouterr().err
+    assert "RuntimeError: the oracle cannot run here" in error and "error: the run could not finish" in error
+
+
 @on_the_cpu
 def test_every_device_checks_a_rank_of_its_own():
     """Call c on device d is rank (c + d) mod p: call 7 on two devices checks ranks 7 and 0."""

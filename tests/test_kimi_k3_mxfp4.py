@@ -337,7 +337,14 @@ def small_config(**changes):
      r"^dtype: MXFP4 decodes to one of"),
     (lambda: mxfp4.decode(jnp.zeros((16, 2), jnp.uint8), jnp.zeros((2, 2), jnp.uint8), jnp.bfloat16),
      r"^scale: expected shape \(1, 2\)"),
-], ids=["unknown-quantization", "float16", "latent-size", "tp-size", "float-codes", "decode-dtype", "scale-shape"])
+    (lambda: mxfp4.decode([[0] * 2] * 16, jnp.zeros((1, 2), jnp.uint8), jnp.bfloat16),
+     r"^packed: expected a uint8 array .*, got a list"),
+    (lambda: mxfp4.decode(jnp.zeros((16, 2), jnp.uint8), jnp.zeros((1, 2), jnp.uint8), None),
+     r"^dtype: MXFP4 decodes to one of .*, got None"),
+    (lambda: mxfp4.overflowing_groups(np.zeros((15, 2), np.uint8), np.full((1, 2), 254, np.uint8)),
+     r"^packed: expected K/2 byte rows .* a multiple of 16"),
+], ids=["unknown-quantization", "float16", "latent-size", "tp-size", "float-codes", "decode-dtype", "scale-shape",
+        "decode-list", "decode-no-dtype", "overflow-check-malformed"])
 def test_bad_input_is_a_value_error_naming_it(build, message):
     with pytest.raises(ValueError, match=message):
         build()

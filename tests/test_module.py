@@ -104,11 +104,12 @@ def test_module_runs_under_nnx_jit_without_retracing():
     [
         ({"weight_layout": "rows"}, "^weight_layout: expected"),
         ({"axis_name": "model"}, "^mesh: expected a mesh axis named 'model'"),
+        ({"rngs": 0}, r"^rngs: expected a flax.nnx.Rngs \(nnx.Rngs\(0\)\), got int"),
     ],
 )
 def test_bad_construction_raises_value_error(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        k3_tail.LatentMoETail(CONFIG, make_tp_mesh(2), rngs=nnx.Rngs(0), **kwargs)
+        k3_tail.LatentMoETail(CONFIG, make_tp_mesh(2), **{"rngs": nnx.Rngs(0), **kwargs})
 
 
 def test_bad_call_input_names_the_argument():

@@ -147,6 +147,80 @@ def test_indices_of_another_shape_are_a_value_error_naming_kernels():
         mxfp4_matmul(x, jnp.asarray(packed), jnp.asarray(scale), kernels=jnp.zeros(3, jnp.int32), interpret=True)
 
 
+PRODUCTS = {"kernel": functools.partial(mxfp4_matmul, interpret=True), "reference": mxfp4_matmul_reference}
+
+
+@pytest.mark.parametrize("product", PRODUCTS)
+def test_a_concrete_index_int32_cannot_hold_is_refused_naming_kernels(product):
+    """Cast to int32 first, 2^32 + 1 would be kernel 1 and its product returned."""
+    x, packed, scale = operands(2, 5, 64, 48)
+    with pytest.raises(ValueError, match=r"^kernels: expected indices int32 can hold .* got 4294967297 at position 1"):
+        PRODUCTS[product](x, jnp.asarray(packed), jnp.asarray(scale), kernels=np.array([0, 2**32 + 1]))
+
+
+@pytest.mark.parametrize("product", PRODUCTS)
+def test_a_traced_int64_index_past_the_kernels_gives_nan_not_a_wrapped_kernel(product):
+    x, packed, scale = operands(2, 5, 64, 48)
+    with jax.enable_x64(True):
+        result = jax.jit(lambda k: PRODUCTS[product](x, jnp.asarray(packed), jnp.asarray(scale), kernels=k))(
+            np.array([0, 2**32 + 1], np.int64))
+    assert np.isfinite(result[0]).all() and np.isnan(result[1]).all()
+
+
+# Each operand given as a non-array once, each kind of non-array once (a covering, not the product).
+@pytest.mark.parametrize(("argument", "value"), [("rows", [[1.0]]), ("packed", b"\x00"), ("scale", None),
+                                                 ("kernels", "0,1")])
+def test_an_operand_that_is_no_array_is_a_value_error_naming_it(argument, value):
+    x, packed, scale = operands(2, 5, 64, 48)
+    operands_by_name = {"rows": x, "packed": jnp.asarray(packed), "scale": jnp.asarray(scale), "kernels": None,
+                        argument: value}
+    kernels = operands_by_name.pop("kernels")
+    with pytest.raises(ValueError, match=rf"^{argument}: expected .*, got (None|a \w+ \(not an array)"):
+        mxfp4_matmul(*operands_by_name.values(), kernels=kernels, interpret=True)
+
+
+@pytest.mark.parametrize("product", PRODUCTS)
+def test_no_depth_gives_the_empty_sum_and_no_kernels_nan(product):
+    """K = 0: 0 where the index is a kernel, NaN where it is not; E = 0: no index is a kernel."""
+    x, packed, scale = operands(2, 3, 0, 16)
+    result = np.asarray(PRODUCTS[product](x, jnp.asarray(packed), jnp.asarray(scale), kernels=jnp.array([1, 2])))
+    assert result.shape == (2, 3, 16) and (result[0] == 0).all() and np.isnan(result[1]).all()
+    x, packed, scale = operands(2, 3, 32, 16)
+    result = PRODUCTS[product](x, jnp.asarray(packed[:0]), jnp.asarray(scale[:0]), kernels=jnp.array([0, 1]))
+    assert result.shape == (2, 3, 16) and np.isnan(result).all()
+
+
+def test_the_gradient_with_respect_to_the_rows_is_the_references():
+    x, packed, scale = operands(2, 5, 64, 48, dtype=jnp.float32)
+    picked = jnp.array([1, 0])
+
+    def loss(product):
+        return jax.grad(lambda rows: jnp.sum(jnp.sin(product(rows, jnp.asarray(packed), jnp.asarray(scale),
+                                                             kernels=picked))))(x)
+
+    np.testing.assert_allclose(loss(PRODUCTS["kernel"]), loss(mxfp4_matmul_reference), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("call", ["mxfp4_matmul", "Mxfp4Kernel.matmul"])
+def test_interpreted_inside_a_shard_map_that_types_its_values_it_computes_what_it_does_outside(call):
+    """Rows and indices split over 8 devices, the kernels replicated, check_vma=True: Pallas's interpreter takes
+    no varying value, so each device runs every device's call (k3_tail.ops.pallas_triton.interpreted)."""
+    x, packed, scale = operands(8, 3, 64, 48)
+    picked = jnp.array([7, 0, 3, 3, 5, 1, 6, 2], jnp.int32)
+    mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
+    if call == "mxfp4_matmul":
+        def product(rows, packed, scale, kernels):
+            return mxfp4_matmul(rows, packed, scale, kernels=kernels, interpret=True)
+    else:
+        def product(rows, packed, scale, kernels):
+            return kimi_k3_mxfp4.Mxfp4Kernel(packed, scale, kernels).matmul(rows, interpret=True)
+    split, whole = NamedSharding(mesh, P("x")), NamedSharding(mesh, P())
+    mapped = jax.shard_map(product, mesh=mesh, in_specs=(P("x"), P(), P(), P("x")), out_specs=P("x"))
+    result = mapped(jax.device_put(x, split), jax.device_put(packed, whole), jax.device_put(scale, whole),
+                    jax.device_put(picked, split))
+    np.testing.assert_array_equal(result, product(x, jnp.asarray(packed), jnp.asarray(scale), picked))
+
+
 KERNEL = "k3_tail_mxfp4_matmul"
 # The matrix instruction each target's code multiplies the decoded weights with (bf16 operands).
 MATRIX_INSTRUCTIONS = {"sm_90": r"\bH[G]?MMA\.\S*BF16", "gfx942": r"^v_mfma_f32_\w+_bf16\b",

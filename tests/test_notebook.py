@@ -1,5 +1,8 @@
-"""notebooks/tier_analysis.ipynb runs top to bottom on a CPU-only machine, from a clean kernel."""
+"""notebooks/tier_analysis.ipynb runs top to bottom on a CPU-only machine, from a clean kernel, and its committed
+outputs are what a fresh run prints: every cell but the measured ones (tag "measured")."""
 
+import difflib
+import importlib.util
 import re
 from pathlib import Path
 
@@ -10,9 +13,21 @@ from helpers import FAST_COMPILE_XLA_FLAGS
 nbformat = pytest.importorskip("nbformat", reason="needs the [notebook] extra (nbformat, nbclient, ipykernel)")
 nbclient = pytest.importorskip("nbclient", reason="needs the [notebook] extra (nbformat, nbclient, ipykernel)")
 
-NOTEBOOK = Path(__file__).parent.parent / "notebooks" / "tier_analysis.ipynb"
+SCRIPT = Path(__file__).parent.parent / "scripts" / "execute_notebook.py"
 # The longest line a committed output may print: a table row, not a line of tiers changing back and forth.
 MAX_OUTPUT_LINE = 160
+
+
+def load_script():
+    """scripts/execute_notebook.py as a module (scripts/ is no package): how the notebook is run and compared."""
+    specification = importlib.util.spec_from_file_location("execute_notebook", SCRIPT)
+    module = importlib.util.module_from_spec(specification)
+    specification.loader.exec_module(module)
+    return module
+
+
+SCRIPT_MODULE = load_script()
+NOTEBOOK = SCRIPT_MODULE.NOTEBOOK
 
 
 def test_notebook_is_committed_with_outputs():
@@ -40,16 +55,41 @@ def test_the_crossovers_are_a_table_of_t_ranges():
     assert all(re.fullmatch(r"\| \w+ \| \w+ \| \d+-\d+ \| [\w ~]+ \| \d* \|", row) for row in rows)
 
 
-def test_notebook_executes_without_errors(tmp_path, monkeypatch):
-    # The kernel is a fresh process: it must not inherit a forced device count from XLA_FLAGS. It runs
-    # every cell for errors, not timings, so it compiles fast.
-    monkeypatch.setenv("XLA_FLAGS", FAST_COMPILE_XLA_FLAGS)
+def test_the_cells_that_time_tiers_are_tagged_measured():
+    """Their outputs change from run to run: the comparison with a fresh run leaves exactly them out."""
     notebook = nbformat.read(NOTEBOOK, as_version=4)
-    client = nbclient.NotebookClient(
-        notebook, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
-    )
-    client.execute()
-    errors = [output for cell in notebook.cells for output in cell.get("outputs", [])
-              if output.output_type == "error"]
+    timing = [index for index, cell in enumerate(notebook.cells) if "measure_tiers" in cell.source
+              or "sweep_png" in cell.source]
+    tagged = [index for index, cell in enumerate(notebook.cells)
+              if SCRIPT_MODULE.MEASURED in cell.metadata.get("tags", [])]
+    assert timing and tagged == timing
+
+
+def test_a_fresh_run_fails_nowhere_and_prints_the_committed_outputs(tmp_path, monkeypatch):
+    """One run from a clean kernel, checked for both (one test, not two sharing a fixture: pytest-xdist would run
+    that fixture once per worker). The kernel is a fresh process: it must not inherit a forced device count from
+    XLA_FLAGS. It runs the cells for their answers, not their timings, so it compiles fast (flags that change no
+    output compared here)."""
+    monkeypatch.setenv("XLA_FLAGS", FAST_COMPILE_XLA_FLAGS)
+    fresh = SCRIPT_MODULE.execute(NOTEBOOK, tmp_path)
+    errors = [output for cell in fresh.cells for output in cell.get("outputs", []) if output.output_type == "error"]
     assert not errors
     assert not list(tmp_path.iterdir())  # its figures are shown, not written: a run leaves no file behind
+    stale = stale_cells(nbformat.read(NOTEBOOK, as_version=4), fresh)
+    assert not stale, ("the notebook's committed outputs are stale; re-run it with `.venv/bin/python "
+                       "scripts/execute_notebook.py` and commit the result:\n" + "\n\n".join(stale))
+
+
+def stale_cells(committed, fresh) -> list[str]:
+    """Each cell not tagged measured whose printed and displayed text and markdown (not images) differ between
+    ``committed`` and ``fresh``, named by its index and first line, with the difference."""
+    stale = []
+    for index, (old, new) in enumerate(zip(committed.cells, fresh.cells, strict=True)):
+        if old.cell_type != "code" or SCRIPT_MODULE.MEASURED in old.metadata.get("tags", []):
+            continue
+        was, now = (SCRIPT_MODULE.compared_outputs(cell) for cell in (old, new))
+        if was != now:
+            diff = difflib.unified_diff("\n".join(was).splitlines(), "\n".join(now).splitlines(), "committed",
+                                        "fresh run", lineterm="", n=1)
+            stale.append(f"cell {index} ({old.source.splitlines()[0]!r}):\n" + "\n".join(diff))
+    return stale

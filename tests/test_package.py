@@ -57,7 +57,8 @@ def test_import_graph_has_no_cycle():
 # or of the layers below it. A module is in the layer of the longest name here that it is or lies under.
 LAYERS = (
     ("k3_tail._checks", "k3_tail.hardware", "k3_tail.hf_config", "k3_tail.json_files", "k3_tail.mxfp4", "k3_tail.units",
-     "k3_tail.xla", "k3_tail.xla.launches", "k3_tail.xla.rocm_stand_ins", "k3_tail.xla.topologies"),
+     "k3_tail.output_files", "k3_tail.xla", "k3_tail.xla.launches", "k3_tail.xla.rocm_stand_ins",
+     "k3_tail.xla.topologies"),
     ("k3_tail.ops", "k3_tail.xla.hlo_text"),
     ("k3_tail.config", "k3_tail.vllm_env", "k3_tail.policy"),
     ("k3_tail.tiers",),

@@ -1,8 +1,9 @@
 """Paths no file can have, at every entry point that takes one: a ValueError naming the argument and the path.
 
-A NUL byte ends a C string, and a character the file system's encoding cannot encode (under UTF-8 a lone
+A NUL byte ends a C string, a character the file system's encoding cannot encode (under UTF-8 a lone
 surrogate such as U+D800, which surrogateescape does not give back as a byte) has no bytes to ask the
-system for: each would otherwise surface as "embedded null byte" or a UnicodeEncodeError, naming neither.
+system for, and a name longer than the file system takes is its ENAMETOOLONG: each would otherwise surface
+as "embedded null byte", a UnicodeEncodeError or an OSError, naming none.
 Every entry point refuses them with one check (k3_tail._checks.check_path).
 """
 
@@ -23,7 +24,8 @@ CONFIG = k3_tail.TailConfig(hidden_size=16, latent_size=8)
 TABLE = k3_tail.SelectionTable(device_kind="cpu", tp_size=2, weight_layout="column", hidden_size=16, latent_size=8,
                                dtype="bfloat16", ranges=(TokenRange(1, None, k3_tail.Tier.OVERLAP),))
 UNENCODABLE = "\ud800"
-NAMES = {"nul-byte": "tail\0.json", "unencodable": f"tail{UNENCODABLE}.json"}
+# A name longer than the 255 bytes a Linux file system takes: the system's ENAMETOOLONG, named by the argument.
+NAMES = {"nul-byte": "tail\0.json", "unencodable": f"tail{UNENCODABLE}.json", "too-long": "t" * 300 + ".json"}
 
 
 def index_naming(directory, shard):

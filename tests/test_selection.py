@@ -6,7 +6,7 @@ import jax
 import pytest
 
 from k3_tail import SelectionTable, TailConfig, Tier, select_tier
-from k3_tail.hardware import device_platform
+from k3_tail.hardware import check_device_kind, device_platform
 from k3_tail.selection.cost_model import CostModelPolicy
 from k3_tail.selection.rules import VllmRules, gpu_rules_note
 from k3_tail.selection.table import TokenRange
@@ -281,3 +281,22 @@ def test_an_unknown_platform_is_a_value_error_naming_platform_and_the_names_take
 def test_every_policy_refuses_an_unknown_platform_when_asked_itself(policy):
     with pytest.raises(ValueError, match="^platform: "):
         policy.select(K3, 16, 8, weight_layout="column", device_kind="cpu", platform="banana")
+
+
+@pytest.mark.parametrize("weight_layout", ["Replicated", "replicate", "cols", ""])
+def test_a_weight_layout_that_is_none_of_the_layouts_is_refused_naming_it(weight_layout):
+    with pytest.raises(ValueError, match=r"^weight_layout: expected one of \('column', 'replicated'\)"):
+        select_tier(K3, 5, 8, weight_layout=weight_layout)
+
+
+@pytest.mark.parametrize("device_kind", [3, "", b"NVIDIA H200"])
+def test_a_device_kind_that_is_no_name_is_refused_naming_it(device_kind):
+    with pytest.raises(ValueError, match="^device_kind: expected a device kind"):
+        select_tier(K3, 5, 8, device_kind=device_kind)
+
+
+def test_check_device_kind_takes_a_name_or_none():
+    assert check_device_kind("NVIDIA H200") == "NVIDIA H200" and check_device_kind(None) is None
+    with pytest.raises(ValueError, match=r"^kind: expected a device kind \(jax.Device.device_kind, a non-empty "
+                                         r"string\) or None, got 3"):
+        check_device_kind(3, "kind")

@@ -145,3 +145,10 @@ def test_dp_axis_replicates_and_tp_axis_shards_tokens():
     y = run_tail(SP, inputs, mesh, k3_tail.Tier.COLUMN_PARALLEL, "column")
     assert y.sharding.spec[0] == "tp"
     assert relative_error(token_sharded_rows(y, SP, 14, 4), reference_tail(SP, inputs)) <= TOLERANCE[SP.dtype]
+
+
+@pytest.mark.parametrize(("num_tokens", "tp_size", "argument"), [(-3, 2, "num_tokens"), (5, 0, "tp_size"),
+                                                                 (5.0, 2, "num_tokens"), (5, True, "tp_size")])
+def test_padded_token_count_refuses_what_is_no_count_naming_it(num_tokens, tp_size, argument):
+    with pytest.raises(ValueError, match=f"^{argument}: expected an integer >= "):
+        k3_tail.padded_token_count(num_tokens, tp_size)

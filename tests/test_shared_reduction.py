@@ -22,11 +22,11 @@ CONFIG = k3_tail.TailConfig(hidden_size=96, latent_size=64, dtype=jnp.float32)
 REDUCED = dataclasses.replace(CONFIG, shared_output_is_reduced=True)
 
 
-def reduce_on_mesh(config, partials, *, out_spec):
+def reduce_on_mesh(config, partials, *, out_spec, device=None):
     """k3_tail.reduce_shared of the [p, T, H] partials, rank i reducing entry i, inside a shard_map."""
     mesh = make_tp_mesh(partials.shape[0])
-    reduce = jax.shard_map(lambda x: k3_tail.reduce_shared(x[0], config=config), mesh=mesh, in_specs=P("tp"),
-                           out_specs=out_spec)
+    reduce = jax.shard_map(lambda x: k3_tail.reduce_shared(x[0], config=config, device=device), mesh=mesh,
+                           in_specs=P("tp"), out_specs=out_spec)
     return reduce(jax.device_put(jnp.asarray(partials), NamedSharding(mesh, P("tp"))))
 
 
@@ -127,8 +127,11 @@ def test_the_global_api_takes_the_reduced_shared_output_whole():
         (lambda: k3_tail.tail_forward(*(lambda i: (i.routed, i.shared, i.norm_weight, i.kernel))(
             make_inputs(REDUCED, 4, 5)), config=REDUCED, mesh=make_tp_mesh(4)),
          r"^shared_partials: expected shape \(5, 96\) \(the reduced shared output"),
+        (lambda: reduce_on_mesh(REDUCED, np.zeros((4, 3, 96), np.float32), out_spec=P(), device="gpu"),
+         r"^device: expected a jax.Device .* or None, got 'gpu'"),
     ],
-    ids=["no-axis", "shared-width", "shared-dtype", "unreduced-config", "no-shared-experts", "global-partials"],
+    ids=["no-axis", "shared-width", "shared-dtype", "unreduced-config", "no-shared-experts", "global-partials",
+         "device-name"],
 )
 def test_bad_input_is_a_value_error_naming_the_argument(call, message):
     with pytest.raises(ValueError, match=message):

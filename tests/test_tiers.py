@@ -169,3 +169,10 @@ def test_column_tier_writes_only_its_own_block(case):
     """
     config = dataclasses.replace(SMALL, hidden_size=case.hidden_size, dtype=jnp.dtype(case.dtype))
     assert_column_tier_writes_only_its_own_block(config, case.tp_size, case.num_tokens, case.weight_layout)
+
+
+@pytest.mark.parametrize(("hidden_size", "tp_size", "argument"), [(5, -2, "tp_size"), (5, 0, "tp_size"),
+                                                                  (0, 2, "hidden_size"), ("5", 2, "hidden_size")])
+def test_padded_hidden_size_refuses_what_is_no_size_naming_it(hidden_size, tp_size, argument):
+    with pytest.raises(ValueError, match=f"^{argument}: expected an integer >= 1"):
+        k3_tail.padded_hidden_size(hidden_size, tp_size)

@@ -108,6 +108,14 @@ def test_bad_arguments_are_value_errors_naming_the_argument(kernel, dtype, argum
         k3_tail.quantize_up_proj(kernel, dtype)
 
 
+@pytest.mark.parametrize("device", ["rocm", "gpu", 0, jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",))],
+                         ids=["rocm", "gpu", "int", "mesh"])
+def test_a_device_that_is_no_jax_device_is_refused_naming_device(device):
+    """"rocm" would otherwise read as a CPU and give E4M3FN, which MI300X does not multiply."""
+    with pytest.raises(ValueError, match=r"^device: expected a jax.Device"):
+        k3_tail.quantize_up_proj(random_kernel(), device=device)
+
+
 def test_a_quantized_kernel_is_a_pytree_that_crosses_jit():
     quantized = k3_tail.quantize_up_proj(random_kernel(), "float8_e4m3fn")
     assert len(jax.tree.leaves(quantized)) == 2

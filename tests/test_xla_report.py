@@ -63,6 +63,12 @@ def test_bad_shared_argument_is_a_value_error(shared_argument):
         report(compiled, shared_argument=shared_argument)
 
 
+def test_a_program_that_is_not_compiled_is_a_value_error_naming_compiled():
+    lowered = jax.jit(lambda x: x + 1).lower(jnp.zeros(2))
+    with pytest.raises(ValueError, match=r"^compiled: expected a jax.stages.Compiled program .*, got Lowered"):
+        report(lowered)
+
+
 HLO = """HloModule m, is_scheduled=true, num_partitions=8
 
 %add (a: f32[], b: f32[]) -> f32[] {

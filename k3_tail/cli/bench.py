@@ -15,18 +15,16 @@ measured; a bad one is a one-line error (exit status 2).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import csv
+import io
 import json
-import os
 import sys
-from collections.abc import Iterator
-from typing import IO
 
 import jax
 
 from k3_tail.cli.common import (
     add_measurement_arguments,
+    check_output_flag,
     describe_config,
     format_bench_table,
     measure,
@@ -36,6 +34,7 @@ from k3_tail.cli.common import (
     untimed_tiers,
 )
 from k3_tail.hardware import device_platform
+from k3_tail.output_files import write_file
 from k3_tail.selection.rules import gpu_rules_note
 from k3_tail.tools.benchmark import Measurement, config_dict, default_token_counts, machine_info
 from k3_tail.tools.experiment import CommandError, demo_devices, positive_int_list, tp_mesh
@@ -107,33 +106,35 @@ def run(args: argparse.Namespace) -> int:
             },
             "measurements": [m.to_dict() for m in measurements],
         }
-        with output_stream(args.json) as stream:
-            json.dump(document, stream, indent=2)
-            stream.write("\n")
+        write_output("--json", args.json, json.dumps(document, indent=2) + "\n")
     if args.csv:
-        with output_stream(args.csv) as stream:
-            writer = csv.DictWriter(stream, fieldnames=Measurement.field_names())
-            writer.writeheader()
-            writer.writerows(m.to_dict() for m in measurements)
+        table = io.StringIO(newline="")
+        writer = csv.DictWriter(table, fieldnames=Measurement.field_names())
+        writer.writeheader()
+        writer.writerows(m.to_dict() for m in measurements)
+        write_output("--csv", args.csv, table.getvalue())
     if args.plot:
         from k3_tail.tools.plotting import plot_measurements  # imports matplotlib: only when asked to plot
 
         title = f"{describe_config(config)}; kernel {args.weight_layout}; {platform}"
         selected = {key: decision.tier for key, decision in
                     selected_tiers(measurements, config, device=devices[0]).items()}
-        plot_measurements(measurements, args.plot, title=title, selected=selected)
+        image = io.BytesIO()
+        plot_measurements(measurements, image, title=title, selected=selected)
+        write_output("--plot", args.plot, image.getvalue())
         say(f"plot: {args.plot}")
     return 0
 
 
 def check_outputs(args: argparse.Namespace) -> None:
-    """Fail before measuring, not after: at most one output on stdout, every output file's directory
-    present, matplotlib importable for --plot."""
+    """Fail before measuring, not after: at most one output on stdout, every output a file that can be
+    written (:func:`k3_tail.output_files.check_output_file`: its directory present, no directory, FIFO,
+    device or /proc file), matplotlib importable for --plot."""
     if args.json == "-" and args.csv == "-":
         raise CommandError("--json - and --csv -: only one of them can go to stdout")
     for flag, path in (("--json", args.json), ("--csv", args.csv), ("--plot", args.plot)):
-        if path and path != "-" and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
-            raise CommandError(f"{flag} {path}: no such directory")
+        if path and not (path == "-" and flag != "--plot"):
+            check_output_flag(f"{flag} {path}", path)
     if args.plot:
         try:
             import matplotlib  # noqa: F401  (only to know that plot_measurements can draw)
@@ -141,13 +142,15 @@ def check_outputs(args: argparse.Namespace) -> None:
             raise CommandError("--plot needs matplotlib: pip install 'k3_tail[plot]'") from None
 
 
-@contextlib.contextmanager
-def output_stream(path: str) -> Iterator[IO[str]]:
-    """A text stream to write an output to: the file ``path``, closed afterwards, or stdout for "-"
-    (flushed afterwards, left open)."""
-    if path == "-":
-        yield sys.stdout
+def write_output(flag: str, path: str, data: str | bytes) -> None:
+    """Text ``data`` to stdout for "-" (flushed), else ``data`` written whole to the file ``path``
+    (:func:`k3_tail.output_files.write_file`: --plot's "-" is a file of that name, as before); CommandError
+    naming ``flag`` when that fails."""
+    if path == "-" and isinstance(data, str):
+        sys.stdout.write(data)
         sys.stdout.flush()
         return
-    with open(path, "w", encoding="utf-8", newline="") as stream:
-        yield stream
+    try:
+        write_file(flag, path, data)
+    except ValueError as error:
+        raise CommandError(str(error)) from None

@@ -13,7 +13,6 @@ argument is checked before anything is measured; a bad one is a one-line error (
 from __future__ import annotations
 
 import argparse
-import os
 import time
 from collections.abc import Sequence
 
@@ -21,6 +20,7 @@ import jax
 
 from k3_tail.cli.common import (
     add_measurement_arguments,
+    check_output_flag,
     describe_config,
     format_bench_table,
     measure,
@@ -55,9 +55,7 @@ def add_arguments(calibrate: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """The ``calibrate`` command: measure, build the table, write it, print it."""
     config = measurement_config(args)
-    directory = os.path.dirname(os.path.abspath(args.out))
-    if not os.path.isdir(directory):
-        raise CommandError(f"--out: directory {directory!r} does not exist")
+    check_output_flag("--out", args.out)
     devices = demo_devices(args.devices)
     tiers = measurement_tiers(args.tiers, args.weight_layout, config, device_platform(devices[0]))
     tp_size = args.tp_size or len(devices)
@@ -73,7 +71,10 @@ def run(args: argparse.Namespace) -> int:
     source = (f"k3-tail calibrate, {time.strftime('%Y-%m-%d')}, jax {jax.__version__}, "
               f"T={','.join(map(str, tokens))}, {args.repeats} repeats")
     table = table_from_measurements(measurements, config=config, device_kind=device_kind, source=source)
-    table.save(args.out)
+    try:
+        table.save(args.out)
+    except ValueError as error:  # the file changed since the check (a directory made there, say)
+        raise CommandError(f"--out: {error}") from None
     print(format_bench_table(measurements, config, device=devices[0]))
     warnings = noise_warnings(measurements)
     if warnings:

@@ -23,6 +23,7 @@ from k3_tail.config import ALL_REDUCE_QUANTIZATIONS, TailConfig
 from k3_tail.ops.collectives import ALL_REDUCE_FORMS
 from k3_tail.ops.columns import WEIGHT_LAYOUTS
 from k3_tail.ops.up_projection import FP8_FORMATS
+from k3_tail.output_files import check_output_file
 from k3_tail.selection.decision import TierDecision
 from k3_tail.selection.rules import select_tier
 from k3_tail.tiers.registry import Tier
@@ -179,6 +180,15 @@ def all_reduce_quantization_options(args: argparse.Namespace) -> dict[str, objec
         raise CommandError("--quantized-all-reduce-min-bytes: needs --all-reduce-quantization (one of "
                            + ", ".join(name for name in QUANTIZATION_CHOICES if name != "none") + ")")
     return {"all_reduce_quantization": codec, "quantized_all_reduce_min_bytes": args.quantized_all_reduce_min_bytes}
+
+
+def check_output_flag(flag: str, path: str) -> None:
+    """CommandError naming ``flag`` unless a file can be written at ``path``
+    (:func:`k3_tail.output_files.check_output_file`), asked before anything is measured."""
+    try:
+        check_output_file(flag, path)
+    except ValueError as error:
+        raise CommandError(str(error)) from None
 
 
 def measurement_config(args: argparse.Namespace) -> TailConfig:

@@ -121,7 +121,23 @@ def quantized_scope(codec: Codec) -> str:
 
 def _quantized_sum(x: jax.Array, codec: Codec, *, axis_name: AxisName, scatter_dimension: int | None) -> jax.Array:
     """The two-shot quantised sum of ``x`` (module docstring): all of it when ``scatter_dimension`` is
-    None, else this rank's block along that dimension (the first shot alone)."""
+    None, else this rank's block along that dimension (the first shot alone). Differentiating it is a ValueError
+    (its rounding has no derivative), not the zero gradient that rounding would silently give."""
+
+    @jax.custom_jvp
+    def quantized_sum(x):
+        return _two_shot_sum(x, codec, axis_name=axis_name, scatter_dimension=scatter_dimension)
+
+    @quantized_sum.defjvp
+    def _refuse(primals, tangents):
+        raise ValueError(f"all_reduce_quantization={codec.name!r}: a quantised sum rounds its buffer to {codec.name} "
+                         "codes, which have no derivative; differentiate the tail with "
+                         "TailConfig(all_reduce_quantization=None)")
+
+    return quantized_sum(x)
+
+
+def _two_shot_sum(x: jax.Array, codec: Codec, *, axis_name: AxisName, scatter_dimension: int | None) -> jax.Array:
     tp_size = lax.axis_size(axis_name)
     if scatter_dimension is None:  # chunk k: the k-th 1/p of the flattened buffer
         chunks = jnp.pad(x.reshape(-1), (0, -x.size % tp_size)).reshape(tp_size, -1)

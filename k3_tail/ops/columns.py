@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from k3_tail._checks import AxisName
+from k3_tail._checks import AxisName, check_int
 from k3_tail.ops.scopes import OUTPUT_GATHER
 from k3_tail.ops.up_projection import QuantizedKernel, map_columns, project
 
@@ -38,7 +38,12 @@ def padded_hidden_size(hidden_size: int, tp_size: int) -> int:
 
     Returns:
       ``hidden_size`` rounded up to a multiple of ``tp_size``; the extra columns are zero.
+
+    Raises:
+      ValueError: naming the argument, unless both are integers >= 1.
     """
+    hidden_size = check_int("hidden_size", hidden_size, minimum=1)
+    tp_size = check_int("tp_size", tp_size, minimum=1)
     return -(-hidden_size // tp_size) * tp_size
 
 

@@ -48,7 +48,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from k3_tail._checks import varying_axes
 from k3_tail.ops.float_bits import decode_fp8, exponent_at_or_above, power_of_two
 from k3_tail.ops.fused_launch import (
     COLUMN_TILE,
@@ -60,8 +59,9 @@ from k3_tail.ops.fused_launch import (
     runs_interpreted_on,
     warps_per_program,
 )
+from k3_tail.ops.gpu_only import gpu_only
 from k3_tail.ops.norm import rms_norm, row_scale_floor
-from k3_tail.ops.pallas_triton import dot_precision, ignore_triton_deprecation_warning, vary_alike
+from k3_tail.ops.pallas_triton import dot_precision, ignore_triton_deprecation_warning, interpreted, vary_alike
 from k3_tail.ops.scopes import GEMM_FLOPS_KEY
 from k3_tail.ops.up_projection import QuantizedKernel
 
@@ -134,9 +134,11 @@ def norm_project_add(
     """
     if latent.shape[0] == 0:
         return jnp.zeros((0, block_width), latent.dtype)
-    return _fused_call(latent, norm_weight, kernel, addend, into_addend=False, rank=rank, tp_size=tp_size,
-                       block_width=block_width, hidden_size=hidden_size, eps=eps, scale=scale, interpret=interpret,
-                       platform=platform, target_programs=target_programs, serial_split=serial_split)
+    kernel_options = dict(interpret=interpret, platform=platform, target_programs=target_programs,
+                          serial_split=serial_split)
+    return _with_reference_gradient(False, latent, norm_weight, kernel, addend, rank, kernel_options,
+                                    dict(tp_size=tp_size, block_width=block_width, hidden_size=hidden_size, eps=eps,
+                                         scale=scale))
 
 
 def norm_project_add_into(
@@ -153,7 +155,36 @@ def norm_project_add_into(
         raise ValueError("addend: expected the [T, W] array to write into, got None")
     if latent.shape[0] == 0:
         return addend
-    return _fused_call(latent, norm_weight, kernel, addend, into_addend=True, **options)
+    kernel_options = {name: options.pop(name) for name in _KERNEL_ONLY_OPTIONS if name in options}
+    rank = options.pop("rank")
+    return _with_reference_gradient(True, latent, norm_weight, kernel, addend, rank, kernel_options, options)
+
+
+# The keywords of norm_project_add that say how the kernel runs, not what it computes.
+_KERNEL_ONLY_OPTIONS = ("interpret", "platform", "target_programs", "serial_split")
+
+
+def _with_reference_gradient(into_addend: bool, latent, norm_weight, kernel, addend, rank, kernel_options: dict,
+                             function_options: dict) -> jax.Array:
+    """The kernel's result, differentiable: its derivatives are the float32 reference's
+    (:func:`norm_project_add_reference`), plain XLA, since Pallas differentiates no kernel that writes into its
+    input. ``function_options``: the sizes and the norm's constants; ``kernel_options``: how the kernel runs.
+    Differentiated, the reference's product runs beside the kernel's."""
+    reference = norm_project_add_into_reference if into_addend else norm_project_add_reference
+
+    @jax.custom_jvp
+    def fused(latent, norm_weight, kernel, addend, rank):
+        return _fused_call(latent, norm_weight, kernel, addend, into_addend=into_addend, rank=rank,
+                           **function_options, **kernel_options)
+
+    @fused.defjvp
+    def _derivative(primals, tangents):
+        *values, rank = primals
+        _, derivative = jax.jvp(lambda *values: reference(*values, rank=rank, **function_options), tuple(values),
+                                tangents[:-1])
+        return fused(*primals), derivative
+
+    return fused(latent, norm_weight, kernel, addend, rank)
 
 
 def _fused_call(latent, norm_weight, kernel, addend, *, into_addend: bool, rank, tp_size, block_width, hidden_size,
@@ -207,41 +238,33 @@ def _fused_call(latent, norm_weight, kernel, addend, *, into_addend: bool, rank,
 
     def run(arrays):
         """The pallas_call on ``arrays`` (``inputs``' present ones), its outputs typed as varying over what the
-        arrays vary over."""
+        arrays vary over; compiled, lowered for the GPUs only (:func:`~k3_tail.ops.gpu_only.gpu_only`)."""
         arrays, varying = vary_alike(arrays)
-        arrays = iter(arrays)
-        placed = [None if array is None else next(arrays) for array in inputs]
 
         def typed(shape):
             return jax.ShapeDtypeStruct(shape.shape, shape.dtype, manual_axis_type=varying)
 
         out_shape = (typed(output), None if scratch is None else tuple(typed(s) for s in scratch))
-        return pl.pallas_call(
-            functools.partial(_kernel, spec=spec, pl=pl, plt=plt),
-            out_shape=out_shape,
-            grid=(grid.rows, grid.columns, grid.splits if communicates else 1),
-            input_output_aliases=aliases,
-            interpret=interpret,
-            compiler_params=plt.CompilerParams(num_warps=warps_per_program(platform)),
-            name="k3_tail_norm_project_add",
-            # The product's FLOPs, which the compiled program's custom call carries for k3_tail.xla.report.
-            metadata={GEMM_FLOPS_KEY: str(2 * num_tokens * latent_size * block_width)},
-        )(*placed)[0]
 
-    axes = tuple(sorted(set().union(*(varying_axes(array) for array in present)), key=str))
-    if interpret and axes:
-        # A shard_map that types its values as varying (shard_map_may_type_values): each device runs the kernel
-        # for every device, on their gathered inputs, and keeps its own result: p times the work, on a CPU only.
-        stacked = [lax.all_gather(a, axes, to="invarying") if varying_axes(a) else None for a in present]
-        shared = [None if s is not None else a for a, s in zip(present, stacked, strict=True)]
+        def kernel_call(*arrays):
+            arrays = iter(arrays)
+            placed = [None if array is None else next(arrays) for array in inputs]
+            return pl.pallas_call(
+                functools.partial(_kernel, spec=spec, pl=pl, plt=plt),
+                out_shape=out_shape,
+                grid=(grid.rows, grid.columns, grid.splits if communicates else 1),
+                input_output_aliases=aliases,
+                interpret=interpret,
+                compiler_params=plt.CompilerParams(num_warps=warps_per_program(platform)),
+                name="k3_tail_norm_project_add",
+                # The product's FLOPs, which the compiled program's custom call carries for k3_tail.xla.report.
+                metadata={GEMM_FLOPS_KEY: str(2 * num_tokens * latent_size * block_width)},
+            )(*placed)[:1]
 
-        def one_device(rows):
-            rows = iter(rows)
-            return run([a if a is not None else next(rows) for a in shared])
+        return (kernel_call(*arrays) if interpret else gpu_only(kernel_call, *arrays, platform=platform))[0]
 
-        every = lax.map(one_device, [s for s in stacked if s is not None])
-        return lax.dynamic_index_in_dim(every, lax.axis_index(axes), keepdims=False)
-    return run(present)
+    # Interpreted inside a shard_map that types its values (shard_map_may_type_values): every device's kernel on each.
+    return interpreted(run, present) if interpret else run(present)
 
 
 # Positions of the kernel's inputs that outputs alias (its signature's order).

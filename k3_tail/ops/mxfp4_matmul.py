@@ -29,10 +29,13 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
+from k3_tail._checks import describe
 from k3_tail.mxfp4 import CODES_PER_BYTE, DECODED_DTYPES, GROUP_SIZE, STORED_DTYPE, decode, value_bits
-from k3_tail.ops.pallas_triton import dot_precision, ignore_triton_deprecation_warning, vary_alike
+from k3_tail.ops.gpu_only import gpu_only
+from k3_tail.ops.pallas_triton import dot_precision, ignore_triton_deprecation_warning, interpreted, vary_alike
 
 # Columns of one program's tile: 128 bytes of float32 output a row, 64 packed bytes of one group row.
 BLOCK_COLUMNS = 64
@@ -43,6 +46,7 @@ SMALLEST_ROW_TILE, LARGEST_ROW_TILE = 16, 64
 # A group's rows of K held by one byte row each: 16 bytes of two codes.
 _GROUP_BYTES = GROUP_SIZE // CODES_PER_BYTE
 _FLOAT32_MANTISSA_BITS = 23
+_INT32 = np.iinfo(np.int32)
 
 
 def row_tile(num_rows: int) -> int:
@@ -59,22 +63,49 @@ def mxfp4_matmul(rows: jax.Array, packed: jax.Array, scale: jax.Array, *, kernel
       rows: [S, C, K], bfloat16 or float32: the products' dtype.
       packed: uint8 [E, K/2, N], two E2M1 codes a byte along K (the low nibble the even row).
       scale: uint8 [E, K/32, N], one E8M0 exponent per 32 rows of K.
-      kernels: int32 [S], which of the E kernels each row block multiplies; None for all, in order (S = E). The
-        kernel reads them where they lie: a group of experts or a gathered few cost no copy of their codes.
-        An index outside [0, E) touches no memory outside the arrays and gives that block NaN.
-      interpret: run in Pallas's interpret mode (a CPU has no Triton): the same kernel, programs in turn.
+      kernels: integers [S] (int32 is passed as it is), which of the E kernels each row block multiplies; None
+        for all, in order (S = E). The kernel reads them where they lie: a group of experts or a gathered few
+        cost no copy of their codes. An index outside [0, E) touches no memory outside the arrays and gives
+        that block NaN, judged in the indices' own dtype (an int64 2^32 is no kernel 0); a concrete index that
+        int32 cannot hold is refused.
+      interpret: run in Pallas's interpret mode (a CPU has no Triton): the same kernel, programs in turn. Inside
+        a ``jax.shard_map`` that types values as varying (``check_vma=True``, its default), which Pallas's
+        interpreter cannot take, every device runs every device's call on their gathered inputs and keeps its
+        own result (:func:`k3_tail.ops.pallas_triton.interpreted`): p times the work, the same values.
 
     Returns:
       float32 [S, C, N]. A NaN scale (u = 255) or a value past the dtype's range (+-inf) reaches the outputs that
-      multiply it, as in the decoded kernel's GEMM.
+      multiply it, as in the decoded kernel's GEMM. K = 0 or E = 0 (no weight to multiply) gives the empty sum,
+      0, where the block's index is a kernel, NaN where it is not (every index, for E = 0), as the reference.
+
+    Differentiable with respect to ``rows`` (``jax.grad``, ``jax.vjp``): the reference's gradient, each block's
+    cotangent times its decoded kernel transposed, through XLA's GEMM. Codes, scales and indices are integers:
+    no gradient. Forward mode (``jax.jvp``) is not defined.
 
     Cost: reads the S kernels' packed bytes (0.53 a weight) once per row tile, the rows once per column tile;
     writes the output; 2 S C K N FLOPs; one kernel launch. No scratch.
 
     Raises:
-      ValueError: naming the argument, for shapes that do not pair or dtypes other than those above.
+      ValueError: naming the argument, for arguments that are no arrays (a list, bytes, None), shapes that do
+        not pair, dtypes other than those above, a concrete index int32 cannot hold, or a non-bool
+        ``interpret``.
     """
-    _check(rows, packed, scale, kernels)
+    kernels = _check(rows, packed, scale, kernels)
+    if not isinstance(interpret, bool):
+        raise ValueError(f"interpret: expected True or False, got {interpret!r}")
+    batch, num_rows, depth = rows.shape
+    num_kernels, columns = packed.shape[0], packed.shape[-1]
+    if 0 in (batch, num_rows, columns):
+        return jnp.zeros((batch, num_rows, columns), jnp.float32)
+    if 0 in (depth, num_kernels):
+        return _empty_sum(rows, num_kernels, columns, kernels)
+    return _product(rows, packed, scale, kernels, interpret)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _product(rows: jax.Array, packed: jax.Array, scale: jax.Array, kernels: jax.Array | None,
+             interpret: bool) -> jax.Array:
+    """:func:`mxfp4_matmul` of checked, non-empty operands (``kernels``: int32 or None): the pallas_call."""
     from jax.experimental import pallas as pl  # loaded with the first call: `import k3_tail` stays light
     from jax.experimental.pallas import triton as plt
 
@@ -82,23 +113,50 @@ def mxfp4_matmul(rows: jax.Array, packed: jax.Array, scale: jax.Array, *, kernel
         ignore_triton_deprecation_warning()
     batch, num_rows, depth = rows.shape
     columns = packed.shape[-1]
-    if 0 in (batch, num_rows, columns):
-        return jnp.zeros((batch, num_rows, columns), jnp.float32)
     block_rows = row_tile(num_rows)
+
+    def run(inputs):
+        inputs, varying = vary_alike(inputs)
+        out_shape = jax.ShapeDtypeStruct((batch, num_rows, columns), jnp.float32, manual_axis_type=varying)
+        call = pl.pallas_call(
+            functools.partial(_kernel, indexed=kernels is not None, block_rows=block_rows, pl=pl, plt=plt),
+            out_shape=out_shape,
+            grid=(batch, pl.cdiv(columns, BLOCK_COLUMNS), pl.cdiv(num_rows, block_rows)),
+            interpret=interpret,
+            # Triton's parameters choose its backend (jax 0.10 would take Mosaic GPU on NVIDIA without them).
+            compiler_params=plt.CompilerParams(num_warps=WARPS),
+            name="k3_tail_mxfp4_matmul",
+        )
+        # Compiled, lowered for the GPUs only: a multi-platform program holds it in its GPUs' branch.
+        return call(*inputs) if interpret else gpu_only(lambda *inputs: (call(*inputs),), *inputs)[0]
+
     # Without indices block s multiplies kernel s, and the call takes no index array (XLA would make an iota of
     # them a kernel of its own).
-    inputs = [rows, packed, scale] if kernels is None else [kernels.astype(jnp.int32), rows, packed, scale]
-    inputs, varying = vary_alike(inputs)
-    out_shape = jax.ShapeDtypeStruct((batch, num_rows, columns), jnp.float32, manual_axis_type=varying)
-    return pl.pallas_call(
-        functools.partial(_kernel, indexed=kernels is not None, block_rows=block_rows, pl=pl, plt=plt),
-        out_shape=out_shape,
-        grid=(batch, pl.cdiv(columns, BLOCK_COLUMNS), pl.cdiv(num_rows, block_rows)),
-        interpret=interpret,
-        # Triton's parameters choose its backend (jax 0.10 would take Mosaic GPU on NVIDIA without them).
-        compiler_params=plt.CompilerParams(num_warps=WARPS),
-        name="k3_tail_mxfp4_matmul",
-    )(*inputs)
+    inputs = [rows, packed, scale] if kernels is None else [kernels, rows, packed, scale]
+    return interpreted(run, inputs) if interpret else run(inputs)
+
+
+def _product_forward(rows, packed, scale, kernels, interpret):
+    return _product(rows, packed, scale, kernels, interpret), (rows, packed, scale, kernels)
+
+
+def _product_backward(interpret, residuals, cotangent):
+    """The reference's VJP with respect to the rows (the integer operands take none)."""
+    rows, packed, scale, kernels = residuals
+    _, rows_vjp = jax.vjp(lambda x: mxfp4_matmul_reference(x, packed, scale, kernels=kernels), rows)
+    return (*rows_vjp(cotangent), None, None, None)
+
+
+_product.defvjp(_product_forward, _product_backward)
+
+
+def _empty_sum(rows: jax.Array, num_kernels: int, columns: int, kernels: jax.Array | None) -> jax.Array:
+    """float32 [S, C, N] of K = 0 or E = 0: 0, the empty sum, in each block whose index is a kernel, else NaN."""
+    batch, num_rows, _ = rows.shape
+    blocks = jnp.arange(batch) if kernels is None else kernels
+    is_kernel = (blocks >= 0) & (blocks < num_kernels)
+    return jnp.broadcast_to(jnp.where(is_kernel, 0.0, jnp.nan).astype(jnp.float32)[:, None, None],
+                            (batch, num_rows, columns))
 
 
 def _kernel(*refs, indexed, block_rows, pl, plt):
@@ -140,7 +198,9 @@ def mxfp4_matmul_reference(rows: jax.Array, packed: jax.Array, scale: jax.Array,
     """:func:`mxfp4_matmul`'s function in plain jnp: the kernels gathered, decoded (:func:`k3_tail.mxfp4.decode`) to
     the rows' dtype and multiplied by XLA's GEMM, accumulating in float32. Arguments and result as
     :func:`mxfp4_matmul`."""
-    _check(rows, packed, scale, kernels)
+    kernels = _check(rows, packed, scale, kernels)
+    if packed.shape[0] == 0:  # nothing to gather: no index is a kernel
+        return _empty_sum(rows, 0, packed.shape[-1], kernels)
     kernels = jnp.arange(rows.shape[0]) if kernels is None else kernels
     weights = decode(packed[kernels], scale[kernels], rows.dtype)
     product = jnp.einsum("sck,skn->scn", rows, weights, preferred_element_type=jnp.float32,
@@ -148,25 +208,53 @@ def mxfp4_matmul_reference(rows: jax.Array, packed: jax.Array, scale: jax.Array,
     return jnp.where(((kernels >= 0) & (kernels < packed.shape[0]))[:, None, None], product, jnp.nan)
 
 
-def _check(rows, packed, scale, kernels) -> None:
-    """ValueError naming the argument unless rows [S, C, K] (a decoded dtype), packed uint8 [E, K/2, N] and scale
-    uint8 [E, K/32, N] pair, K a multiple of 32, and kernels are integers [S] (or None, with S = E)."""
-    if rows.ndim != 3 or jnp.dtype(rows.dtype) not in DECODED_DTYPES:
+def _check(rows, packed, scale, kernels) -> jax.Array | None:
+    """The indices as the kernel takes them (int32, an index outside [0, E) in their own dtype made -1; None
+    stays None), or ValueError naming the argument unless rows [S, C, K] (a decoded dtype), packed uint8
+    [E, K/2, N] and scale uint8 [E, K/32, N] are arrays that pair, K a multiple of 32, and kernels are integers
+    [S] (concrete ones int32 can hold) or None, with S = E."""
+    if not hasattr(rows, "shape") or not hasattr(rows, "dtype"):
+        raise ValueError(f"rows: expected an array [S, C, K] of {tuple(d.name for d in DECODED_DTYPES)}, got "
+                         f"{describe(rows)}")
+    if len(rows.shape) != 3 or jnp.dtype(rows.dtype) not in DECODED_DTYPES:
         raise ValueError(f"rows: expected [S, C, K] of {tuple(d.name for d in DECODED_DTYPES)}, got "
                          f"{rows.dtype} {tuple(rows.shape)}")
     depth = rows.shape[2]
     if depth % GROUP_SIZE:
         raise ValueError(f"rows: K must be a multiple of {GROUP_SIZE} (one scale per {GROUP_SIZE} rows), got {depth}")
     for name, array, height in (("packed", packed, depth // CODES_PER_BYTE), ("scale", scale, depth // GROUP_SIZE)):
-        if jnp.dtype(array.dtype) != STORED_DTYPE or array.ndim != 3 or array.shape[1] != height:
+        if not hasattr(array, "shape") or not hasattr(array, "dtype"):
+            raise ValueError(f"{name}: expected a uint8 array [E, {height}, N], got {describe(array)}")
+        if jnp.dtype(array.dtype) != STORED_DTYPE or len(array.shape) != 3 or array.shape[1] != height:
             raise ValueError(f"{name}: expected uint8 [E, {height}, N] for rows {tuple(rows.shape)}, got "
                              f"{array.dtype} {tuple(array.shape)}")
     if tuple(scale.shape[::2]) != tuple(packed.shape[::2]):
         raise ValueError(f"scale: expected {packed.shape[0]} kernels of {packed.shape[2]} columns, packed's, got "
                          f"{tuple(scale.shape)}")
-    if kernels is None and packed.shape[0] != rows.shape[0]:
-        raise ValueError(f"kernels: None multiplies kernel s by rows[s], so packed needs S = {rows.shape[0]} "
-                         f"kernels, got {packed.shape[0]}; pass the indices of the kernels to use")
-    if kernels is not None and (kernels.shape != (rows.shape[0],) or not jnp.issubdtype(kernels.dtype, jnp.integer)):
-        raise ValueError(f"kernels: expected integers [{rows.shape[0]}] (one per row block), got {kernels.dtype} "
+    if kernels is None:
+        if packed.shape[0] != rows.shape[0]:
+            raise ValueError(f"kernels: None multiplies kernel s by rows[s], so packed needs S = {rows.shape[0]} "
+                             f"kernels, got {packed.shape[0]}; pass the indices of the kernels to use")
+        return None
+    return _kernel_indices(kernels, rows.shape[0], packed.shape[0])
+
+
+def _kernel_indices(kernels, batch: int, num_kernels: int) -> jax.Array:
+    """``kernels`` checked (integers [S]; concrete ones int32 can hold) and as int32, each index outside
+    [0, E) judged in its own dtype, before any cast could wrap it onto a kernel (an int64 2^32 + 1 onto kernel 1),
+    and made -1."""
+    if not hasattr(kernels, "shape") or not hasattr(kernels, "dtype"):
+        raise ValueError(f"kernels: expected integers [{batch}] (one per row block), got {describe(kernels)}")
+    if tuple(kernels.shape) != (batch,) or not jnp.issubdtype(kernels.dtype, jnp.integer):
+        raise ValueError(f"kernels: expected integers [{batch}] (one per row block), got {kernels.dtype} "
                          f"{tuple(kernels.shape)}")
+    if jnp.iinfo(kernels.dtype).bits < 32 or jnp.dtype(kernels.dtype) == jnp.int32:
+        return jnp.asarray(kernels, jnp.int32)  # exact (an int32 costs no operation)
+    if not isinstance(kernels, jax.core.Tracer):
+        values = np.asarray(kernels)
+        outside = (values < _INT32.min) | (values > _INT32.max)
+        if outside.any():
+            position = int(np.argmax(outside))
+            raise ValueError(f"kernels: expected indices int32 can hold (a kernel is 0 <= e < {num_kernels}), got "
+                             f"{values[position]} at position {position}")
+    return jnp.where((kernels >= 0) & (kernels < num_kernels), kernels, -1).astype(jnp.int32)

@@ -65,9 +65,11 @@ def inverse_rms(x: jax.Array, *, eps: float, scale: float = 1.0) -> jax.Array:
     return sign * lax.rsqrt(inner) / jnp.where(large, magnitude, root_eps)
 
 
+@jax.custom_jvp
 def _max_and_scaled_sum_of_squares(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(m, q) over the last axis of float32 ``x``: m = max |x|, q = sum (x / m)^2 (0 for a zero row), in
-    one pass (NaN propagates into both)."""
+    one pass (NaN propagates into both). Differentiated as the same two sums in two passes (JAX differentiates
+    no reduction whose combiner is a function of its own)."""
     magnitude = jnp.abs(x)
 
     def combine(left, right):
@@ -78,6 +80,17 @@ def _max_and_scaled_sum_of_squares(x: jax.Array) -> tuple[jax.Array, jax.Array]:
 
     ones = jnp.where(magnitude > 0, 1.0, 0.0)
     return lax.reduce((magnitude, ones), (jnp.float32(0), jnp.float32(0)), combine, (x.ndim - 1,))
+
+
+@_max_and_scaled_sum_of_squares.defjvp
+def _max_and_scaled_sum_of_squares_derivative(primals, tangents):
+    def two_passes(x):
+        magnitude = jnp.max(jnp.abs(x), axis=-1)
+        divisor = jnp.where(magnitude > 0, magnitude, 1.0)[..., None]
+        return magnitude, jnp.sum(jnp.square(x / divisor), axis=-1)
+
+    _, derivative = jax.jvp(two_passes, primals, tangents)
+    return _max_and_scaled_sum_of_squares(*primals), derivative
 
 
 _LARGEST_ROW_SCALE = 2.0**126

@@ -1,5 +1,6 @@
 """What k3_tail's Pallas Triton kernels share: the backend's deprecation warning kept out of the programs of
-k3_tail's users, their outputs typed inside ``jax.shard_map``, their products' precision.
+k3_tail's users, their outputs typed inside ``jax.shard_map``, their interpreted runs inside one that types its
+values (:func:`interpreted`), their products' precision.
 
 jax 0.12 warns at every lowering of a Triton ``pallas_call`` (a ``DeprecationWarning``, jax's deprecation
 "jax-pallas-triton"): while the user's own ``jit`` lowers, after k3_tail's code has returned. A user whose
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import re
 import warnings
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -47,10 +49,39 @@ def vary_alike(arrays: list) -> tuple[list, object]:
     ``jax.shard_map``, and their manual-axis type then, which the kernel's outputs take (outside shard_map: the
     trivial one)."""
     axes = set().union(*(varying_axes(array) for array in arrays))
-    cast = [array if axes <= varying_axes(array) else
-            lax.pcast(array, tuple(sorted(axes - varying_axes(array), key=str)), to="varying") for array in arrays]
+    cast = [_vary_over(array, axes) for array in arrays]
     aval = jax.typeof(cast[0])
     return cast, getattr(aval, "manual_axis_type", None) or getattr(aval, "mat", None)
+
+
+def interpreted(run: Callable[[list], jax.Array], arrays: list) -> jax.Array:
+    """``run(arrays)`` for a ``pallas_call`` in interpret mode (``run`` makes the call on its inputs, ``arrays``).
+    Inside a ``jax.shard_map`` that types values as varying over its axes (``check_vma=True``, its default),
+    Pallas's interpreter takes no varying value (jax 0.10-0.12: "Primitive gather requires varying manual axes
+    to match", "Scan carry input and output got mismatched varying manual axes"): there the varying arrays are
+    gathered over those axes, each device runs every device's call in turn (``lax.map``) on its slices of them
+    and the arrays that vary over none, and keeps its own result. p times the work, with the same values:
+    interpret mode is a CPU's run of a GPU kernel, for tests. Elsewhere it is ``run(arrays)``."""
+    axes = set().union(*(varying_axes(array) for array in arrays))
+    if not axes:
+        return run(arrays)
+    names = tuple(sorted(axes, key=str))
+    # Every varying array cast to vary over all the axes first: an all-gather over an axis takes only those.
+    gathered = [lax.all_gather(_vary_over(array, axes), names, to="invarying") if varying_axes(array) else None
+                for array in arrays]
+
+    def one_device(slices):
+        slices = iter(slices)
+        return run([array if stack is None else next(slices) for array, stack in zip(arrays, gathered, strict=True)])
+
+    every = lax.map(one_device, [stack for stack in gathered if stack is not None])
+    return lax.dynamic_index_in_dim(every, lax.axis_index(names), keepdims=False)
+
+
+def _vary_over(array, axes: set):
+    """``array`` cast to vary over ``axes`` too (unchanged when it already does)."""
+    missing = axes - varying_axes(array)
+    return lax.pcast(array, tuple(sorted(missing, key=str)), to="varying") if missing else array
 
 
 def dot_precision(dtype) -> lax.Precision:

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from k3_tail._checks import AxisName
+from k3_tail._checks import AxisName, check_int
 from k3_tail.ops.scopes import OUTPUT_GATHER
 
 
@@ -27,7 +27,12 @@ def padded_token_count(num_tokens: int, tp_size: int) -> int:
     Returns:
       The smallest multiple of ``tp_size`` that is >= ``num_tokens``, and at least ``tp_size`` (a
       reduce-scatter cannot split zero rows).
+
+    Raises:
+      ValueError: naming the argument, unless ``num_tokens`` is an integer >= 0 and ``tp_size`` one >= 1.
     """
+    num_tokens = check_int("num_tokens", num_tokens, minimum=0)
+    tp_size = check_int("tp_size", tp_size, minimum=1)
     return max(-(-num_tokens // tp_size), 1) * tp_size
 
 

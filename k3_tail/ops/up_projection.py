@@ -30,7 +30,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from k3_tail._checks import describe, expect_array
-from k3_tail.hardware import FP8_ARCHITECTURES, device_platform, native_fp8_formats
+from k3_tail.hardware import FP8_ARCHITECTURES, check_device, device_platform, native_fp8_formats
 from k3_tail.ops.scopes import UP_PROJECTION
 
 FP8_FORMATS = ("float8_e4m3fn", "float8_e4m3fnuz")
@@ -155,10 +155,12 @@ def quantize_up_proj(kernel: Any, dtype: Any = None, *, device: Any = None) -> Q
 
     Raises:
       ValueError: naming the argument, for neither or both of ``dtype`` and ``device``, an unknown
-        format or device, a kernel that is not a non-empty 2-d float array, or a concrete kernel with
-        a non-finite value (under ``jax.jit`` it cannot be inspected: its column's scale becomes
-        non-finite).
+        format, a device that is no ``jax.Device`` (:func:`k3_tail.hardware.check_device`: "rocm" says
+        neither E4M3FN nor E4M3FNUZ) or a GPU whose format is not known, a kernel that is not a
+        non-empty 2-d float array, or a concrete kernel with a non-finite value (under ``jax.jit`` it
+        cannot be inspected: its column's scale becomes non-finite).
     """
+    device = check_device(device, optional=True)
     if dtype is None and device is None:
         raise ValueError(f"dtype: expected one of {FP8_FORMATS} (a name or a jnp dtype), or device=<a jax.Device> "
                          f"for the format it multiplies natively; got neither")

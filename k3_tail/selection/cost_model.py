@@ -41,11 +41,18 @@ The model has two layers.
    - ``gpu_kernels``: the GPU kernels the tier's compiled call launches besides its collectives and
      copies, per XLA platform: its record's :class:`~k3_tail.tiers.record.GpuKernelCounts`, counted in
      the compiled programs (one for one_kernel; 3-8 for the XLA tiers at decode).
+   - ``grid_programs``: the programs of the tier's own kernel's grid, one_kernel's
+     (:func:`k3_tail.ops.fused_launch.fused_grid`: row tiles x column tiles x slabs of K); None for XLA's
+     kernels, which XLA sizes to the GPU. ``grid_fill`` = min(1, programs / ``TARGET_PROGRAMS``): the share
+     of the GPU the grid keeps busy. Kimi-K3, p = 8: 1 for T <= 47 and 65-89, 784 of 1024 programs at T =
+     48-64, 448 at T = 512, as the cap on the split of K bites and then no split is left; p = 16: 1 only to
+     T = 16, the default rules' ``one_kernel_max_tokens`` (the grid fills a GPU that far for p = 2 to 16).
 
 2. **Time** (:func:`predict_time`) from a roofline for the local work, an alpha-beta model for the
    collectives and a fixed cost per kernel, with the :class:`Hardware` figures:
 
        local      = max(gemm_flops / peak, (weight_bytes + activation_bytes + scratch_bytes) / hbm_bytes_per_s)
+                    / grid_fill
        collective = collective_latency_s + wire_bytes / link_bytes_per_s   (0 for a group of 1 rank)
        launches   = gpu_kernels (on the preset's platform) * kernel_launch_s
        total      = sum(serial collectives) + max(local, sum(hidden collectives)) + launches
@@ -53,7 +60,9 @@ The model has two layers.
    where peak is the preset's ``peak_fp8_flops`` for a GEMM of two FP8 operands
    (``fp8_activations``) in a format the preset lists in ``fp8_formats``, else ``peak_flops``
    (weight-only FP8 multiplies in ``config.dtype``: it saves bytes, not FLOP time), and a collective
-   is hidden when its record term runs beside the GEMM (``beside_gemm``).
+   is hidden when its record term runs beside the GEMM (``beside_gemm``). A grid of fewer programs than
+   ``TARGET_PROGRAMS`` has fewer loads in flight than HBM needs to reach its bandwidth, and fewer
+   wavefronts for the matrix units: its kernel runs at ``grid_fill`` of both peaks.
 
    A sum that travels quantised (``TailConfig.all_reduce_quantization``, inside its size window:
    :mod:`k3_tail.ops.collectives`; ``CollectiveCost.codec``) moves its encoded chunks instead (b/16 +
@@ -80,9 +89,15 @@ Assumptions a reader must know:
   that slice as a copy first (another 2*d*L*Hb bytes per call, not counted; the column layout has
   none).
 - Elementwise work (norm, adds, casts) costs no FLOPs here; its traffic is in ``activation_bytes``.
-- Every kernel runs at the roofline, one_kernel's Pallas kernel too, though its tiles are sized for
-  decode (at most 64 rows a tile: beyond 64 tokens it reads the weight block once per 64 rows, which
-  ``weight_bytes`` counts) and nothing tunes it; no measurement backs its time beyond decode.
+- Every kernel runs at the roofline, one_kernel's Pallas kernel at ``grid_fill`` of it: its tiles are
+  sized for decode (at most 64 rows a tile: beyond 64 tokens it reads the weight block once per 64 rows,
+  which ``weight_bytes`` counts) and nothing tunes it; no measurement backs its time beyond decode.
+  ``TARGET_PROGRAMS`` (1024) is where a grid fills a GPU on every preset (AMD's MI300X tuning guide's
+  figure), and below it the share is taken as proportional (loads in flight grow with the programs).
+- The kernels it saves are what keep one_kernel fastest past ``one_kernel_max_tokens``: column_parallel
+  launches 3 (CUDA) or 4 (ROCm) more beyond one token (6-8 us at the assumed 2 us each), which its
+  unfilled grid and its weight reads per 64 rows outweigh only at T of a few hundred
+  (:class:`CostModelPolicy`'s reason says so where it departs from the default rules).
 """
 
 from __future__ import annotations
@@ -100,9 +115,11 @@ from k3_tail.hardware import GPU_VENDOR_PLATFORMS, HARDWARE, Hardware, check_pla
 from k3_tail.ops.codecs import CODECS
 from k3_tail.ops.collectives import SumPlan
 from k3_tail.ops.columns import check_weight_layout
+from k3_tail.ops.fused_launch import TARGET_PROGRAMS
 from k3_tail.policy import SelectionPolicy
 from k3_tail.selection.buffers import collective_buffers, tier_rows
 from k3_tail.selection.decision import TierDecision
+from k3_tail.selection.rules import unlike_the_rules
 from k3_tail.tiers.context import is_token_sharded_output
 from k3_tail.tiers.record import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER, RING_WIRE_FACTORS, SUM_KINDS
 from k3_tail.tiers.registry import Tier
@@ -186,7 +203,8 @@ class TierCost:
     activation_bytes: activation input and output bytes. scratch_bytes: a kernel's scratch traffic (written,
     then read). collectives: in the order the tier issues them.
     fp8_gemm: the FP8 format of both GEMM operands (``fp8_activations``), else None. gpu_kernels: the GPU
-    kernels the call launches, by XLA platform ("cuda", "rocm").
+    kernels the call launches, by XLA platform ("cuda", "rocm"). grid_programs: the programs of the tier's own
+    kernel's grid (one_kernel's), None where XLA sizes the kernels.
     """
 
     tier: Tier
@@ -200,6 +218,15 @@ class TierCost:
     fp8_gemm: str | None = None
     gpu_kernels: Mapping[str, int] = dataclasses.field(default_factory=dict)
     scratch_bytes: int = 0
+    grid_programs: int | None = None
+
+    @property
+    def grid_fill(self) -> float:
+        """The share of the GPU its kernel keeps busy: min(1, grid_programs / TARGET_PROGRAMS); 1 for XLA's
+        kernels and for a call with no work."""
+        if not self.grid_programs:
+            return 1.0
+        return min(1.0, self.grid_programs / TARGET_PROGRAMS)
 
     def collective_bytes(self, kind: str) -> int:
         """Sum of ``buffer_bytes`` of the collectives of ``kind`` (0 when there is none)."""
@@ -266,17 +293,26 @@ def _tier_cost(config: TailConfig, num_tokens: int, tp_size: int, tier: Tier, we
         gpu_kernels={platform: record.gpu_kernels.of(platform, weight_layout, num_tokens)
                      for platform in GPU_VENDOR_PLATFORMS},
         # Written once, read back once.
-        scratch_bytes=0 if record.scratch_bytes is None else 2 * record.scratch_bytes(config, num_tokens, tp_size),
+        scratch_bytes=0 if record.scratch_bytes is None else 2 * record.scratch_bytes(config, rows, tp_size),
+        grid_programs=_grid_programs(config, tier, rows, tp_size),
     )
+
+
+def _grid_programs(config: TailConfig, tier: Tier, rows: int, tp_size: int) -> int | None:
+    """The programs of ``tier``'s own kernel's grid for ``rows`` token rows (its record's ``launch_grid``); None for
+    the tiers whose kernels XLA sizes."""
+    if tier.record.launch_grid is None or rows == 0:
+        return None
+    return tier.record.launch_grid(config, rows, tp_size).programs
 
 
 @dataclasses.dataclass(frozen=True)
 class Prediction:
     """Predicted per-call times in seconds (module docstring: formulas).
 
-    compute_s: GEMM FLOPs at peak. memory_s: weight and activation bytes at HBM bandwidth.
-    collective_s: all collectives, hidden ones included. launch_s: the kernels' fixed costs. total_s: the
-    call, hidden collectives overlapped.
+    compute_s: GEMM FLOPs at peak. memory_s: weight, activation and scratch bytes at HBM bandwidth; both at
+    the cost's ``grid_fill`` of the peak. collective_s: all collectives, hidden ones included. launch_s: the
+    kernels' fixed costs. total_s: the call, hidden collectives overlapped.
     """
 
     compute_s: float
@@ -296,10 +332,9 @@ def predict_time(cost: TierCost, hardware: Hardware | str) -> Prediction:
 
     total = sum(serial collective times) + max(local, sum(hidden collective times)) + launches, where
     local = max(gemm_flops / peak, (weight_bytes + activation_bytes + scratch_bytes) / hbm_bytes_per_s)
-    (peak: the preset's FP8 peak for a GEMM of two FP8 operands in a format it multiplies, else its BF16
-    peak), a collective
-    takes collective_latency_s + wire_bytes / link_bytes_per_s (nothing over a group of one rank) and
-    launches = gpu_kernels on the preset's platform * kernel_launch_s.
+    / grid_fill (peak: the preset's FP8 peak for a GEMM of two FP8 operands in a format it multiplies, else
+    its BF16 peak), a collective takes collective_latency_s + wire_bytes / link_bytes_per_s (nothing over a
+    group of one rank) and launches = gpu_kernels on the preset's platform * kernel_launch_s.
     """
     if not isinstance(cost, TierCost):
         raise ValueError(f"cost: expected a k3_tail.selection.cost_model.TierCost, got {type(cost).__name__}")
@@ -321,8 +356,8 @@ def _time_terms(cost: TierCost, hardware: Hardware) -> tuple[float, float, float
             serial += seconds
     peak = hardware.peak_fp8_flops if cost.fp8_gemm in hardware.fp8_formats else hardware.peak_flops
     return (
-        cost.gemm_flops / peak,
-        (cost.weight_bytes + cost.activation_bytes + cost.scratch_bytes) / hardware.hbm_bytes_per_s,
+        cost.gemm_flops / (peak * cost.grid_fill),
+        (cost.weight_bytes + cost.activation_bytes + cost.scratch_bytes) / (hardware.hbm_bytes_per_s * cost.grid_fill),
         serial,
         hidden,
     )
@@ -348,13 +383,21 @@ def best_tier(
     num_tokens = check_int("num_tokens", num_tokens, minimum=0)
     tp_size = check_int("tp_size", tp_size, minimum=1)
     candidates = _candidates(config, weight_layout, tiers)
-    times = _times(config, num_tokens, tp_size, hardware, weight_layout, candidates, config.sum_plan(tp_size))
-    ranked = sorted(zip(times, candidates, strict=True), key=lambda pair: pair[0])
-    quoted = ", ".join(f"{tier.value} {seconds * 1e6:.2f} us" for seconds, tier in ranked)
+    costs = _costs(config, num_tokens, tp_size, weight_layout, candidates, config.sum_plan(tp_size))
+    times = [predict_time(cost, hardware).total_s for cost in costs]
+    ranked = sorted(zip(times, costs, strict=True), key=lambda pair: pair[0])
+    quoted = ", ".join(f"{cost.tier.value} {seconds * 1e6:.2f} us{_unfilled_grid(cost)}" for seconds, cost in ranked)
     return TierDecision(
         candidates[_first_fastest(times)],
         f"predicted fastest on {hardware.name} at T={num_tokens}, p={tp_size}, {weight_layout} weights: {quoted}",
     )
+
+
+def _unfilled_grid(cost: TierCost) -> str:
+    """" (its grid 784 of 1024 programs)" where the tier's own kernel does not fill the GPU, else ""."""
+    if cost.grid_fill == 1:
+        return ""
+    return f" (its grid {cost.grid_programs} of {TARGET_PROGRAMS} programs)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -381,7 +424,9 @@ class CostModelPolicy(SelectionPolicy):
                  if not tier.record.runs_interpreted_on(platform)]
         decision = best_tier(config, num_tokens, tp_size, hardware=self.hardware, weight_layout=weight_layout,
                              tiers=tiers)
-        return TierDecision(decision.tier, f"cost model: {decision.rule}")
+        unlike = unlike_the_rules(config, num_tokens, tp_size, decision.tier, weight_layout=weight_layout,
+                                  platform=platform)
+        return TierDecision(decision.tier, f"cost model: {decision.rule}{unlike}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -408,10 +453,11 @@ def crossovers(
     change between two grid points is bisected to the exact count. That grid follows the padding: a
     tier that works on T rounded up to a multiple of p (token_parallel; every tier with
     sequence-parallel output) costs the same over a block of p counts but for the activation bytes,
-    while the others grow smoothly but for one_kernel's weight reads, which step where its row tiles
-    do (every ``rows_per_weight_read`` = 64 rows: grid points wherever p divides 64). Inside a block the
-    fastest tier then changes at most once; where p does not divide 64, a block holding such a step
-    may hide a change and its change back. An empty tuple: one tier is fastest over the whole range.
+    while the others grow smoothly but for one_kernel, whose weight reads step where its row tiles do
+    (every ``rows_per_weight_read`` = 64 rows: grid points wherever p divides 64) and whose grid's fill
+    steps where its row tiles or its split of K change. Inside a block without such a step the fastest
+    tier changes at most once; a block holding one may hide a change and its change back (the tests find
+    none against best_tier at every T to 2048). An empty tuple: one tier is fastest over the whole range.
     """
     hardware = hardware_preset(hardware)
     check_config(config)
@@ -456,11 +502,17 @@ def _bisect(fastest: Callable[[int], Tier], start: int, before: Tier, end: int) 
     return Crossover(end, before, fastest(end))
 
 
+def _costs(config: TailConfig, num_tokens: int, tp_size: int, weight_layout: str, candidates: list[Tier],
+           sums: SumPlan) -> list[TierCost]:
+    """The :class:`TierCost` of each candidate tier for the call."""
+    return [_tier_cost(config, num_tokens, tp_size, tier, weight_layout, sums) for tier in candidates]
+
+
 def _times(config: TailConfig, num_tokens: int, tp_size: int, hardware: Hardware, weight_layout: str,
            candidates: list[Tier], sums: SumPlan) -> list[float]:
     """The predicted total seconds of each candidate tier for the call."""
-    return [predict_time(_tier_cost(config, num_tokens, tp_size, tier, weight_layout, sums), hardware).total_s
-            for tier in candidates]
+    return [predict_time(cost, hardware).total_s
+            for cost in _costs(config, num_tokens, tp_size, weight_layout, candidates, sums)]
 
 
 def _first_fastest(times: list[float]) -> int:

@@ -12,9 +12,9 @@ import jax
 
 from k3_tail._checks import check_int
 from k3_tail.config import TailConfig, check_config
-from k3_tail.hardware import GPU_PLATFORMS, check_platform
+from k3_tail.hardware import GPU_PLATFORMS, check_device_kind, check_platform
 from k3_tail.ops.collectives import SPLIT, describe_auto
-from k3_tail.ops.columns import padded_hidden_size
+from k3_tail.ops.columns import check_weight_layout, padded_hidden_size
 from k3_tail.ops.tokens import padded_token_count
 from k3_tail.policy import SelectionPolicy
 from k3_tail.selection.buffers import collective_buffers
@@ -66,6 +66,9 @@ def select_tier(
     check_config(config)
     num_tokens = check_int("num_tokens", num_tokens, minimum=0)
     tp_size = check_int("tp_size", tp_size, minimum=1)
+    if weight_layout is not None:
+        weight_layout = check_weight_layout(weight_layout)
+    device_kind = check_device_kind(device_kind)
     platform_name = check_platform(platform)
     decision = _precondition(config, num_tokens, tp_size)
     by_policy = decision is None
@@ -185,6 +188,20 @@ def _after_one_kernel(config: TailConfig, num_tokens: int, tp_size: int) -> Tier
     return TierDecision(Tier.COLUMN_PARALLEL, rule, (
         f"hidden_size={config.hidden_size} is not divisible by tp_size={tp_size}, so the projection's columns "
         f"are padded to {padded_hidden_size(config.hidden_size, tp_size)} and sliced back",))
+
+
+def unlike_the_rules(config: TailConfig, num_tokens: int, tp_size: int, tier: Tier, *, weight_layout: str | None,
+                     platform: str | None) -> str:
+    """Where another policy's ``tier`` is not what :class:`VllmRules` pick for the same call, why: the rules' tier
+    and rule, with ``one_kernel_max_tokens`` where the other keeps one_kernel past it, as a clause to append to
+    that policy's reason ("; unlike the default rules, which ..."); else ""."""
+    rules = VllmRules().select(config, num_tokens, tp_size, weight_layout=weight_layout, platform=platform)
+    if tier is rules.tier:
+        return ""
+    stop = ""
+    if tier is Tier.ONE_KERNEL and num_tokens > config.one_kernel_max_tokens:
+        stop = f"stop one_kernel at one_kernel_max_tokens={config.one_kernel_max_tokens} and "
+    return f"; unlike the default rules, which {stop}pick {rules.tier.value} ({rules.rule})"
 
 
 def gpu_rules_note(config: TailConfig, platform: str | None) -> str | None:

@@ -49,12 +49,12 @@ from typing import Any
 
 import jax
 
-from k3_tail._checks import check_path
 from k3_tail.config import ALL_REDUCE_QUANTIZATIONS, TailConfig
 from k3_tail.hardware import check_platform
 from k3_tail.json_files import read_json
 from k3_tail.ops.columns import WEIGHT_LAYOUTS
 from k3_tail.ops.up_projection import FP8_FORMATS
+from k3_tail.output_files import write_file
 from k3_tail.policy import SelectionPolicy
 from k3_tail.selection.decision import TierDecision
 from k3_tail.tiers.registry import Tier
@@ -230,14 +230,16 @@ class SelectionTable(SelectionPolicy):
         }
 
     def save(self, path: str | os.PathLike) -> None:
-        """Write the table as JSON to ``path`` (ValueError, writing nothing, when the JSON would be more
-        than ``MAX_FILE_BYTES``: a long ``source`` can make it so)."""
+        """Write the table as JSON to ``path``, atomically (:func:`k3_tail.output_files.write_file`: a reader
+        sees the old file or the whole new one). ValueError naming ``selection_table``, writing nothing, when
+        the JSON would be more than ``MAX_FILE_BYTES`` (a long ``source`` can make it so) or ``path`` is no
+        file that can be written (:func:`k3_tail.output_files.check_output_file`: a directory, a FIFO, a
+        device, a missing directory, ...)."""
         text = json.dumps(self.to_dict(), indent=2) + "\n"
         if len(text.encode()) > MAX_FILE_BYTES:
             raise ValueError(f"selection_table: its JSON would be {len(text.encode())} bytes, more than the "
                              f"{MAX_FILE_BYTES}-byte limit that load reads; shorten source")
-        with open(check_path("selection_table", path, expected="a path to write the table to"), "w") as file:
-            file.write(text)
+        write_file("selection_table", path, text)
 
     @classmethod
     def from_dict(cls, data: Any) -> SelectionTable:

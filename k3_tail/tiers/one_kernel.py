@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from k3_tail.config import TailConfig
 from k3_tail.ops.columns import assemble_column_blocks, padded_hidden_size
-from k3_tail.ops.fused_launch import COMPILED_ON, LARGEST_ROW_TILE, fused_grid
+from k3_tail.ops.fused_launch import COMPILED_ON, LARGEST_ROW_TILE, FusedGrid, fused_grid
 from k3_tail.ops.fused_projection import norm_project_add, norm_project_add_into, triton_unavailable
 from k3_tail.ops.scopes import SHARED_REDUCTION, UP_PROJECTION
 from k3_tail.tiers import column_parallel
@@ -69,10 +69,14 @@ def _kernel_options(call: TailCall) -> dict:
                 interpret=RECORD.runs_interpreted_on(call.platform), platform=call.platform)
 
 
+def _launch_grid(config: TailConfig, num_tokens: int, tp_size: int) -> FusedGrid:
+    """The kernel's grid on a GPU for T >= 1 tokens on p ranks (fused_grid over this rank's column block)."""
+    return fused_grid(num_tokens, config.latent_size, padded_hidden_size(config.hidden_size, tp_size) // tp_size)
+
+
 def _scratch_bytes(config: TailConfig, num_tokens: int, tp_size: int) -> int:
-    """The kernel's scratch for T tokens on p ranks: its grid's (fused_grid: the split of K on a GPU)."""
-    block_width = padded_hidden_size(config.hidden_size, tp_size) // tp_size
-    return fused_grid(num_tokens, config.latent_size, block_width).scratch_bytes(num_tokens)
+    """The kernel's scratch for T tokens on p ranks: its grid's (the split of K on a GPU)."""
+    return _launch_grid(config, num_tokens, tp_size).scratch_bytes(num_tokens)
 
 
 def _why_not(config: TailConfig | None) -> str | None:
@@ -102,4 +106,5 @@ RECORD = TierRecord(
     compiled_on=COMPILED_ON,
     scratch_bytes=_scratch_bytes,
     reads_rank=True,
+    launch_grid=_launch_grid,
 )

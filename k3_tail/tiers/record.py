@@ -166,7 +166,9 @@ class TierRecord:
     the device platforms where its kernel runs compiled, elsewhere interpreted (one_kernel's Pallas kernel:
     :data:`k3_tail.hardware.GPU_PLATFORMS`, "gpu" included), or None (everywhere: it is XLA's).
     scratch_bytes: the bytes of scratch its kernel writes and reads back once per call, as a function of
-    (config, T, p) (one_kernel's split of K: partials, exponents, counters), or None (none). reads_rank: its
+    (config, T, p) (one_kernel's split of K: partials, exponents, counters), or None (none). launch_grid: its own
+    kernel's grid for (config, token rows, p), a :class:`~k3_tail.ops.fused_launch.FusedGrid` (one_kernel's),
+    or None where XLA sizes its kernels. reads_rank: its
     ranks read their own index (one_kernel's kernel writes at its columns), which the programs that place
     the inputs (:mod:`k3_tail.forward`) pass as an argument, each rank's block of arange(p).
     """
@@ -190,6 +192,7 @@ class TierRecord:
     compiled_on: tuple[str, ...] | None = None
     scratch_bytes: Callable[[TailConfig, int, int], int] | None = None
     reads_rank: bool = False
+    launch_grid: Callable[[TailConfig, int, int], Any] | None = None
 
     def why_not(self, weight_layout: str, config: TailConfig | None = None) -> str | None:
         """Why the tier cannot run with ``weight_layout`` and ``config`` (None: not considered), or None."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import tempfile
 import time
 from collections.abc import Callable
@@ -53,6 +54,8 @@ MODES = ("plain", "command_buffers")
 # Per-executable XLA options of each mode on a GPU. An empty command-buffer set turns capture off; the program's
 # command types (fusions, library GEMMs, Triton custom calls) captured from one command on make the whole call one
 # graph (jax 0.10.2 and 0.12, CUDA and ROCm: its dump holds one kCommandBuffer thunk, checked at every compile).
+# COLLECTIVES is never listed: on ROCm a collective captured in a graph is re-traced at every record (docs/guide.md,
+# "ROCm graphs and collectives"; tests/test_command_buffers.py checks these programs hold none in a graph).
 MODE_OPTIONS = {
     "plain": {"xla_gpu_enable_command_buffer": ""},
     "command_buffers": {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL",
@@ -139,9 +142,11 @@ def check_call(call: jax.Array, *, case: Case, config: TailConfig, seed: int, pl
     return mismatches.reshape(1), error.reshape(1), nonfinite.reshape(1), call + 1
 
 
-def compile_check(case: Case, mode: str, mesh: Mesh, *, config: TailConfig, seed: int, oracle: Oracle):
+def compile_check(case: Case, mode: str, mesh: Mesh, *, config: TailConfig, seed: int, oracle: Oracle,
+                  dump_to: str | os.PathLike | None = None):
     """(the compiled check of ``case`` on every device of ``mesh``, with ``mode``'s options on a GPU; its
-    kCommandBuffer thunks, counted in XLA's dump: None on a CPU)."""
+    kCommandBuffer thunks, counted in XLA's dump: None on a CPU). ``dump_to``: a directory that keeps that dump;
+    None: a temporary one."""
     platform = device_platform(mesh.devices.flat[0])
     body = functools.partial(check_call, case=case, config=config, seed=seed, platform=platform, oracle=oracle)
     # Pallas's interpreter takes no values varying over shard_map's axes: where the kernel runs interpreted the
@@ -151,7 +156,8 @@ def compile_check(case: Case, mode: str, mesh: Mesh, *, config: TailConfig, seed
     lowered = jax.jit(mapped).lower(jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P())))
     if platform not in GPU_PLATFORMS:
         return lowered.compile(), None
-    with tempfile.TemporaryDirectory(prefix="k3_tail_acceptance_") as dump:
+    with tempfile.TemporaryDirectory(prefix="k3_tail_acceptance_") as temporary:
+        dump = temporary if dump_to is None else os.fspath(dump_to)
         compiled = lowered.compile(compiler_options={**MODE_OPTIONS[mode], "xla_dump_to": dump})
         launches = read_launches(dump, parse_module(compiled.as_text()).name)
     return compiled, sum(launch.kind == "kCommandBuffer" for launch in launches)

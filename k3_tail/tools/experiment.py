@@ -9,7 +9,8 @@ would otherwise print its failed start (a cuDNN traceback) before JAX falls back
 
 Flags, declared once (:class:`Experiment`): ``--devices N``, ``--repeats N`` (also spelt ``--rounds``:
 timed runs or interleaved rounds), ``--warmup N``, ``--seed S`` (an integer in [0, 2**32), what numpy
-takes) and ``--json FILE`` (``-``: stdout, the tables then go to stderr). Progress goes to stderr; the
+takes) and ``--json FILE`` (``-``: stdout, the tables then go to stderr; a file is checked as the flags are
+parsed, before any work, and written whole or not at all). Progress goes to stderr; the
 tables and figures are :mod:`k3_tail.tools.tables`'s, the experiments' six also importable from here.
 """
 
@@ -30,6 +31,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from k3_tail.config import TailConfig
+from k3_tail.output_files import check_output_file, write_file
 from k3_tail.tiers.registry import Tier
 from k3_tail.tools.benchmark import machine_info
 from k3_tail.tools.tables import (  # the experiments take their table and figures from the harness
@@ -235,9 +237,15 @@ class Experiment:
         add("--json", metavar="FILE", help="also write the machine, the settings and every result ('-': stdout)")
 
     def parse(self, argv: Sequence[str] | None = None) -> argparse.Namespace:
-        """The parsed flags (also ``self.args``); a usage error exits with status 2."""
+        """The parsed flags (also ``self.args``); a usage error exits with status 2, and so does a ``--json``
+        file that cannot be written (:func:`k3_tail.output_files.check_output_file`), before any work."""
         self.args = self.parser.parse_args(argv)
         self.out = sys.stderr if self.args.json == "-" else sys.stdout
+        if self.args.json and self.args.json != "-":
+            try:
+                check_output_file("--json", self.args.json)
+            except ValueError as error:
+                self.error(str(error))
         return self.args
 
     def error(self, message: str) -> None:
@@ -266,19 +274,22 @@ class Experiment:
 
     def finish(self, **results: Any) -> int:
         """Print the elapsed time and the load average, write ``--json`` (machine, settings, elapsed and
-        ``results``); returns 0, the exit status."""
+        ``results``; a file written whole or not at all, :func:`k3_tail.output_files.write_file`); returns 0,
+        the exit status."""
         elapsed = time.perf_counter() - self.started
         self.print("", f"elapsed {elapsed:.0f} s; load average {os.getloadavg()[0]:.2f} at end")
         if self.args.json:
             settings = {name: value for name, value in vars(self.args).items() if name != "json"}
             report = plain({"machine": self.machine or machine_info(), "settings": settings, "elapsed_s": elapsed,
                             **results})
+            text = json.dumps(report, indent=1) + "\n"
             if self.args.json == "-":
-                json.dump(report, sys.stdout, indent=1)
-                sys.stdout.write("\n")
+                sys.stdout.write(text)
             else:
-                with open(self.args.json, "w", encoding="utf-8") as stream:
-                    json.dump(report, stream, indent=1)
+                try:
+                    write_file("--json", self.args.json, text)
+                except ValueError as error:  # the path changed since parse checked it
+                    self.error(str(error))
                 self.print(f"wrote {self.args.json}")
         return 0
 

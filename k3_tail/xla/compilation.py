@@ -16,13 +16,14 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from k3_tail._checks import AxisName, check_int, check_mesh, check_path
+from k3_tail._checks import AxisName, check_int, check_mesh
 from k3_tail.config import TailConfig, check_config
 from k3_tail.forward import lowered_tail
 from k3_tail.hardware import check_platform
 from k3_tail.ops.columns import check_weight_layout, padded_hidden_size
 from k3_tail.ops.tokens import padded_token_count
 from k3_tail.ops.up_projection import QuantizedKernel, column_sharding
+from k3_tail.output_files import check_output_directory
 from k3_tail.selection.rules import call_tier
 from k3_tail.tiers.registry import Tier
 
@@ -121,8 +122,10 @@ def compile_tail(
       weight_layout: "replicated" or "column".
       dump_to: a directory for XLA's dump of this compile (compiler option ``xla_dump_to``), from which
         :func:`k3_tail.xla.report.report` reads the GPU kernels the program launches
-        (``report(compiled, dump_dir=dump_to)``); None: no dump.
-      xla_options: further per-executable XLA options, over the tier's (XLA refuses an unknown name).
+        (``report(compiled, dump_dir=dump_to)``); created (with its parents) when absent, after every other
+        argument is checked and before compiling; None: no dump.
+      xla_options: further per-executable XLA options (a mapping of names to values), over the tier's (XLA
+        refuses an unknown name, when it compiles).
 
     Returns:
       The ``jax.stages.Compiled`` program. Its arguments are :func:`tail_arguments` in that order,
@@ -130,14 +133,20 @@ def compile_tail(
       and after them the per-rank inputs the tier reads (:func:`k3_tail.forward.lowered_tail`).
 
     Raises:
-      ValueError: naming the argument, for a bad config, mesh, token count, tier or layout.
+      ValueError: naming the argument, for a bad config, mesh, token count, tier or layout, ``xla_options``
+        that are no mapping of names, or a ``dump_to``
+        that is no directory and cannot be made one (a file, a FIFO, a path under a file), before compiling.
     """
     check_config(config)
-    if dump_to is not None:
-        dump_to = check_path("dump_to", dump_to, expected="a directory for XLA's dump")
+    if xla_options is not None and (not isinstance(xla_options, Mapping)
+                                    or not all(isinstance(name, str) for name in xla_options)):
+        raise ValueError(f"xla_options: expected a mapping of XLA option names to values, or None, got "
+                         f"{xla_options!r}")
     arguments = tail_arguments(config, mesh, num_tokens, axis_name=axis_name, weight_layout=weight_layout)
     device, tp_size = mesh.devices.flat[0], check_mesh(mesh, axis_name)
     resolved = call_tier(config, num_tokens, tp_size, weight_layout=weight_layout, tier=tier, device=device)
+    if dump_to is not None:  # the last check: the directory is made, so only once every argument is good
+        dump_to = check_output_directory("dump_to", dump_to, expected="a directory for XLA's dump")
 
     options = compiler_options(resolved, device) | dict(xla_options or {})
     if dump_to is not None:

@@ -230,9 +230,13 @@ def report(compiled: jax.stages.Compiled, *, shared_argument: int | None = 1,
       The report, per device.
 
     Raises:
-      ValueError: naming ``shared_argument`` when it is not an index or None, or ``dump_dir`` when it holds
-        no dump of this program's compile, or several.
+      ValueError: naming ``compiled`` when it is no compiled program (a ``jax.stages.Lowered`` one needs
+        ``.compile()`` first), ``shared_argument`` when it is not an index or None, or ``dump_dir`` when it
+        holds no dump of this program's compile, or several.
     """
+    if not isinstance(compiled, jax.stages.Compiled):
+        raise ValueError(f"compiled: expected a jax.stages.Compiled program (k3_tail.compile_tail's, or "
+                         f"jax.jit(f).lower(...).compile()), got {type(compiled).__name__}")
     if not isinstance(shared_argument, (int, type(None))) or isinstance(shared_argument, bool):
         raise ValueError(f"shared_argument: expected an argument index or None, got {shared_argument!r}")
     if dump_dir is not None:
