@@ -23,7 +23,7 @@ from k3_tail.hardware import check_device, device_platform
 from k3_tail.ops.columns import check_weight_layout, padded_hidden_size
 from k3_tail.ops.tokens import pad_tokens, padded_token_count
 from k3_tail.ops.up_projection import QuantizedKernel, check_fp8_activations, check_up_proj_kernel
-from k3_tail.selection.lowering import TailBranch, per_lowering_platform, tail_branch
+from k3_tail.selection.lowering import TailBranch, per_lowering_platform, tail_branches
 from k3_tail.tiers.context import TailCall
 from k3_tail.tiers.registry import Tier
 
@@ -122,19 +122,18 @@ def latent_moe_tail(
         if shared_partial is not None and not config.shared_output_is_reduced:
             shared_partial = pad_tokens(shared_partial, tp_size)
 
-    def branch_for(platform: str) -> TailBranch:
-        # One platform for the selection and for the sums ("rocm" or "cuda" for a GPU, not JAX's "gpu"): the
-        # device's where given, else the one the program is lowered for.
-        return tail_branch(config, num_tokens, tp_size, weight_layout=weight_layout, tier=tier,
-                           platform=platform if device is None else device_platform(device),
-                           device_kind=None if device is None else device.device_kind)
+    # The device's platform ("rocm" or "cuda" for a GPU, not JAX's "gpu") where given, else one branch per distinct
+    # program of the platforms the call may be lowered for.
+    branches = tail_branches(config, num_tokens, tp_size, weight_layout=weight_layout, tier=tier,
+                             device_platform=None if device is None else device_platform(device),
+                             device_kind=None if device is None else device.device_kind)
 
     def run(branch: TailBranch, routed_partial, shared_partial, norm_weight, up_proj_kernel, rank):
         call = TailCall.inside_shard_map(config, axis_name=axis_name, weight_layout=weight_layout,
                                          platform=branch.platform, rank=rank)
         return branch.tier.record.function(routed_partial, shared_partial, norm_weight, up_proj_kernel, call)
 
-    return per_lowering_platform(branch_for, run, routed_partial, shared_partial, norm_weight, up_proj_kernel, rank)
+    return per_lowering_platform(branches, run, routed_partial, shared_partial, norm_weight, up_proj_kernel, rank)
 
 
 def _check_rank(rank, axis_name: AxisName, tp_size: int) -> None:

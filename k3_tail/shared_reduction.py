@@ -73,16 +73,15 @@ def reduce_shared(
     def form_on(platform: str) -> str:
         return config.sum_plan(tp_size, platform).form_for(config.dtype, nbytes)
 
-    def branch_for(platform: str) -> str:
-        # As latent_moe_tail's sums: the device's platform where given, else the lowering's; platforms whose sum
-        # travels alike share one branch (their first).
-        if device is not None:
-            return device_platform(device)
-        return next(other for other in LOWERING_PLATFORMS if form_on(other) == form_on(platform))
+    # As latent_moe_tail's sums: the device's platform where given, else the lowering's; platforms whose sum
+    # travels alike share one branch (their first).
+    branches = {platform: device_platform(device) if device is not None else
+                next(other for other in LOWERING_PLATFORMS if form_on(other) == form_on(platform))
+                for platform in LOWERING_PLATFORMS}
 
     def run(platform: str, shared_partial):
         # The layout is not read: the sum involves no kernel.
         call = TailCall.inside_shard_map(config, axis_name=axis_name, weight_layout="replicated", platform=platform)
         return call.reduce_output(shared_partial, scope=SHARED_REDUCTION)
 
-    return per_lowering_platform(branch_for, run, shared_partial)
+    return per_lowering_platform(branches, run, shared_partial)

@@ -154,9 +154,10 @@ def test_platforms_whose_programs_agree_share_one_traced_branch():
         traced.append(branch)
         return x + len(branch)
 
-    program = jax.make_jaxpr(lambda x: per_lowering_platform(lambda p: "cpu" if p == "cpu" else "gpu", run, x))
+    branches = {platform: "cpu" if platform == "cpu" else "gpu" for platform in LOWERING_PLATFORMS}
+    program = jax.make_jaxpr(lambda x: per_lowering_platform(branches, run, x))
     assert "platform_index" in str(program(1.0)) and sorted(traced) == ["cpu", "gpu"]
     traced.clear()
-    program = jax.make_jaxpr(lambda x: per_lowering_platform(lambda p: "any", run, x))
+    program = jax.make_jaxpr(lambda x: per_lowering_platform(dict.fromkeys(LOWERING_PLATFORMS, "any"), run, x))
     assert "platform_index" not in str(program(1.0)) and traced == ["any"]
     assert set(LOWERING_PLATFORMS) == {"cpu", "cuda", "rocm"}

@@ -48,6 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from k3_tail.hardware import GPU_VENDOR_PLATFORMS
 from k3_tail.ops.float_bits import decode_fp8, exponent_at_or_above, power_of_two
 from k3_tail.ops.fused_launch import (
     COLUMN_TILE,
@@ -261,7 +262,10 @@ def _fused_call(latent, norm_weight, kernel, addend, *, into_addend: bool, rank,
                 metadata={GEMM_FLOPS_KEY: str(2 * num_tokens * latent_size * block_width)},
             )(*placed)[:1]
 
-        return (kernel_call(*arrays) if interpret else gpu_only(kernel_call, *arrays, platform=platform))[0]
+        if interpret:
+            return kernel_call(*arrays)[0]
+        warps = {gpu: warps_per_program(gpu) for gpu in GPU_VENDOR_PLATFORMS}  # the lowering platform's
+        return gpu_only(kernel_call, *arrays, platform=platform, num_warps=warps)[0]
 
     # Interpreted inside a shard_map that types its values (shard_map_may_type_values): every device's kernel on each.
     return interpreted(run, present) if interpret else run(present)

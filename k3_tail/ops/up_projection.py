@@ -231,10 +231,13 @@ def _project_rows(latent: jax.Array, kernel: jax.Array | QuantizedKernel, *, fp8
 
 def outside_gemm(projected: jax.Array, *, platform: str | None) -> jax.Array:
     """``projected``, a GEMM's result, as a value XLA cannot add to inside the GEMM on ``platform`` "rocm"
-    (an optimisation barrier, which emits no kernel); elsewhere ``projected`` as is."""
+    (an optimisation barrier, which emits no kernel); as is on "cuda" and "cpu"; for "gpu" (either vendor) or
+    None (not known) decided for the platform the program is lowered for."""
     # XLA's GEMM rewriter folds ``dot + x`` into a library GEMM that accumulates into a C operand, the form
     # vLLM ROCm removed from this tail: hipBLASLt's C-accumulating GEMM faults at some row counts
     # (docs/design.md, "No C-accumulating GEMM on ROCm"). The rewriter cannot see through a barrier.
+    if platform in ("gpu", None):
+        return lax.platform_dependent(projected, rocm=lax.optimization_barrier, default=lambda x: x)
     if platform != "rocm":
         return projected
     return lax.optimization_barrier(projected)
