@@ -1,7 +1,8 @@
 """The Flax NNX module: a thin shell that owns the tail's weights and calls the tail on them.
 
-Its weights are initialised at random, set from a checkpoint's [L, H] kernel (``load_up_proj``) or read
-from a Hugging Face checkpoint (``LatentMoETail.from_checkpoint``).
+Its weights are initialised at random, set from a checkpoint's [L, H] kernel (``load_up_proj``), read
+from a Hugging Face checkpoint (``LatentMoETail.from_checkpoint``) or restored from a tail's saved state at
+any TP size (``LatentMoETail.restore``).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from k3_tail._checks import AxisName, check_axis_name, check_mesh, expect_array
-from k3_tail.checkpoint import load_tail_weights
+from k3_tail.checkpoint import load_tail_weights, restore_tail_state
 from k3_tail.config import TailConfig, check_config
 from k3_tail.forward import tail_forward
 from k3_tail.ops.columns import check_weight_layout, pad_columns, padded_hidden_size
@@ -125,6 +126,42 @@ class LatentMoETail(nnx.Module):
         module.up_proj_kernel = _sharded_param(values, (None, columns), mesh)
         module.up_proj_scale = None if scale is None else _sharded_param(scale, (columns,), mesh)
         module.norm_scale = None if norm_weight is None else _sharded_param(norm_weight, (None,), mesh)
+        return module
+
+    @classmethod
+    def restore(
+        cls,
+        checkpoint,
+        *,
+        config: TailConfig,
+        mesh: Mesh,
+        axis_name: AxisName = "tp",
+        weight_layout: str = "column",
+    ) -> LatentMoETail:
+        """The tail whose ``nnx.state`` was saved, on ``mesh``: at any TP size p', whatever p saved it.
+
+        Built abstractly (``nnx.eval_shape``, nothing initialised), then given the state of
+        :func:`k3_tail.checkpoint.restore_tail_state`, its padding columns re-cut for p'.
+
+        Args:
+          checkpoint: the directory orbax's ``StandardCheckpointer`` saved ``nnx.state(tail)`` to, or that
+            state in memory, as :func:`k3_tail.checkpoint.restore_tail_state` takes it.
+          config: the tail's :class:`TailConfig` (H, L, dtypes and norm those of the saved tail).
+          mesh: the Mesh the tail runs on.
+          axis_name: the TP axis.
+          weight_layout: "column" or "replicated", as for the constructor (either layout's state restores).
+
+        Returns:
+          The module, its parameters as its constructor places them on ``mesh``.
+
+        Raises:
+          ValueError: as the constructor raises it (checked before anything is read), and as
+            :func:`k3_tail.checkpoint.restore_tail_state` raises it.
+        """
+        module = nnx.eval_shape(lambda: cls(config, mesh, rngs=nnx.Rngs(0), axis_name=axis_name,
+                                            weight_layout=weight_layout))
+        nnx.update(module, restore_tail_state(checkpoint, config=config, mesh=mesh, axis_name=axis_name,
+                                              weight_layout=weight_layout))
         return module
 
     def load_up_proj(self, kernel) -> None:
