@@ -10,6 +10,7 @@ it the same way (with flags that compile faster and change no output) and compar
 
 from __future__ import annotations
 
+import argparse
 import os
 import tempfile
 from pathlib import Path
@@ -52,6 +53,9 @@ def compared_outputs(cell: nbformat.NotebookNode) -> list[str]:
 
 
 def main() -> None:
+    # No options: --help says what it does, anything else is a usage error (exit 2) before the kernel starts.
+    argparse.ArgumentParser(description="Run notebooks/tier_analysis.ipynb from a clean kernel (about 50 s) and "
+                                        "write it back with its fresh outputs.").parse_args()
     os.environ.pop("XLA_FLAGS", None)
     with tempfile.TemporaryDirectory() as directory:
         notebook = execute(NOTEBOOK, Path(directory))

@@ -4,6 +4,8 @@ outputs are what a fresh run prints: every cell but the measured ones (tag "meas
 import difflib
 import importlib.util
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -93,3 +95,11 @@ def stale_cells(committed, fresh) -> list[str]:
                                         "fresh run", lineterm="", n=1)
             stale.append(f"cell {index} ({old.source.splitlines()[0]!r}):\n" + "\n".join(diff))
     return stale
+
+
+@pytest.mark.parametrize(("arguments", "status"), [(["--help"], 0), (["--bogus"], 2)])
+def test_the_regenerating_script_runs_nothing_for_help_or_a_bad_flag(arguments, status):
+    before = NOTEBOOK.read_bytes()
+    result = subprocess.run([sys.executable, str(SCRIPT), *arguments], capture_output=True, text=True, timeout=60)
+    assert result.returncode == status and "usage: execute_notebook.py" in result.stdout + result.stderr
+    assert NOTEBOOK.read_bytes() == before
