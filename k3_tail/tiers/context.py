@@ -46,9 +46,10 @@ class TailCall:
     """The facts of one call that the tiers read, fixed at trace time.
 
     config: the tail's :class:`~k3_tail.TailConfig`. axis_name: the TP axis (a name or a tuple of
-    them). tp_size: p, its size. weight_layout: "replicated" or "column". platform: the devices'
-    ``.platform`` (None: not known), which decides the form of the sums and, on "rocm", keeps adds
-    out of the GEMM. sums: how the call's sums travel (:class:`~k3_tail.ops.collectives.SumPlan`).
+    them). tp_size: p, its size. weight_layout: "replicated" or "column". platform: the platform the
+    call's program is for (:mod:`k3_tail.selection.lowering`): "cpu", "cuda" or "rocm"; "gpu" for both
+    GPU vendors, None for every platform, where what differs (a kernel's warps, ROCm's rule that keeps
+    adds out of the GEMM) is decided as each lowers. It decides the form of the sums. sums: how the call's sums travel (:class:`~k3_tail.ops.collectives.SumPlan`).
     rank: this rank's index along the axis, int32 [1], where the entry point was given it, else None.
     """
 
