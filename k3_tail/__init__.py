@@ -13,8 +13,9 @@ made of it.
 
 The subpackages by their names: :mod:`k3_tail.selection` (``rules``, ``table``, ``cost_model``),
 :mod:`k3_tail.xla` (``compilation``, ``report``, ``topologies``), :mod:`k3_tail.tiers` (``registry``,
-``record``), :mod:`k3_tail.checkpoint`, :mod:`k3_tail.hf_config`, :mod:`k3_tail.mxfp4`, :mod:`k3_tail.hardware`
-and the tools under :mod:`k3_tail.tools`, which ``import k3_tail`` does not load. :mod:`k3_tail.ops` holds
+``record``), :mod:`k3_tail.checkpoint`, :mod:`k3_tail.hf_config`, :mod:`k3_tail.hardware`
+and, which ``import k3_tail`` does not load, the tools under :mod:`k3_tail.tools` and the Kimi-K3 model
+(:mod:`k3_tail.models.kimi_k3`). :mod:`k3_tail.ops` holds
 the building blocks the tiers are made of.
 """
 

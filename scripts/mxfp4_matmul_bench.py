@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from k3_tail.mxfp4 import decode
-from k3_tail.ops.mxfp4_matmul import mxfp4_matmul, mxfp4_matmul_reference
+from k3_tail.models.kimi_k3.mxfp4 import decode
+from k3_tail.models.kimi_k3.mxfp4_matmul import mxfp4_matmul, mxfp4_matmul_reference
 from k3_tail.tools.benchmark import Timing, time_round_robin
 from k3_tail.tools.experiment import Experiment, format_table, positive_int, spread_ms, use_cpu_without_gpu
 

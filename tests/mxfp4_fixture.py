@@ -1,4 +1,4 @@
-"""MXFP4 for the tests, in numpy and independent of k3_tail/mxfp4.py: an encoder for fixtures and a
+"""MXFP4 for the tests, in numpy and independent of k3_tail/models/kimi_k3/mxfp4.py: an encoder for fixtures and a
 reference decoder.
 
 Both work on tensors as compressed-tensors stores them, a torch Linear weight [out, in] as

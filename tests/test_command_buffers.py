@@ -15,9 +15,9 @@ import tempfile
 
 import pytest
 
-from examples import kimi_k3_moe_layer as layer_module
 from helpers import compiled_dump, compiled_tail, gpu_mesh_for, layout_for, topology_params
 from k3_tail import TailConfig, Tier, compile_tail
+from k3_tail.models.kimi_k3 import layer as layer_module
 from k3_tail.tools import acceptance
 from k3_tail.xla.compilation import compiler_options
 from k3_tail.xla.hlo_text import parse_module

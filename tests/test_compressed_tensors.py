@@ -1,4 +1,4 @@
-"""The Kimi-K3 loader (examples/kimi_k3_checkpoint.py) against a checkpoint that compressed-tensors' own compressor
+"""The Kimi-K3 loader (k3_tail.models.kimi_k3.checkpoint) against a checkpoint that compressed-tensors' own compressor
 wrote: an independent check of the format, which tests/test_kimi_k3_mxfp4.py checks with the tests' own encoder.
 
 A tiny model in Kimi-K3's layout (tests/hf_checkpoint.py: H 16, L 128, 4 experts of width m = 64, top 2, on p = 2
@@ -34,11 +34,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from examples import kimi_k3_moe_layer as layer_module
-from examples.kimi_k3_checkpoint import EXPERT_WEIGHTS, layer_config_from_hf, load_layer
 from helpers import FAST_COMPILE_OPTIONS, make_tp_mesh
 from hf_checkpoint import TinyModel, tiny_model, write_checkpoint
-from k3_tail import mxfp4
+from k3_tail.models.kimi_k3 import layer as layer_module, mxfp4
+from k3_tail.models.kimi_k3.checkpoint import EXPERT_WEIGHTS, layer_config_from_hf, load_layer
 
 REQUIRE_VARIABLE = "K3_TAIL_REQUIRE_COMPRESSED_TENSORS"
 if os.environ.get(REQUIRE_VARIABLE):

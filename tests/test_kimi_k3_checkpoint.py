@@ -1,4 +1,4 @@
-"""The example Kimi-K3 layer from a Hugging Face checkpoint (examples/kimi_k3_checkpoint.py).
+"""The example Kimi-K3 layer from a Hugging Face checkpoint (k3_tail/models/kimi_k3/checkpoint.py).
 
 A tiny model in Kimi-K3's layout (tests/hf_checkpoint.py: H 16, L 8, 4 experts of width 8, top 2, two
 shared experts stored as one MLP of width 16; layer 0 dense, 1-2 MoE; wrapper prefix, three shards) on 4
@@ -11,11 +11,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from examples import kimi_k3_moe_layer as layer_module
-from examples.kimi_k3_checkpoint import layer_config_from_hf, load_layer
-from examples.kimi_k3_moe_reference import reference_layer
 from helpers import FAST_COMPILE_OPTIONS, make_tp_mesh
 from hf_checkpoint import TinyModel, record_reads, tiny_model, write_checkpoint
+from k3_tail.models.kimi_k3 import layer as layer_module
+from k3_tail.models.kimi_k3.checkpoint import layer_config_from_hf, load_layer
+from k3_tail.models.kimi_k3.reference import reference_layer
 from reference import TOLERANCE, relative_error
 
 MODEL = TinyModel(hidden_size=16)

@@ -1,4 +1,4 @@
-"""A token's routed output depends only on the experts it chose (examples/kimi_k3_routed_experts.py).
+"""A token's routed output depends only on the experts it chose (k3_tail/models/kimi_k3/routed_experts.py).
 
 One expert's weights made non-finite: in bf16 a NaN in its up kernel and an inf in its down kernel, in MXFP4 the
 NaN scale (E8M0 u = 255) on one group of its gate kernel and one of its down kernel. Every method, both weight
@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from examples import kimi_k3_mxfp4 as mxfp4, kimi_k3_routed_experts as routed_experts
 from helpers import FAST_COMPILE_OPTIONS, make_tp_mesh
-from k3_tail.mxfp4 import NAN_SCALE
+from k3_tail.models.kimi_k3 import mxfp4_experts as mxfp4, routed_experts
+from k3_tail.models.kimi_k3.mxfp4 import NAN_SCALE
 
 LATENT, EXPERT_WIDTH, EXPERTS, TOP_K, TP_SIZE = 32, 64, 8, 2, 2
 # Each routing, and the expert poisoned: (routing, expert) for one no token chose and one some tokens chose.

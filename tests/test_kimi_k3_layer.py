@@ -1,8 +1,8 @@
-"""The Kimi-K3 latent MoE layer of examples/kimi_k3_moe_layer.py: the tail inside the layer it ends.
+"""The Kimi-K3 latent MoE layer of k3_tail/models/kimi_k3/layer.py: the tail inside the layer it ends.
 
 The whole layer (router, routed down projection, routed experts with their intermediate width split
 over the ranks, column/row-parallel shared experts, then ``k3_tail.latent_moe_tail`` per rank) is
-checked against the float64 numpy reference of examples/kimi_k3_moe_reference.py at tiny widths:
+checked against the float64 numpy reference of k3_tail/models/kimi_k3/reference.py at tiny widths:
 H 64, L 32, routed-expert width 16, shared width 24, 8 experts, top 2.
 
 The parity cases are a pairwise covering design (tests/covering.py) over the tail tier (each one
@@ -17,7 +17,7 @@ the full product: z, the SiTU outputs, both partials, the tail's collectives and
 to bf16), float32 <= 1e-5 (measured up to 3.4e-7).
 
 Structure: at T = 1 every product of the lowered layer multiplies at least two rows
-(examples/kimi_k3_gemm.py), so XLA's GPU pipeline does not strength-reduce one into a multiply that copies
+(k3_tail/models/kimi_k3/gemm.py), so XLA's GPU pipeline does not strength-reduce one into a multiply that copies
 its kernel in float32 (what it cost on ROCm: tests/test_kimi_k3_routed_experts.py's decode temp memory).
 """
 
@@ -36,13 +36,12 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import covering
 import k3_tail
-from examples import kimi_k3_moe_layer as layer_module
-from examples.kimi_k3_gemm import matmul
-from examples.kimi_k3_moe_reference import choice_margin, reference_layer, reference_partials
-from examples.kimi_k3_routed_experts import ROUTED_EXPERTS, routed_expert_method
 from helpers import FAST_COMPILE_OPTIONS, make_tp_mesh, token_sharded_rows
+from k3_tail.models.kimi_k3 import cost as layer_cost, layer as layer_module
+from k3_tail.models.kimi_k3.gemm import matmul
+from k3_tail.models.kimi_k3.reference import choice_margin, reference_layer, reference_partials
+from k3_tail.models.kimi_k3.routed_experts import ROUTED_EXPERTS, routed_expert_method
 from k3_tail.selection import cost_model
-from k3_tail.tools import layer_cost
 from reference import TOLERANCE, relative_error, tolerance
 
 HIDDEN, LATENT, EXPERT_WIDTH, SHARED_WIDTH, EXPERTS, TOP_K = 64, 32, 16, 24, 8, 2
@@ -312,7 +311,7 @@ def dot_sides(text):
 def test_no_product_of_the_layer_has_a_single_row_at_one_token(method, early_shared_reduction):
     """XLA's GPU pipeline rewrites a dot with a vector side (one row: [1, K] x [K, N]) into a multiply that writes
     a float32 copy of the kernel and a reduce; every product of the layer (router, down projection, shared experts,
-    each method's expert products, the tail's up projection) multiplies at least two rows (examples/kimi_k3_gemm.py).
+    each method's expert products, the tail's up projection) multiplies at least two rows (models/kimi_k3/gemm.py).
     Checked in the lowered program at T = 1, as the GPU compiler receives it."""
     config = dataclasses.replace(layer_config("bfloat16", early_shared_reduction), routed_experts=method)
     mesh = make_tp_mesh(2)
@@ -329,7 +328,7 @@ def test_no_product_of_the_layer_has_a_single_row_at_one_token(method, early_sha
                          [((1, 6), (6, 5)), ((3, 6), (6, 5)), ((4, 1, 6), (4, 6, 5)), ((0, 6), (6, 5))],
                          ids=["one-row", "rows", "batched-one-row", "empty"])
 def test_the_layer_product_is_the_float32_matrix_product(a_shape, b_shape):
-    """examples/kimi_k3_gemm.matmul: a @ b in float32, its shape, also for one row (padded to two, then sliced)."""
+    """gemm.matmul: a @ b in float32, its shape, also for one row (padded to two, then sliced)."""
     rng = np.random.default_rng(3)
     a, b = (jnp.asarray(rng.standard_normal(shape), jnp.bfloat16) for shape in (a_shape, b_shape))
     product = matmul(a, b)

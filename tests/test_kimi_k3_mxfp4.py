@@ -1,5 +1,5 @@
-"""MXFP4 routed experts (k3_tail/mxfp4.py, examples/kimi_k3_mxfp4.py, and their loading in
-examples/kimi_k3_checkpoint.py).
+"""MXFP4 routed experts (k3_tail/models/kimi_k3/mxfp4.py, k3_tail/models/kimi_k3/mxfp4_experts.py, and their loading in
+k3_tail/models/kimi_k3/checkpoint.py).
 
 The decoder against an independent one (tests/mxfp4_fixture.py: ml_dtypes' float4_e2m1fn on each nibble and
 float8_e8m0fnu on each scale, in float64) on every byte value, so all 16 codes in both nibbles, under scales at
@@ -24,12 +24,11 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import k3_tail
 import mxfp4_fixture
-from examples import kimi_k3_moe_layer as layer_module, kimi_k3_mxfp4
-from examples.kimi_k3_checkpoint import layer_config_from_hf, load_layer
 from helpers import FAST_COMPILE_OPTIONS, gpu_mesh_for, make_tp_mesh, topology_params
 from hf_checkpoint import TinyModel, record_reads, tiny_model, write_checkpoint
-from k3_tail import mxfp4
-from k3_tail.mxfp4 import MXFP4_BYTES
+from k3_tail.models.kimi_k3 import layer as layer_module, mxfp4, mxfp4_experts as kimi_k3_mxfp4
+from k3_tail.models.kimi_k3.checkpoint import layer_config_from_hf, load_layer
+from k3_tail.models.kimi_k3.mxfp4 import MXFP4_BYTES
 
 MODEL = TinyModel(hidden_size=16, latent_size=64, expert_width=64)
 TP_SIZE, LAYER = 2, 1

@@ -1,7 +1,7 @@
 """MXFP4 experts at their packed cost in the compiled Kimi-K3 layer: no decoded copy of the experts.
 
 The layer at Kimi-K3's shapes (896 experts, top 16, p = 8, the tail tier it selects) compiled for a deviceless
-GPU topology with its routed experts as MXFP4 and as bf16 (``examples.kimi_k3_mxfp4.compiled_figures``), each
+GPU topology with its routed experts as MXFP4 and as bf16 (``figures.compiled_figures``), each
 (topology, T, format) once per session. Per rank: decode (T = 1, 16, the gather method) needs at most
 max(2 MB, the bf16 layer's) temp bytes (before: the gathered codes copied, 24 MB at T = 1 on H100, 387 MB at
 T = 16 on MI300X); prefill (T = 2048, the capacity method) at most twice the bf16 layer's (before: every expert's
@@ -17,9 +17,14 @@ import dataclasses
 
 import pytest
 
-from examples import kimi_k3_moe_layer as layer_module, kimi_k3_mxfp4 as mxfp4, kimi_k3_routed_experts as routed_experts
 from helpers import gpu_mesh_for, once_per_session, topology_params
-from k3_tail.mxfp4 import MXFP4_BYTES
+from k3_tail.models.kimi_k3 import (
+    figures as layer_figures,
+    layer as layer_module,
+    mxfp4_experts as mxfp4,
+    routed_experts,
+)
+from k3_tail.models.kimi_k3.mxfp4 import MXFP4_BYTES
 
 DECODE_TEMP_FLOOR, PREFILL_TEMP_OVER_BF16, READ_OVER_PACKED = 2e6, 2.0, 1.2
 EXPERT_SHAPE = (layer_module.KIMI_K3_NUM_EXPERTS, 3584, layer_module.KIMI_K3_EXPERT_INTERMEDIATE_SIZE, 8)
@@ -34,8 +39,8 @@ def figures(tmp_path_factory):
         mesh = gpu_mesh_for(topology)
         _, result = once_per_session(
             tmp_path_factory, f"kimi-layer-figures-{topology}-T{num_tokens}-{quantization or 'bfloat16'}",
-            lambda _: dataclasses.asdict(mxfp4.compiled_figures(quantization, mesh, num_tokens)), timeout_s=300)
-        return mxfp4.CompiledFigures(**result)
+            lambda _: dataclasses.asdict(layer_figures.compiled_figures(quantization, mesh, num_tokens)), timeout_s=300)
+        return layer_figures.CompiledFigures(**result)
 
     return compiled
 
@@ -66,7 +71,7 @@ def test_the_mxfp4_experts_are_read_at_about_their_packed_bytes(figures, num_tok
 def test_no_array_the_mxfp4_layer_writes_is_as_large_as_one_group_of_decoded_expert_kernels(figures, num_tokens,
                                                                                             topology):
     # One group of the capacity method: S = E/16 experts' [L, m/p] kernels. Before the decode moved into the GEMM's
-    # operand load (k3_tail.ops.mxfp4_matmul), the prefill layer wrote exactly that many bf16 values per kernel.
+    # operand load (models/kimi_k3/mxfp4_matmul.py), the prefill layer wrote exactly that many bf16 values per kernel.
     experts, latent, width, tp_size = EXPERT_SHAPE
     group = routed_experts.overflow_slots(experts) * latent * (width // tp_size)
     assert figures(topology, num_tokens, "mxfp4").largest_float_write < group

@@ -1,9 +1,9 @@
-"""The routed-expert methods of examples/kimi_k3_routed_experts.py: exact for any routing, and what they
+"""The routed-expert methods of k3_tail/models/kimi_k3/routed_experts.py: exact for any routing, and what they
 cost in the Kimi-K3 layer compiled for a deviceless 8 x H100.
 
 Parity: every method, per rank under ``jax.shard_map`` on 2 CPU devices (each expert's intermediate
 width split over them, the ranks' partials summed), against the float64 per-pair loop of
-examples/kimi_k3_moe_reference.py, in float32 at tiny widths (L 32, m 16, 8 experts): relative
+k3_tail/models/kimi_k3/reference.py, in float32 at tiny widths (L 32, m 16, 8 experts): relative
 Frobenius error <= 1e-5 (float32 accumulation; measured up to 2.6e-7). Routings: random distinct
 experts, every token to the same two experts (far over the capacity method's C, so it runs overflow
 rounds), top_k = E, tied router scores (through the layer's own router), and no tokens.
@@ -12,14 +12,14 @@ Cost: the whole layer at Kimi-K3's shapes (896 experts, top 16, bf16, the tail t
 compiled once per topology and T for a deviceless GPU topology (``helpers.gpu_mesh_for``: 8 x H100 with the
 ``[aot]`` extra, 8 x MI300X and 8 x MI355X with the ``[rocm-aot]`` one; each skipped where it cannot
 compile). Prefill (T = 256, 2048, 8192; H100): GEMM FLOPs per device at most 1.5 times the layer's useful
-FLOPs (k3_tail.tools.layer_cost and the tier's up projection) and temp memory at most 8 GB. Decode
+FLOPs (k3_tail.models.kimi_k3.cost and the tier's up projection) and temp memory at most 8 GB. Decode
 (T = 1, 16; every topology): temp memory at most a quarter of the routed-expert weight bytes the step
 reads, so no copy of the gathered weight blocks, nor a float32 copy of a one-row product's kernel
-(examples/kimi_k3_gemm.py), exists.
+(k3_tail/models/kimi_k3/gemm.py), exists.
 
 Schedule: in the same programs (the layer's default ``early_shared_reduction=True``), the shared reduction is an
 async pair that starts before any routed-expert weight is read and waits only after the last routed-expert
-instruction (k3_tail.tools.layer_schedule), at T = 1, 16, 256 and 2048 on every topology (2048: where jax
+instruction (k3_tail.models.kimi_k3.schedule), at T = 1, 16, 256 and 2048 on every topology (2048: where jax
 0.10.2's ROCm pipeline, without the latency-hiding scheduler the layer asks for, started it after all routed
 work); at 16 the start is known to miss where XLA's latency-hiding scheduler starts it after the first
 routed-expert fusion (H100, and MI300X / MI355X from jax 0.12).
@@ -35,11 +35,10 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import k3_tail
-from examples import kimi_k3_moe_layer as layer_module, kimi_k3_routed_experts as routed_experts
-from examples.kimi_k3_moe_reference import reference_routed_experts
 from helpers import FAST_COMPILE_OPTIONS, gpu_mesh_for, make_tp_mesh, once_per_session, topology_params
-from k3_tail.tools import layer_cost
-from k3_tail.tools.layer_schedule import SharedReductionPlacement, shared_reduction_placement
+from k3_tail.models.kimi_k3 import cost as layer_cost, layer as layer_module, routed_experts
+from k3_tail.models.kimi_k3.reference import reference_routed_experts
+from k3_tail.models.kimi_k3.schedule import SharedReductionPlacement, shared_reduction_placement
 from k3_tail.xla import report as xla_report
 from reference import relative_error
 
@@ -179,7 +178,7 @@ def kimi_layer_cost(tmp_path_factory):
 
 def compile_kimi_layer(topology, num_tokens):
     """The layer's per-device cost at T tokens on ``topology`` with the tail tier it selects, compiled as
-    examples/kimi_k3_layer_share.py compiles it (``compile_layer``: with the layer's compiler options)."""
+    scripts/kimi_k3_layer_share.py compiles it (``compile_layer``: with the layer's compiler options)."""
     mesh = k3_tail.topology_mesh(topology)
     tp_size, device = mesh.shape["tp"], mesh.devices.flat[0]
     tier = k3_tail.select_tier(KIMI.tail, num_tokens, tp_size, device_kind=device.device_kind, platform=device).tier
@@ -208,9 +207,9 @@ def test_prefill_layer_needs_at_most_8_gb_of_temp_memory(kimi_layer_cost, num_to
 @pytest.mark.parametrize("num_tokens", DECODE_TOKENS)
 def test_decode_layer_copies_no_gathered_weights(kimi_layer_cost, num_tokens, topology):
     """Temp memory at most a quarter of the routed-expert weights the step reads (3 kernels of L x m/p per
-    expert, times the expected distinct experts of k3_tail.tools.layer_cost): no copy of the gathered
+    expert, times the expected distinct experts of k3_tail.models.kimi_k3.cost): no copy of the gathered
     blocks, and none of a kernel that a one-row product would make (on ROCm, float32 copies of the shared
-    experts' kernels: 44 MB at T = 1, a third of the 132 MB read, before examples/kimi_k3_gemm.py)."""
+    experts' kernels: 44 MB at T = 1, a third of the 132 MB read, before k3_tail/models/kimi_k3/gemm.py)."""
     cost = kimi_layer_cost(topology, num_tokens)
     block_bytes = 3 * KIMI.latent_size * (KIMI.expert_intermediate_size // cost["tp_size"]) * KIMI.dtype.itemsize
     weights_read = block_bytes * layer_cost.experts_read(KIMI.sizes, num_tokens)

@@ -1,4 +1,4 @@
-"""The batched GEMM over MXFP4 kernels that decodes in its operand load (k3_tail/ops/mxfp4_matmul.py).
+"""The batched GEMM over MXFP4 kernels that decodes in its operand load (k3_tail/models/kimi_k3/mxfp4_matmul.py).
 
 On the CPU the kernel runs in Pallas's interpret mode, the same kernel with its programs in turn; it is held
 against a float64 product of the same operands (ml_dtypes' decoding, tests/mxfp4_fixture.py), within the bound
@@ -22,9 +22,9 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import mxfp4_fixture
-from examples import kimi_k3_mxfp4, kimi_k3_routed_experts as routed_experts
 from helpers import command_environment, disassembled, gpu_mesh_for, topology_params
-from k3_tail.ops.mxfp4_matmul import mxfp4_matmul, mxfp4_matmul_reference, row_tile
+from k3_tail.models.kimi_k3 import mxfp4_experts as kimi_k3_mxfp4, routed_experts
+from k3_tail.models.kimi_k3.mxfp4_matmul import mxfp4_matmul, mxfp4_matmul_reference, row_tile
 from k3_tail.xla import machine_code
 
 FLOAT32_UNIT = 2.0 ** -24

@@ -8,7 +8,7 @@ block-scaled MFMA ``v_mfma_scale_f32_*_f8f6f4``, on gfx942 (no FP4 matrix instru
 values; with jax 0.12 (jax 0.10.2's XLA cannot lower it for ROCm). It reads the codes in place only in the
 checkpoint's layout (the layer's own layout costs a transposed copy), and with FP8 activations it becomes
 hipBLASLt's block-scaled GEMM, a library call. Both operands are at most 8 bits: the layer's bf16 activations
-would have to be quantised, so its experts do not take this route (``examples.kimi_k3_mxfp4.mxfp4_path``;
+would have to be quantised, so its experts do not take this route (``k3_tail.models.kimi_k3.mxfp4_experts.mxfp4_path``;
 docs/guide.md, MXFP4 experts): this pins that it exists and what it costs.
 """
 

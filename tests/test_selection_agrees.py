@@ -12,9 +12,9 @@ import re
 import pytest
 
 import k3_tail
-from examples import kimi_k3_moe_layer as layer_module
 from helpers import compiled_tail, gpu_mesh_for, topology_params
 from k3_tail import Tier
+from k3_tail.models.kimi_k3 import layer as layer_module
 from k3_tail.selection.rules import call_tier
 from k3_tail.xla.compilation import compiler_options
 

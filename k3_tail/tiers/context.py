@@ -49,7 +49,8 @@ class TailCall:
     them). tp_size: p, its size. weight_layout: "replicated" or "column". platform: the platform the
     call's program is for (:mod:`k3_tail.selection.lowering`): "cpu", "cuda" or "rocm"; "gpu" for both
     GPU vendors, None for every platform, where what differs (a kernel's warps, ROCm's rule that keeps
-    adds out of the GEMM) is decided as each lowers. It decides the form of the sums. sums: how the call's sums travel (:class:`~k3_tail.ops.collectives.SumPlan`).
+    adds out of the GEMM) is decided as each lowers. It decides the form of the sums.
+    sums: how the call's sums travel (:class:`~k3_tail.ops.collectives.SumPlan`).
     rank: this rank's index along the axis, int32 [1], where the entry point was given it, else None.
     """
 

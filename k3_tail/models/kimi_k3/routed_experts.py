@@ -7,10 +7,10 @@ Every method computes this rank's routed latent partial
 for latent [T, L] (the layer's dtype), chosen [T, k] expert ids, combine [T, k] float32, and this rank's
 blocks gate, up [E, L, m/p] and down [E, m/p, L] (each expert's intermediate width m split over the p
 ranks), exactly: every (token, expert) pair, for any routing. A block may be MXFP4
-(``examples.kimi_k3_mxfp4.Mxfp4Kernel``: packed codes and scales); each method decodes it exactly
+(``k3_tail.models.kimi_k3.mxfp4_experts.Mxfp4Kernel``: packed codes and scales); each method decodes it exactly
 (``mxfp4.dense``) where it uses the weights, and gathers blocks while they are still packed.
 Each returns float32 [T, L]; GEMMs take
-the dtype's operands and accumulate in float32 (the capacity method's are examples/kimi_k3_gemm.matmul,
+the dtype's operands and accumulate in float32 (the capacity method's are k3_tail.models.kimi_k3.gemm.matmul,
 which multiplies a capacity of one row as two, or for MXFP4 kernels on a GPU the Pallas kernel, whose
 additions run in another order: within float32 accumulation of XLA's), the SiTU output is rounded to
 the dtype where it enters the down GEMM, and the k slots' outputs are summed with their weights as a
@@ -40,7 +40,7 @@ multiply and a reduce. No method issues a collective.
   (hipBLASLt); neither is verified here (no GPU). Never selected; call it by name.
 
 Why these. Compiled for a deviceless 8 x H100 at Kimi-K3's shapes (896 experts, top 16, L 3584,
-m/p 384, bf16), the whole layer with the tail tier it selects (``python -m examples.kimi_k3_layer_share
+m/p 384, bf16), the whole layer with the tail tier it selects (``python scripts/kimi_k3_layer_share.py
 --parts cost``: GEMM FLOPs per device from the HLO, a while loop's body counted once, over the
 layer's useful FLOPs; XLA's temp memory):
 
@@ -72,17 +72,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 
-from examples.kimi_k3_gemm import matmul
-from examples.kimi_k3_mxfp4 import Mxfp4Kernel, dense
-from examples.kimi_k3_situ import situ
-
-if TYPE_CHECKING:
-    from examples.kimi_k3_moe_layer import LayerConfig
+from k3_tail.models.kimi_k3.gemm import matmul
+from k3_tail.models.kimi_k3.mxfp4_experts import Mxfp4Kernel, dense
+from k3_tail.models.kimi_k3.situ import situ
 
 # Capacity per expert over the mean pairs per expert, T*k/E: pairs beyond it go to overflow rounds.
 CAPACITY_FACTOR = 1.25
@@ -99,8 +95,9 @@ class RoutedExpertMethod:
     reason: str
 
 
-def routed_expert_method(config: LayerConfig, num_tokens: int) -> RoutedExpertMethod:
-    """``config.routed_experts`` when it names a method; else "gather" while T * k <= E (it reads at most
+def routed_expert_method(config, num_tokens: int) -> RoutedExpertMethod:
+    """For a ``LayerConfig`` (the layer imports this module): ``config.routed_experts`` when it names a method;
+    else "gather" while T * k <= E (it reads at most
     the E blocks all experts hold, with no sort), "capacity" above (each expert's weights read once).
     ValueError for a negative T."""
     if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:

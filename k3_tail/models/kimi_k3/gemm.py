@@ -1,5 +1,5 @@
-"""The one matrix product of the Kimi-K3 example layer: every GEMM of examples/kimi_k3_moe_layer.py and
-examples/kimi_k3_routed_experts.py is :func:`matmul`.
+"""The one matrix product of the Kimi-K3 example layer: every GEMM of k3_tail/models/kimi_k3/layer.py and
+k3_tail/models/kimi_k3/routed_experts.py is :func:`matmul`.
 
 A product with one row ([1, K] x [K, N] at T = 1: the router, the down projection, the shared experts'
 three kernels; [S, 1, K] x [S, K, N] for a capacity of one) is multiplied as two rows, the second zero,

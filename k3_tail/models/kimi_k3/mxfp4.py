@@ -83,7 +83,7 @@ def decode(packed: jax.Array, scale: jax.Array, dtype) -> jax.Array:
     # Each byte bitcast to its two float4_e2m1fn codes, the low nibble first: the unpacking in the format's dtype.
     # (Split by shifts into uint4, as decode_by_group splits them, the dense kernels' codes went K-minor in XLA's GPU
     # layout assignment, which copied every expert's codes transposed: 2.49 GB of temporaries at T = 2048 on H100
-    # in examples/kimi_k3_mxfp4.py's layer, against 0.42 GB.)
+    # in k3_tail/models/kimi_k3/mxfp4_experts.py's layer, against 0.42 GB.)
     values = jnp.swapaxes(jax.lax.bitcast_convert_type(packed, jnp.float4_e2m1fn), -1, -2)  # [..., K/2, 2, N]
     values = values.reshape(*leading, groups, GROUP_SIZE // CODES_PER_BYTE, CODES_PER_BYTE, columns)
     return _scaled(values, scale, dtype).reshape(*leading, groups * GROUP_SIZE, columns)
@@ -129,7 +129,7 @@ def decode_by_group(packed: jax.Array, scale: jax.Array, dtype) -> jax.Array:
     Reduced over (g, j, h), the product adds in the order of one over K (XLA merges contiguous reduced axes) and,
     where the kernels are gathered, XLA fuses the gather into the reduction: merging them into K first made XLA
     copy the gathered codes, transposed, before reducing them (24 MB at T = 1 on H100 with jax 0.10.2, 387 MB at
-    T = 16 on MI300X, in examples/kimi_k3_mxfp4.py's layer)."""
+    T = 16 on MI300X, in k3_tail/models/kimi_k3/mxfp4_experts.py's layer)."""
     dtype = np.dtype(dtype)
     *leading, half, columns = packed.shape
     groups = half * CODES_PER_BYTE // GROUP_SIZE

@@ -32,7 +32,7 @@ their gate and up kernels concatenated along the intermediate width and their do
 its rows. That is the same function, because SiTU acts on each intermediate channel alone, and it is
 how maxtext's Kimi-K3 block stores them.
 
-The routed experts, per rank, take one of the methods of examples/kimi_k3_routed_experts.py, picked
+The routed experts, per rank, take one of the methods of k3_tail/models/kimi_k3/routed_experts.py, picked
 by :func:`routed_expert_method` with its reason:
 
 - "gather" while T * k <= E (decode): for each (token, slot) the chosen expert's blocks are read in
@@ -46,7 +46,7 @@ by :func:`routed_expert_method` with its reason:
 
 MXFP4 experts (``LayerConfig(expert_quantization="mxfp4")``, as the released Kimi-K3 ships them): each
 routed kernel is held packed, its E2M1 codes two per byte and one E8M0 scale per 32 input rows (the
-format: ``k3_tail.mxfp4``; the kernels: examples/kimi_k3_mxfp4.py), under the same names and partition
+format: :mod:`.mxfp4`; the kernels: :mod:`.mxfp4_experts`), under the same names and partition
 specs, with a scale parameter beside each (``ROUTED_EXPERT_SCALES``): ``expert_gate``, ``expert_up``
 uint8 [E, L/2, m] with ``expert_gate_scale``, ``expert_up_scale`` [E, L/32, m], ``expert_down`` uint8
 [E, m/2, L] with ``expert_down_scale`` [E, m/32, L]. The routed-expert methods decode them exactly to the
@@ -55,16 +55,16 @@ layer's dtype where they use them: 0.53 bytes per weight held instead of 2.
 Numerics: weights and activations in ``config.tail.dtype`` (Kimi-K3: bf16), every GEMM accumulating
 in float32, the router, SiTU and the weighted sum in float32; activations are rounded to the dtype
 where they enter a GEMM (z, the SiTU outputs) and where the partials enter the tail. Every GEMM is
-``examples/kimi_k3_gemm.matmul``, which multiplies a single row (T = 1) as two, so that XLA's GPU
+``k3_tail.models.kimi_k3.gemm.matmul``, which multiplies a single row (T = 1) as two, so that XLA's GPU
 pipeline keeps it a GEMM that reads its kernel in place (docs/design.md, "One-row GEMMs").
 
 Per-rank cost, d bytes per element: router 2THE FLOPs over dHE weight bytes; down projection 2THL
 over dHL; routed experts 6TkLm/p over 3dLm/p per expert read (gather: T*k of them; capacity: all E,
-once; MXFP4 experts: d = 0.53125 held, plus what XLA writes of their decoding, examples/kimi_k3_mxfp4.py);
+once; MXFP4 experts: d = 0.53125 held, plus what XLA writes of their decoding, k3_tail/models/kimi_k3/mxfp4_experts.py);
 shared experts 6THF/p over 3dHF/p; then the tail tier's (README tier table).
 
 ``KimiK3MoELayer`` holds the parameters as ``nnx.Param`` (``build_layer``: random stand-ins for a
-checkpoint; examples/kimi_k3_checkpoint.py: a layer of a Hugging Face checkpoint); :func:`layer_forward`
+checkpoint; k3_tail/models/kimi_k3/checkpoint.py: a layer of a Hugging Face checkpoint); :func:`layer_forward`
 is the jitted pure function it calls, which also compiles from abstract parameters
 (:func:`abstract_parameters`) for a deviceless GPU topology: :func:`compile_layer`, with the
 per-executable XLA options of :func:`layer_compiler_options`.
@@ -84,17 +84,16 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import k3_tail
-from examples import kimi_k3_mxfp4
-from examples.kimi_k3_gemm import matmul
-from examples.kimi_k3_routed_experts import ROUTED_EXPERTS, routed_expert_method
-from examples.kimi_k3_situ import situ
-from k3_tail import mxfp4
+from k3_tail.models.kimi_k3 import mxfp4, mxfp4_experts as kimi_k3_mxfp4
+from k3_tail.models.kimi_k3.cost import MoELayerSizes
+from k3_tail.models.kimi_k3.gemm import matmul
+from k3_tail.models.kimi_k3.routed_experts import ROUTED_EXPERTS, routed_expert_method
+from k3_tail.models.kimi_k3.situ import situ
 from k3_tail.tools.blocks import WEIGHT_LAYOUTS
-from k3_tail.tools.layer_cost import MoELayerSizes
 from k3_tail.xla.compilation import compiler_options
 
 KIMI_K3_NUM_EXPERTS, KIMI_K3_TOP_K = 896, 16
-# The parameters that hold the routed experts' weights (what k3_tail.tools.layer_schedule traces); with MXFP4
+# The parameters that hold the routed experts' weights (what k3_tail.models.kimi_k3.schedule traces); with MXFP4
 # experts they hold the packed codes, and each has its scales beside it, named here.
 ROUTED_EXPERT_WEIGHTS = ("expert_gate", "expert_up", "expert_down")
 ROUTED_EXPERT_SCALES = {name: f"{name}_scale" for name in ROUTED_EXPERT_WEIGHTS}
@@ -200,7 +199,7 @@ class LayerConfig:
 
     @property
     def sizes(self) -> MoELayerSizes:
-        """The layer's sizes, as the cost tools take them (:mod:`k3_tail.tools.layer_cost`)."""
+        """The layer's sizes, as the cost tools take them (:mod:`k3_tail.models.kimi_k3.cost`)."""
         return MoELayerSizes(self.tail, self.num_experts, self.top_k, self.expert_intermediate_size,
                              self.shared_intermediate_size, self.early_shared_reduction)
 
@@ -525,7 +524,7 @@ class KimiK3MoELayer(nnx.Module):
     ``checkpoint``: every parameter of :func:`layer_parameters` by name, as numpy or jax arrays of its
     global shape (cast to its dtype; MXFP4 codes and scales must be uint8 already, as no cast makes
     them); each is placed as :func:`partition_specs` says, so a rank
-    receives only its block (a jax array already placed so, as examples/kimi_k3_checkpoint.py loads
+    receives only its block (a jax array already placed so, as k3_tail/models/kimi_k3/checkpoint.py loads
     them, stays where it is), and the Params carry that spec as sharding metadata
     (``nnx.get_partition_spec``). ``__call__(hidden_states [T, H], *, tier=None)`` is
     :func:`layer_forward`; ``partials`` is :func:`layer_partials`; ``plan(T)`` is the tail tier a

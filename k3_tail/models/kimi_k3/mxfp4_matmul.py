@@ -1,7 +1,7 @@
 """A batched GEMM over MXFP4 kernels, decoded in the operand load: one GPU kernel (Pallas, Triton backend) that
 reads the packed codes and scales and never writes a decoded weight, with its reference :func:`mxfp4_matmul_reference`.
 
-For E kernels held as compressed-tensors' MXFP4 (:mod:`k3_tail.mxfp4`: ``packed`` uint8 [E, K/2, N], two codes a
+For E kernels held as compressed-tensors' MXFP4 (:mod:`.mxfp4`: ``packed`` uint8 [E, K/2, N], two codes a
 byte along K, ``scale`` uint8 [E, K/32, N]), rows [S, C, K] and the kernels' indices e [S], :func:`mxfp4_matmul`
 computes
 
@@ -15,7 +15,7 @@ layout (docs/guide.md, MXFP4 experts): at prefill it wrote each group of 56 expe
 of bf16 a kernel, and read them back, 4.53 bytes moved a weight where the packed one is 0.53. Here program
 (s, j, i) takes kernel e[s]'s column tile j (:data:`BLOCK_COLUMNS` columns) and row tile i, and walks K one
 MXFP4 group (32 rows, 16 bytes a column, one scale) at a time: it loads the group's bytes and scales, builds
-the values' bits with integer operations (:func:`k3_tail.mxfp4.value_bits`: exact, subnormal scales, inf and
+the values' bits with integer operations (:func:`.mxfp4.value_bits`: exact, subnormal scales, inf and
 NaN included, on every GPU whatever its float modes) and multiplies the group's even and odd rows of K by
 the low and the high codes. Each packed byte is read once per row tile (once while C <= 64); the rows are
 read once per column tile. Programs do not talk to each other. The kernels are read where they lie, by their
@@ -33,7 +33,7 @@ import numpy as np
 from jax import lax
 
 from k3_tail._checks import describe
-from k3_tail.mxfp4 import CODES_PER_BYTE, DECODED_DTYPES, GROUP_SIZE, STORED_DTYPE, decode, value_bits
+from k3_tail.models.kimi_k3.mxfp4 import CODES_PER_BYTE, DECODED_DTYPES, GROUP_SIZE, STORED_DTYPE, decode, value_bits
 from k3_tail.ops.gpu_only import gpu_only
 from k3_tail.ops.pallas_triton import dot_precision, ignore_triton_deprecation_warning, interpreted, vary_alike
 
@@ -195,7 +195,7 @@ def _kernel(*refs, indexed, block_rows, pl, plt):
 
 def mxfp4_matmul_reference(rows: jax.Array, packed: jax.Array, scale: jax.Array, *,
                            kernels: jax.Array | None = None) -> jax.Array:
-    """:func:`mxfp4_matmul`'s function in plain jnp: the kernels gathered, decoded (:func:`k3_tail.mxfp4.decode`) to
+    """:func:`mxfp4_matmul`'s function in plain jnp: the kernels gathered, decoded (:func:`.mxfp4.decode`) to
     the rows' dtype and multiplied by XLA's GEMM, accumulating in float32. Arguments and result as
     :func:`mxfp4_matmul`."""
     kernels = _check(rows, packed, scale, kernels)

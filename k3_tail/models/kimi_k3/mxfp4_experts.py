@@ -1,12 +1,12 @@
 """MXFP4 routed experts for the Kimi-K3 layer example: the kernels the layer holds packed, and the memory they save.
 
 Kimi-K3 ships its routed experts as compressed-tensors' ``mxfp4-pack-quantized`` (the OCP Microscaling MXFP4
-format); :mod:`k3_tail.mxfp4` has the format's facts, its bytes per weight and its exact decoder.
+format); :mod:`k3_tail.models.kimi_k3.mxfp4` has the format's facts, its bytes per weight and its exact decoder.
 
 In the layer the experts stay packed (:class:`Mxfp4Kernel`), in its Flax layout [E, in, out] with the
 packing along the input axis: the gate and up kernels [E, L/2, m] and [E, L/32, m], the down kernel
 [E, m/2, L] and [E, m/32, L], sharded over the intermediate width m like the bf16 kernels. They are decoded
-inside the jitted expert computation, where each method uses a kernel (examples/kimi_k3_routed_experts.py):
+inside the jitted expert computation, where each method uses a kernel (k3_tail/models/kimi_k3/routed_experts.py):
 the gather method decodes only the T*k gathered blocks, inside the fusion that multiplies and reduces them.
 A GPU program decodes them through ``float4_e2m1fn`` and ``float8_e8m0fnu`` alone; a CPU program builds the
 values from their bits, since XLA:CPU's float arithmetic flushes those under the scales 2^-127 and 2^-126.
@@ -21,13 +21,13 @@ Memory per rank, one Kimi-K3 MoE layer's routed experts at p = 8 (896 experts, m
 
 The layer compiled at Kimi-K3's shapes (896 experts, top 16, p = 8) has exactly these bytes per rank
 in its arguments, beside the rest of the layer (148,646,400 bytes with the replicated up projection)
-and the hidden states. ``python -m examples.kimi_k3_mxfp4 [--topology cpu|h100x8|mi300xx8|mi355xx8]
+and the hidden states. ``python -m k3_tail.models.kimi_k3.mxfp4_experts [--topology cpu|h100x8|mi300xx8|mi355xx8]
 [--tokens 1,16,2048]`` compiles the layer both ways and prints per T the path the MXFP4 experts take and,
 per rank, temp bytes, bytes accessed and kernels against bf16 experts (:func:`compiled_figures`). No
 program writes a decoded copy of the experts: the gather method (decode) reduces over the group axes of
 ``decode_by_group``, so XLA fuses the gather of the codes into the multiply-reduce, and the capacity
 method (prefill) takes S = E/16 experts at a time, each of its GEMMs on a GPU one Pallas kernel that decodes
-the codes in its operand load (:meth:`Mxfp4Kernel.matmul`, ``k3_tail.ops.mxfp4_matmul``; XLA fuses no decode
+the codes in its operand load (:meth:`Mxfp4Kernel.matmul`, ``k3_tail.models.kimi_k3.mxfp4_matmul``; XLA fuses no decode
 into a GEMM and wrote each group's kernels decoded, 154 MB each); the layer's temp memory (docs/performance.md
 has the table) is 1.6-1.7 / 5.1-6.2 MB at T = 1 / 16 (bf16 experts: 0.4-0.5 / 5.3-6.4) and 83-96 MB at T = 2048
 (bf16: 0.67 GB), where it was 24 MB / 387 MB / 7.80 GB. On the CPU the capacity GEMMs multiply the decoded group.
@@ -39,22 +39,25 @@ measures; gfx942 has no FP4 instruction and a one-time FP8 copy does not fit it;
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import tempfile
 
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
 
-import k3_tail
-from examples.kimi_k3_gemm import matmul
 from k3_tail import hardware
-from k3_tail.mxfp4 import CODES_PER_BYTE, E2M1_MAGNITUDES, GROUP_SIZE, MXFP4_BYTES, SCALE_BIAS, decode, decode_by_group
-from k3_tail.ops.mxfp4_matmul import mxfp4_matmul
-from k3_tail.xla import hlo_text, report as xla_report
+from k3_tail.models.kimi_k3.gemm import matmul
+from k3_tail.models.kimi_k3.mxfp4 import (
+    CODES_PER_BYTE,
+    E2M1_MAGNITUDES,
+    GROUP_SIZE,
+    MXFP4_BYTES,
+    SCALE_BIAS,
+    decode,
+    decode_by_group,
+)
+from k3_tail.models.kimi_k3.mxfp4_matmul import mxfp4_matmul
 
 
 @jax.tree_util.register_dataclass
@@ -91,17 +94,17 @@ class Mxfp4Kernel:
         return self.packed[self.selected], self.scale[self.selected]
 
     def decode(self, dtype) -> jax.Array:
-        """The (selected) kernels' values [..., K, N] in ``dtype`` (``k3_tail.mxfp4.decode``)."""
+        """The (selected) kernels' values [..., K, N] in ``dtype`` (``k3_tail.models.kimi_k3.mxfp4.decode``)."""
         return decode(*self.gathered(), dtype)
 
     def decode_by_group(self, dtype) -> jax.Array:
-        """The (selected) kernels' values [..., K/32, 16, 2, N] in ``dtype`` (``k3_tail.mxfp4.decode_by_group``)."""
+        """The (selected) kernels' values [..., K/32, 16, 2, N] in ``dtype`` (:func:`.mxfp4.decode_by_group`)."""
         return decode_by_group(*self.gathered(), dtype)
 
     def matmul(self, rows: jax.Array, *, interpret: bool = False) -> jax.Array:
         """rows [S, C, K] (the layer's dtype) times the S selected kernels [S, K, N] (all, when none are selected),
         float32 [S, C, N], products in the rows' dtype: on a GPU one Pallas kernel that reads the codes where they
-        lie, decodes them in its operand load and writes no decoded weight (``k3_tail.ops.mxfp4_matmul``),
+        lie, decodes them in its operand load and writes no decoded weight (``k3_tail.models.kimi_k3.mxfp4_matmul``),
         elsewhere XLA's GEMM of the decoded kernels (:func:`dense`). ``interpret``: the GPU's kernel on any
         platform, in Pallas's interpret mode (a CPU runs what a GPU would)."""
 
@@ -150,7 +153,7 @@ def expert_bytes_per_rank(num_experts: int, latent_size: int, expert_intermediat
     return round(weights * bytes_per_weight)
 
 
-# How each routed-expert method computes with MXFP4 experts, on every target (examples/kimi_k3_routed_experts.py).
+# How each routed-expert method computes with MXFP4 experts, on every target (k3_tail/models/kimi_k3/routed_experts.py).
 DECODE_PATHS = {
     "gather": "the T*k chosen blocks' codes gathered and decoded inside the multiply-reduce that consumes them",
     "capacity": "S = E/16 experts at a time decoded to the layer's dtype right before their GEMMs (a loop)",
@@ -158,7 +161,7 @@ DECODE_PATHS = {
 }
 # The capacity method's GEMMs on a GPU (Mxfp4Kernel.matmul).
 IN_KERNEL_PATH = ("S = E/16 experts at a time (a loop), each GEMM one Pallas kernel that decodes the codes in its "
-                  "operand load (k3_tail.ops.mxfp4_matmul)")
+                  "operand load (k3_tail.models.kimi_k3.mxfp4_matmul)")
 # Kimi-K3's MoE layers (93 decoder layers, the first dense) and the HBM of the GPUs whose MXFP4 routes differ, from
 # their data sheets (k3_tail/hardware.py's presets cite them): what a one-time decode of every layer would have to fit.
 KIMI_K3_MOE_LAYERS = 92
@@ -243,84 +246,3 @@ def activation_quantization_error(activation_format: str | None, *, rows: int = 
                          f"got {activation_format!r}")
     exact = x @ weights
     return float(np.linalg.norm(quantised @ weights - exact) / np.linalg.norm(exact))
-
-
-@dataclasses.dataclass(frozen=True)
-class CompiledFigures:
-    """Per rank, one compiled layer: XLA's temp bytes, the bytes it accesses (``XlaReport.bytes_accessed``), the
-    GPU kernels it launches (None for a CPU program) and the elements of the largest floating-point and byte arrays
-    it writes (``k3_tail.xla.hlo_text.largest_write``: a decoded copy of the experts would be the largest of the
-    first, a copy of their packed codes of the second)."""
-
-    temp_bytes: int
-    bytes_accessed: float
-    kernels: int | None
-    largest_float_write: int
-    largest_byte_write: int
-
-
-def compiled_figures(quantization: str | None, mesh, num_tokens: int) -> CompiledFigures:
-    """The Kimi-K3 layer (896 experts, top 16) with routed experts held as ``quantization`` (None: bf16), compiled
-    for T tokens on ``mesh`` as ``compile_layer`` compiles it, with XLA's dump (where ``XlaReport`` counts the
-    kernels) in a temporary directory."""
-    from examples import kimi_k3_moe_layer as layer_module  # here: the layer imports this module
-
-    config = layer_module.LayerConfig.kimi_k3(num_experts=layer_module.KIMI_K3_NUM_EXPERTS,
-                                              top_k=layer_module.KIMI_K3_TOP_K, expert_quantization=quantization)
-    hidden = jax.ShapeDtypeStruct((num_tokens, config.hidden_size), config.dtype, sharding=NamedSharding(mesh, P()))
-    lowered = layer_module.layer_forward.lower(layer_module.abstract_parameters(config, mesh), hidden, config=config,
-                                               mesh=mesh)
-    with tempfile.TemporaryDirectory() as dump_dir:
-        options = {**layer_module.layer_compiler_options(config, mesh, num_tokens), "xla_dump_to": dump_dir}
-        compiled = lowered.compile(compiler_options=options)
-        figures = xla_report.report(compiled, shared_argument=None, dump_dir=dump_dir)
-    module = hlo_text.parse_module(compiled.as_text())
-    largest = [hlo_text.largest_write(module, dtypes) for dtypes in (hlo_text.FLOAT_DTYPES, hlo_text.BYTE_DTYPES)]
-    return CompiledFigures(compiled.memory_analysis().temp_size_in_bytes, figures.bytes_accessed,
-                           figures.gpu_kernel_count, *(0 if array is None else array.elements for array in largest))
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Per rank, one Kimi-K3 MoE layer (896 experts, top 16) at p = 8: the routed experts' bytes from the
-    shapes, and the layer compiled with MXFP4 and with bf16 experts: per T the path the MXFP4 experts take and
-    the three figures (temp bytes, bytes accessed, kernels) of each."""
-    from k3_tail.tools.experiment import positive_int_list  # the harness's types, loaded for the command only
-
-    parser = argparse.ArgumentParser(description=main.__doc__)
-    parser.add_argument("--topology", default="cpu", help="cpu (8 CPU devices) or a deviceless GPU topology "
-                        "of k3_tail.topology_mesh, e.g. h100x8 (default: cpu)")
-    parser.add_argument("--tokens", type=positive_int_list, default=(1, 2048), metavar="T,T,...",
-                        help="token counts, comma-separated (default: 1,2048)")
-    args = parser.parse_args(argv)
-    jax.config.update("jax_platforms", "cpu")  # compiles only: a deviceless topology needs no GPU backend
-    jax.config.update("jax_num_cpu_devices", 8)
-    from examples import kimi_k3_moe_layer as layer_module  # here: the layer imports this module
-
-    try:
-        mesh = (jax.make_mesh((8,), ("tp",), devices=jax.devices()[:8]) if args.topology == "cpu"
-                else k3_tail.topology_mesh(args.topology))
-    except (ValueError, k3_tail.TopologyUnavailable) as error:
-        parser.error(f"--topology: {error}")
-    tp_size, experts = mesh.shape["tp"], layer_module.KIMI_K3_NUM_EXPERTS
-    for name, per_weight in (("mxfp4", MXFP4_BYTES), ("bfloat16", 2)):
-        held = expert_bytes_per_rank(experts, 3584, layer_module.KIMI_K3_EXPERT_INTERMEDIATE_SIZE, tp_size, per_weight)
-        print(f"routed experts held as {name}: {held:,} bytes per rank ({per_weight:g} bytes per weight)")
-    device = mesh.devices.flat[0]
-    print(f"why no other route on {device.device_kind}: {mxfp4_path('gather', device, tp_size=tp_size).reason}")
-    print("activations' relative error in one expert's 3584-deep product: "
-          + ", ".join(f"{name or 'bf16 (the layer)'} {activation_quantization_error(name):.2%}"
-                      for name in (None, *ACTIVATION_FORMATS)))
-    print(f"compiled for {args.topology} (p = {tp_size}, jax {jax.__version__}), per rank, MXFP4 experts / bf16:")
-    config = layer_module.LayerConfig.kimi_k3(num_experts=experts, top_k=layer_module.KIMI_K3_TOP_K)
-    for num_tokens in args.tokens:
-        method = layer_module.routed_expert_method(config, num_tokens).method
-        mxfp4, bf16 = (compiled_figures(quantization, mesh, num_tokens) for quantization in ("mxfp4", None))
-        kernels = "" if mxfp4.kernels is None else f", kernels {mxfp4.kernels} / {bf16.kernels}"
-        print(f"  T = {num_tokens:5}: {method}, {mxfp4_path(method, device, tp_size=tp_size).decode}\n"
-              f"            temp {mxfp4.temp_bytes:,} / {bf16.temp_bytes:,} bytes, accessed "
-              f"{mxfp4.bytes_accessed:,.0f} / {bf16.bytes_accessed:,.0f} bytes{kernels}", flush=True)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

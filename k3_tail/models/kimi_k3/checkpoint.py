@@ -1,4 +1,4 @@
-"""The Kimi-K3 layer of examples/kimi_k3_moe_layer.py from a Hugging Face checkpoint, each rank reading its blocks.
+"""The Kimi-K3 layer of k3_tail/models/kimi_k3/layer.py from a Hugging Face checkpoint, each rank reading its blocks.
 
 :func:`layer_config_from_hf` makes the layer's :class:`LayerConfig` from the model's config.json;
 :func:`load_layer` builds :class:`KimiK3MoELayer` from decoder layer N of the checkpoint, every
@@ -25,7 +25,7 @@ Kimi-K3 ships its routed experts in MXFP4 only (compressed-tensors' ``mxfp4-pack
 by ``quantization_config`` in config.json's ``text_config``; everything else stays bf16). With
 ``LayerConfig(expert_quantization="mxfp4")`` (which :func:`layer_config_from_hf` sets from that
 ``quantization_config``) they load as stored, packed, each rank reading only the bytes of its slice
-(``k3_tail.mxfp4`` has the format):
+(``k3_tail.models.kimi_k3.mxfp4`` has the format):
 
     experts.e.w1.weight_packed  uint8 [m, L/2]   -> expert_gate[e] [L/2, m]         rank i: rows i*m/p ...
     experts.e.w1.weight_scale   uint8 [m, L/32]  -> expert_gate_scale[e] [L/32, m]  ... of w1 and w3
@@ -56,18 +56,19 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 import k3_tail
-from examples.kimi_k3_moe_layer import (
+from k3_tail import hf_config
+from k3_tail._checks import check_mesh
+from k3_tail.checkpoint import Checkpoint, open_checkpoint
+from k3_tail.json_files import read_json
+from k3_tail.models.kimi_k3 import mxfp4
+from k3_tail.models.kimi_k3.layer import (
     ROUTED_EXPERT_SCALES,
     KimiK3MoELayer,
     LayerConfig,
     layer_parameters,
     partition_specs,
 )
-from examples.kimi_k3_situ import SITU_GATE_BOUND, SITU_UP_BOUND
-from k3_tail import hf_config, mxfp4
-from k3_tail._checks import check_mesh
-from k3_tail.checkpoint import Checkpoint, open_checkpoint
-from k3_tail.json_files import read_json
+from k3_tail.models.kimi_k3.situ import SITU_GATE_BOUND, SITU_UP_BOUND
 
 # The model config's activation and routing, as this layer computes them.
 HIDDEN_ACT = "situ"

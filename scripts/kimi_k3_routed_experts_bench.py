@@ -1,6 +1,6 @@
-"""The Kimi-K3 layer's time on the CPU mesh with each routed-expert method (examples/kimi_k3_routed_experts.py).
+"""The Kimi-K3 layer's time on the CPU mesh with each routed-expert method (k3_tail/models/kimi_k3/routed_experts.py).
 
-    python -m examples.kimi_k3_routed_experts_bench [--tokens 64,256,1024] [--methods ragged_dot,capacity]
+    python scripts/kimi_k3_routed_experts_bench.py [--tokens 64,256,1024] [--methods ragged_dot,capacity]
         [--width-divisor 4] [--experts 8] [--top-k 2] [--json FILE]
 
 Method and results: docs/performance.md, "The routed experts at their real cost", "On the 8-device CPU mesh".
@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from examples import kimi_k3_moe_layer as layer_module
-from examples.kimi_k3_routed_experts import ROUTED_EXPERTS, routed_expert_method
+from k3_tail.models.kimi_k3 import layer as layer_module
+from k3_tail.models.kimi_k3.routed_experts import ROUTED_EXPERTS, routed_expert_method
 from k3_tail.tools.benchmark import Timing, time_round_robin
 from k3_tail.tools.experiment import (
     Experiment,

@@ -7,7 +7,7 @@ holds them.
 
 Per TP rank, T tokens, p ranks, d bytes per activation and weight element (the config's dtype) and
 d_e per routed-expert weight element (d by default; Kimi-K3's released checkpoint stores the routed
-experts in MXFP4, ``k3_tail.mxfp4.MXFP4_BYTES`` = 4.25 bits: 4-bit values and one 8-bit scale per 32):
+experts in MXFP4, ``k3_tail.models.kimi_k3.mxfp4.MXFP4_BYTES`` = 4.25 bits: 4-bit values and one 8-bit scale per 32):
 
 | kernel | FLOPs | bytes |
 | --- | --- | --- |

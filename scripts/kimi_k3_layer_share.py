@@ -1,6 +1,6 @@
-"""What the tail's tiers are worth inside the Kimi-K3 latent MoE layer (examples/kimi_k3_moe_layer.py).
+"""What the tail's tiers are worth inside the Kimi-K3 latent MoE layer (k3_tail/models/kimi_k3/layer.py).
 
-    python -m examples.kimi_k3_layer_share [--parts cpu,h100,early,cost,model] [--tokens 1,4,16,64,256,1024]
+    python scripts/kimi_k3_layer_share.py [--parts cpu,h100,early,cost,model] [--tokens 1,4,16,64,256,1024]
         [--repeats 3] [--compile-tokens 1,16,256] [--cost-tokens 1,16,256,2048,8192]
         [--model-tokens 1,16,64,256,1024,8192] [--width-divisor 4] [--experts 8] [--top-k 2]
         [--weight-layout replicated] [--topology h100x8] [--json FILE]
@@ -14,9 +14,11 @@ import itertools
 from typing import Any
 
 import numpy as np
+from kimi_k3_routed_experts_bench import add_layer_arguments, cpu_layer_config, random_hidden_states
 
 import k3_tail
-from examples.kimi_k3_moe_layer import (
+from k3_tail.models.kimi_k3 import cost as layer_cost
+from k3_tail.models.kimi_k3.layer import (
     KIMI_K3_NUM_EXPERTS,
     KIMI_K3_TOP_K,
     ROUTED_EXPERT_WEIGHTS,
@@ -25,10 +27,9 @@ from examples.kimi_k3_moe_layer import (
     compile_layer,
     up_projection,
 )
-from examples.kimi_k3_routed_experts import routed_expert_method
-from examples.kimi_k3_routed_experts_bench import add_layer_arguments, cpu_layer_config, random_hidden_states
-from k3_tail.mxfp4 import MXFP4_BYTES
-from k3_tail.tools import layer_cost
+from k3_tail.models.kimi_k3.mxfp4 import MXFP4_BYTES
+from k3_tail.models.kimi_k3.routed_experts import routed_expert_method
+from k3_tail.models.kimi_k3.schedule import shared_reduction_placement
 from k3_tail.tools.benchmark import Timing, tiers_for, time_round_robin
 from k3_tail.tools.blocks import WEIGHT_LAYOUTS
 from k3_tail.tools.experiment import (
@@ -42,7 +43,6 @@ from k3_tail.tools.experiment import (
     spread_ms,
     stepped,
 )
-from k3_tail.tools.layer_schedule import shared_reduction_placement
 from k3_tail.xla import report as xla_report
 from k3_tail.xla.topologies import parse_topology
 
@@ -214,7 +214,7 @@ def format_h100(config: LayerConfig, rows: list[dict[str, Any]], args) -> str:
     ], **BY_TOKENS, notes=[
         "up projection inside: the share of the tier's up-projection FLOPs scheduled between the shared",
         "reduction's start and done; overlapped: async, with all of it inside. useful GEMM FLOPs: the layer's",
-        "(k3_tail.tools.layer_cost)"])
+        "(k3_tail.models.kimi_k3.cost)"])
 
 
 # ---- early ----
