@@ -103,14 +103,14 @@ def test_the_kimi_k3_preset_has_the_released_eps():
 def test_every_parameter_is_the_stored_tensor_in_flax_layout_placed_as_the_layer_places_it(weight_layout, checkpoint,
                                                                                             config):
     layer = load_layer(checkpoint, LAYER, config=config, mesh=make_tp_mesh(TP_SIZE), weight_layout=weight_layout)
-    values = layer.parameter_values()
+    values = layer.checkpoint_values()
     expected = in_memory_weights()
     assert set(values) == set(expected)
     for name, value in values.items():
         assert value.dtype == np.dtype(layer_module.layer_parameters(config)[name].dtype), name
         np.testing.assert_array_equal(np.asarray(value), expected[name].astype(value.dtype), err_msg=name)
-    specs = layer_module.partition_specs(config, TP_SIZE, weight_layout=weight_layout)
-    assert {name: value.sharding.spec for name, value in values.items()} == specs
+    specs = layer_module.held_partition_specs(config, TP_SIZE, weight_layout=weight_layout)
+    assert {name: value.sharding.spec for name, value in layer.parameter_values().items()} == specs
 
 
 @pytest.fixture

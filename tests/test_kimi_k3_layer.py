@@ -224,17 +224,33 @@ def test_each_rank_holds_its_block_of_every_expert_and_of_the_shared_experts(wei
     layer = layer_on(8, "bfloat16", weight_layout)
     up_block = (LATENT, HIDDEN // 8) if weight_layout == "column" else (LATENT, HIDDEN)
     shard_shapes = {
-        "router_kernel": (HIDDEN, EXPERTS), "router_bias": (EXPERTS,), "down_proj": (HIDDEN, LATENT),
+        # Router [H, E], down projection [H, L] and the rank's shared gate and up blocks [H, F/p], packed.
+        "input_kernel": (HIDDEN, EXPERTS + LATENT + 2 * SHARED_WIDTH // 8), "router_bias": (EXPERTS,),
         "expert_gate": (EXPERTS, LATENT, EXPERT_WIDTH // 8), "expert_up": (EXPERTS, LATENT, EXPERT_WIDTH // 8),
         "expert_down": (EXPERTS, EXPERT_WIDTH // 8, LATENT),
-        "shared_gate": (HIDDEN, SHARED_WIDTH // 8), "shared_up": (HIDDEN, SHARED_WIDTH // 8),
-        "shared_down": (SHARED_WIDTH // 8, HIDDEN), "norm_scale": (LATENT,), "up_proj_kernel": up_block,
+        "shared_down": (SHARED_WIDTH // 8, HIDDEN), "norm_scale": (LATENT,), "up_proj_kernel": up_block, "rank": (1,),
     }
     values = layer.parameter_values()
-    assert {name: {shard.data.shape for shard in values[name].addressable_shards} for name in shard_shapes} == {
+    assert {name: {shard.data.shape for shard in values[name].addressable_shards} for name in values} == {
         name: {shape} for name, shape in shard_shapes.items()}
     specs = nnx.to_pure_dict(nnx.get_partition_spec(nnx.state(layer, nnx.Param)))
-    assert specs == layer_module.partition_specs(layer.config, 8, weight_layout=weight_layout)
+    held = layer_module.held_partition_specs(layer.config, 8, weight_layout=weight_layout)
+    assert specs == {name: spec for name, spec in held.items() if name != "rank"}
+
+
+def test_the_checkpoint_values_are_the_checkpoint_the_layer_was_built_from():
+    layer = layer_on(8, "bfloat16")
+    values = layer.checkpoint_values()
+    assert set(values) == set(checkpoint("bfloat16"))
+    for name, value in values.items():
+        np.testing.assert_array_equal(np.asarray(value), checkpoint("bfloat16")[name], err_msg=name)
+
+
+def test_each_rank_is_given_its_index():
+    layer = layer_on(8, "bfloat16")
+    rank = layer.parameter_values()["rank"]
+    assert [int(shard.data[0]) for shard in rank.addressable_shards] == [
+        list(layer.mesh.devices.flat).index(shard.device) for shard in rank.addressable_shards]
 
 
 def test_the_ranks_partials_sum_to_the_routed_latent_and_the_shared_output():
@@ -319,7 +335,8 @@ def test_no_product_of_the_layer_has_a_single_row_at_one_token(method, early_sha
     text = layer_module.layer_forward.lower(layer_module.abstract_parameters(config, mesh), x, config=config,
                                             mesh=mesh).as_text()
     sides = dot_sides(text)
-    assert len(sides) == text.count("stablehlo.dot_general") >= 6  # router, down, 3 shared, up projection at least
+    # The packed input kernel (router, down projection, shared gate and up), the shared down and up projections.
+    assert len(sides) == text.count("stablehlo.dot_general") >= 3
     vector_sides = [dot for dot in sides if any(math.prod(side) <= 1 for side in dot)]
     assert not vector_sides
 

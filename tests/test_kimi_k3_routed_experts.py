@@ -227,16 +227,6 @@ def placement(kimi_layer_cost, topology, num_tokens):
     return SharedReductionPlacement(**{**facts, "routed_positions": tuple(facts["routed_positions"])})
 
 
-def starts_late(topology, num_tokens):
-    """Where XLA's latency-hiding scheduler is known to start the early shared reduction after the first
-    routed-expert fusion: T = 16 (and every T from 2 to 56, the gather method) on H100, and on MI300X / MI355X
-    from jax 0.12 (jax 0.10.2's AMDGPU pipeline starts it before the router there). The scheduler issues an
-    async collective as late as its estimated latency allows: the down products alone cover it, so the
-    gathered gate and up products (two of the three expert kernels, 1.2 of the 1.85 GB of routed weights read
-    at T = 16) run before the start and the other three quarters of the routed instructions inside."""
-    return num_tokens == 16 and (topology == "h100x8" or jax.__version_info__ >= (0, 11))
-
-
 @pytest.mark.parametrize("topology", topology_params(*LAYER_TOPOLOGIES))
 @pytest.mark.parametrize("num_tokens", SCHEDULE_TOKENS)
 def test_the_shared_reduction_waits_only_after_every_routed_expert_instruction(kimi_layer_cost, num_tokens,
@@ -249,15 +239,9 @@ def test_the_shared_reduction_waits_only_after_every_routed_expert_instruction(k
 
 @pytest.mark.parametrize("topology", topology_params(*LAYER_TOPOLOGIES))
 @pytest.mark.parametrize("num_tokens", SCHEDULE_TOKENS)
-def test_the_shared_reduction_starts_before_the_routed_experts_read_a_weight(kimi_layer_cost, num_tokens, topology,
-                                                                            request):
-    """So every routed-expert instruction runs while it is in flight; an expected failure where
-    :func:`starts_late` says XLA starts it one fusion late (strict: a compiler that starts it earlier says so)."""
-    if starts_late(topology, num_tokens):
-        request.applymarker(pytest.mark.xfail(strict=True, reason=(
-            "XLA's latency-hiding scheduler starts the all-reduce once its estimated latency is covered: after the "
-            "gathered gate and up products, the first routed-expert fusion (3 of the 4 routed instructions inside)")))
+def test_the_shared_reduction_starts_before_the_routed_experts_read_a_weight(kimi_layer_cost, num_tokens, topology):
+    """So every routed-expert instruction runs while it is in flight. (Before the decode's experts were two
+    kernels, XLA's latency-hiding scheduler started it after the first gathered-product fusion at T = 16.)"""
     where = placement(kimi_layer_cost, topology, num_tokens)
     assert where.starts_before_the_routed_experts
-    if not starts_late(topology, num_tokens):
-        assert where.routed_share_inside == 1.0
+    assert where.routed_share_inside == 1.0

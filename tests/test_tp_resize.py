@@ -18,6 +18,8 @@ from flax import nnx
 import k3_tail
 from helpers import make_tp_mesh
 from k3_tail.checkpoint import restore_tail_state
+from k3_tail.models.kimi_k3 import layer as layer_module
+from k3_tail.models.kimi_k3.saved_layer import restore_layer
 from reference import TOLERANCE, relative_error
 
 CONFIG = k3_tail.TailConfig(hidden_size=100, latent_size=64)
@@ -246,3 +248,32 @@ def test_a_relative_directory_is_the_one_under_the_working_directory(tmp_path, m
     monkeypatch.chdir(tmp_path)
     restored = k3_tail.LatentMoETail.restore("tail", config=CONFIG, mesh=make_tp_mesh(8))
     np.testing.assert_array_equal(bits(restored.up_proj_kernel[...])[:, :100], bits(tail.up_proj_kernel[...]))
+
+
+# --- The Kimi-K3 layer: its checkpoint values saved at p, restored at p' --------------------------------------------
+
+def kimi_layer(tp_size, seed=0):
+    """A small Kimi-K3 layer (H 448, L 224, 8 experts of width 192, shared width 384) in float32, p = tp_size."""
+    config = layer_module.LayerConfig.kimi_k3(num_experts=8, top_k=2, width_divisor=16, dtype="float32")
+    return layer_module.build_layer(config, make_tp_mesh(tp_size), seed=seed)
+
+
+@pytest.mark.parametrize(("saved_p", "restored_p"), [pytest.param(2, 8, id="2to8"), pytest.param(8, 4, id="8to4")])
+def test_a_layer_saved_at_p_restores_at_p_prime_and_computes_the_same_y(saved_p, restored_p, tmp_path):
+    saved = kimi_layer(saved_p)
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(tmp_path / "layer", saved.checkpoint_values())
+    checkpointer.wait_until_finished()
+    restored = restore_layer(tmp_path / "layer", config=saved.config, mesh=make_tp_mesh(restored_p))
+    assert restored.tp_size == restored_p
+    for name, value in restored.checkpoint_values().items():
+        np.testing.assert_array_equal(np.asarray(value), np.asarray(saved.checkpoint_values()[name]), err_msg=name)
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((3, saved.config.hidden_size)), jnp.float32)
+    assert relative_error(restored(x), saved(x)) <= 1e-5
+
+
+def test_a_layer_checkpoint_of_another_config_is_a_value_error_naming_the_entry():
+    values = kimi_layer(2).checkpoint_values()
+    config = layer_module.LayerConfig.kimi_k3(num_experts=16, top_k=2, width_divisor=16, dtype="float32")
+    with pytest.raises(ValueError, match=r"^checkpoint: expert_down: expected shape \(16, 192, 224\)"):
+        restore_layer(values, config=config, mesh=make_tp_mesh(2))

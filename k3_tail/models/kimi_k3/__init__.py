@@ -8,6 +8,8 @@
 - :mod:`~k3_tail.models.kimi_k3.cost`, :mod:`~k3_tail.models.kimi_k3.schedule`: predicted cost, compiled schedule.
 - :mod:`~k3_tail.models.kimi_k3.mxfp4`, :mod:`~k3_tail.models.kimi_k3.mxfp4_experts`,
   :mod:`~k3_tail.models.kimi_k3.mxfp4_matmul`: the released checkpoint's MXFP4 experts, their format and kernel.
+- :mod:`~k3_tail.models.kimi_k3.stack`: :class:`StackConfig`, N layers after their pre-norms as one scan
+  (:func:`stack_forward`, :class:`DecoderStack`, :func:`load_stack`, :func:`compile_stack`).
 """
 
 from k3_tail.models.kimi_k3.checkpoint import layer_config_from_hf, load_layer
@@ -21,13 +23,30 @@ from k3_tail.models.kimi_k3.layer import (
     compile_layer,
     layer_forward,
     layer_parameters,
+    pack_parameters,
     partition_specs,
     random_checkpoint,
 )
 from k3_tail.models.kimi_k3.reference import reference_layer
+from k3_tail.models.kimi_k3.saved_layer import restore_layer
 
 __all__ = [
     "KIMI_K3_NUM_EXPERTS", "KIMI_K3_TOP_K", "KimiK3MoELayer", "LayerConfig", "abstract_parameters", "build_layer",
-    "compile_layer", "layer_config_from_hf", "layer_forward", "layer_parameters", "load_layer", "partition_specs",
-    "random_checkpoint", "reference_layer",
+    "compile_layer", "layer_config_from_hf", "layer_forward", "layer_parameters", "load_layer", "pack_parameters",
+    "partition_specs",
+    "random_checkpoint", "reference_layer", "restore_layer",
+    "DecoderStack", "StackConfig", "build_stack", "compile_stack", "load_stack", "reference_stack", "stack_forward",
 ]
+
+STACK_NAMES = ("DecoderStack", "StackConfig", "build_stack", "compile_stack", "load_stack", "reference_stack",
+               "stack_forward")
+
+
+def __getattr__(name):
+    # The stack's names load on first use, so that `python -m k3_tail.models.kimi_k3.stack` runs a module that the
+    # package has not imported already (runpy warns otherwise).
+    if name in STACK_NAMES:
+        from k3_tail.models.kimi_k3 import stack
+
+        return getattr(stack, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

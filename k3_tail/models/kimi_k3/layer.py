@@ -75,7 +75,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -86,6 +86,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import k3_tail
 from k3_tail.models.kimi_k3 import mxfp4, mxfp4_experts as kimi_k3_mxfp4
 from k3_tail.models.kimi_k3.cost import MoELayerSizes
+from k3_tail.models.kimi_k3.decode_experts import decode_experts
 from k3_tail.models.kimi_k3.gemm import matmul
 from k3_tail.models.kimi_k3.routed_experts import ROUTED_EXPERTS, routed_expert_method
 from k3_tail.models.kimi_k3.situ import situ
@@ -97,6 +98,16 @@ KIMI_K3_NUM_EXPERTS, KIMI_K3_TOP_K = 896, 16
 # experts they hold the packed codes, and each has its scales beside it, named here.
 ROUTED_EXPERT_WEIGHTS = ("expert_gate", "expert_up", "expert_down")
 ROUTED_EXPERT_SCALES = {name: f"{name}_scale" for name in ROUTED_EXPERT_WEIGHTS}
+# The four kernels that multiply the hidden states, packed at load into one per-rank kernel (INPUT_KERNEL) in
+# this order, so that one GEMM reads x once for all of them: [H, E | L | F/p | F/p] per rank.
+INPUT_WEIGHTS = ("router_kernel", "down_proj", "shared_gate", "shared_up")
+INPUT_KERNEL = "input_kernel"
+# Each rank's index along the TP axis, int32 [p] sharded over it: a program argument, so that no partition-id
+# (and no kernel converting it) is left in the compiled layer for the tail's one-kernel tier.
+RANK = "rank"
+# The arrays a decoder stack hands each layer whole, with their leading axis of layers, and the layer's index:
+# the routed experts' kernels read them in place (a scan's slice of them would be a copy of the layer's experts).
+STACKED_IN_PLACE = (*ROUTED_EXPERT_WEIGHTS, *ROUTED_EXPERT_SCALES.values())
 # LayerConfig.expert_quantization's values: None (experts in the layer's dtype) or MXFP4.
 EXPERT_QUANTIZATIONS = (None, "mxfp4")
 KIMI_K3_EXPERT_INTERMEDIATE_SIZE, KIMI_K3_SHARED_INTERMEDIATE_SIZE = 3072, 6144
@@ -309,6 +320,66 @@ def partition_specs(config: LayerConfig, tp_size: int, *, axis_name: str = "tp",
     return specs
 
 
+def held_parameters(config: LayerConfig, tp_size: int) -> dict[str, Parameter]:
+    """Every array :func:`layer_forward` takes (what :class:`KimiK3MoELayer` holds), by name: the checkpoint's
+    (:func:`layer_parameters`) with :data:`INPUT_WEIGHTS` packed into ``input_kernel`` [H, p W], W = E + L + 2F/p
+    (rank i's block [H, W]: router, down projection, and its blocks of the shared gate and up kernels), and
+    ``rank`` int32 [p] (:func:`pack_parameters`)."""
+    checkpoint = layer_parameters(config)
+    width = config.num_experts + config.latent_size + 2 * config.shared_intermediate_size // tp_size
+    held = {name: parameter for name, parameter in checkpoint.items() if name not in INPUT_WEIGHTS}
+    held[INPUT_KERNEL] = Parameter((config.hidden_size, tp_size * width), config.dtype, 0.0)
+    held[RANK] = Parameter((tp_size,), np.dtype(np.int32), 0.0)
+    return held
+
+
+def held_partition_specs(config: LayerConfig, tp_size: int, *, axis_name: str = "tp",
+                         weight_layout: str = "replicated") -> dict[str, P]:
+    """The partition spec of every array :func:`layer_forward` takes (:func:`held_parameters`), by name."""
+    specs = partition_specs(config, tp_size, axis_name=axis_name, weight_layout=weight_layout)
+    held = {name: spec for name, spec in specs.items() if name not in INPUT_WEIGHTS}
+    return held | {INPUT_KERNEL: P(None, axis_name), RANK: P(axis_name)}
+
+
+def pack_parameters(checkpoint: Mapping[str, jax.Array], config: LayerConfig, mesh: Mesh, *, axis_name: str = "tp",
+                    weight_layout: str = "replicated") -> dict[str, jax.Array]:
+    """The arrays :func:`layer_forward` takes from the checkpoint's (global arrays by the names of
+    :func:`layer_parameters`, of their shapes and dtypes): each rank concatenates its blocks of
+    :data:`INPUT_WEIGHTS` where they lie (no collective; a transient copy of them), and ``rank`` is each rank's
+    index. The inverse is :func:`unpack_parameters`."""
+    specs = partition_specs(config, mesh.shape[axis_name], axis_name=axis_name, weight_layout=weight_layout)
+    placed = {name: jax.device_put(checkpoint[name], NamedSharding(mesh, specs[name])) for name in INPUT_WEIGHTS}
+    packed = _pack(placed, mesh=mesh, specs=tuple(specs[name] for name in INPUT_WEIGHTS), axis_name=axis_name)
+    rank = jax.device_put(np.arange(mesh.shape[axis_name], dtype=np.int32), NamedSharding(mesh, P(axis_name)))
+    rest = {name: value for name, value in checkpoint.items() if name not in INPUT_WEIGHTS}
+    return rest | {INPUT_KERNEL: packed, RANK: rank}
+
+
+@functools.partial(jax.jit, static_argnames=("mesh", "specs", "axis_name"))
+def _pack(placed, *, mesh, specs, axis_name):
+    def per_rank(*blocks):
+        return jnp.concatenate(blocks, axis=1)
+
+    return jax.shard_map(per_rank, mesh=mesh, in_specs=specs, out_specs=P(None, axis_name), check_vma=False)(
+        *(placed[name] for name in INPUT_WEIGHTS))
+
+
+def unpack_parameters(held: Mapping[str, jax.Array], config: LayerConfig, tp_size: int) -> dict[str, jax.Array]:
+    """The checkpoint's arrays (:func:`layer_parameters`' names, global) from what :func:`pack_parameters` made:
+    the router and down projection from rank 0's block (every rank holds the same), the shared kernels' blocks
+    in rank order, replicated. Copies what it slices."""
+    experts, latent = config.num_experts, config.latent_size
+    shared = config.shared_intermediate_size // tp_size
+    kernel = held[INPUT_KERNEL]
+    # Replicated first: the slices below then read no other rank's block (and an Explicit mesh types them).
+    blocks = jax.device_put(kernel, NamedSharding(kernel.sharding.mesh, P())).reshape(config.hidden_size, tp_size, -1)
+    bounds = np.cumsum([0, experts, latent, shared, shared])
+    router, down, gate, up = (blocks[:, :, start:stop] for start, stop in zip(bounds[:-1], bounds[1:], strict=True))
+    unpacked = {"router_kernel": router[:, 0], "down_proj": down[:, 0],
+                "shared_gate": gate.reshape(config.hidden_size, -1), "shared_up": up.reshape(config.hidden_size, -1)}
+    return {name: value for name, value in held.items() if name not in (INPUT_KERNEL, RANK)} | unpacked
+
+
 def random_checkpoint(config: LayerConfig, *, seed: int = 0) -> dict[str, np.ndarray]:
     """Stand-in weights for a checkpoint, by name, each in its dtype: drawn on the host with numpy, so
     nothing is compiled (XLA's CPU compiler takes seconds per ``jax.random.normal`` shape). With an FP8
@@ -336,11 +407,13 @@ def random_checkpoint(config: LayerConfig, *, seed: int = 0) -> dict[str, np.nda
 
 def abstract_parameters(config: LayerConfig, mesh: Mesh, *, axis_name: str = "tp",
                         weight_layout: str = "replicated") -> dict[str, jax.ShapeDtypeStruct]:
-    """Every parameter as a ``jax.ShapeDtypeStruct`` placed on ``mesh``: to lower and compile
+    """Every array :func:`layer_forward` takes (:func:`held_parameters`) as a ``jax.ShapeDtypeStruct`` placed on
+    ``mesh``: to lower and compile
     :func:`layer_forward` without values (also on a deviceless topology, ``k3_tail.topology_mesh``)."""
-    specs = partition_specs(config, mesh.shape[axis_name], axis_name=axis_name, weight_layout=weight_layout)
+    tp_size = mesh.shape[axis_name]
+    specs = held_partition_specs(config, tp_size, axis_name=axis_name, weight_layout=weight_layout)
     return {name: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=NamedSharding(mesh, specs[name]))
-            for name, p in layer_parameters(config).items()}
+            for name, p in held_parameters(config, tp_size).items()}
 
 
 def route(hidden_states: jax.Array, router_kernel: jax.Array, correction_bias: jax.Array, *,
@@ -351,23 +424,70 @@ def route(hidden_states: jax.Array, router_kernel: jax.Array, correction_bias: j
     chosen experts' un-biased scores, renormalised to sum 1 per token when top_k > 1 (at top_k = 1 the
     one weight is the expert's score itself, as in Kimi-K3's reference, MaxText and tpu-inference).
     """
-    scores = jax.nn.sigmoid(matmul(hidden_states, router_kernel))
+    return route_logits(matmul(hidden_states, router_kernel), correction_bias, top_k=top_k)
+
+
+def route_logits(logits: jax.Array, correction_bias: jax.Array, *, top_k: int) -> tuple[jax.Array, jax.Array]:
+    """:func:`route` from the router's logits [T, E] float32 (x @ W_router)."""
+    scores = jax.nn.sigmoid(logits)
     _, chosen = jax.lax.top_k(scores + correction_bias, top_k)
     picked = scores[jnp.arange(scores.shape[0])[:, None], chosen]
     return chosen, picked / picked.sum(axis=1, keepdims=True) if top_k > 1 else picked
 
 
-def routed_partial(parameters: Mapping[str, jax.Array], hidden_states: jax.Array, *,
-                   config: LayerConfig) -> jax.Array:
-    """This rank's routed latent partial r_i [T, L] in the config's dtype: router, down projection and
-    routed experts. Per rank, inside a shard_map: ``parameters`` are this rank's blocks,
-    ``hidden_states`` [T, H] the whole (replicated) input. No collective."""
-    chosen, combine = route(hidden_states, parameters["router_kernel"], parameters["router_bias"],
-                            top_k=config.top_k)
-    latent = matmul(hidden_states, parameters["down_proj"]).astype(config.dtype)
-    experts = ROUTED_EXPERTS[routed_expert_method(config, hidden_states.shape[0]).method]
-    routed = experts(latent, chosen, combine, *routed_expert_kernels(parameters))
-    return routed.astype(config.dtype)
+class InputProducts(NamedTuple):
+    """The products of the hidden states x [T, H] with this rank's ``input_kernel``, split by kernel, float32: the
+    router's logits [T, E], the routed latent z [T, L] (rounded to the dtype where the experts take it) and the
+    rank's shared gate and up products [T, F/p]."""
+
+    logits: jax.Array
+    latent: jax.Array
+    shared_gate: jax.Array
+    shared_up: jax.Array
+
+
+def input_products(parameters: Mapping[str, jax.Array], hidden_states: jax.Array) -> jax.Array:
+    """x @ input_kernel, float32 [T, W], W = E + L + 2F/p (:func:`split_products` names its columns). Per rank,
+    inside a shard_map: ``parameters`` are this rank's blocks, ``hidden_states`` [T, H] the whole (replicated)
+    input. 2 T H W FLOPs over d H W weight bytes: one GEMM, no collective."""
+    return matmul(hidden_states, parameters[INPUT_KERNEL])
+
+
+def split_products(products: jax.Array, config: LayerConfig) -> InputProducts:
+    """:func:`input_products`' columns by kernel (slices, which XLA fuses into their consumers)."""
+    experts, latent = config.num_experts, config.latent_size
+    shared = (products.shape[1] - experts - latent) // 2
+    bounds = np.cumsum([0, experts, latent, shared, shared])
+    logits, latent, gate, up = (products[:, start:stop] for start, stop in zip(bounds[:-1], bounds[1:], strict=True))
+    return InputProducts(logits, latent.astype(config.dtype), gate, up)
+
+
+def routed_partial(parameters: Mapping[str, jax.Array], products: jax.Array, *, config: LayerConfig,
+                   layer_index: jax.Array | None = None) -> jax.Array:
+    """This rank's routed latent partial r_i [T, L] in the config's dtype: the router's choice and the routed
+    experts on the :func:`input_products`. ``layer_index``: given, the :data:`STACKED_IN_PLACE` arrays hold every
+    layer of a stack [N, ...] and this is the layer's index. No collective."""
+    method = routed_expert_method(config, products.shape[0]).method
+    kernels = routed_expert_kernels(parameters)
+
+    def in_xla(products, bias, *arrays):
+        if layer_index is not None:
+            arrays = [array[layer_index] for array in arrays]
+        split = split_products(products, config)
+        chosen, combine = route_logits(split.logits, bias, top_k=config.top_k)
+        routed = ROUTED_EXPERTS[method](split.latent, chosen, combine, *_as_kernels(kernels, arrays))
+        return routed.astype(config.dtype)
+
+    def in_two_kernels(products, bias, *arrays):
+        return decode_experts(products, bias, *_as_kernels(kernels, arrays), num_experts=config.num_experts,
+                              top_k=config.top_k, dtype=config.dtype, layer=layer_index)
+
+    arrays = [array for kernel in kernels for array in _kernel_arrays(kernel)]
+    if method != "gather":
+        return in_xla(products, parameters["router_bias"], *arrays)
+    # At decode a GPU routes and runs the experts in two Pallas kernels (decode_experts); elsewhere XLA's gather.
+    return jax.lax.platform_dependent(products, parameters["router_bias"], *arrays, cuda=in_two_kernels,
+                                      rocm=in_two_kernels, default=in_xla)
 
 
 def routed_expert_kernels(parameters: Mapping[str, jax.Array]) -> tuple[jax.Array | kimi_k3_mxfp4.Mxfp4Kernel, ...]:
@@ -378,12 +498,26 @@ def routed_expert_kernels(parameters: Mapping[str, jax.Array]) -> tuple[jax.Arra
     return tuple(parameters[name] for name in ROUTED_EXPERT_WEIGHTS)
 
 
-def shared_partial(parameters: Mapping[str, jax.Array], hidden_states: jax.Array, *,
-                   config: LayerConfig) -> jax.Array:
-    """This rank's shared-expert partial s_i [T, H] in the config's dtype (arguments as
-    :func:`routed_partial`). No collective."""
-    activation = situ(matmul(hidden_states, parameters["shared_gate"]),
-                      matmul(hidden_states, parameters["shared_up"])).astype(config.dtype)
+def _kernel_arrays(kernel) -> tuple[jax.Array, ...]:
+    return (kernel.packed, kernel.scale) if isinstance(kernel, kimi_k3_mxfp4.Mxfp4Kernel) else (kernel,)
+
+
+def _as_kernels(kernels, arrays) -> list:
+    """``kernels``' kinds (arrays or MXFP4) rebuilt on ``arrays`` (their arrays, in order)."""
+    arrays, rebuilt = iter(arrays), []
+    for kernel in kernels:
+        if isinstance(kernel, kimi_k3_mxfp4.Mxfp4Kernel):
+            rebuilt.append(kimi_k3_mxfp4.Mxfp4Kernel(next(arrays), next(arrays)))
+        else:
+            rebuilt.append(next(arrays))
+    return rebuilt
+
+
+def shared_partial(parameters: Mapping[str, jax.Array], products: jax.Array, *, config: LayerConfig) -> jax.Array:
+    """This rank's shared-expert partial s_i [T, H] in the config's dtype, from its gate and up products among the
+    :func:`input_products`. No collective."""
+    split = split_products(products, config)
+    activation = situ(split.shared_gate, split.shared_up).astype(config.dtype)
     return matmul(activation, parameters["shared_down"]).astype(config.dtype)
 
 
@@ -391,36 +525,40 @@ def rank_partials(parameters: Mapping[str, jax.Array], hidden_states: jax.Array,
                   config: LayerConfig) -> tuple[jax.Array, jax.Array]:
     """(routed latent partial r_i [T, L], shared partial s_i [T, H]) of this rank, in the config's dtype
     (:func:`routed_partial`, :func:`shared_partial`). No collective."""
-    return (routed_partial(parameters, hidden_states, config=config),
-            shared_partial(parameters, hidden_states, config=config))
+    products = input_products(parameters, hidden_states)
+    return (routed_partial(parameters, products, config=config),
+            shared_partial(parameters, products, config=config))
 
 
 def layer_per_rank(parameters: Mapping[str, jax.Array], hidden_states: jax.Array, *, config: LayerConfig,
                    axis_name: str, weight_layout: str, tier: k3_tail.Tier | str | None,
-                   device: jax.Device) -> jax.Array:
-    """This rank's y: its partials, then ``k3_tail.latent_moe_tail`` on them.
+                   device: jax.Device, layer_index: jax.Array | None = None) -> jax.Array:
+    """This rank's y: its partials, then ``k3_tail.latent_moe_tail`` on them (given the rank's index).
 
     With ``config.early_shared_reduction`` the shared experts run first and ``k3_tail.reduce_shared``
     sums their partials while the routed experts compute; the tail then takes the reduced shared
     output (``TailConfig.shared_output_is_reduced``). Two ordering barriers (they order values and
     emit no kernel) make XLA's schedule keep the reduction around the routed experts: the routed
-    experts' input waits for the shared partial, and the routed partial waits for the reduced
+    experts' inputs wait for the shared partial, and the routed partial waits for the reduced
     shared output, so the tail cannot start before both are done.
+
+    ``layer_index``: in a decoder stack, the layer's index, the :data:`STACKED_IN_PLACE` arrays holding every
+    layer's (:func:`routed_partial`).
 
     Returns [T, H], or with sequence-parallel output this rank's [T'/p, H] rows of y padded to
     T' = ``k3_tail.padded_token_count(T, p)`` rows (``k3_tail.is_token_sharded_output``).
     """
+    products = input_products(parameters, hidden_states)
+    shared = shared_partial(parameters, products, config=config)
     if config.early_shared_reduction:
-        shared = shared_partial(parameters, hidden_states, config=config)
-        hidden_states, shared = jax.lax.optimization_barrier((hidden_states, shared))
+        products, shared = jax.lax.optimization_barrier((products, shared))
         shared = k3_tail.reduce_shared(shared, config=config.tail, axis_name=axis_name, device=device)
-        routed = routed_partial(parameters, hidden_states, config=config)
+    routed = routed_partial(parameters, products, config=config, layer_index=layer_index)
+    if config.early_shared_reduction:
         routed, _ = jax.lax.optimization_barrier((routed, shared))
-    else:
-        routed, shared = rank_partials(parameters, hidden_states, config=config)
     return k3_tail.latent_moe_tail(routed, shared, parameters["norm_scale"], up_projection(parameters),
                                    config=config.tail, axis_name=axis_name, weight_layout=weight_layout, tier=tier,
-                                   device=device)
+                                   device=device, rank=parameters[RANK])
 
 
 def up_projection(parameters: Mapping[str, jax.Array]) -> jax.Array | k3_tail.QuantizedKernel:
@@ -436,9 +574,10 @@ def layer_forward(parameters: Mapping[str, jax.Array], hidden_states: jax.Array,
                   tier: k3_tail.Tier | str | None = None) -> jax.Array:
     """y [T, H] of the layer for hidden_states [T, H], as one ``jax.shard_map`` over ``mesh``.
 
-    ``parameters``: global arrays by the names of :func:`layer_parameters` (placed here as
-    :func:`partition_specs` says; a no-op for arrays already there). ``tier``: force a tail tier, or
-    None to let the tail select one for T (``k3_tail.select_tier``). y is replicated (``P()``), or with
+    ``parameters``: global arrays by the names of :func:`held_parameters` (:func:`pack_parameters` of a
+    checkpoint; placed here as :func:`held_partition_specs` says, a no-op for arrays already there).
+    ``tier``: force a tail tier, or None to let the tail select one for T (``k3_tail.select_tier``).
+    y is replicated (``P()``), or with
     sequence-parallel output (``k3_tail.is_token_sharded_output``) padded to T' rows
     (``k3_tail.padded_token_count(T, p)``), [T', H], token-sharded over ``axis_name``, the padding rows
     zero. Jitted: compiled once
@@ -501,7 +640,7 @@ def layer_partials(parameters: Mapping[str, jax.Array], hidden_states: jax.Array
 
 def _shard_map(per_rank, parameters, hidden_states, *, config, mesh, axis_name, weight_layout, out_specs):
     """``per_rank(parameter blocks, hidden_states)`` in a shard_map over ``mesh``, the inputs placed first."""
-    specs = partition_specs(config, mesh.shape[axis_name], axis_name=axis_name, weight_layout=weight_layout)
+    specs = held_partition_specs(config, mesh.shape[axis_name], axis_name=axis_name, weight_layout=weight_layout)
     if set(parameters) != set(specs):
         raise ValueError(f"parameters: expected the names {sorted(specs)}, got {sorted(parameters)}")
     placed = {name: jax.device_put(parameters[name], NamedSharding(mesh, spec)) for name, spec in specs.items()}
@@ -523,12 +662,14 @@ class KimiK3MoELayer(nnx.Module):
 
     ``checkpoint``: every parameter of :func:`layer_parameters` by name, as numpy or jax arrays of its
     global shape (cast to its dtype; MXFP4 codes and scales must be uint8 already, as no cast makes
-    them); each is placed as :func:`partition_specs` says, so a rank
-    receives only its block (a jax array already placed so, as k3_tail/models/kimi_k3/checkpoint.py loads
-    them, stays where it is), and the Params carry that spec as sharding metadata
-    (``nnx.get_partition_spec``). ``__call__(hidden_states [T, H], *, tier=None)`` is
-    :func:`layer_forward`; ``partials`` is :func:`layer_partials`; ``plan(T)`` is the tail tier a
-    call with T tokens takes, and why.
+    them); each is placed as :func:`partition_specs` says, so a rank receives only its block (a jax array
+    already placed so, as :func:`~k3_tail.models.kimi_k3.load_layer` loads them, stays where it is), and the
+    kernels that multiply the hidden states are packed into one per rank (:func:`pack_parameters`). The Params
+    are what :func:`layer_forward` takes (:func:`held_parameters`), with their specs as sharding metadata
+    (``nnx.get_partition_spec``); the ranks' indices are an ``nnx.Variable`` of their own
+    (:class:`RankIndices`). ``__call__(hidden_states [T, H], *, tier=None)`` is :func:`layer_forward`;
+    ``partials`` is :func:`layer_partials`; ``plan(T)`` is the tail tier a call with T tokens takes, and why;
+    ``checkpoint_values()`` the checkpoint's arrays back (:func:`unpack_parameters`: what to save, at any p).
     """
 
     def __init__(self, config: LayerConfig, mesh: Mesh, checkpoint: Mapping[str, Any], *, axis_name: str = "tp",
@@ -541,6 +682,7 @@ class KimiK3MoELayer(nnx.Module):
         specs = partition_specs(config, self.tp_size, axis_name=axis_name, weight_layout=weight_layout)
         if set(checkpoint) != set(parameters):
             raise ValueError(f"checkpoint: expected the names {sorted(parameters)}, got {sorted(checkpoint)}")
+        placed = {}
         for name, parameter in parameters.items():
             value = checkpoint[name]
             if not isinstance(value, jax.Array):  # a jax.Array (loaded sharded) stays on its devices
@@ -551,16 +693,24 @@ class KimiK3MoELayer(nnx.Module):
                 raise ValueError(f"checkpoint: expected {name} of uint8 (MXFP4 codes or scales), got {value.dtype}")
             if value.dtype != parameter.dtype:
                 value = value.astype(parameter.dtype)
-            placed = jax.device_put(value, NamedSharding(mesh, specs[name]))
-            setattr(self, name, nnx.Param(placed, out_sharding=specs[name], mesh=mesh))
+            placed[name] = jax.device_put(value, NamedSharding(mesh, specs[name]))
+        held = pack_parameters(placed, config, mesh, axis_name=axis_name, weight_layout=weight_layout)
+        held_specs = held_partition_specs(config, self.tp_size, axis_name=axis_name, weight_layout=weight_layout)
+        self.rank = RankIndices(held.pop(RANK))
+        for name, value in held.items():
+            setattr(self, name, nnx.Param(value, out_sharding=held_specs[name], mesh=mesh))
 
     @property
     def tp_size(self) -> int:
         return self.mesh.shape[self.axis_name]
 
     def parameter_values(self) -> dict[str, jax.Array]:
-        """Every parameter's value (a global array), by name."""
-        return nnx.to_pure_dict(nnx.state(self, nnx.Param))
+        """Every array :func:`layer_forward` takes (global arrays), by name: the Params and the ranks' indices."""
+        return nnx.to_pure_dict(nnx.state(self, nnx.Param)) | {RANK: self.rank.get_value()}
+
+    def checkpoint_values(self) -> dict[str, jax.Array]:
+        """The checkpoint's arrays (:func:`layer_parameters`' names and global shapes, none of them p's)."""
+        return unpack_parameters(self.parameter_values(), self.config, self.tp_size)
 
     def __call__(self, hidden_states: jax.Array, *, tier: k3_tail.Tier | str | None = None) -> jax.Array:
         return layer_forward(self.parameter_values(), hidden_states, config=self.config, mesh=self.mesh,
@@ -574,6 +724,10 @@ class KimiK3MoELayer(nnx.Module):
         device = self.mesh.devices.flat[0]
         return k3_tail.select_tier(self.config.tail, num_tokens, self.tp_size, weight_layout=self.weight_layout,
                                    device_kind=device.device_kind, platform=device)
+
+
+class RankIndices(nnx.Variable):
+    """Each rank's index along the layer's TP axis, int32 [p] sharded over it: an input, not a parameter."""
 
 
 def build_layer(config: LayerConfig, mesh: Mesh, *, seed: int = 0, axis_name: str = "tp",
