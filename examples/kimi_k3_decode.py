@@ -17,8 +17,8 @@ parser.add_argument("--experts", type=int, default=8, help="routed experts (defa
 parser.add_argument("--top-k", type=int, default=2, help="experts per token (default: 2; Kimi-K3 routes to 16)")
 
 
-def main() -> int:
-    args = parser.parse_args()
+def main(argv: list[str] | None = None) -> int:
+    args = parser.parse_args(argv)
     try:
         token_counts = [int(count) for count in args.tokens.split(",")]
     except ValueError:

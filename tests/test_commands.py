@@ -1,7 +1,12 @@
-"""Every command of the repository outside ``k3-tail`` (tests/test_cli.py has those): the example scripts, the
-experiments in scripts/ and the model's own modules run with ``python -m``. Each says what it does under
-``--help`` and exits 0; a bad flag exits 2 before it runs anything."""
+"""The Kimi-K3 model's commands: the example scripts, the layer's two experiments in scripts/ and the model's own
+modules run with ``python -m`` (tests/test_cli.py has ``k3-tail``'s). Each says what it does under ``--help`` and
+exits 0; a bad flag exits 2 before it runs anything. Both are argparse's answers before the command does any work,
+so they are asked of each command's ``main(argv)`` in this process; the example runs as a user starts it."""
 
+import contextlib
+import importlib
+import importlib.util
+import io
 import subprocess
 import sys
 from pathlib import Path
@@ -11,33 +16,52 @@ import pytest
 from helpers import command_environment
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = sorted(str(path.relative_to(ROOT)) for pattern in ("examples/*.py", "scripts/*.py")
+SCRIPTS = sorted(str(path.relative_to(ROOT)) for pattern in ("examples/*.py", "scripts/kimi_k3_*.py")
                  for path in ROOT.glob(pattern))
 MODULES = ["k3_tail.models.kimi_k3.figures", "k3_tail.models.kimi_k3.stack"]
-COMMANDS = [[path] for path in SCRIPTS] + [["-m", module] for module in MODULES]
+COMMANDS = SCRIPTS + MODULES
 
 
-def run(arguments):
-    return subprocess.run([sys.executable, *arguments], cwd=ROOT, env=command_environment(), capture_output=True,
-                          text=True, timeout=120)
+def command_main(command):
+    """The command's ``main(argv)``: a module's, or a script's loaded from its file (scripts/ is no package; a script
+    may import another beside it)."""
+    if command in MODULES:
+        return importlib.import_module(command).main
+    path = ROOT / command
+    sys.path.insert(0, str(path.parent))
+    try:
+        specification = importlib.util.spec_from_file_location(path.stem, path)
+        module = importlib.util.module_from_spec(specification)
+        specification.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(path.parent))
+    return module.main
 
 
-@pytest.mark.parametrize("command", COMMANDS, ids=[" ".join(command) for command in COMMANDS])
+def exit_of(command, argv):
+    """(exit status, stdout, stderr) of ``command``'s main on ``argv``, which must end in argparse's exit."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), pytest.raises(SystemExit) as exited:
+        command_main(command)(argv)
+    return exited.value.code, out.getvalue(), err.getvalue()
+
+
+@pytest.mark.parametrize("command", COMMANDS)
 def test_every_command_says_what_it_does_under_help(command):
-    result = run([*command, "--help"])
-    assert result.returncode == 0, result.stderr
-    usage, _, description = result.stdout.partition("\n\n")
-    assert usage.startswith("usage:") and len(description.split()) >= 5
+    status, out, _ = exit_of(command, ["--help"])
+    usage, _, description = out.partition("\n\n")
+    assert status == 0 and usage.startswith("usage:") and len(description.split()) >= 5
 
 
-@pytest.mark.parametrize("command", COMMANDS, ids=[" ".join(command) for command in COMMANDS])
+@pytest.mark.parametrize("command", COMMANDS)
 def test_a_bad_flag_exits_2_before_running(command):
-    result = run([*command, "--no-such-flag"])
-    assert result.returncode == 2 and "error:" in result.stderr and not result.stdout
+    status, out, err = exit_of(command, ["--no-such-flag"])
+    assert status == 2 and "unrecognized arguments: --no-such-flag" in err and not out
 
 
 def test_the_decode_example_checks_the_layer_against_its_float64_reference():
-    result = run(["examples/kimi_k3_decode.py", "--tokens", "1", "--width-divisor", "32"])
+    result = subprocess.run([sys.executable, "examples/kimi_k3_decode.py", "--tokens", "1", "--width-divisor", "32"],
+                            cwd=ROOT, env=command_environment(), capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     error = float(result.stdout.rsplit("float64: ", 1)[1])
     assert error <= 1e-2  # bf16 (tests/test_kimi_k3_layer.py's tolerance)

@@ -71,6 +71,17 @@ def test_the_two_kernels_compute_the_gather_method_after_the_routers_top_k(dtype
     assert relative_error(got, in_xla(*arguments, dtype)) <= TOLERANCE[np.dtype(dtype)]
 
 
+@pytest.mark.parametrize("quantization", [None, "mxfp4"], ids=["bf16", "mxfp4"])
+def test_a_stacks_layer_index_reads_that_layers_experts_where_they_lie(quantization):
+    products, bias, *layer_1 = experts(jnp.bfloat16, quantization, seed=1)
+    _, _, *layer_0 = experts(jnp.bfloat16, quantization, seed=0)
+    stacked = [jax.tree.map(lambda *arrays: jnp.stack(arrays), one, other) for one, other in zip(layer_0, layer_1,
+                                                                                                  strict=True)]
+    got = decode_experts(products, bias, *stacked, num_experts=EXPERTS, top_k=TOP_K, dtype=jnp.bfloat16,
+                         layer=jnp.int32(1), interpret=True)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(in_kernels(products, bias, *layer_1, jnp.bfloat16)))
+
+
 def test_tied_scores_choose_the_lower_experts_as_top_k_does():
     products, bias, gate, up, down = experts(jnp.float32, None)
     tied = products.at[:, :EXPERTS].set(0.5)

@@ -27,6 +27,12 @@ Tensor parallelism (each parameter's partition spec is in :func:`partition_specs
   [L, H/p] ("column"); in FP8 with per-column scales (sharded with its columns) when the tail config's
   ``up_proj_dtype`` says so. Its collectives are the layer's only ones.
 
+Held (:func:`held_parameters`): the four kernels that multiply x, W_router, W_down and the rank's blocks of G_s
+and U_s, are packed at load into one per-rank ``input_kernel`` [H, E + L + 2F/p] (:func:`pack_parameters`), so
+one GEMM reads x for all of them; each rank is also given its index (``rank``), so the compiled layer holds no
+partition-id. :meth:`KimiK3MoELayer.checkpoint_values` gives the checkpoint's arrays back, which hold no trace
+of p (:func:`~k3_tail.models.kimi_k3.restore_layer` restores them at any p).
+
 Kimi-K3's two shared experts (SiTU MLPs of width 3072 each) are one MLP of width F = 6144 here:
 their gate and up kernels concatenated along the intermediate width and their down kernels along
 its rows. That is the same function, because SiTU acts on each intermediate channel alone, and it is
@@ -37,7 +43,9 @@ by :func:`routed_expert_method` with its reason:
 
 - "gather" while T * k <= E (decode): for each (token, slot) the chosen expert's blocks are read in
   place and applied as a multiply + reduce XLA fuses, so the [T, k, L, m/p] blocks are never copied.
-  That reads T*k expert blocks, at most the E blocks all experts hold, and needs no sort.
+  That reads T*k expert blocks, at most the E blocks all experts hold, and needs no sort. On a GPU the
+  router's top-k and the method run as two Pallas kernels (:mod:`.decode_experts`): the layer's decode is
+  then 8 GPU kernels besides its collectives on H100, MI300X and MI355X.
 - "capacity" above (prefill): the T*k pairs sorted by expert, each expert's first C pairs in one
   batched GEMM over all E experts with the weights read in place, once, and the pairs beyond C in
   overflow rounds: exact for any routing, at about CAPACITY_FACTOR (1.25) times the useful FLOPs.
@@ -58,12 +66,13 @@ where they enter a GEMM (z, the SiTU outputs) and where the partials enter the t
 ``k3_tail.models.kimi_k3.gemm.matmul``, which multiplies a single row (T = 1) as two, so that XLA's GPU
 pipeline keeps it a GEMM that reads its kernel in place (docs/design.md, "One-row GEMMs").
 
-Per-rank cost, d bytes per element: router 2THE FLOPs over dHE weight bytes; down projection 2THL
-over dHL; routed experts 6TkLm/p over 3dLm/p per expert read (gather: T*k of them; capacity: all E,
-once; MXFP4 experts: d = 0.53125 held, plus what XLA writes of their decoding, k3_tail/models/kimi_k3/mxfp4_experts.py);
-shared experts 6THF/p over 3dHF/p; then the tail tier's (README tier table).
+Per-rank cost, d bytes per element: the input GEMM 2TH(E + L + 2F/p) FLOPs over dH(E + L + 2F/p) weight
+bytes (router, down projection, shared gate and up); routed experts 6TkLm/p over 3dLm/p per expert read
+(gather: T*k of them; capacity: all E, once; MXFP4 experts: d = 0.53125 held, plus what XLA writes of their
+decoding, :mod:`.mxfp4_experts`); the shared experts' down projection 2THF/p over dHF/p; then the tail tier's
+(README tier table).
 
-``KimiK3MoELayer`` holds the parameters as ``nnx.Param`` (``build_layer``: random stand-ins for a
+``KimiK3MoELayer`` holds the packed parameters as ``nnx.Param`` (``build_layer``: random stand-ins for a
 checkpoint; k3_tail/models/kimi_k3/checkpoint.py: a layer of a Hugging Face checkpoint); :func:`layer_forward`
 is the jitted pure function it calls, which also compiles from abstract parameters
 (:func:`abstract_parameters`) for a deviceless GPU topology: :func:`compile_layer`, with the
@@ -462,18 +471,30 @@ def split_products(products: jax.Array, config: LayerConfig) -> InputProducts:
     return InputProducts(logits, latent.astype(config.dtype), gate, up)
 
 
-def routed_partial(parameters: Mapping[str, jax.Array], products: jax.Array, *, config: LayerConfig,
+def routed_inputs(products: jax.Array, config: LayerConfig) -> jax.Array | InputProducts:
+    """What the routed experts read of the :func:`input_products`: at decode (the gather method) the products as
+    they are, where a GPU's kernels read the logits and z; else only the logits and z, split (what the layer
+    carries past the early shared reduction is then no more than those two)."""
+    if routed_expert_method(config, products.shape[0]).method == "gather":
+        return products
+    split = split_products(products, config)
+    return split._replace(shared_gate=None, shared_up=None)
+
+
+def routed_partial(parameters: Mapping[str, jax.Array], products: jax.Array | InputProducts, *, config: LayerConfig,
                    layer_index: jax.Array | None = None) -> jax.Array:
     """This rank's routed latent partial r_i [T, L] in the config's dtype: the router's choice and the routed
-    experts on the :func:`input_products`. ``layer_index``: given, the :data:`STACKED_IN_PLACE` arrays hold every
-    layer of a stack [N, ...] and this is the layer's index. No collective."""
-    method = routed_expert_method(config, products.shape[0]).method
+    experts on the :func:`input_products` (or their split, :func:`routed_inputs`). ``layer_index``: given, the
+    :data:`STACKED_IN_PLACE` arrays hold every layer of a stack [N, ...] and this is the layer's index. No
+    collective."""
+    split_first = isinstance(products, InputProducts)
+    method = routed_expert_method(config, (products.logits if split_first else products).shape[0]).method
     kernels = routed_expert_kernels(parameters)
 
     def in_xla(products, bias, *arrays):
         if layer_index is not None:
             arrays = [array[layer_index] for array in arrays]
-        split = split_products(products, config)
+        split = products if split_first else split_products(products, config)
         chosen, combine = route_logits(split.logits, bias, top_k=config.top_k)
         routed = ROUTED_EXPERTS[method](split.latent, chosen, combine, *_as_kernels(kernels, arrays))
         return routed.astype(config.dtype)
@@ -483,7 +504,7 @@ def routed_partial(parameters: Mapping[str, jax.Array], products: jax.Array, *, 
                               top_k=config.top_k, dtype=config.dtype, layer=layer_index)
 
     arrays = [array for kernel in kernels for array in _kernel_arrays(kernel)]
-    if method != "gather":
+    if method != "gather" or split_first:
         return in_xla(products, parameters["router_bias"], *arrays)
     # At decode a GPU routes and runs the experts in two Pallas kernels (decode_experts); elsewhere XLA's gather.
     return jax.lax.platform_dependent(products, parameters["router_bias"], *arrays, cuda=in_two_kernels,
@@ -550,10 +571,11 @@ def layer_per_rank(parameters: Mapping[str, jax.Array], hidden_states: jax.Array
     """
     products = input_products(parameters, hidden_states)
     shared = shared_partial(parameters, products, config=config)
+    routed_in = routed_inputs(products, config)
     if config.early_shared_reduction:
-        products, shared = jax.lax.optimization_barrier((products, shared))
+        routed_in, shared = jax.lax.optimization_barrier((routed_in, shared))
         shared = k3_tail.reduce_shared(shared, config=config.tail, axis_name=axis_name, device=device)
-    routed = routed_partial(parameters, products, config=config, layer_index=layer_index)
+    routed = routed_partial(parameters, routed_in, config=config, layer_index=layer_index)
     if config.early_shared_reduction:
         routed, _ = jax.lax.optimization_barrier((routed, shared))
     return k3_tail.latent_moe_tail(routed, shared, parameters["norm_scale"], up_projection(parameters),
