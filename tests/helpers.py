@@ -6,6 +6,7 @@ Import them with ``from helpers import ...`` (``conftest.py`` only sets up the p
 """
 
 import atexit
+import dataclasses
 import functools
 import importlib.util
 import json
@@ -318,3 +319,28 @@ def disassembled(read, *args):
         if os.environ.get("CI"):
             raise
         pytest.skip(str(missing))
+
+
+def kimi_layer_compiled(tmp_path_factory, topology, num_tokens, quantization=None):
+    """Kimi-K3's layer (896 experts, top 16, routed experts held as ``quantization``: None for bf16) compiled for the
+    deviceless ``topology`` at T tokens as ``compile_layer`` compiles it (the tail tier it selects), once per session
+    for every test that reads it: {"figures": ``figures.CompiledFigures``' fields, "gemm_flops": XLA's per device,
+    "placement": the early shared reduction's ``SharedReductionPlacement`` fields}. Skipped where the topology
+    cannot compile (:func:`gpu_mesh_for`)."""
+    from k3_tail.models.kimi_k3 import figures, layer
+    from k3_tail.models.kimi_k3.schedule import shared_reduction_placement
+
+    mesh = gpu_mesh_for(topology)
+
+    def produce(directory):
+        config = layer.LayerConfig.kimi_k3(num_experts=layer.KIMI_K3_NUM_EXPERTS, top_k=layer.KIMI_K3_TOP_K,
+                                           expert_quantization=quantization)
+        dump_dir = str(directory / "dump")
+        compiled = layer.compile_layer(config, mesh, num_tokens, xla_options={"xla_dump_to": dump_dir})
+        placement = shared_reduction_placement(compiled, layer.ROUTED_EXPERT_WEIGHTS)
+        return {"figures": dataclasses.asdict(figures.figures_of(compiled, dump_dir)),
+                "gemm_flops": k3_tail.xla.report.report(compiled, shared_argument=None).gemm_flops,
+                "placement": dataclasses.asdict(placement)}
+
+    name = f"kimi-layer-{topology}-T{num_tokens}-{quantization or 'bfloat16'}"
+    return once_per_session(tmp_path_factory, name, produce, timeout_s=600)[1]

@@ -10,14 +10,13 @@ Tolerances, relative Frobenius error against the XLA route on the same inputs: f
 another order, within float32 accumulation), bfloat16 <= 8e-3 (the same sums, each rounded once to bf16).
 """
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import gpu_mesh_for, once_per_session, topology_params
+from helpers import kimi_layer_compiled, topology_params
 from k3_tail.models.kimi_k3 import figures as layer_figures, layer as layer_module, routed_experts
 from k3_tail.models.kimi_k3.decode_experts import decode_experts
 from k3_tail.models.kimi_k3.mxfp4_experts import Mxfp4Kernel, random_codes
@@ -62,8 +61,8 @@ def relative_error(a, b):
     return np.linalg.norm(a - b) / np.linalg.norm(b)
 
 
-@pytest.mark.parametrize(("dtype", "quantization"), [(jnp.float32, None), (jnp.bfloat16, None),
-                                                     (jnp.bfloat16, "mxfp4"), (jnp.float32, "mxfp4")])
+@pytest.mark.parametrize(("dtype", "quantization"),
+                         [(jnp.float32, None), (jnp.bfloat16, None), (jnp.bfloat16, "mxfp4")])
 def test_the_two_kernels_compute_the_gather_method_after_the_routers_top_k(dtype, quantization):
     arguments = experts(dtype, quantization)
     got = in_kernels(*arguments, dtype)
@@ -99,14 +98,11 @@ def test_a_nan_logit_makes_its_tokens_row_nan_and_leaves_the_others_finite():
 
 @pytest.fixture
 def figures(tmp_path_factory):
-    """(topology, T, quantization) -> CompiledFigures of the Kimi-K3 layer (896 experts, top 16), once per session."""
+    """(topology, T, quantization) -> CompiledFigures of the Kimi-K3 layer (``helpers.kimi_layer_compiled``)."""
 
     def compiled(topology, num_tokens, quantization):
-        mesh = gpu_mesh_for(topology)
-        _, result = once_per_session(
-            tmp_path_factory, f"kimi-layer-figures-{topology}-T{num_tokens}-{quantization or 'bfloat16'}",
-            lambda _: dataclasses.asdict(layer_figures.compiled_figures(quantization, mesh, num_tokens)), timeout_s=300)
-        return layer_figures.CompiledFigures(**result)
+        return layer_figures.CompiledFigures(**kimi_layer_compiled(tmp_path_factory, topology, num_tokens,
+                                                                   quantization)["figures"])
 
     return compiled
 

@@ -13,11 +13,10 @@ decoded in their operand load, each group's kernels were written decoded, 154 MB
 scales and an int32 u - 1 of the down kernel's; through the format's dtypes it needs 1.58 MB.)
 """
 
-import dataclasses
 
 import pytest
 
-from helpers import gpu_mesh_for, once_per_session, topology_params
+from helpers import kimi_layer_compiled, topology_params
 from k3_tail.models.kimi_k3 import (
     figures as layer_figures,
     layer as layer_module,
@@ -33,14 +32,11 @@ TOPOLOGIES = topology_params("h100x8", "mi300xx8", "mi355xx8", slow=("mi355xx8",
 
 @pytest.fixture
 def figures(tmp_path_factory):
-    """(topology, T, quantization) -> CompiledFigures of the layer, each once per session."""
+    """(topology, T, quantization) -> CompiledFigures of the Kimi-K3 layer (``helpers.kimi_layer_compiled``)."""
 
     def compiled(topology, num_tokens, quantization):
-        mesh = gpu_mesh_for(topology)
-        _, result = once_per_session(
-            tmp_path_factory, f"kimi-layer-figures-{topology}-T{num_tokens}-{quantization or 'bfloat16'}",
-            lambda _: dataclasses.asdict(layer_figures.compiled_figures(quantization, mesh, num_tokens)), timeout_s=300)
-        return layer_figures.CompiledFigures(**result)
+        return layer_figures.CompiledFigures(**kimi_layer_compiled(tmp_path_factory, topology, num_tokens,
+                                                                   quantization)["figures"])
 
     return compiled
 

@@ -25,7 +25,6 @@ work); at 16 the start is known to miss where XLA's latency-hiding scheduler sta
 routed-expert fusion (H100, and MI300X / MI355X from jax 0.12).
 """
 
-import dataclasses
 import functools
 
 import jax
@@ -35,11 +34,10 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import k3_tail
-from helpers import FAST_COMPILE_OPTIONS, gpu_mesh_for, make_tp_mesh, once_per_session, topology_params
+from helpers import FAST_COMPILE_OPTIONS, gpu_mesh_for, kimi_layer_compiled, make_tp_mesh, topology_params
 from k3_tail.models.kimi_k3 import cost as layer_cost, layer as layer_module, routed_experts
 from k3_tail.models.kimi_k3.reference import reference_routed_experts
-from k3_tail.models.kimi_k3.schedule import SharedReductionPlacement, shared_reduction_placement
-from k3_tail.xla import report as xla_report
+from k3_tail.models.kimi_k3.schedule import SharedReductionPlacement
 from reference import relative_error
 
 LATENT, EXPERT_WIDTH, EXPERTS, TOP_K, TP_SIZE = 32, 16, 8, 2, 2
@@ -164,29 +162,20 @@ def test_a_token_count_that_is_not_a_count_is_a_value_error_naming_it(num_tokens
 @pytest.fixture
 def kimi_layer_cost(tmp_path_factory):
     """(topology, T) -> {"tp_size", "gemm_flops", "useful_flops", "temp_bytes", "placement"} per device of the
-    Kimi-K3 layer compiled for that deviceless topology with the tail tier it selects (:func:`compile_kimi_layer`),
-    each (topology, T) once per session; skipped where the topology cannot compile (``helpers.gpu_mesh_for``)."""
+    Kimi-K3 layer compiled for that deviceless topology with the tail tier it selects (compiled as
+    scripts/kimi_k3_layer_share.py compiles it: ``helpers.kimi_layer_compiled``, once per session)."""
 
     def cost(topology, num_tokens):
-        gpu_mesh_for(topology)
-        _, result = once_per_session(tmp_path_factory, f"kimi-layer-{topology}-T{num_tokens}",
-                                     lambda _: compile_kimi_layer(topology, num_tokens), timeout_s=120)
-        return result
+        compiled = kimi_layer_compiled(tmp_path_factory, topology, num_tokens)
+        mesh = gpu_mesh_for(topology)
+        tp_size, device = mesh.shape["tp"], mesh.devices.flat[0]
+        tier = k3_tail.select_tier(KIMI.tail, num_tokens, tp_size, device_kind=device.device_kind,
+                                   platform=device).tier
+        return {"tp_size": tp_size, "gemm_flops": compiled["gemm_flops"],
+                "useful_flops": layer_cost.layer_flops(KIMI.sizes, num_tokens, tp_size, tier=tier),
+                "temp_bytes": compiled["figures"]["temp_bytes"], "placement": compiled["placement"]}
 
     return cost
-
-
-def compile_kimi_layer(topology, num_tokens):
-    """The layer's per-device cost at T tokens on ``topology`` with the tail tier it selects, compiled as
-    scripts/kimi_k3_layer_share.py compiles it (``compile_layer``: with the layer's compiler options)."""
-    mesh = k3_tail.topology_mesh(topology)
-    tp_size, device = mesh.shape["tp"], mesh.devices.flat[0]
-    tier = k3_tail.select_tier(KIMI.tail, num_tokens, tp_size, device_kind=device.device_kind, platform=device).tier
-    compiled = layer_module.compile_layer(KIMI, mesh, num_tokens)
-    return {"tp_size": tp_size, "gemm_flops": xla_report.report(compiled, shared_argument=None).gemm_flops,
-            "useful_flops": layer_cost.layer_flops(KIMI.sizes, num_tokens, tp_size, tier=tier),
-            "temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
-            "placement": dataclasses.asdict(shared_reduction_placement(compiled, layer_module.ROUTED_EXPERT_WEIGHTS))}
 
 
 @pytest.mark.parametrize("topology", topology_params("h100x8", "mi300xx8", "mi355xx8", slow=("mi355xx8",)))

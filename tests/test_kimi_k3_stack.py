@@ -104,7 +104,7 @@ def reference_mix_tokens(h):
     return (h + np.roll(h, 1, axis=0)) / 2
 
 
-CASES = [pytest.param(None, 1, id="T1"), pytest.param(None, 6, id="T6"), pytest.param("mxfp4", 6, id="mxfp4-T6")]
+CASES = [pytest.param(None, 1, id="T1"), pytest.param(None, 6, id="T6"), pytest.param("mxfp4", 1, id="mxfp4-T1")]
 
 
 @pytest.mark.parametrize(("expert_quantization", "num_tokens"), CASES)

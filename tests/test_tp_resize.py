@@ -258,8 +258,8 @@ def kimi_layer(tp_size, seed=0):
     return layer_module.build_layer(config, make_tp_mesh(tp_size), seed=seed)
 
 
-@pytest.mark.parametrize(("saved_p", "restored_p"), [pytest.param(2, 8, id="2to8"), pytest.param(8, 4, id="8to4")])
-def test_a_layer_saved_at_p_restores_at_p_prime_and_computes_the_same_y(saved_p, restored_p, tmp_path):
+def test_a_layer_saved_at_p_restores_at_p_prime_and_computes_the_same_y(tmp_path):
+    saved_p, restored_p = 2, 8  # the packed input kernel's blocks: 2 of [H, E + L + F] saved, 8 of [H, E + L + F/4]
     saved = kimi_layer(saved_p)
     checkpointer = ocp.StandardCheckpointer()
     checkpointer.save(tmp_path / "layer", saved.checkpoint_values())

@@ -12,7 +12,6 @@ import dataclasses
 import tempfile
 
 import jax
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 import k3_tail
 from k3_tail.models.kimi_k3 import layer as layer_module
@@ -46,13 +45,14 @@ def compiled_figures(quantization: str | None, mesh, num_tokens: int) -> Compile
     kernels) in a temporary directory."""
     config = layer_module.LayerConfig.kimi_k3(num_experts=layer_module.KIMI_K3_NUM_EXPERTS,
                                               top_k=layer_module.KIMI_K3_TOP_K, expert_quantization=quantization)
-    hidden = jax.ShapeDtypeStruct((num_tokens, config.hidden_size), config.dtype, sharding=NamedSharding(mesh, P()))
-    lowered = layer_module.layer_forward.lower(layer_module.abstract_parameters(config, mesh), hidden, config=config,
-                                               mesh=mesh)
     with tempfile.TemporaryDirectory() as dump_dir:
-        options = {**layer_module.layer_compiler_options(config, mesh, num_tokens), "xla_dump_to": dump_dir}
-        compiled = lowered.compile(compiler_options=options)
-        figures = xla_report.report(compiled, shared_argument=None, dump_dir=dump_dir)
+        compiled = layer_module.compile_layer(config, mesh, num_tokens, xla_options={"xla_dump_to": dump_dir})
+        return figures_of(compiled, dump_dir)
+
+
+def figures_of(compiled: jax.stages.Compiled, dump_dir: str) -> CompiledFigures:
+    """:class:`CompiledFigures` of a compiled layer whose XLA dump is in ``dump_dir``."""
+    figures = xla_report.report(compiled, shared_argument=None, dump_dir=dump_dir)
     module = hlo_text.parse_module(compiled.as_text())
     largest = [hlo_text.largest_write(module, dtypes) for dtypes in (hlo_text.FLOAT_DTYPES, hlo_text.BYTE_DTYPES)]
     return CompiledFigures(compiled.memory_analysis().temp_size_in_bytes, figures.bytes_accessed,
