@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import kimi_layer_compiled, topology_params
+from helpers import gpu_mesh_for, kimi_layer_compiled, topology_params
 from k3_tail.models.kimi_k3 import figures as layer_figures, layer as layer_module, routed_experts
 from k3_tail.models.kimi_k3.decode_experts import decode_experts
 from k3_tail.models.kimi_k3.mxfp4_experts import Mxfp4Kernel, random_codes
@@ -121,6 +121,17 @@ def test_the_layers_decode_launches_at_most_8_gpu_kernels_besides_collectives(fi
 def test_the_layers_decode_accesses_no_more_bytes_than_before(figures, num_tokens, topology, quantization):
     assert figures(topology, num_tokens, quantization).bytes_accessed <= BYTES_BEFORE[topology, num_tokens,
                                                                                       quantization]
+
+
+@pytest.mark.parametrize("topology", topology_params("h100x8"))
+def test_a_decode_of_no_tokens_compiles_quietly_and_launches_no_expert_kernel(topology, recwarn):
+    mesh = gpu_mesh_for(topology)
+    config = layer_module.LayerConfig.kimi_k3(num_experts=8, top_k=2, width_divisor=16)
+    x = jax.ShapeDtypeStruct((0, config.hidden_size), config.dtype,
+                             sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    text = layer_module.layer_forward.lower(layer_module.abstract_parameters(config, mesh), x, config=config,
+                                            mesh=mesh).as_text()
+    assert "k3_tail_experts" not in text and not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]
 
 
 def test_the_cpu_takes_xlas_gather_and_no_pallas_kernel():

@@ -64,6 +64,8 @@ def decode_experts(products: jax.Array, correction_bias: jax.Array, gate, up, do
     num_tokens = products.shape[0]
     kernels = [_arrays(kernel) for kernel in (gate, up, down)]
     width, latent_size = kernels[0][0].shape[-1], kernels[2][0].shape[-1]  # m and L: no MXFP4 packing on columns
+    if num_tokens == 0:  # no program to run (an empty grid): the empty partial, typed as the products are
+        return products[:, num_experts:num_experts + latent_size].astype(dtype)
     mxfp4 = isinstance(gate, Mxfp4Kernel)
     stacked = layer is not None
     params = plt.CompilerParams(num_warps=WARPS)
