@@ -21,8 +21,10 @@ share nothing and the second reads what the first wrote after it ends: no memory
 A NaN logit (a NaN hidden state) makes the token's weights NaN, as its scores would, so no NaN input comes out
 finite; an expert index is always within [0, E).
 
-Cost per rank: reads T k (3 L m) weights (their stored bytes) and T (E + L) float32 of P per program row,
-writes T k m + T L values; 6 T k L m FLOPs; two kernel launches and no scratch.
+Cost per rank: reads T k blocks of 3 L m weights (their stored bytes), and each program its token's E + L
+float32 of P (the first kernel) or its k activations (the second); writes T k m + T L values and T k expert
+indices and weights; 6 T k L m FLOPs; two kernel launches and no scratch. Block sizes are powers of two
+(Triton's), masked at the edges: E, L and m need not be.
 """
 
 from __future__ import annotations
