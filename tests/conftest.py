@@ -21,7 +21,7 @@ import signal
 import jax
 import pytest
 
-from helpers import FAST_COMPILE_XLA_FLAGS, GPU_TOPOLOGIES, TOPOLOGIES_VARIABLE, named_topologies
+from helpers import FAST_COMPILE_XLA_FLAGS, GPU_TOPOLOGIES, TOPOLOGIES_VARIABLE, kimi_layer_compiled, named_topologies
 
 if not os.environ.get("JAX_PLATFORMS"):
     jax.config.update("jax_platforms", "cpu")
@@ -91,3 +91,15 @@ def fails_if_blocked():
     yield
     signal.alarm(0)
     signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.fixture
+def kimi_layer_figures(tmp_path_factory):
+    """(topology, T, quantization) -> ``figures.CompiledFigures`` of the Kimi-K3 layer, compiled once per session
+    (``helpers.kimi_layer_compiled``)."""
+    from k3_tail.models.kimi_k3.figures import CompiledFigures
+
+    def figures(topology, num_tokens, quantization):
+        return CompiledFigures(**kimi_layer_compiled(tmp_path_factory, topology, num_tokens, quantization)["figures"])
+
+    return figures

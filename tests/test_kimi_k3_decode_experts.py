@@ -16,8 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import gpu_mesh_for, kimi_layer_compiled, topology_params
-from k3_tail.models.kimi_k3 import figures as layer_figures, layer as layer_module, routed_experts
+from helpers import gpu_mesh_for, topology_params
+from k3_tail.models.kimi_k3 import layer as layer_module, routed_experts
 from k3_tail.models.kimi_k3.decode_experts import decode_experts
 from k3_tail.models.kimi_k3.mxfp4_experts import Mxfp4Kernel, random_codes
 
@@ -96,30 +96,19 @@ def test_a_nan_logit_makes_its_tokens_row_nan_and_leaves_the_others_finite():
 
 # --- The compiled decode ---------------------------------------------------------------------------------------
 
-@pytest.fixture
-def figures(tmp_path_factory):
-    """(topology, T, quantization) -> CompiledFigures of the Kimi-K3 layer (``helpers.kimi_layer_compiled``)."""
-
-    def compiled(topology, num_tokens, quantization):
-        return layer_figures.CompiledFigures(**kimi_layer_compiled(tmp_path_factory, topology, num_tokens,
-                                                                   quantization)["figures"])
-
-    return compiled
-
-
 @pytest.mark.parametrize("topology", topology_params("h100x8", "mi300xx8", "mi355xx8"))
 @pytest.mark.parametrize("num_tokens", [1, 16])
 @pytest.mark.parametrize("quantization", [None, "mxfp4"], ids=["bf16", "mxfp4"])
-def test_the_layers_decode_launches_at_most_8_gpu_kernels_besides_collectives(figures, num_tokens, topology,
+def test_the_layers_decode_launches_at_most_8_gpu_kernels_besides_collectives(kimi_layer_figures, num_tokens, topology,
                                                                               quantization):
-    assert figures(topology, num_tokens, quantization).kernels <= MAX_DECODE_KERNELS[quantization]
+    assert kimi_layer_figures(topology, num_tokens, quantization).kernels <= MAX_DECODE_KERNELS[quantization]
 
 
 @pytest.mark.parametrize("topology", topology_params("h100x8"))
 @pytest.mark.parametrize("num_tokens", [1, 16])
 @pytest.mark.parametrize("quantization", [None, "mxfp4"], ids=["bf16", "mxfp4"])
-def test_the_layers_decode_accesses_no_more_bytes_than_before(figures, num_tokens, topology, quantization):
-    assert figures(topology, num_tokens, quantization).bytes_accessed <= BYTES_BEFORE[topology, num_tokens,
+def test_the_layers_decode_accesses_no_more_bytes_than_before(kimi_layer_figures, num_tokens, topology, quantization):
+    assert kimi_layer_figures(topology, num_tokens, quantization).bytes_accessed <= BYTES_BEFORE[topology, num_tokens,
                                                                                       quantization]
 
 

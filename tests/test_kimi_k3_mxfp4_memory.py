@@ -16,13 +16,8 @@ scales and an int32 u - 1 of the down kernel's; through the format's dtypes it n
 
 import pytest
 
-from helpers import kimi_layer_compiled, topology_params
-from k3_tail.models.kimi_k3 import (
-    figures as layer_figures,
-    layer as layer_module,
-    mxfp4_experts as mxfp4,
-    routed_experts,
-)
+from helpers import topology_params
+from k3_tail.models.kimi_k3 import layer as layer_module, mxfp4_experts as mxfp4, routed_experts
 from k3_tail.models.kimi_k3.mxfp4 import MXFP4_BYTES
 
 DECODE_TEMP_FLOOR, PREFILL_TEMP_OVER_BF16, READ_OVER_PACKED = 2e6, 2.0, 1.2
@@ -30,53 +25,44 @@ EXPERT_SHAPE = (layer_module.KIMI_K3_NUM_EXPERTS, 3584, layer_module.KIMI_K3_EXP
 TOPOLOGIES = topology_params("h100x8", "mi300xx8", "mi355xx8", slow=("mi355xx8",))
 
 
-@pytest.fixture
-def figures(tmp_path_factory):
-    """(topology, T, quantization) -> CompiledFigures of the Kimi-K3 layer (``helpers.kimi_layer_compiled``)."""
-
-    def compiled(topology, num_tokens, quantization):
-        return layer_figures.CompiledFigures(**kimi_layer_compiled(tmp_path_factory, topology, num_tokens,
-                                                                   quantization)["figures"])
-
-    return compiled
-
-
 @pytest.mark.parametrize("topology", TOPOLOGIES)
 @pytest.mark.parametrize("num_tokens", [1, 16])
-def test_decode_with_mxfp4_experts_needs_no_more_temp_memory_than_max_2_mb_or_bf16s(figures, num_tokens, topology):
-    bf16 = figures(topology, num_tokens, None).temp_bytes
-    assert figures(topology, num_tokens, "mxfp4").temp_bytes <= max(DECODE_TEMP_FLOOR, bf16)
+def test_decode_with_mxfp4_experts_needs_no_more_temp_memory_than_max_2_mb_or_bf16s(kimi_layer_figures, num_tokens,
+                                                                                  topology):
+    bf16 = kimi_layer_figures(topology, num_tokens, None).temp_bytes
+    assert kimi_layer_figures(topology, num_tokens, "mxfp4").temp_bytes <= max(DECODE_TEMP_FLOOR, bf16)
 
 
 @pytest.mark.parametrize("topology", TOPOLOGIES)
-def test_prefill_with_mxfp4_experts_needs_at_most_twice_bf16s_temp_memory(figures, topology):
-    bf16 = figures(topology, 2048, None).temp_bytes
-    assert figures(topology, 2048, "mxfp4").temp_bytes <= PREFILL_TEMP_OVER_BF16 * bf16
+def test_prefill_with_mxfp4_experts_needs_at_most_twice_bf16s_temp_memory(kimi_layer_figures, topology):
+    bf16 = kimi_layer_figures(topology, 2048, None).temp_bytes
+    assert kimi_layer_figures(topology, 2048, "mxfp4").temp_bytes <= PREFILL_TEMP_OVER_BF16 * bf16
 
 
 @pytest.mark.parametrize("topology", TOPOLOGIES)
 @pytest.mark.parametrize("num_tokens", [1, 16, 2048])
-def test_the_mxfp4_experts_are_read_at_about_their_packed_bytes(figures, num_tokens, topology):
-    rest_of_layer = figures(topology, num_tokens, None).bytes_accessed - mxfp4.expert_bytes_per_rank(*EXPERT_SHAPE, 2)
-    experts_read = figures(topology, num_tokens, "mxfp4").bytes_accessed - rest_of_layer
+def test_the_mxfp4_experts_are_read_at_about_their_packed_bytes(kimi_layer_figures, num_tokens, topology):
+    bf16_experts = mxfp4.expert_bytes_per_rank(*EXPERT_SHAPE, 2)
+    rest_of_layer = kimi_layer_figures(topology, num_tokens, None).bytes_accessed - bf16_experts
+    experts_read = kimi_layer_figures(topology, num_tokens, "mxfp4").bytes_accessed - rest_of_layer
     assert experts_read <= READ_OVER_PACKED * mxfp4.expert_bytes_per_rank(*EXPERT_SHAPE, MXFP4_BYTES)
 
 
 @pytest.mark.parametrize("topology", TOPOLOGIES)
 @pytest.mark.parametrize("num_tokens", [1, 16, 2048])
-def test_no_array_the_mxfp4_layer_writes_is_as_large_as_one_group_of_decoded_expert_kernels(figures, num_tokens,
-                                                                                            topology):
+def test_no_array_the_mxfp4_layer_writes_is_as_large_as_one_group_of_decoded_expert_kernels(kimi_layer_figures,
+                                                                                            num_tokens, topology):
     # One group of the capacity method: S = E/16 experts' [L, m/p] kernels. Before the decode moved into the GEMM's
     # operand load (models/kimi_k3/mxfp4_matmul.py), the prefill layer wrote exactly that many bf16 values per kernel.
     experts, latent, width, tp_size = EXPERT_SHAPE
     group = routed_experts.overflow_slots(experts) * latent * (width // tp_size)
-    assert figures(topology, num_tokens, "mxfp4").largest_float_write < group
+    assert kimi_layer_figures(topology, num_tokens, "mxfp4").largest_float_write < group
 
 
 @pytest.mark.parametrize("topology", TOPOLOGIES)
-def test_at_prefill_the_experts_packed_codes_are_read_where_they_lie(figures, topology):
+def test_at_prefill_the_experts_packed_codes_are_read_where_they_lie(kimi_layer_figures, topology):
     # One expert's packed codes of a kernel: the capacity GEMMs take the experts by index, so no array the layer writes
     # holds even one expert's (before: each group's codes were copied before each GEMM, 56 experts' worth, and each
     # overflow round's gathered ones). The bytes accessed above cannot show it: XLA counts a loop's body once.
     experts, latent, width, tp_size = EXPERT_SHAPE
-    assert figures(topology, 2048, "mxfp4").largest_byte_write < latent * (width // tp_size) // 2
+    assert kimi_layer_figures(topology, 2048, "mxfp4").largest_byte_write < latent * (width // tp_size) // 2

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from k3_tail.models.kimi_k3.mxfp4 import CODES_PER_BYTE, GROUP_SIZE, value_bits
-from k3_tail.models.kimi_k3.mxfp4_experts import Mxfp4Kernel
+from k3_tail.models.kimi_k3.mxfp4_experts import Mxfp4Kernel, kernel_arrays
 from k3_tail.models.kimi_k3.situ import situ
 from k3_tail.ops.gpu_only import gpu_only
 from k3_tail.ops.pallas_triton import ignore_triton_deprecation_warning, interpreted, vary_alike
@@ -64,7 +64,7 @@ def decode_experts(products: jax.Array, correction_bias: jax.Array, gate, up, do
     if not interpret:
         ignore_triton_deprecation_warning()
     num_tokens = products.shape[0]
-    kernels = [_arrays(kernel) for kernel in (gate, up, down)]
+    kernels = [kernel_arrays(kernel) for kernel in (gate, up, down)]
     width, latent_size = kernels[0][0].shape[-1], kernels[2][0].shape[-1]  # m and L: no MXFP4 packing on columns
     if num_tokens == 0:  # no program to run (an empty grid): the empty partial, typed as the products are
         return products[:, num_experts:num_experts + latent_size].astype(dtype)
@@ -108,10 +108,6 @@ def decode_experts(products: jax.Array, correction_bias: jax.Array, gate, up, do
     layer_input = [jnp.asarray(layer, jnp.int32).reshape(1)] if stacked else []
     inputs = [products, correction_bias.astype(jnp.float32), *layer_input, *kernels[0], *kernels[1], *kernels[2]]
     return interpreted(run, inputs) if interpret else run(inputs)
-
-
-def _arrays(kernel) -> tuple[jax.Array, ...]:
-    return (kernel.packed, kernel.scale) if isinstance(kernel, Mxfp4Kernel) else (kernel,)
 
 
 def _choose_and_activate(products_ref, bias_ref, *refs, num_experts, top_k, latent_size, width, dtype, mxfp4,

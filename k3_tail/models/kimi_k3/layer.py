@@ -503,7 +503,7 @@ def routed_partial(parameters: Mapping[str, jax.Array], products: jax.Array | In
         return decode_experts(products, bias, *_as_kernels(kernels, arrays), num_experts=config.num_experts,
                               top_k=config.top_k, dtype=config.dtype, layer=layer_index)
 
-    arrays = [array for kernel in kernels for array in _kernel_arrays(kernel)]
+    arrays = [array for kernel in kernels for array in kimi_k3_mxfp4.kernel_arrays(kernel)]
     if method != "gather" or split_first:
         return in_xla(products, parameters["router_bias"], *arrays)
     # At decode a GPU routes and runs the experts in two Pallas kernels (decode_experts); elsewhere XLA's gather.
@@ -517,10 +517,6 @@ def routed_expert_kernels(parameters: Mapping[str, jax.Array]) -> tuple[jax.Arra
         return tuple(kimi_k3_mxfp4.Mxfp4Kernel(parameters[name], parameters[scale])
                      for name, scale in ROUTED_EXPERT_SCALES.items())
     return tuple(parameters[name] for name in ROUTED_EXPERT_WEIGHTS)
-
-
-def _kernel_arrays(kernel) -> tuple[jax.Array, ...]:
-    return (kernel.packed, kernel.scale) if isinstance(kernel, kimi_k3_mxfp4.Mxfp4Kernel) else (kernel,)
 
 
 def _as_kernels(kernels, arrays) -> list:

@@ -129,6 +129,11 @@ class Mxfp4Kernel:
         return Mxfp4Kernel(self.packed, self.scale, jnp.asarray(experts, jnp.int32))
 
 
+def kernel_arrays(kernel: jax.Array | Mxfp4Kernel) -> tuple[jax.Array, ...]:
+    """The arrays of an expert kernel: (the array,), or MXFP4's (codes, scales)."""
+    return (kernel.packed, kernel.scale) if isinstance(kernel, Mxfp4Kernel) else (kernel,)
+
+
 def dense(kernel: jax.Array | Mxfp4Kernel, dtype) -> jax.Array:
     """``kernel``'s values in ``dtype``: an :class:`Mxfp4Kernel` decoded, an array cast (a no-op in its own dtype)."""
     return kernel.decode(dtype) if isinstance(kernel, Mxfp4Kernel) else kernel.astype(dtype)
