@@ -123,6 +123,24 @@ def test_a_decode_of_no_tokens_compiles_quietly_and_launches_no_expert_kernel(to
     assert "k3_tail_experts" not in text and not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]
 
 
+@pytest.mark.parametrize("topology", topology_params("h100x8", "mi300xx8"))
+@pytest.mark.parametrize(("quantization", "width_divisor"), [(None, 16), ("mxfp4", 4)], ids=["bf16", "mxfp4"])
+def test_the_decodes_gradient_lowers_for_the_gpu_with_the_two_kernels_in_its_forward(topology, quantization,
+                                                                                    width_divisor):
+    """The kernels are differentiated as XLA's route, their function, by a custom VJP (they have no rule)."""
+    mesh = gpu_mesh_for(topology)
+    config = layer_module.LayerConfig.kimi_k3(num_experts=8, top_k=2, width_divisor=width_divisor,
+                                              expert_quantization=quantization)
+    x = jax.ShapeDtypeStruct((1, config.hidden_size), config.dtype,
+                             sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+
+    def loss(parameters, x):
+        return layer_module.layer_forward(parameters, x, config=config, mesh=mesh).astype(jnp.float32).sum()
+
+    gradient = jax.jit(jax.grad(loss, argnums=1)).lower(layer_module.abstract_parameters(config, mesh), x)
+    assert gradient.out_info.shape == x.shape and "k3_tail_experts" in gradient.as_text()
+
+
 def test_the_cpu_takes_xlas_gather_and_no_pallas_kernel():
     config = layer_module.LayerConfig.kimi_k3(num_experts=8, top_k=2, width_divisor=16)
     mesh = jax.make_mesh((2,), ("tp",), devices=jax.devices()[:2], axis_types=(jax.sharding.AxisType.Explicit,))

@@ -491,24 +491,46 @@ def routed_partial(parameters: Mapping[str, jax.Array], products: jax.Array | In
     method = routed_expert_method(config, (products.logits if split_first else products).shape[0]).method
     kernels = routed_expert_kernels(parameters)
 
-    def in_xla(products, bias, *arrays):
-        if layer_index is not None:
-            arrays = [array[layer_index] for array in arrays]
+    quantized = tuple(isinstance(kernel, kimi_k3_mxfp4.Mxfp4Kernel) for kernel in kernels)
+
+    def in_xla_at(layer, products, bias, *arrays):
+        if layer is not None:
+            arrays = [array[layer] for array in arrays]
         split = products if split_first else split_products(products, config)
         chosen, combine = route_logits(split.logits, bias, top_k=config.top_k)
-        routed = ROUTED_EXPERTS[method](split.latent, chosen, combine, *_as_kernels(kernels, arrays))
+        routed = ROUTED_EXPERTS[method](split.latent, chosen, combine, *_as_kernels(quantized, arrays))
         return routed.astype(config.dtype)
 
-    def in_two_kernels(products, bias, *arrays):
-        return decode_experts(products, bias, *_as_kernels(kernels, arrays), num_experts=config.num_experts,
-                              top_k=config.top_k, dtype=config.dtype, layer=layer_index)
+    # Differentiated as XLA's route: the Pallas kernels compute its function and have no derivative rule of their own.
+    @jax.custom_vjp
+    def in_two_kernels_at(layer, products, bias, *arrays):
+        return decode_experts(products, bias, *_as_kernels(quantized, arrays), num_experts=config.num_experts,
+                              top_k=config.top_k, dtype=config.dtype, layer=layer)
 
+    def forward(layer, products, bias, *arrays):
+        return in_two_kernels_at(layer, products, bias, *arrays), (layer, products, bias, arrays)
+
+    def backward(residuals, cotangent):
+        layer, products, bias, arrays = residuals
+        floating = [jnp.issubdtype(array.dtype, jnp.floating) for array in arrays]
+
+        def of_floats(products, bias, *floats):
+            floats = iter(floats)
+            every = [next(floats) if is_float else array for array, is_float in zip(arrays, floating, strict=True)]
+            return in_xla_at(layer, products, bias, *every)
+
+        _, vjp = jax.vjp(of_floats, products, bias, *[a for a, f in zip(arrays, floating, strict=True) if f])
+        products_bar, bias_bar, *floats_bar = vjp(cotangent)
+        floats_bar = iter(floats_bar)
+        return (None, products_bar, bias_bar, *[next(floats_bar) if is_float else None for is_float in floating])
+
+    in_two_kernels_at.defvjp(forward, backward)
     arrays = [array for kernel in kernels for array in kimi_k3_mxfp4.kernel_arrays(kernel)]
     if method != "gather" or split_first:
-        return in_xla(products, parameters["router_bias"], *arrays)
+        return in_xla_at(layer_index, products, parameters["router_bias"], *arrays)
     # At decode a GPU routes and runs the experts in two Pallas kernels (decode_experts); elsewhere XLA's gather.
-    return jax.lax.platform_dependent(products, parameters["router_bias"], *arrays, cuda=in_two_kernels,
-                                      rocm=in_two_kernels, default=in_xla)
+    return jax.lax.platform_dependent(layer_index, products, parameters["router_bias"], *arrays,
+                                      cuda=in_two_kernels_at, rocm=in_two_kernels_at, default=in_xla_at)
 
 
 def routed_expert_kernels(parameters: Mapping[str, jax.Array]) -> tuple[jax.Array | kimi_k3_mxfp4.Mxfp4Kernel, ...]:
@@ -519,11 +541,11 @@ def routed_expert_kernels(parameters: Mapping[str, jax.Array]) -> tuple[jax.Arra
     return tuple(parameters[name] for name in ROUTED_EXPERT_WEIGHTS)
 
 
-def _as_kernels(kernels, arrays) -> list:
-    """``kernels``' kinds (arrays or MXFP4) rebuilt on ``arrays`` (their arrays, in order)."""
+def _as_kernels(quantized, arrays) -> list:
+    """The expert kernels rebuilt on ``arrays`` (their arrays, in order): MXFP4 where ``quantized`` says so."""
     arrays, rebuilt = iter(arrays), []
-    for kernel in kernels:
-        if isinstance(kernel, kimi_k3_mxfp4.Mxfp4Kernel):
+    for is_mxfp4 in quantized:
+        if is_mxfp4:
             rebuilt.append(kimi_k3_mxfp4.Mxfp4Kernel(next(arrays), next(arrays)))
         else:
             rebuilt.append(next(arrays))
