@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
+import warnings
 from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 import jax.numpy as jnp
@@ -63,9 +66,10 @@ class TailConfig:
         0 < T <= max tokens, as vLLM does with its fused tier-0 op (off by default: vLLM enables it
         only on SM100 GPUs).
       has_shared_experts: the layer has shared experts, so a shared partial exists.
-      fused_output_is_reduced: the routed output arrives already reduced (expert parallelism
+      routed_output_is_reduced: the routed output arrives already reduced (expert parallelism
         reduces it in the combine); the tail then skips the latent all-reduce and takes one
-        replicated [T, L] latent instead of per-rank partials.
+        replicated [T, L] latent instead of per-rank partials. ``fused_output_is_reduced`` (vLLM's
+        name) is accepted for it with a DeprecationWarning.
       shared_output_is_reduced: the shared-expert output arrives already reduced
         (:func:`k3_tail.reduce_shared`, called as soon as the shared experts finish so that its
         collective runs during the routed experts: vLLM's VLLM_KIMI_K3_SHARED_OUTPUT_AR_OVERLAP);
@@ -117,7 +121,7 @@ class TailConfig:
     use_scatter_gather: bool = False
     scatter_gather_max_tokens: int = 128
     has_shared_experts: bool = True
-    fused_output_is_reduced: bool = False
+    routed_output_is_reduced: bool = False
     shared_output_is_reduced: bool = False
     sequence_parallel: bool = False
     prefill_token_parallel_min_tokens: int = 0
@@ -148,7 +152,7 @@ class TailConfig:
                 f"{self.rms_norm_eps / self.routed_scaling_factor**2:.3g}"
             )
         for name in ("use_latent_norm", "fp8_activations", "disable_overlap", "use_scatter_gather",
-                     "has_shared_experts", "fused_output_is_reduced", "shared_output_is_reduced",
+                     "has_shared_experts", "routed_output_is_reduced", "shared_output_is_reduced",
                      "sequence_parallel", "quantized_all_reduce_fp16_sizes_for_bf16"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
@@ -259,6 +263,34 @@ class TailConfig:
             raise ValueError(f"base: expected a k3_tail.TailConfig or None (Kimi-K3's), got {type(base).__name__}")
         base = cls.kimi_k3() if base is None else base
         return dataclasses.replace(base, **config_changes(os.environ if environ is None else environ))
+
+
+_DEPRECATED_FIELDS = MappingProxyType({"fused_output_is_reduced": "routed_output_is_reduced"})
+_dataclass_init = TailConfig.__init__
+
+
+@functools.wraps(_dataclass_init)
+def _init_accepting_deprecated_names(self, *args: Any, **fields: Any) -> None:
+    for old, new in _DEPRECATED_FIELDS.items():
+        if old in fields:
+            warnings.warn(f"TailConfig({old}=...) is deprecated: use {new}", DeprecationWarning, stacklevel=2)
+            if new in fields:
+                raise ValueError(f"{old}: the deprecated name of {new}, which is given too: give only {new}")
+            fields[new] = fields.pop(old)
+    _dataclass_init(self, *args, **fields)
+
+
+def _deprecated_field(old: str, new: str) -> property:
+    def read(self: TailConfig) -> Any:
+        warnings.warn(f"TailConfig.{old} is deprecated: use {new}", DeprecationWarning, stacklevel=2)
+        return getattr(self, new)
+
+    return property(read, doc=f"Deprecated: :attr:`{new}`.")
+
+
+TailConfig.__init__ = _init_accepting_deprecated_names
+for _old, _new in _DEPRECATED_FIELDS.items():
+    setattr(TailConfig, _old, _deprecated_field(_old, _new))
 
 
 def _float32_normal(name: str, value: Any, *, zero: bool) -> float:

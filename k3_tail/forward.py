@@ -41,7 +41,7 @@ def tail_forward(
 
     Args:
       routed_partials: [p, T, L], entry i TP rank i's routed latent partial; [T, L] (the reduced
-        latent) when ``config.fused_output_is_reduced``. Numpy or jax arrays in any sharding, all
+        latent) when ``config.routed_output_is_reduced``. Numpy or jax arrays in any sharding, all
         of dtype ``config.dtype``: they are placed here.
       shared_partials: [p, T, H], entry i rank i's shared-expert partial; None exactly when
         ``config.has_shared_experts`` is False; the reduced shared output [T, H] (their sum, added
@@ -93,7 +93,7 @@ def lowered_tail(config: TailConfig, mesh: Mesh, arguments, *, axis_name: AxisNa
     check_config(config)
     axis_name = check_axis_name(axis_name)
     weight_layout = check_weight_layout(weight_layout)
-    num_tokens = arguments[0].shape[0 if config.fused_output_is_reduced else 1]
+    num_tokens = arguments[0].shape[0 if config.routed_output_is_reduced else 1]
     resolved = _resolved_tier(config, num_tokens, mesh, axis_name, tier, weight_layout)
     program = functools.partial(_tail_forward_jit, config=config, mesh=mesh, axis_name=axis_name, tier=resolved,
                                 weight_layout=weight_layout)
@@ -143,11 +143,11 @@ def _placed_rank_indices(mesh: Mesh, axis_name: AxisName) -> jax.Array:
 def _tail_forward_jit(routed_partials, shared_partials, norm_weight, up_proj_kernel, ranks=None, *, config, mesh,
                       axis_name, tier, weight_layout):
     tp_size = check_mesh(mesh, axis_name)
-    num_tokens = routed_partials.shape[0 if config.fused_output_is_reduced else 1]
+    num_tokens = routed_partials.shape[0 if config.routed_output_is_reduced else 1]
     if weight_layout == "column":
         up_proj_kernel = pad_columns(up_proj_kernel, padded_hidden_size(config.hidden_size, tp_size))
 
-    routed_spec = P() if config.fused_output_is_reduced else P(axis_name)
+    routed_spec = P() if config.routed_output_is_reduced else P(axis_name)
     shared_spec = P(axis_name)
     if config.shared_output_is_reduced and config.sequence_parallel:
         # Each rank's tail takes its T'/p rows of the reduced shared output (k3_tail.reduce_shared's form).
@@ -170,7 +170,7 @@ def _tail_forward_jit(routed_partials, shared_partials, norm_weight, up_proj_ker
 
     def per_rank(routed, shared, norm, kernel, rank):
         # The per-rank partials arrive as [1, T, X] blocks of the [p, T, X] globals.
-        routed = routed if config.fused_output_is_reduced else routed[0]
+        routed = routed if config.routed_output_is_reduced else routed[0]
         shared = shared if shared is None or config.shared_output_is_reduced else shared[0]
         return per_rank_tail(routed, shared, norm, kernel, rank=rank)
 
@@ -186,8 +186,8 @@ def _check_global_inputs(routed_partials, shared_partials, norm_weight, up_proj_
     """Validate the global shapes and dtypes against the config and p; return T."""
     hidden, latent = config.hidden_size, config.latent_size
     routed_shape = np.shape(routed_partials)
-    if config.fused_output_is_reduced:
-        expect_rank(routed_partials, "routed_partials", "[T, L] (the reduced latent: fused_output_is_reduced)", 2)
+    if config.routed_output_is_reduced:
+        expect_rank(routed_partials, "routed_partials", "[T, L] (the reduced latent: routed_output_is_reduced)", 2)
         num_tokens = routed_shape[0]
         expected_routed = (num_tokens, latent)
     else:

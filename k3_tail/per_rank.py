@@ -51,7 +51,7 @@ def latent_moe_tail(
 
     Args:
       routed_partial: [T, L] in ``config.dtype``, this rank's routed latent partial; the reduced
-        latent (the same on every rank) when ``config.fused_output_is_reduced``.
+        latent (the same on every rank) when ``config.routed_output_is_reduced``.
       shared_partial: [T, H], this rank's shared-expert partial; None exactly when
         ``config.has_shared_experts`` is False. With ``config.shared_output_is_reduced``: the
         reduced shared output as :func:`k3_tail.reduce_shared` returns it ([T, H], or with
@@ -94,7 +94,7 @@ def latent_moe_tail(
         ``config.fp8_activations`` in a format ``device``'s GPU does not multiply natively, or an
         input whose type contradicts the config: inside a ``jax.shard_map`` with ``check_vma=True``
         (its default) a reduced value where a partial is expected, or the reverse, naming the field
-        (``shared_output_is_reduced``, ``fused_output_is_reduced``), or a ``rank`` that is the same on
+        (``shared_output_is_reduced``, ``routed_output_is_reduced``), or a ``rank`` that is the same on
         every rank. With ``check_vma=False`` JAX tracks no variation and that contract is the caller's.
     """
     check_config(config)
@@ -154,7 +154,7 @@ def _check_rank(rank, axis_name: AxisName, tp_size: int) -> None:
 def _check_reduction_contract(routed_partial, shared_partial, *, config: TailConfig, axis_name: AxisName) -> None:
     """ValueError naming the config field when an input's type contradicts it: a per-rank partial
     varies over the TP axis, a reduced output does not (:func:`varies_over`)."""
-    contract = [("routed_partial", routed_partial, "fused_output_is_reduced", "the reduced latent")]
+    contract = [("routed_partial", routed_partial, "routed_output_is_reduced", "the reduced latent")]
     # A reduced shared output in the token-sharded form is this rank's rows of the sum: it varies too.
     if shared_partial is not None and not (config.shared_output_is_reduced and config.sequence_parallel):
         contract.append(("shared_partial", shared_partial, "shared_output_is_reduced",

@@ -81,7 +81,7 @@ def test_measure_tiers_reports_each_measurement_as_it_starts():
 
 
 @pytest.mark.parametrize("changes", [
-    {"use_latent_norm": False}, {"has_shared_experts": False}, {"fused_output_is_reduced": True},
+    {"use_latent_norm": False}, {"has_shared_experts": False}, {"routed_output_is_reduced": True},
 ], ids=["no-norm", "no-shared", "reduced-routed"])
 def test_measure_tiers_places_inputs_for_any_config(changes):
     config = TailConfig(hidden_size=48, latent_size=16, **changes)
@@ -91,7 +91,7 @@ def test_measure_tiers_places_inputs_for_any_config(changes):
 
 @pytest.mark.parametrize("tiers, layout, config, message", [
     (["one_shot"], "column", SMALL_CONFIG, r"tiers: one_shot needs the whole \[L, H\] kernel on every rank"),
-    (["one_shot"], "replicated", TailConfig(48, 16, fused_output_is_reduced=True), "tiers: one_shot reduces"),
+    (["one_shot"], "replicated", TailConfig(48, 16, routed_output_is_reduced=True), "tiers: one_shot reduces"),
     (["native", "native"], "column", SMALL_CONFIG, "tiers: native is given twice"),
     (["fastest"], "column", SMALL_CONFIG, "tiers: expected a k3_tail.Tier"),
     ([], "column", SMALL_CONFIG, "tiers: expected at least one tier"),

@@ -195,7 +195,7 @@ def test_tiers_json_lists_every_tier_record_as_plain_data(capsys):
         assert record["compiler_options"] == {family: dict(options)
                                               for family, options in tier.record.compiler_options.items()}
     assert set(records[0]) == {
-        "name", "summary", "schedule", "collectives_text", "needs_whole_kernel", "serves_fused_output_is_reduced",
+        "name", "summary", "schedule", "collectives_text", "needs_whole_kernel", "serves_routed_output_is_reduced",
         "projects_all_columns", "token_sharded_form", "shared_reduced_form", "compiler_options",
     }
 

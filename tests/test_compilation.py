@@ -61,7 +61,7 @@ def test_arguments_carry_the_shapes_and_shardings_tail_forward_places(weight_lay
 
 def test_arguments_follow_the_config():
     config = TailConfig(hidden_size=99, latent_size=64, has_shared_experts=False, use_latent_norm=False,
-                        fused_output_is_reduced=True)
+                        routed_output_is_reduced=True)
     routed, shared, norm_weight, _ = tail_arguments(config, make_tp_mesh(2), 3)
     assert routed.shape == (3, 64) and shared is None and norm_weight is None
 

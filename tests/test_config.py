@@ -19,7 +19,7 @@ def test_defaults_follow_the_spec():
     assert config.overlap_token_threshold == 256
     assert config.disable_overlap is False
     assert config.has_shared_experts is True
-    assert config.fused_output_is_reduced is False
+    assert config.routed_output_is_reduced is False
     assert config.sequence_parallel is False
 
 

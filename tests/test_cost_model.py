@@ -47,7 +47,7 @@ VARIANTS = {
     "h1001": TailConfig(hidden_size=1001, latent_size=512),
     "no_shared": TailConfig.kimi_k3(has_shared_experts=False),
     "no_norm": TailConfig.kimi_k3(use_latent_norm=False),
-    "fused_reduced": TailConfig.kimi_k3(fused_output_is_reduced=True),
+    "fused_reduced": TailConfig.kimi_k3(routed_output_is_reduced=True),
     "fp8": TailConfig.kimi_k3(up_proj_dtype="float8_e4m3fn"),
     "shared_reduced": TailConfig.kimi_k3(shared_output_is_reduced=True),
 }

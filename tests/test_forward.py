@@ -87,7 +87,7 @@ def test_norm_weight_must_be_none_without_the_norm(inputs, mesh):
 
 
 def test_reduced_routed_output_takes_one_latent(inputs, mesh):
-    config = dataclasses.replace(CONFIG, fused_output_is_reduced=True)
+    config = dataclasses.replace(CONFIG, routed_output_is_reduced=True)
     with pytest.raises(ValueError, match=r"routed_partials: expected a 2-d array \[T, L\]"):
         call(inputs, mesh, config=config)
 

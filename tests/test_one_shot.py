@@ -20,7 +20,7 @@ def test_column_layout_is_a_value_error_naming_the_weight_layout():
 
 
 def test_an_already_reduced_routed_output_is_a_value_error():
-    config = dataclasses.replace(CONFIG, fused_output_is_reduced=True)
+    config = dataclasses.replace(CONFIG, routed_output_is_reduced=True)
     inputs = make_inputs(config, 4, 5)
     with pytest.raises(ValueError, match="tier: one_shot reduces the routed partials itself"):
         k3_tail.tail_forward(inputs.routed.sum(axis=0), inputs.shared, inputs.norm_weight, inputs.kernel,

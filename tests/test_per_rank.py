@@ -319,9 +319,9 @@ def contract_call(config, *, routed_spec, shared_spec, reduce_shared_first=False
         ({"shared_output_is_reduced": True}, P("tp"), False,
          r"^shared_partial: config.shared_output_is_reduced is True, so expected the output of "
          r"k3_tail.reduce_shared, .*varies over 'tp'"),
-        ({}, P(), False, r"^routed_partial: config.fused_output_is_reduced is False"),
-        ({"fused_output_is_reduced": True}, P("tp"), False,
-         r"^routed_partial: config.fused_output_is_reduced is True, so expected the reduced latent"),
+        ({}, P(), False, r"^routed_partial: config.routed_output_is_reduced is False"),
+        ({"routed_output_is_reduced": True}, P("tp"), False,
+         r"^routed_partial: config.routed_output_is_reduced is True, so expected the reduced latent"),
     ],
     ids=["reduced-shared-unflagged", "shared-partials-flagged", "reduced-routed-unflagged", "routed-partials-flagged"],
 )

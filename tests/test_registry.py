@@ -39,8 +39,8 @@ def test_the_readme_tier_table_is_the_registrys():
 def test_a_record_with_needs_says_why_it_cannot_run():
     record = k3_tail.Tier.ONE_SHOT.record
     assert "weight_layout='replicated'" in record.why_not("column")
-    config = k3_tail.TailConfig(hidden_size=8, latent_size=4, fused_output_is_reduced=True)
-    assert "fused_output_is_reduced" in record.why_not("replicated", config)
+    config = k3_tail.TailConfig(hidden_size=8, latent_size=4, routed_output_is_reduced=True)
+    assert "routed_output_is_reduced" in record.why_not("replicated", config)
     with pytest.raises(ValueError, match="^tiers: one_shot needs the whole"):
         record.check_runs("column", argument="tiers")
 
@@ -60,7 +60,7 @@ def test_compiler_options_are_looked_up_by_platform_family(platform, family):
 
 def test_cost_terms_follow_the_call_shape():
     shape = CallShape(rows=16, latent_size=64, hidden_size=96, tp_size=8, weight_layout="column", has_shared=True,
-                      use_norm=True, fused_output_is_reduced=False, token_sharded=False)
+                      use_norm=True, routed_output_is_reduced=False, token_sharded=False)
     terms = k3_tail.Tier.OVERLAP.record.collectives(shape)
     assert [(t.kind, t.elements, t.beside_gemm) for t in terms] == [
         ("all-reduce", 16 * 64, False), ("all-reduce", 16 * 96, True), ("all-gather", 16 * 96, False)]

@@ -40,7 +40,7 @@ def test_disable_switch_forces_the_column_tier():
     [
         ({}, 1, "tp_size == 1"),
         ({"has_shared_experts": False}, 8, "has_shared_experts is False"),
-        ({"fused_output_is_reduced": True}, 8, "fused_output_is_reduced is True"),
+        ({"routed_output_is_reduced": True}, 8, "routed_output_is_reduced is True"),
     ],
     ids=["no_tp", "no_shared", "already_reduced"],
 )

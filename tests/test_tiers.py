@@ -89,12 +89,12 @@ def test_tier_without_shared_experts_projects_the_latent_only(tier, weight_layou
     assert_matches_reference(config, inputs, y)
 
 
-REDUCED = dataclasses.replace(SMALL, fused_output_is_reduced=True)
+REDUCED = dataclasses.replace(SMALL, routed_output_is_reduced=True)
 
 
 @pytest.mark.parametrize("tier", [t for t in k3_tail.Tier if t.supports("column", REDUCED)], ids=lambda t: t.value)
 def test_tier_with_an_already_reduced_routed_output_does_not_sum_it_again(tier):
-    """fused_output_is_reduced: the [T, L] latent arrives reduced and must not be summed again."""
+    """routed_output_is_reduced: the [T, L] latent arrives reduced and must not be summed again."""
     config = REDUCED
     inputs = make_inputs(config, 4, 5)
     reduced = np.asarray(jnp.asarray(inputs.routed.astype(np.float32).sum(axis=0), config.dtype))

@@ -121,7 +121,7 @@ def add_measurement_arguments(parser: argparse.ArgumentParser) -> None:
     shapes.add_argument("--no-norm", action="store_true", help="no latent RMSNorm (use_latent_norm=False)")
     shapes.add_argument("--no-shared", action="store_true", help="no shared experts (has_shared_experts=False)")
     shapes.add_argument("--reduced-routed", action="store_true",
-                        help="the routed output arrives reduced, [T, L] (fused_output_is_reduced=True)")
+                        help="the routed output arrives reduced, [T, L] (routed_output_is_reduced=True)")
     add_reduced_shared_argument(shapes)
     shapes.add_argument("--sequence-parallel", action="store_true",
                         help="token-sharded output (sequence_parallel=True)")
@@ -197,7 +197,7 @@ def measurement_config(args: argparse.Namespace) -> TailConfig:
         return TailConfig(
             hidden_size=args.hidden_size, latent_size=args.latent_size, dtype=args.dtype, rms_norm_eps=args.eps,
             routed_scaling_factor=args.scale, use_latent_norm=not args.no_norm, has_shared_experts=not args.no_shared,
-            fused_output_is_reduced=args.reduced_routed, shared_output_is_reduced=args.reduced_shared,
+            routed_output_is_reduced=args.reduced_routed, shared_output_is_reduced=args.reduced_shared,
             sequence_parallel=args.sequence_parallel,
             all_reduce_form=args.all_reduce_form, **up_projection_options(args),
             **all_reduce_quantization_options(args),
@@ -259,7 +259,7 @@ def describe_config(config: TailConfig) -> str:
                  + ("(vLLM's minimum)" if minimum is None else f">= {minimum} B"))
     flags = [name for name, on in (
         ("no norm", not config.use_latent_norm), ("no shared experts", not config.has_shared_experts),
-        ("reduced routed output", config.fused_output_is_reduced),
+        ("reduced routed output", config.routed_output_is_reduced),
         ("reduced shared output", config.shared_output_is_reduced), ("sequence-parallel", config.sequence_parallel),
         (f"all_reduce_form {config.all_reduce_form}", config.all_reduce_form != "auto"),
         (f"up projection {getattr(config.up_proj_dtype, 'name', '')}", config.up_proj_dtype is not None),

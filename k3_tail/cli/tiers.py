@@ -6,7 +6,7 @@ needs) laid out for the terminal: as wide as it is, long cells wrapped
 :func:`k3_tail.tiers.registry.tier_table` writes it, the README's tier table. ``--json`` prints the
 records as plain data instead: a list in the registry's order,
 one object per tier with its name, summary, schedule, collectives_text, needs_whole_kernel,
-serves_fused_output_is_reduced, projects_all_columns, token_sharded_form, shared_reduced_form and
+serves_routed_output_is_reduced, projects_all_columns, token_sharded_form, shared_reduced_form and
 compiler_options (per platform family). Needs no devices; exit status 0.
 """
 
@@ -29,7 +29,7 @@ DESCRIPTION = (
 
 # The record's fields that are plain data, in the order --json writes them.
 RECORD_FIELDS = (
-    "name", "summary", "schedule", "collectives_text", "needs_whole_kernel", "serves_fused_output_is_reduced",
+    "name", "summary", "schedule", "collectives_text", "needs_whole_kernel", "serves_routed_output_is_reduced",
     "projects_all_columns", "token_sharded_form", "shared_reduced_form",
 )
 

@@ -51,7 +51,7 @@ def collective_buffers(config: TailConfig, num_tokens: int, tp_size: int, *, tie
         rows=tier_rows(config, tier, num_tokens, tp_size), latent_size=config.latent_size,
         hidden_size=config.hidden_size, tp_size=tp_size, weight_layout=weight_layout,
         has_shared=config.has_shared_experts, use_norm=config.use_latent_norm,
-        fused_output_is_reduced=config.fused_output_is_reduced, token_sharded=config.sequence_parallel,
+        routed_output_is_reduced=config.routed_output_is_reduced, token_sharded=config.sequence_parallel,
         shared_output_is_reduced=config.shared_output_is_reduced,
     )
     buffers = []

@@ -104,10 +104,10 @@ def _precondition(config: TailConfig, num_tokens: int, tp_size: int) -> TierDeci
             Tier.NATIVE,
             "has_shared_experts is False: no shared-expert partial to overlap or fold into the projection",
         )
-    if config.fused_output_is_reduced:
+    if config.routed_output_is_reduced:
         return TierDecision(
             Tier.NATIVE,
-            "fused_output_is_reduced is True: the routed output is already reduced (expert-parallel combine)",
+            "routed_output_is_reduced is True: the routed output is already reduced (expert-parallel combine)",
         )
     if num_tokens == 0:
         return TierDecision(Tier.NATIVE, "num_tokens == 0: empty batch, the result is an empty [0, H]")

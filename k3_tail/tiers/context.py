@@ -94,8 +94,8 @@ class TailCall:
 
     def reduced_latent(self, routed_partial: jax.Array) -> jax.Array:
         """``psum(r)`` [T, L], the same on every rank: one all-reduce of T*L elements, or the argument itself
-        with ``config.fused_output_is_reduced`` (the reduced latent already)."""
-        if self.config.fused_output_is_reduced:
+        with ``config.routed_output_is_reduced`` (the reduced latent already)."""
+        if self.config.routed_output_is_reduced:
             return routed_partial
         with jax.named_scope(LATENT_REDUCTION):
             return self.all_reduce(routed_partial)
@@ -145,7 +145,7 @@ class TierFunction(Protocol):
     """A tier's per-rank function, run inside ``jax.shard_map`` over ``call.axis_name``.
 
     Per rank, in ``call.config.dtype``: routed_partial [T, L] (the reduced latent with
-    ``fused_output_is_reduced``); shared_partial [T, H] or None (the reduced shared output with
+    ``routed_output_is_reduced``); shared_partial [T, H] or None (the reduced shared output with
     ``shared_output_is_reduced``: [T, H], or this rank's [T/p, H] rows for token-sharded output);
     norm_weight [L] or None; up_proj_kernel the whole [L, H] kernel ("replicated") or this rank's
     [L, Hb] block of the kernel padded to p*Hb columns ("column", Hb = ceil(H / p)), either one

@@ -80,5 +80,5 @@ RECORD = TierRecord(
     gpu_kernels=GpuKernelCounts.measured(cuda={"replicated": (5, 5)},
                                   rocm={"replicated": (5, 5)}),
     needs_whole_kernel=True,
-    serves_fused_output_is_reduced=False,
+    serves_routed_output_is_reduced=False,
 )

@@ -6,7 +6,7 @@ Selection, the cost model, compilation, benchmarking, the command line and the R
 read a tier's facts from its record:
 
 - ``function``: the per-rank function, run inside ``jax.shard_map`` over the TP axis;
-- what it needs (``needs_whole_kernel``) or cannot serve (``serves_fused_output_is_reduced``, ``unavailable``)
+- what it needs (``needs_whole_kernel``) or cannot serve (``serves_routed_output_is_reduced``, ``unavailable``)
   and so the reason it gives when it cannot run (:meth:`TierRecord.why_not`);
 - ``token_sharded_form``: how it makes token-sharded output (``TailConfig.sequence_parallel``);
 - ``shared_reduced_form``: how its schedule changes when the shared output arrives already reduced
@@ -77,7 +77,7 @@ class CallShape:
     weight_layout: str
     has_shared: bool
     use_norm: bool
-    fused_output_is_reduced: bool
+    routed_output_is_reduced: bool
     token_sharded: bool
     shared_output_is_reduced: bool = False
 
@@ -98,7 +98,7 @@ class CallShape:
 
     def latent_reduction(self) -> tuple[CollectiveTerm, ...]:
         """AR(T*L) of the routed partials, which every tier but one_shot starts with (none when reduced)."""
-        return () if self.fused_output_is_reduced else (CollectiveTerm(ALL_REDUCE, self.rows * self.latent_size),)
+        return () if self.routed_output_is_reduced else (CollectiveTerm(ALL_REDUCE, self.rows * self.latent_size),)
 
     def column_gather(self) -> tuple[CollectiveTerm, ...]:
         """AG(T*p*Hb) of the [T, Hb] output blocks, when a full-width tier runs on the column layout."""
@@ -152,7 +152,7 @@ class TierRecord:
     summary: one line. schedule: its steps in the notation AR/RS/AG (all-reduce, reduce-scatter,
     all-gather), r the routed and s the shared partial. collectives_text: the collectives per rank in
     that notation. needs_whole_kernel: runs only with the replicated kernel.
-    serves_fused_output_is_reduced: takes a reduced routed output. projects_all_columns: with
+    serves_routed_output_is_reduced: takes a reduced routed output. projects_all_columns: with
     the replicated kernel each rank projects all H columns (else its own block of Hb).
     splits_tokens: the tier splits the tokens over the ranks itself: it works on T rounded up to a
     multiple of p (at least p) whatever the output, and its GEMM on this rank's T/p rows.
@@ -184,7 +184,7 @@ class TierRecord:
     collectives: Callable[[CallShape], tuple[CollectiveTerm, ...]]
     gpu_kernels: GpuKernelCounts
     needs_whole_kernel: bool = False
-    serves_fused_output_is_reduced: bool = True
+    serves_routed_output_is_reduced: bool = True
     splits_tokens: bool = False
     compiler_options: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
     unavailable: Callable[[TailConfig | None], str | None] | None = None
@@ -199,9 +199,9 @@ class TierRecord:
         if self.needs_whole_kernel and weight_layout != "replicated":
             return (f"{self.name} needs the whole [L, H] kernel on every rank (weight_layout='replicated'), "
                     f"got weight_layout={weight_layout!r}")
-        if not self.serves_fused_output_is_reduced and config is not None and config.fused_output_is_reduced:
+        if not self.serves_routed_output_is_reduced and config is not None and config.routed_output_is_reduced:
             return (f"{self.name} reduces the routed partials itself, so it cannot serve "
-                    "fused_output_is_reduced=True")
+                    "routed_output_is_reduced=True")
         return None if self.unavailable is None else self.unavailable(config)
 
     def check_runs(self, weight_layout: str, config: TailConfig | None = None, *, argument: str = "tier") -> None:

@@ -101,7 +101,7 @@ def tier_rows() -> list[tuple[str, ...]]:
         if record.projects_all_columns and not record.needs_whole_kernel:
             gemm, kernel = f"{gemm} (column layout: 2TLH/p)", f"{kernel} (column layout: 2LH/p)"
         needs = [text for flag, text in ((record.needs_whole_kernel, "replicated kernel"),
-                                         (not record.serves_fused_output_is_reduced, "unreduced routed partials"))
+                                         (not record.serves_routed_output_is_reduced, "unreduced routed partials"))
                  if flag]
         rows.append((record.name, record.summary, record.schedule, gemm, kernel, record.collectives_text,
                      record.shared_reduced_form, ", ".join(needs) or "-"))

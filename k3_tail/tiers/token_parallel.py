@@ -85,5 +85,5 @@ RECORD = TierRecord(
     gpu_kernels=GpuKernelCounts.measured(cuda={"replicated": (7, 3)},
                                   rocm={"replicated": (7, 3)}),
     needs_whole_kernel=True,
-    serves_fused_output_is_reduced=False,
+    serves_routed_output_is_reduced=False,
 )

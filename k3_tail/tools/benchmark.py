@@ -324,14 +324,14 @@ def place_partials(
 ) -> tuple[jax.Array, jax.Array | None]:
     """Random routed [p, T, L] and shared [p, T, H] partials (randn / sqrt(p)), rank i holding entry i.
 
-    With ``config.fused_output_is_reduced`` the routed output is one replicated [T, L] (the sum), with
+    With ``config.routed_output_is_reduced`` the routed output is one replicated [T, L] (the sum), with
     ``config.shared_output_is_reduced`` the shared output one replicated [T, H]; without shared
     experts the shared partial is None.
     """
     tp_size = check_mesh(mesh, axis_name)
     scale = 1 / np.sqrt(tp_size)
     routed = scale * rng.standard_normal((tp_size, num_tokens, config.latent_size), dtype=np.float32)
-    if config.fused_output_is_reduced:
+    if config.routed_output_is_reduced:
         routed = place(routed.sum(axis=0), config, mesh, P())
     else:
         routed = place(routed, config, mesh, P(axis_name))

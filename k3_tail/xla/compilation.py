@@ -57,7 +57,7 @@ def tail_arguments(
 
     Returns:
       ``(routed, shared, norm_weight, kernel)`` as ``jax.ShapeDtypeStruct``: routed [p, T, L] split
-      on dim 0 ([T, L] replicated with ``config.fused_output_is_reduced``); shared [p, T, H] split on
+      on dim 0 ([T, L] replicated with ``config.routed_output_is_reduced``); shared [p, T, H] split on
       dim 0 ([T, H] with ``config.shared_output_is_reduced``: split over tokens with
       ``config.sequence_parallel`` where p divides T > 0, else replicated), or None; norm weight [L]
       replicated, or None; kernel [L, H] replicated, or [L, padded_hidden_size(H, p)] split on dim 1
@@ -72,7 +72,7 @@ def tail_arguments(
     def array(shape, spec):
         return jax.ShapeDtypeStruct(shape, config.dtype, sharding=NamedSharding(mesh, spec))
 
-    if config.fused_output_is_reduced:
+    if config.routed_output_is_reduced:
         routed = array((num_tokens, latent), P())
     else:
         routed = array((tp_size, num_tokens, latent), P(axis_name))

@@ -165,9 +165,9 @@ class LayerConfig:
         if not isinstance(self.tail, k3_tail.TailConfig):
             raise ValueError(f"tail: expected a k3_tail.TailConfig, got {type(self.tail).__name__}")
         tail = self.tail
-        if not tail.has_shared_experts or not tail.use_latent_norm or tail.fused_output_is_reduced:
+        if not tail.has_shared_experts or not tail.use_latent_norm or tail.routed_output_is_reduced:
             raise ValueError("tail: the layer has shared experts, the latent norm and unreduced routed partials; "
-                             "expected has_shared_experts=True, use_latent_norm=True, fused_output_is_reduced=False")
+                             "expected has_shared_experts=True, use_latent_norm=True, routed_output_is_reduced=False")
         if self.routed_experts is not None and self.routed_experts not in ROUTED_EXPERTS:
             raise ValueError(f"routed_experts: expected None or one of {tuple(ROUTED_EXPERTS)}, "
                              f"got {self.routed_experts!r}")
