@@ -1,6 +1,6 @@
-"""The README's and docs/guide.md's Python blocks run as written: each page's in order, in one fresh process
-on 8 forced CPU devices, started at the repository root; their links resolve; .ci/run runs the README's
-commands as written."""
+"""The Python blocks of the README, docs/guide.md and docs/kimi_k3.md run as written: each page's in order, in
+one fresh process on 8 forced CPU devices, started at the repository root; the links of the README and of every
+page under docs/ resolve; .ci/run runs the README's commands as written."""
 
 import os
 import re
@@ -16,7 +16,7 @@ ROOT = Path(__file__).parent.parent
 # A fenced block opened by a line of exactly ```python; ```bash, ```text and indented lines are not run.
 PYTHON_BLOCK = re.compile(r"^```python\n(.*?)^```$", re.MULTILINE | re.DOTALL)
 # The pages whose Python blocks run.
-PAGES = ("README.md", "docs/guide.md")
+PAGES = ("README.md", "docs/guide.md", "docs/kimi_k3.md")
 
 # Each block is compiled under its page's name and line number, so a traceback points at the page's own line.
 RUNNER = """
@@ -62,7 +62,7 @@ def anchor(heading):
 
 def test_every_relative_link_of_the_readme_and_docs_resolves():
     """A link to a file names one that exists, and a link to a section names a heading of that file."""
-    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
     broken = []
     for page in pages:
         for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
