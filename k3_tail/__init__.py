@@ -12,8 +12,9 @@ issued before the routed experts finish. :func:`load_tail_weights` reads a check
 made of it.
 
 The subpackages by their names: :mod:`k3_tail.selection` (``rules``, ``table``, ``cost_model``),
-:mod:`k3_tail.xla` (``compilation``, ``report``, ``topologies``), :mod:`k3_tail.tiers` (``registry``,
-``record``), :mod:`k3_tail.checkpoint`, :mod:`k3_tail.hf_config`, :mod:`k3_tail.hardware`
+:mod:`k3_tail.xla` (``compilation``, ``report``), :mod:`k3_tail.deviceless` (``topologies``),
+:mod:`k3_tail.tiers` (``registry``, ``record``), :mod:`k3_tail.checkpoint`, :mod:`k3_tail.hf_config`,
+:mod:`k3_tail.hardware`
 and, which ``import k3_tail`` does not load, the tools under :mod:`k3_tail.tools` and the Kimi-K3 model
 (:mod:`k3_tail.models.kimi_k3`). :mod:`k3_tail.ops` holds
 the building blocks the tiers are made of.
@@ -21,6 +22,7 @@ the building blocks the tiers are made of.
 
 from k3_tail.checkpoint import load_tail_weights
 from k3_tail.config import TailConfig
+from k3_tail.deviceless.topologies import TopologyUnavailable, topology_mesh
 from k3_tail.forward import tail_forward
 from k3_tail.module import LatentMoETail
 from k3_tail.ops.columns import padded_hidden_size
@@ -35,7 +37,6 @@ from k3_tail.tiers.context import is_token_sharded_output
 from k3_tail.tiers.registry import Tier
 from k3_tail.xla.compilation import compile_tail
 from k3_tail.xla.report import XlaReport
-from k3_tail.xla.topologies import TopologyUnavailable, topology_mesh
 
 __all__ = [
     "LatentMoETail",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import errno
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -80,15 +80,15 @@ def axis_size_in_scope(axis_name: AxisName, function: str) -> int:
         ) from None
 
 
-def varies_over(x: Any, axis_name: AxisName) -> bool | None:
-    """Whether ``x`` inside ``jax.shard_map`` is typed as varying over the TP axis (a per-rank partial: True)
-    or not (a sum over it, or a replicated input: False); None where the type cannot tell
-    (``check_vma=False``, or an axis of size 1)."""
-    names = axis_names(axis_name)
-    probe = lax.pcast(jnp.zeros((), jnp.float32), names, to="varying")
-    if not set(names) & varying_axes(probe):
+def variation_over(axis_name: AxisName, values: Mapping[str, Any]) -> dict[str, bool] | None:
+    """Whether each of ``values`` (by name; None values left out) is typed inside ``jax.shard_map`` as varying over
+    the TP axis (a per-rank partial: True) or not (a sum over it, or a replicated input: False); None where the
+    types cannot tell (``check_vma=False``, or an axis of size 1)."""
+    names = set(axis_names(axis_name))
+    probe = lax.pcast(jnp.zeros((), jnp.float32), tuple(names), to="varying")
+    if not names & varying_axes(probe):
         return None
-    return bool(set(names) & varying_axes(x))
+    return {name: bool(names & varying_axes(value)) for name, value in values.items() if value is not None}
 
 
 def varying_axes(x: Any) -> set:

@@ -75,7 +75,7 @@ class TailConfig:
         collective runs during the routed experts: vLLM's VLLM_KIMI_K3_SHARED_OUTPUT_AR_OVERLAP);
         the tail then puts no collective on it and takes it in place of the shared partials, in
         the form :func:`k3_tail.reduce_shared` returns. Needs ``has_shared_experts``. Each tier's
-        record says how its schedule changes (``Tier.X.record.shared_reduced_form``).
+        record says how its schedule changes (``Tier.X.record.prose.shared_reduced_form``).
       sequence_parallel: the surrounding model shards tokens over the TP axis: every tier returns
         y token-sharded ([T/p, H] per rank; see :mod:`k3_tail.ops.tokens`).
       prefill_token_parallel_min_tokens: with sequence-parallel output, pick the token_parallel

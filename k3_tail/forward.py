@@ -10,14 +10,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from k3_tail._checks import AxisName, check_axis_name, check_mesh, expect_array, expect_optional, expect_rank
 from k3_tail.config import TailConfig, check_config
-from k3_tail.hardware import GPU_PLATFORMS, device_platform
+from k3_tail.hardware import device_platform
 from k3_tail.ops.columns import check_weight_layout, pad_columns, padded_hidden_size
-from k3_tail.ops.fused_projection import shard_map_may_type_values
-from k3_tail.ops.pallas_triton import ignore_triton_deprecation_warning
 from k3_tail.ops.tokens import pad_tokens
-from k3_tail.ops.up_projection import check_up_proj_kernel, column_sharding, column_spec
-from k3_tail.per_rank import latent_moe_tail
-from k3_tail.selection.rules import call_tier
+from k3_tail.ops.up_projection import check_fp8_activations, check_up_proj_kernel, column_sharding, column_spec
+from k3_tail.per_rank import run_tail
+from k3_tail.selection.rules import choose_tier
 from k3_tail.tiers.context import is_token_sharded_output
 from k3_tail.tiers.registry import Tier
 
@@ -79,7 +77,7 @@ def tail_forward(
     # Checked as given, before jit converts them: a float64 or a list is reported as what it is.
     num_tokens = _check_global_inputs(routed_partials, shared_partials, norm_weight, up_proj_kernel, config=config,
                                       tp_size=tp_size, weight_layout=weight_layout)
-    resolved = _resolved_tier(config, num_tokens, mesh, axis_name, tier, weight_layout)
+    resolved = resolved_tier(config, num_tokens, mesh, axis_name, tier, weight_layout)
     return _tail_forward_jit(routed_partials, shared_partials, norm_weight, up_proj_kernel,
                              *_per_rank_inputs(resolved, mesh, axis_name, abstract=False), config=config, mesh=mesh,
                              axis_name=axis_name, tier=resolved, weight_layout=weight_layout)
@@ -94,28 +92,30 @@ def lowered_tail(config: TailConfig, mesh: Mesh, arguments, *, axis_name: AxisNa
     axis_name = check_axis_name(axis_name)
     weight_layout = check_weight_layout(weight_layout)
     num_tokens = arguments[0].shape[0 if config.routed_output_is_reduced else 1]
-    resolved = _resolved_tier(config, num_tokens, mesh, axis_name, tier, weight_layout)
+    resolved = resolved_tier(config, num_tokens, mesh, axis_name, tier, weight_layout)
     program = functools.partial(_tail_forward_jit, config=config, mesh=mesh, axis_name=axis_name, tier=resolved,
                                 weight_layout=weight_layout)
     return jax.jit(program).lower(*arguments, *_per_rank_inputs(resolved, mesh, axis_name, abstract=True))
 
 
-def _resolved_tier(config, num_tokens, mesh, axis_name, tier, weight_layout) -> Tier:
-    """The tier a call with T = ``num_tokens`` on ``mesh`` takes (``tier`` checked, or the selection's)."""
-    resolved = _call_tier(config, num_tokens, mesh, axis_name, None if tier is None else Tier.parse(tier),
-                          weight_layout)
-    if resolved.record.compiled_on is not None and device_platform(mesh.devices.flat[0]) in GPU_PLATFORMS:
-        # jit caches _tail_forward_jit's trace, the Pallas kernel's included, but every new program that holds it
-        # lowers the kernel again: in a warnings context (a later pytest test) that no longer has the filter the
-        # kernel's trace installed (ops/pallas_triton.py). This runs in the context that program lowers in.
-        ignore_triton_deprecation_warning()
+def resolved_tier(config, num_tokens, mesh, axis_name, tier, weight_layout) -> Tier:
+    """The tier a call with T = ``num_tokens`` on ``mesh`` takes (``tier`` checked, or the selection's), made ready
+    to lower in the warnings context the program lowers in (its record's :meth:`~TierRecord.before_lowering`)."""
+    device = mesh.devices.flat[0]
+    if tier is None:
+        resolved = _chosen_tier(config, num_tokens, check_mesh(mesh, axis_name), weight_layout, device)
+    else:
+        resolved = Tier.parse(tier)
+        resolved.record.check_runs(weight_layout, config)
+    check_fp8_activations(config.up_proj_dtype, config.fp8_activations, device)
+    resolved.record.before_lowering(device_platform(device))
     return resolved
 
 
-@functools.lru_cache(maxsize=1024)  # selected once per call shape, as jit traces once: not in every call
-def _call_tier(config, num_tokens, mesh, axis_name, tier, weight_layout) -> Tier:
-    return call_tier(config, num_tokens, check_mesh(mesh, axis_name), weight_layout=weight_layout, tier=tier,
-                     device=mesh.devices.flat[0])
+@functools.lru_cache(maxsize=1024)  # chosen once per call shape, as jit traces once: not in every call
+def _chosen_tier(config: TailConfig, num_tokens: int, tp_size: int, weight_layout: str, device: jax.Device) -> Tier:
+    return choose_tier(config, num_tokens, tp_size, weight_layout=weight_layout, device_kind=device.device_kind,
+                       platform=device).tier
 
 
 def _per_rank_inputs(tier: Tier, mesh: Mesh, axis_name: AxisName, *, abstract: bool) -> tuple:
@@ -164,8 +164,11 @@ def _tail_forward_jit(routed_partials, shared_partials, norm_weight, up_proj_ker
     args = (*args, ranks)
     specs = (*specs, column_spec(up_proj_kernel, columns), P(axis_name))
     device = mesh.devices.flat[0]
+    platform = device_platform(device)
+    # Checked as global arrays: each rank's blocks are what latent_moe_tail would check them to be.
     per_rank_tail = functools.partial(
-        latent_moe_tail, config=config, axis_name=axis_name, weight_layout=weight_layout, tier=tier, device=device,
+        run_tail, config=config, axis_name=axis_name, tp_size=tp_size, num_tokens=num_tokens,
+        weight_layout=weight_layout, tier=tier, platform=platform, device_kind=device.device_kind,
     )
 
     def per_rank(routed, shared, norm, kernel, rank):
@@ -176,8 +179,9 @@ def _tail_forward_jit(routed_partials, shared_partials, norm_weight, up_proj_ker
 
     in_specs = tuple(None if x is None else spec for x, spec in zip(args, specs, strict=True))
     out_spec = P(axis_name) if is_token_sharded_output(config, num_tokens, tp_size) else P()
-    # A tier with a Pallas kernel: typed as its kernel allows (shard_map_may_type_values: not interpreted).
-    check_vma = tier.record.compiled_on is None or shard_map_may_type_values(device_platform(device))
+    # Pallas's interpreter takes no values typed as varying over the mesh's axes: where the tier's kernel runs
+    # interpreted, each rank runs it on untyped values (fused_projection.norm_project_add's other form gathers).
+    check_vma = not tier.record.runs_interpreted_on(platform)
     return jax.shard_map(per_rank, mesh=mesh, in_specs=in_specs, out_specs=out_spec, check_vma=check_vma)(*args)
 
 

@@ -1,7 +1,7 @@
 """The per-rank entry point: the tail as one TP rank computes it, inside the caller's ``jax.shard_map``.
 
-For a model that writes its MoE layer as one ``jax.shard_map``; :func:`k3_tail.tail_forward` and
-:class:`k3_tail.LatentMoETail` are shells over it. Notation (T, L, H, p, per rank): docs/design.md, Conventions.
+For a model that writes its MoE layer as one ``jax.shard_map``; :func:`k3_tail.tail_forward` runs
+:func:`run_tail` per rank on what it has checked globally. Notation (T, L, H, p): docs/design.md, Conventions.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from k3_tail._checks import (
     expect_array,
     expect_optional,
     expect_rank,
-    varies_over,
+    variation_over,
 )
 from k3_tail.config import TailConfig, check_config
 from k3_tail.hardware import check_device, device_platform
@@ -24,6 +24,7 @@ from k3_tail.ops.columns import check_weight_layout, padded_hidden_size
 from k3_tail.ops.tokens import pad_tokens, padded_token_count
 from k3_tail.ops.up_projection import QuantizedKernel, check_fp8_activations, check_up_proj_kernel
 from k3_tail.selection.lowering import TailBranch, per_lowering_platform, tail_branches
+from k3_tail.selection.rules import choose_tier
 from k3_tail.tiers.context import TailCall
 from k3_tail.tiers.registry import Tier
 
@@ -41,61 +42,40 @@ def latent_moe_tail(
     device: jax.Device | None = None,
     rank: jax.Array | None = None,
 ) -> jax.Array:
-    """``y = RMSNorm_g(c * sum_i r_i) @ W + sum_i s_i`` for this TP rank, inside ``jax.shard_map``.
+    """``y = RMSNorm_g(c * sum_i r_i) @ W + sum_i s_i`` for this TP rank, inside ``jax.shard_map`` over ``axis_name``.
 
-    Call it inside a ``jax.shard_map`` (under ``jax.jit`` or not) whose mesh has the TP axis
-    ``axis_name``. The tier is selected at trace time exactly as :func:`k3_tail.select_tier` does
-    for this call on the platform the program is lowered for (``device``); what the tier needs padded is
-    padded (columns are sliced back). Never modifies its inputs; costs are the selected tier's. Composes with
-    jit, vmap, scan, remat, grad/vjp/jvp (every tier but quantised sums) and ``jax.export``.
+    The tier is the one :func:`k3_tail.select_tier` picks for the call on ``device``'s platform, or without a
+    device on the platform the program is lowered for. Never modifies its inputs; costs are the tier's. Composes
+    with jit, vmap, scan, remat, grad/vjp/jvp (not with quantised sums) and ``jax.export``.
 
     Args:
-      routed_partial: [T, L] in ``config.dtype``, this rank's routed latent partial; the reduced
-        latent (the same on every rank) when ``config.routed_output_is_reduced``.
-      shared_partial: [T, H], this rank's shared-expert partial; None exactly when
-        ``config.has_shared_experts`` is False. With ``config.shared_output_is_reduced``: the
-        reduced shared output as :func:`k3_tail.reduce_shared` returns it ([T, H], or with
-        ``config.sequence_parallel`` this rank's [T'/p, H] rows, T' = ``padded_token_count(T, p)``);
-        the tail puts no collective on it.
-      norm_weight: [L] RMSNorm scale g, replicated; None exactly when ``config.use_latent_norm`` is False.
-      up_proj_kernel: "replicated" layout: the whole [L, H] kernel. "column": this rank's block
-        [L, Hb], Hb = ``padded_hidden_size(H, p) // p``, of the kernel stored padded with zero
-        columns (in_spec ``P(None, axis_name)``). A :class:`k3_tail.QuantizedKernel` with an FP8
-        ``config.up_proj_dtype``.
+      routed_partial: [T, L] in ``config.dtype``, this rank's routed partial; with
+        ``config.routed_output_is_reduced`` the reduced latent, the same on every rank.
+      shared_partial: [T, H], this rank's shared-expert partial; None exactly when ``config.has_shared_experts``
+        is False. With ``config.shared_output_is_reduced``: what :func:`k3_tail.reduce_shared` returns.
+      norm_weight: [L] RMSNorm scale g; None exactly when ``config.use_latent_norm`` is False.
+      up_proj_kernel: [L, H] ("replicated"), or this rank's [L, Hb] block of the kernel stored padded to
+        ``padded_hidden_size(H, p)`` columns ("column", in_spec ``P(None, axis_name)``); a
+        :class:`k3_tail.QuantizedKernel` with an FP8 ``config.up_proj_dtype``.
       config: the tail's :class:`k3_tail.TailConfig`.
-      axis_name: the TP axis: a mesh axis name, or a tuple of them (ranks ordered major to minor as
-        listed; p is the product of their sizes).
-      weight_layout: where the kernel lives: "replicated" or "column".
+      axis_name: the TP axis: a mesh axis name, or a tuple of them (p is the product of their sizes).
+      weight_layout: "replicated" or "column".
       tier: a :class:`k3_tail.Tier` (or its value) to force, or None to select one.
-      device: a device of the mesh the call runs on: the explicit override, and the only source of a device
-        kind. Its ``device_kind`` is what the "measured" selection policy and the FP8 activation check use,
-        its platform decides the tier, the all-reduce form and, on ROCm, keeps adds out of GEMMs. None (the
-        default): all of that follows the platform the program is lowered for, "cpu", "cuda" or "rocm" (any
-        other lowers the CPU's choice), one branch per distinct program joined by ``jax.lax.platform_dependent``:
-        an export or AOT lowering for ROCm from a CPU host holds ROCm's tier (docs/guide.md, "Exporting").
-      rank: this rank's index along ``axis_name``, int32 [1]: its block of ``jnp.arange(p, dtype=jnp.int32)``
-        passed into the shard_map with in_spec ``P(axis_name)``, as the model's weights are (the one_kernel
-        tier writes its columns there). None: ``lax.axis_index``, which costs the one_kernel tier a second,
-        one-thread GPU kernel (XLA converts the partition id). :class:`k3_tail.LatentMoETail` and
-        :func:`k3_tail.tail_forward` pass it.
+      device: a device of the mesh, whose platform and kind the selection and the FP8 check read; None: one
+        program per lowering platform ("cpu", "cuda", "rocm"), joined by ``jax.lax.platform_dependent``.
+      rank: this rank's index, int32 [1]: its block of ``jnp.arange(p, dtype=jnp.int32)`` with in_spec
+        ``P(axis_name)``; None: ``lax.axis_index`` (on a GPU one_kernel then launches one more kernel).
 
     Returns:
-      y [T, H] in ``config.dtype``, the same on every rank (out_spec ``P()``). With
-      ``config.sequence_parallel``, for every T: rank k's rows [k*T'/p, (k+1)*T'/p) of y padded to
-      T' = ``padded_token_count(T, p)`` rows, [T'/p, H] (out_spec ``P(axis_name)``, which gives the
-      [T', H] array whose first T rows are y). T' = T when p divides T > 0; otherwise rows T..T'-1
-      are padding: zero (the partials are padded with zero rows, and a zero latent projects to
-      zero) plus, with ``config.shared_output_is_reduced``, the given shared output's padding rows
-      (zero as :func:`k3_tail.reduce_shared` makes them). T = 0 gives T' = p: one zero row per rank.
+      y [T, H] in ``config.dtype``, the same on every rank (out_spec ``P()``). With ``config.sequence_parallel``:
+      this rank's [T'/p, H] rows of y padded with zero rows to T' = ``padded_token_count(T, p)``
+      (out_spec ``P(axis_name)``); T = 0 gives one zero row per rank.
 
     Raises:
-      ValueError: naming the argument, for bad shapes or dtypes, a missing TP axis, a forced tier
-        that cannot run here (one_shot with the column layout or a reduced routed output),
-        ``config.fp8_activations`` in a format ``device``'s GPU does not multiply natively, or an
-        input whose type contradicts the config: inside a ``jax.shard_map`` with ``check_vma=True``
-        (its default) a reduced value where a partial is expected, or the reverse, naming the field
-        (``shared_output_is_reduced``, ``routed_output_is_reduced``), or a ``rank`` that is the same on
-        every rank. With ``check_vma=False`` JAX tracks no variation and that contract is the caller's.
+      ValueError: naming the argument, before any work: bad shapes or dtypes, no TP axis ``axis_name`` in
+        scope, a forced tier that cannot run with the layout or config, FP8 activations ``device`` does not
+        multiply, or (where the shard_map types values, ``check_vma=True``) an input whose variation over the
+        axis contradicts the config field it names, or a ``rank`` that is the same on every rank.
     """
     check_config(config)
     axis_name = check_axis_name(axis_name)
@@ -113,8 +93,23 @@ def latent_moe_tail(
         check_fp8_activations(config.up_proj_dtype, config.fp8_activations, device)
     if rank is not None:
         _check_rank(rank, axis_name, tp_size)
-    _check_reduction_contract(routed_partial, shared_partial, config=config, axis_name=axis_name)
+    variation = variation_over(axis_name, {"routed_partial": routed_partial, "shared_partial": shared_partial,
+                                           "rank": rank})
+    if variation is not None:
+        _check_variation(variation, config=config, axis_name=axis_name)
 
+    return run_tail(routed_partial, shared_partial, norm_weight, up_proj_kernel, config=config, axis_name=axis_name,
+                    tp_size=tp_size, num_tokens=num_tokens, weight_layout=weight_layout, tier=tier,
+                    platform=None if device is None else device_platform(device),
+                    device_kind=None if device is None else device.device_kind, rank=rank)
+
+
+def run_tail(routed_partial, shared_partial, norm_weight, up_proj_kernel, *, config: TailConfig, axis_name: AxisName,
+             tp_size: int, num_tokens: int, weight_layout: str, tier: Tier | None, platform: str | None,
+             device_kind: str | None, rank: jax.Array | None) -> jax.Array:
+    """:func:`latent_moe_tail` on arguments it (or :func:`k3_tail.tail_forward`, on the global arrays) has checked:
+    ``tier`` parsed and able to run, the device as its platform ("cuda", "rocm", "cpu"; None: the platform the
+    program is lowered for) and kind."""
     if config.sequence_parallel:
         # Zero token rows up to a multiple of p, so that each rank owns T'/p rows of the output, for every
         # T: JAX shards evenly only (a reduced shared output already is this rank's rows).
@@ -122,47 +117,46 @@ def latent_moe_tail(
         if shared_partial is not None and not config.shared_output_is_reduced:
             shared_partial = pad_tokens(shared_partial, tp_size)
 
-    # The device's platform ("rocm" or "cuda" for a GPU, not JAX's "gpu") where given, else one branch per distinct
-    # program of the platforms the call may be lowered for.
-    branches = tail_branches(config, num_tokens, tp_size, weight_layout=weight_layout, tier=tier,
-                             device_platform=None if device is None else device_platform(device),
-                             device_kind=None if device is None else device.device_kind)
-
     def run(branch: TailBranch, routed_partial, shared_partial, norm_weight, up_proj_kernel, rank):
         call = TailCall.inside_shard_map(config, axis_name=axis_name, weight_layout=weight_layout,
                                          platform=branch.platform, rank=rank)
         return branch.tier.record.function(routed_partial, shared_partial, norm_weight, up_proj_kernel, call)
 
-    return per_lowering_platform(branches, run, routed_partial, shared_partial, norm_weight, up_proj_kernel, rank)
+    operands = (routed_partial, shared_partial, norm_weight, up_proj_kernel, rank)
+    if platform is not None:  # the device's platform: one program
+        chosen = tier or choose_tier(config, num_tokens, tp_size, weight_layout=weight_layout,
+                                     device_kind=device_kind, platform=platform).tier
+        return run(TailBranch(chosen, platform), *operands)
+    # Else one branch per distinct program of the platforms the call may be lowered for.
+    branches = tail_branches(config, num_tokens, tp_size, weight_layout=weight_layout, tier=tier)
+    return per_lowering_platform(branches, run, *operands)
 
 
 def _check_rank(rank, axis_name: AxisName, tp_size: int) -> None:
-    """ValueError naming ``rank`` unless it is an int32 [1] that varies over the TP axis (where JAX tracks that)
-    and, where its value is known at trace time, lies in [0, p). (A traced one outside it gives NaN: the
-    one_kernel tier's kernel masks it both ways.)"""
+    """ValueError naming ``rank`` unless it is an int32 [1] that, where its value is known at trace time, lies in
+    [0, p). (A traced one outside it gives NaN: the one_kernel tier's kernel masks it both ways.)"""
     expect_array(rank, "rank", [(1,)], np.dtype(np.int32), "this rank's index: its block of jnp.arange(p)",
                  dtype_field="int32")
     if not isinstance(rank, jax.core.Tracer) and not 0 <= int(np.asarray(rank)[0]) < tp_size:
         raise ValueError(f"rank: expected this rank's index in [0, {tp_size}) along {axis_name!r}, got "
                          f"{int(np.asarray(rank)[0])}")
-    if varies_over(rank, axis_name) is False:
+
+
+def _check_variation(variation: dict[str, bool], *, config: TailConfig, axis_name: AxisName) -> None:
+    """ValueError naming the argument, or the config field it contradicts, where an input's type
+    (:func:`~k3_tail._checks.variation_over`) is not what the call expects: a per-rank partial and ``rank`` vary
+    over the TP axis, a reduced output does not."""
+    if variation.get("rank") is False:
         raise ValueError(f"rank: expected this rank's index, which varies over {axis_name!r} (the block of "
                          f"jnp.arange(p, dtype=jnp.int32) with in_spec P({axis_name!r})), but its type is the same "
                          "on every rank")
-
-
-def _check_reduction_contract(routed_partial, shared_partial, *, config: TailConfig, axis_name: AxisName) -> None:
-    """ValueError naming the config field when an input's type contradicts it: a per-rank partial
-    varies over the TP axis, a reduced output does not (:func:`varies_over`)."""
-    contract = [("routed_partial", routed_partial, "routed_output_is_reduced", "the reduced latent")]
+    contract = [("routed_partial", "routed_output_is_reduced", "the reduced latent")]
     # A reduced shared output in the token-sharded form is this rank's rows of the sum: it varies too.
-    if shared_partial is not None and not (config.shared_output_is_reduced and config.sequence_parallel):
-        contract.append(("shared_partial", shared_partial, "shared_output_is_reduced",
-                         "the output of k3_tail.reduce_shared"))
-    for name, value, field, reduced_form in contract:
-        varies = varies_over(value, axis_name)
+    if not (config.shared_output_is_reduced and config.sequence_parallel):
+        contract.append(("shared_partial", "shared_output_is_reduced", "the output of k3_tail.reduce_shared"))
+    for name, field, reduced_form in contract:
         reduced = getattr(config, field)
-        if varies is None or varies != reduced:
+        if variation.get(name, reduced) != reduced:  # absent (None): nothing to check
             continue
         if reduced:
             raise ValueError(

@@ -3,7 +3,7 @@
     python scripts/collective_forms.py [--rows 16,64,256,1024,2048] [--widths 3584,7168,17920]
                                        [--dtypes bfloat16,float32] [--quantized int8,int6,int4] [--json FILE]
 
-Method and results: docs/performance.md, "One all-reduce or reduce-scatter + all-gather, on the CPU backend".
+Method and results: docs/measurements/2026-11-30-collective-forms.md.
 """
 
 import gc
@@ -16,17 +16,10 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from k3_tail import TailConfig
+from k3_tail.cli.harness import AXIS_NAME, Experiment, choice_list, positive_int_list, progress
+from k3_tail.cli.tables import format_table, spread_ms
 from k3_tail.tools.benchmark import Timing, time_round_robin
-from k3_tail.tools.blocks import CODEC_NAMES, all_reduce
-from k3_tail.tools.experiment import (
-    AXIS_NAME,
-    Experiment,
-    choice_list,
-    format_table,
-    positive_int_list,
-    progress,
-    spread_ms,
-)
+from lab.blocks import CODEC_NAMES, all_reduce
 
 DEFAULT_ROWS = (16, 64, 256, 1024, 2048)
 DEFAULT_WIDTHS = (3584, 7168, 17920)  # Kimi-K3: L, H, 2H + L
@@ -166,7 +159,7 @@ def format_tables(buffers: list[dict]) -> str:
          lambda e: e["buffer"]["numerics"][f"{ALL_REDUCE} moved {e['buffer']['dtype']}"]["vs_float64_sum"]),
         ("", "", flag),
     ], group=group, notes=[
-        "", "two-shot: k3_tail.tools.blocks.all_reduce with the codec, every buffer quantised. all-reduce: lax.psum",
+        "", "two-shot: lab.blocks.all_reduce with the codec, every buffer quantised. all-reduce: lax.psum",
         "of the buffer as is. Q/AR: ratio of medians; per-round: quartiles of two-shot/all-reduce within each round;",
         "sep as above. Q/RS+AG: ratio of medians to RS+AG moving the buffer as is. vs AR, vs f64: max |two-shot - b|",
         "/ max |b| with b the all-reduce's result and the float64 sum; AR vs f64: the all-reduce's own."])

@@ -2,7 +2,7 @@
 
     python scripts/decode_time.py [--tokens 1,2,16] [--devices 8] [--rounds 7] [--json FILE]
 
-Method and results: docs/performance.md, "Decode: one-row GEMMs at their bytes".
+Method and results: docs/measurements/2026-12-01-decode-one-row-gemms.md.
 """
 
 import functools
@@ -13,9 +13,10 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from k3_tail import TailConfig, Tier, tail_forward
+from k3_tail.cli.harness import AXIS_NAME, Experiment, positive_int_list, progress
+from k3_tail.cli.tables import format_table, median_columns
 from k3_tail.tools.benchmark import Timing, place_partials, place_weights, time_round_robin
-from k3_tail.tools.blocks import WEIGHT_LAYOUTS, project
-from k3_tail.tools.experiment import AXIS_NAME, Experiment, format_table, median_columns, positive_int_list, progress
+from lab.blocks import WEIGHT_LAYOUTS, project
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,15 +2,16 @@
 
     python scripts/fp8_error.py [--devices 8] [--tokens 1,16,256] [--tiers native,...] [--seed 0] [--json FILE]
 
-Method and results: docs/performance.md, "FP8 up-projection weights: accuracy, compiled kernel bytes, predicted effect".
+Method and results: docs/measurements/2026-11-30-fp8-up-projection.md.
 """
 
 import numpy as np
 
 import k3_tail
-from k3_tail.tools.accuracy import random_partials, random_weights, reference_latent, relative_error
-from k3_tail.tools.blocks import FP8_FORMATS
-from k3_tail.tools.experiment import AXIS_NAME, Experiment, format_table, positive_int_list, progress, tier_list
+from k3_tail.cli.harness import AXIS_NAME, Experiment, positive_int_list, progress, tier_list
+from k3_tail.cli.tables import format_table
+from lab.accuracy import random_partials, random_weights, reference_latent, relative_error
+from lab.blocks import FP8_FORMATS
 
 
 def main(argv: list[str] | None = None) -> int:

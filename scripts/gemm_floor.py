@@ -2,21 +2,14 @@
 
     python scripts/gemm_floor.py [--tokens 1024] [--devices 8] [--repeats 5] [--json FILE]
 
-Method and results: docs/performance.md, "Measuring" and "Recorded: Kimi-K3, T = 1024, 8 forced CPU devices".
+Method and results: docs/measurements/2026-11-30-gemm-floor.md.
 """
 
 from k3_tail import TailConfig, Tier
+from k3_tail.cli.harness import AXIS_NAME, Experiment, positive_int, progress
+from k3_tail.cli.tables import format_ms, format_table, median_columns
 from k3_tail.tools.benchmark import config_dict, local_gemm_columns, measure_local_gemm, measure_tiers
-from k3_tail.tools.blocks import WEIGHT_LAYOUTS
-from k3_tail.tools.experiment import (
-    AXIS_NAME,
-    Experiment,
-    format_ms,
-    format_table,
-    median_columns,
-    positive_int,
-    progress,
-)
+from lab.blocks import WEIGHT_LAYOUTS
 
 
 def main(argv: list[str] | None = None) -> int:

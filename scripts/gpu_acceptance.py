@@ -2,7 +2,7 @@
 
     python scripts/gpu_acceptance.py [--calls N] [--devices all|1] [--seed S] [--json FILE|-]
 
-Every case and mode of k3_tail.tools.acceptance (its docstring: what a call checks), --calls calls each on
+Every case and mode of lab.acceptance (its docstring: what a call checks), --calls calls each on
 every device, then scripts/gpu_profile.py's timing at the cases' T (skipped where the kernel runs
 interpreted). Exit status (README: "GPU acceptance run"): 0 every case passed, 1 a mismatch, 2 it could not
 run: a bad argument or a --json file that cannot be written (refused before any case runs), or an error during
@@ -13,13 +13,13 @@ import functools
 import sys
 import traceback
 
-import gpu_profile
 import jax
 
+import gpu_profile
 from k3_tail import TailConfig, Tier
+from k3_tail.cli.harness import Experiment, announce_machine, positive_int, tp_mesh, use_cpu_without_gpu
 from k3_tail.hardware import device_platform
-from k3_tail.tools import acceptance
-from k3_tail.tools.experiment import Experiment, announce_machine, positive_int, tp_mesh, use_cpu_without_gpu
+from lab import acceptance
 
 
 def time_against_xla_tiers(config: TailConfig, device: jax.Device, token_counts, seed: int) -> dict:

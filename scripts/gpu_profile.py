@@ -3,7 +3,7 @@
     python scripts/gpu_profile.py [--tp-sizes 4,8] [--tokens 1,2,...,8192] [--weight-layout both]
                                   [--repeats 20] [--hardware PRESET] [--json FILE|-]
 
-Method and results: docs/performance.md, "Per-rank local work on one GPU".
+Method and results: docs/measurements/2026-11-30-gpu-profile.md.
 """
 
 import dataclasses
@@ -16,24 +16,21 @@ import jax.numpy as jnp
 import numpy as np
 
 from k3_tail import TailConfig, padded_token_count
-from k3_tail.hardware import HARDWARE, Hardware, device_platform
-from k3_tail.tiers.registry import Tier
-from k3_tail.tools.benchmark import config_dict, default_token_counts, tiers_for, time_runs
-from k3_tail.tools.blocks import WEIGHT_LAYOUTS, norm_project_add, rms_norm
-from k3_tail.tools.experiment import (
+from k3_tail.cli.harness import (
     Experiment,
     add_shape_arguments,
     announce_machine,
-    format_ms,
-    format_table,
-    median_columns,
     positive_int,
     positive_int_list,
     progress,
-    quartiles_ms,
     stepped,
     use_cpu_without_gpu,
 )
+from k3_tail.cli.tables import format_ms, format_table, median_columns, quartiles_ms
+from k3_tail.hardware import HARDWARE, Hardware, device_platform
+from k3_tail.tiers.registry import Tier
+from k3_tail.tools.benchmark import config_dict, default_token_counts, tiers_for, time_runs
+from lab.blocks import WEIGHT_LAYOUTS, norm_project_add, rms_norm
 
 DEFAULT_TP_SIZES = (4, 8)
 GPU_REPEATS = 20

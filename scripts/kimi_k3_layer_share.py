@@ -5,7 +5,7 @@
         [--model-tokens 1,16,64,256,1024,8192] [--width-divisor 4] [--experts 8] [--top-k 2]
         [--weight-layout replicated] [--topology h100x8] [--json FILE]
 
-Method and results: docs/performance.md, "The tail inside the Kimi-K3 latent MoE layer" (and the sections it links).
+Method and results: docs/measurements/2026-11-30-layer-share.md (and the files it links).
 """
 
 import dataclasses
@@ -14,37 +14,28 @@ import itertools
 from typing import Any
 
 import numpy as np
-from kimi_k3_routed_experts_bench import add_layer_arguments, cpu_layer_config, random_hidden_states
 
 import k3_tail
-from k3_tail.models.kimi_k3 import cost as layer_cost
-from k3_tail.models.kimi_k3.layer import (
+from k3_tail.cli.harness import AXIS_NAME, Experiment, ProgressBar, choice_list, positive_int_list, progress, stepped
+from k3_tail.cli.tables import format_table, spread_ms
+from k3_tail.deviceless.topologies import parse_topology
+from k3_tail.models.kimi_k3 import (
     KIMI_K3_NUM_EXPERTS,
     KIMI_K3_TOP_K,
-    ROUTED_EXPERT_WEIGHTS,
     LayerConfig,
     build_layer,
     compile_layer,
-    up_projection,
+    cost as layer_cost,
 )
 from k3_tail.models.kimi_k3.mxfp4 import MXFP4_BYTES
+from k3_tail.models.kimi_k3.parameters import ROUTED_EXPERT_WEIGHTS
+from k3_tail.models.kimi_k3.per_rank import up_projection
 from k3_tail.models.kimi_k3.routed_experts import routed_expert_method
 from k3_tail.models.kimi_k3.schedule import shared_reduction_placement
 from k3_tail.tools.benchmark import Timing, tiers_for, time_round_robin
-from k3_tail.tools.blocks import WEIGHT_LAYOUTS
-from k3_tail.tools.experiment import (
-    AXIS_NAME,
-    Experiment,
-    ProgressBar,
-    choice_list,
-    format_table,
-    positive_int_list,
-    progress,
-    spread_ms,
-    stepped,
-)
 from k3_tail.xla import report as xla_report
-from k3_tail.xla.topologies import parse_topology
+from kimi_k3_routed_experts_bench import add_layer_arguments, cpu_layer_config, random_hidden_states
+from lab.blocks import WEIGHT_LAYOUTS
 
 PARTS = ("cpu", "h100", "early", "cost", "model")
 MODEL_HARDWARE, MODEL_TP_SIZE = "mi355x", 8

@@ -3,7 +3,7 @@
     python scripts/kimi_k3_routed_experts_bench.py [--tokens 64,256,1024] [--methods ragged_dot,capacity]
         [--width-divisor 4] [--experts 8] [--top-k 2] [--json FILE]
 
-Method and results: docs/performance.md, "The routed experts at their real cost", "On the 8-device CPU mesh".
+Method and results: docs/measurements/2026-12-01-routed-experts.md, "On the 8-device CPU mesh".
 """
 
 import functools
@@ -13,18 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from k3_tail.models.kimi_k3 import layer as layer_module
+from k3_tail.cli.harness import Experiment, ProgressBar, choice_list, positive_int, positive_int_list
+from k3_tail.cli.tables import format_table, spread_ms
+from k3_tail.models.kimi_k3 import LayerConfig, layer as layer_module, partition_specs
 from k3_tail.models.kimi_k3.routed_experts import ROUTED_EXPERTS, routed_expert_method
 from k3_tail.tools.benchmark import Timing, time_round_robin
-from k3_tail.tools.experiment import (
-    Experiment,
-    ProgressBar,
-    choice_list,
-    format_table,
-    positive_int,
-    positive_int_list,
-    spread_ms,
-)
 
 
 def add_layer_arguments(experiment: Experiment) -> None:
@@ -36,20 +29,20 @@ def add_layer_arguments(experiment: Experiment) -> None:
     add("--top-k", type=positive_int, default=2, metavar="K", help="experts per token (default: 2)")
 
 
-def cpu_layer_config(experiment: Experiment, **fields) -> layer_module.LayerConfig:
+def cpu_layer_config(experiment: Experiment, **fields) -> LayerConfig:
     """Kimi-K3's widths / --width-divisor, --experts, --top-k and ``fields``; a usage error unless the
     CPU mesh (--devices) can split it."""
     args = experiment.args
     try:
-        config = layer_module.LayerConfig.kimi_k3(num_experts=args.experts, top_k=args.top_k,
-                                                  width_divisor=args.width_divisor, **fields)
-        layer_module.partition_specs(config, args.devices)  # the mesh splits m and F by its devices
+        config = LayerConfig.kimi_k3(num_experts=args.experts, top_k=args.top_k,
+                                     width_divisor=args.width_divisor, **fields)
+        partition_specs(config, args.devices)  # the mesh splits m and F by its devices
     except ValueError as error:
         experiment.parser.error(f"--width-divisor, --experts, --top-k: {error}")
     return config
 
 
-def random_hidden_states(config: layer_module.LayerConfig, mesh, num_tokens: int, rng: np.random.Generator):
+def random_hidden_states(config: LayerConfig, mesh, num_tokens: int, rng: np.random.Generator):
     """Standard normal hidden states [T, H] in the layer's dtype, replicated on ``mesh``."""
     hidden = jnp.asarray(rng.standard_normal((num_tokens, config.hidden_size)), config.dtype)
     return jax.device_put(hidden, NamedSharding(mesh, P()))

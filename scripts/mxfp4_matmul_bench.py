@@ -8,7 +8,7 @@ Each shape K x N is one kernel of the capacity method's group (56 experts of Kim
 T = 2048): 3584 x 384 the gate and up kernels, 384 x 3584 the down one. Both results are checked against each
 other within float32 accumulation first. On a GPU it times the compiled kernel; with ``--interpret`` (a CPU) the
 kernel runs in Pallas's interpret mode, which checks the script, not the speed. Method and results:
-docs/performance.md, "MXFP4 experts at their packed cost".
+docs/measurements/2026-12-01-mxfp4-experts.md.
 """
 
 import functools
@@ -17,10 +17,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from k3_tail.cli.harness import Experiment, positive_int, use_cpu_without_gpu
+from k3_tail.cli.tables import format_table, spread_ms
 from k3_tail.models.kimi_k3.mxfp4 import decode
 from k3_tail.models.kimi_k3.mxfp4_matmul import mxfp4_matmul, mxfp4_matmul_reference
 from k3_tail.tools.benchmark import Timing, time_round_robin
-from k3_tail.tools.experiment import Experiment, format_table, positive_int, spread_ms, use_cpu_without_gpu
 
 
 def shape_list(text: str) -> tuple[tuple[int, int], ...]:

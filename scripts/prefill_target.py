@@ -2,7 +2,7 @@
 
     python scripts/prefill_target.py [--tokens 16,1024] [--devices 8] [--rounds 5] [--json FILE]
 
-Method and results: docs/performance.md, "Prefill: token_parallel and every tier against the column tier of before".
+Method and results: docs/measurements/2026-11-30-prefill-target.md.
 """
 
 import functools
@@ -10,9 +10,10 @@ import functools
 import numpy as np
 
 from k3_tail import TailConfig, Tier, tail_forward
+from k3_tail.cli.harness import Experiment, positive_int_list, progress
+from k3_tail.cli.tables import format_table, median_columns
 from k3_tail.tools.benchmark import Timing, place_partials, place_weights, time_round_robin
-from k3_tail.tools.blocks import WEIGHT_LAYOUTS
-from k3_tail.tools.experiment import Experiment, format_table, median_columns, positive_int_list, progress
+from lab.blocks import WEIGHT_LAYOUTS
 
 BASELINE = ("column_parallel", "column", "all-reduce")
 

@@ -4,7 +4,7 @@
                                       [--codecs bf16,int8,int6,int4] [--large-tokens 8192 --large-tiers TIER,...]
                                       [--seed 0] [--json FILE]
 
-Method and results: docs/performance.md, "Quantised sums (vLLM ROCm's QuickReduce)", "Accuracy".
+Method and results: docs/measurements/2026-12-01-quantized-sums.md, "Accuracy".
 """
 
 import time
@@ -14,19 +14,19 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from k3_tail import TailConfig, Tier, tail_forward
-from k3_tail.tools.accuracy import random_partials, random_weights, reference_tail, relative_error
-from k3_tail.tools.benchmark import place, tiers_for
-from k3_tail.tools.blocks import CODEC_NAMES
-from k3_tail.tools.experiment import (
+from k3_tail.cli.harness import (
     AXIS_NAME,
     Experiment,
     ProgressBar,
     choice_list,
-    markdown_table,
     positive_int,
     positive_int_list,
     tier_list,
 )
+from k3_tail.cli.tables import markdown_table
+from k3_tail.tools.benchmark import place, tiers_for
+from lab.accuracy import random_partials, random_weights, reference_tail, relative_error
+from lab.blocks import CODEC_NAMES
 
 BASELINE = "bf16"
 CODEC_CHOICES = (BASELINE, *CODEC_NAMES)

@@ -2,7 +2,7 @@
 
     python scripts/quantized_gain.py [--tokens 1,16,256,1024,2048,8192] [--json gains.json]
 
-Method and results: docs/performance.md, "Quantised sums (vLLM ROCm's QuickReduce)", "Predicted worth on the GPUs".
+Method and results: docs/measurements/2026-12-01-quantized-sums.md, "Predicted worth on the GPUs".
 """
 
 from __future__ import annotations
@@ -10,9 +10,10 @@ from __future__ import annotations
 import bisect
 
 from k3_tail import TailConfig
+from k3_tail.cli.harness import Experiment, positive_int_list
+from k3_tail.cli.tables import markdown_table
 from k3_tail.selection import cost_model
-from k3_tail.tools.blocks import CODEC_NAMES
-from k3_tail.tools.experiment import Experiment, markdown_table, positive_int_list
+from lab.blocks import CODEC_NAMES
 
 PRESETS = ("mi355x", "mi300x", "h200")
 TP_SIZE = 8

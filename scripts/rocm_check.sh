@@ -28,7 +28,7 @@
 # xla_gpu_all_gather_combine_threshold_bytes=0 and xla_gpu_disable_async_collectives=""), and these
 # override XLA_FLAGS. To see XLA's ROCm passes,
 # add XLA_FLAGS=--xla_dump_to=DIR; the dump also holds this GPU's exact target config
-# (*.gpu_target_config.pbtxt), which can replace k3_tail/xla/targets/mi300x.txtpb or mi355x.txtpb.
+# (*.gpu_target_config.pbtxt), which can replace k3_tail/deviceless/targets/mi300x.txtpb or mi355x.txtpb.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export JAX_PLATFORMS=rocm

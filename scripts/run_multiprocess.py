@@ -26,10 +26,10 @@ import jax
 import numpy as np
 
 import k3_tail
-from k3_tail.tools.accuracy import random_partials, random_weights, reference_tail, relative_error
-from k3_tail.tools.blocks import WEIGHT_LAYOUTS
-from k3_tail.tools.experiment import positive_int, positive_int_list, random_seed, tp_mesh
-from k3_tail.tools.multiprocess import CoordinatorError, initialize, split_address
+from k3_tail.cli.harness import positive_int, positive_int_list, random_seed, tp_mesh
+from lab.accuracy import random_partials, random_weights, reference_tail, relative_error
+from lab.blocks import WEIGHT_LAYOUTS
+from lab.multiprocess import CoordinatorError, initialize, split_address
 
 LOCAL_HOST = "127.0.0.1"
 DEFAULT_LOCAL_CPU_DEVICES = 4

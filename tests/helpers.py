@@ -24,9 +24,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import covering
 import k3_tail
 import k3_tail.xla.report
+import machine_code
 from k3_tail.tiers.column_parallel import stitched_buffer
 from k3_tail.tiers.context import TailCall
-from k3_tail.xla import machine_code
 from reference import TOLERANCE, make_inputs, reference_latent, relative_error
 
 # LLVM's optimisation and XLA CPU's newer (MLIR) fusion emitters off: XLA compiles the same HLO programs in
@@ -91,15 +91,28 @@ def gpu_mesh_for(topology, tp_size=8):
     except k3_tail.TopologyUnavailable as error:
         if named is not None:
             pytest.fail(f"{topology} is named in {TOPOLOGIES_VARIABLE} but cannot compile here: {error}", pytrace=False)
-        if k3_tail.xla.topologies.parse_topology(topology)[0].platform == "rocm" and not ROCM_WHEELS:
+        if k3_tail.deviceless.topologies.parse_topology(topology)[0].platform == "rocm" and not ROCM_WHEELS:
             pytest.skip(f"{topology}: needs the [rocm-aot] extra (.ci/run runs it in .venv-rocm)")
         pytest.skip(str(error))
 
 
-# Whether the ROCm plugin is installed (find_spec of a submodule imports its parent: jax_plugins exists only where
-# some plugin is, not in an environment of the project alone).
-ROCM_WHEELS = importlib.util.find_spec("jax_plugins") is not None and (
-    importlib.util.find_spec("jax_plugins.xla_rocm7") is not None)
+def installed(module):
+    """Whether ``module`` (a dotted name) is installed here, found without importing it. find_spec of a submodule
+    imports its parent and raises where the parent is missing (``jax_plugins`` exists only where some plugin is,
+    not in an environment of the project alone): each parent is looked for first."""
+    parent = module.rpartition(".")[0]
+    return (not parent or installed(parent)) and importlib.util.find_spec(module) is not None
+
+
+def needs_extra(extra, *modules):
+    """A skip mark for a test that needs the ``extra`` of pyproject.toml (the README's set-up installs none):
+    skipped, naming the extra, where one of ``modules`` is not installed."""
+    missing = [module for module in modules if not installed(module)]
+    return pytest.mark.skipif(bool(missing), reason=f"needs the [{extra}] extra ({', '.join(missing)} not installed)")
+
+
+# Whether the ROCm plugin is installed (the [rocm-aot] extra).
+ROCM_WHEELS = installed("jax_plugins.xla_rocm7")
 
 
 def topology_available(topology):
@@ -311,7 +324,7 @@ def assert_column_tier_writes_only_its_own_block(config, tp_size, num_tokens, we
 
 
 def disassembled(read, *args):
-    """``read(*args)``, a reader of ``k3_tail.xla.machine_code`` (``kernel_code``, ``disassembly``); skipped with
+    """``read(*args)``, a reader of tests/machine_code.py (``kernel_code``, ``disassembly``); skipped with
     the command that installs the missing disassembler, a failure under CI (``CI`` set), which installs them."""
     try:
         return read(*args)
@@ -327,17 +340,18 @@ def kimi_layer_compiled(tmp_path_factory, topology, num_tokens, quantization=Non
     for every test that reads it: {"figures": ``figures.CompiledFigures``' fields, "gemm_flops": XLA's per device,
     "placement": the early shared reduction's ``SharedReductionPlacement`` fields}. Skipped where the topology
     cannot compile (:func:`gpu_mesh_for`)."""
-    from k3_tail.models.kimi_k3 import figures, layer
+    from k3_tail.models.kimi_k3 import KIMI_K3_NUM_EXPERTS, KIMI_K3_TOP_K, LayerConfig, compile_layer, figures
+    from k3_tail.models.kimi_k3.parameters import ROUTED_EXPERT_WEIGHTS
     from k3_tail.models.kimi_k3.schedule import shared_reduction_placement
 
     mesh = gpu_mesh_for(topology)
 
     def produce(directory):
-        config = layer.LayerConfig.kimi_k3(num_experts=layer.KIMI_K3_NUM_EXPERTS, top_k=layer.KIMI_K3_TOP_K,
-                                           expert_quantization=quantization)
+        config = LayerConfig.kimi_k3(num_experts=KIMI_K3_NUM_EXPERTS, top_k=KIMI_K3_TOP_K,
+                                     expert_quantization=quantization)
         dump_dir = str(directory / "dump")
-        compiled = layer.compile_layer(config, mesh, num_tokens, xla_options={"xla_dump_to": dump_dir})
-        placement = shared_reduction_placement(compiled, layer.ROUTED_EXPERT_WEIGHTS)
+        compiled = compile_layer(config, mesh, num_tokens, xla_options={"xla_dump_to": dump_dir})
+        placement = shared_reduction_placement(compiled, ROUTED_EXPERT_WEIGHTS)
         return {"figures": dataclasses.asdict(figures.figures_of(compiled, dump_dir)),
                 "gemm_flops": k3_tail.xla.report.report(compiled, shared_argument=None).gemm_flops,
                 "placement": dataclasses.asdict(placement)}

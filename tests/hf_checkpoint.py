@@ -5,7 +5,8 @@ Kimi-K3's) and its tensors in torch's layout ([out, in] Linear weights): layer 0
 others MoE (``block_sparse_moe``), attention and layer norms beside them, the embedding, the final norm
 and the LM head, and a few vision tensors to be skipped. :func:`write_checkpoint` writes them as several
 safetensors shards with a ``model.safetensors.index.json`` (or as one file), with the wrapper's
-``language_model.`` prefix or unprefixed. :func:`record_reads` records what the loaders read, and
+``language_model.`` prefix or unprefixed. :func:`moe_layer_weights` gives an MoE layer's weights as the Kimi-K3
+layer names them. :func:`record_reads` records what the loaders read, and
 :func:`record_slices` what safetensors copied for them.
 """
 
@@ -102,6 +103,26 @@ def tiny_model(model: TinyModel = TinyModel(), *, seed: int = 0) -> dict[str, np
                             f"{moe}experts.{expert}.w3.weight": weight(m, lat)})
     tensors.update({name: weight(4, 6) for name in VISION_TENSORS})
     return tensors
+
+
+def moe_layer_weights(tensors: dict[str, np.ndarray], layer: int, num_experts: int) -> dict[str, np.ndarray]:
+    """MoE layer ``layer``'s weights by the Kimi-K3 layer's parameter names, from the torch-layout ``tensors``
+    (each Linear weight transposed, the experts stacked): what a loader should make of them, independent of it."""
+    moe = f"model.layers.{layer}.block_sparse_moe."
+
+    def experts(weight):
+        return np.stack([tensors[f"{moe}experts.{e}.{weight}.weight"].T for e in range(num_experts)])
+
+    return {
+        "router_kernel": tensors[moe + "gate.weight"].T, "router_bias": tensors[moe + "gate.e_score_correction_bias"],
+        "down_proj": tensors[moe + "routed_expert_down_proj.weight"].T,
+        "expert_gate": experts("w1"), "expert_up": experts("w3"), "expert_down": experts("w2"),
+        "shared_gate": tensors[moe + "shared_experts.gate_proj.weight"].T,
+        "shared_up": tensors[moe + "shared_experts.up_proj.weight"].T,
+        "shared_down": tensors[moe + "shared_experts.down_proj.weight"].T,
+        "norm_scale": tensors[moe + "routed_expert_norm.weight"],
+        "up_proj_kernel": tensors[moe + "routed_expert_up_proj.weight"].T,
+    }
 
 
 def stored_name(name: str, wrapped: bool) -> str:

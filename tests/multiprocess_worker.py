@@ -1,7 +1,9 @@
 """One process of tests/test_multiprocess.py: join the mesh, run every case, write the results as JSON.
 
-    python multiprocess_worker.py --coordinator 127.0.0.1:PORT --num-processes 2 --process-id I \\
-        --local-devices 4 --result PATH
+    PYTHONPATH=scripts python tests/multiprocess_worker.py --coordinator 127.0.0.1:PORT --num-processes 2 \\
+        --process-id I --local-devices 4 --result PATH
+
+(scripts/ on the path: it joins with the lab's lab.multiprocess, as scripts/run_multiprocess.py does.)
 
 Every process runs every case of ``CASES`` on one mesh "tp" over the devices of all processes, with
 the same inputs (same seed), and compares its own copy of the replicated output with the float64
@@ -29,8 +31,8 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import k3_tail
-from k3_tail.tools.blocks import WEIGHT_LAYOUTS
-from k3_tail.tools.multiprocess import initialize
+from lab.blocks import WEIGHT_LAYOUTS
+from lab.multiprocess import initialize
 from reference import make_inputs, reference_tail, relative_error  # tests/ is on sys.path: the script's directory
 
 AXIS_NAME = "tp"

@@ -14,9 +14,10 @@ import sys
 
 import pytest
 
-from helpers import command_environment, make_tp_mesh, once_per_session
+from helpers import command_environment, installed, make_tp_mesh, needs_extra, once_per_session
 from k3_tail import TailConfig, Tier
 from k3_tail.cli import main
+from k3_tail.cli.harness import ProgressBar
 from k3_tail.tools.benchmark import (
     Measurement,
     Timing,
@@ -27,7 +28,6 @@ from k3_tail.tools.benchmark import (
     measure_tiers,
     token_ladder,
 )
-from k3_tail.tools.experiment import ProgressBar
 
 SMALL_CONFIG = TailConfig(hidden_size=48, latent_size=16)
 SMALL_FLAGS = ["--hidden-size", "64", "--latent-size", "32"]
@@ -207,16 +207,21 @@ def test_bench_plot_without_matplotlib_says_how_to_install_it(monkeypatch, capsy
     assert status == 2 and error == "k3-tail bench: error: --plot needs matplotlib: pip install 'k3_tail[plot]'\n"
 
 
+# The plot needs matplotlib (the [plot] extra): the shared run draws it where that is installed.
+PLOT_INSTALLED = installed("matplotlib")
+needs_plot = needs_extra("plot", "matplotlib")
+
+
 @pytest.fixture(scope="session")
 def bench_run(tmp_path_factory):
-    """One small `bench` run (p in {2, 4} x T in {1, 8} x the column layout's tiers) with every output,
-    once per session (also under xdist)."""
+    """One small `bench` run (p in {2, 4} x T in {1, 8} x the column layout's tiers) with every output (the plot
+    where matplotlib is installed), once per session (also under xdist)."""
 
     def run(directory):
         paths = {name: directory / f"bench.{name}" for name in ("json", "csv", "png")}
+        plot = ["--plot", paths["png"]] if PLOT_INSTALLED else []
         completed = run_cli("bench", *SMALL_FLAGS, "--tokens", "1,8", "--repeats", "2", "--tp-sizes", "2,4",
-                            "--json", paths["json"], "--csv", paths["csv"], "--plot", paths["png"],
-                            timeout=CLI_RUN_LIMIT_S)
+                            "--json", paths["json"], "--csv", paths["csv"], *plot, timeout=CLI_RUN_LIMIT_S)
         return {"returncode": completed.returncode, "stdout": completed.stdout, "stderr": completed.stderr}
 
     directory, outcome = once_per_session(tmp_path_factory, "bench-cli", run, timeout_s=CLI_RUN_LIMIT_S + 30)
@@ -268,6 +273,7 @@ def test_bench_csv_holds_the_json_measurements(bench_run):
     assert from_csv == from_json and len(from_csv) == len(EXPECTED_ROWS)
 
 
+@needs_plot
 def test_bench_plot_is_a_png(bench_run):
     assert bench_run[1]["png"].read_bytes().startswith(PNG_SIGNATURE)
 
@@ -308,12 +314,14 @@ def synthetic_measurements(tp_sizes):
             for p in tp_sizes for t in PLOT_TOKENS for index, tier in enumerate(PLOT_TIERS)]
 
 
+@needs_plot
 @pytest.mark.parametrize("tp_sizes", [(8,), (2, 4, 8)], ids=["one-tp-size", "three-tp-sizes"])
 @pytest.mark.parametrize("title", ["H=7168, L=3584, bfloat16, eps 1e-05, scale 2.827; kernel column; cpu", LONG_TITLE],
                          ids=["bench-title", "long-title"])
 def test_bench_plot_has_the_whole_title_the_band_and_the_selection_in_its_legend(tp_sizes, title):
-    plotting = pytest.importorskip("k3_tail.tools.plotting", reason="needs matplotlib (the [plot] extra)")
     from matplotlib.text import Text
+
+    from k3_tail.tools import plotting
 
     selected = {(p, t, "column"): Tier.OVERLAP if t < 16 else Tier.COLUMN_PARALLEL
                 for p in tp_sizes for t in PLOT_TOKENS}
@@ -338,16 +346,20 @@ def test_bench_plot_has_the_whole_title_the_band_and_the_selection_in_its_legend
                                                              for t in PLOT_TOKENS]
 
 
+@needs_plot
 def test_bench_plot_without_a_selection_has_no_rings():
-    plotting = pytest.importorskip("k3_tail.tools.plotting", reason="needs matplotlib (the [plot] extra)")
+    from k3_tail.tools import plotting
+
     figure = plotting.measurement_figure(synthetic_measurements([2]))
     (legend,) = figure.legends
     assert plotting.SELECTED_LABEL not in [text.get_text() for text in legend.get_texts()]
     assert not [line for line in figure.get_axes()[0].get_lines() if line.get_gid() == plotting.SELECTED_GID]
 
 
+@needs_plot
 def test_plot_measurements_writes_a_png_to_a_file_object():
-    plotting = pytest.importorskip("k3_tail.tools.plotting", reason="needs matplotlib (the [plot] extra)")
+    from k3_tail.tools import plotting
+
     buffer = io.BytesIO()
     plotting.plot_measurements(synthetic_measurements([2]), buffer, title="two ranks")
     assert buffer.getvalue().startswith(PNG_SIGNATURE)

@@ -1,6 +1,5 @@
 """The command line: `python -m k3_tail demo` in a fresh process, as a user runs it."""
 
-import importlib.util
 import json
 import operator
 import os
@@ -10,24 +9,16 @@ import sys
 import jax
 import pytest
 
-from helpers import command_environment
+from helpers import command_environment, needs_extra
 from k3_tail.cli import CLOSED_PIPE_STATUS, COMMANDS, build_parser, calibrate, demo, hlo, main
-from k3_tail.cli.common import (
-    all_reduce_quantization_options,
-    describe_config,
-    format_selection_gap,
-    measurement_config,
-    up_projection_options,
-)
+from k3_tail.cli.harness import MAX_CPU_DEVICES, all_reduce_quantization_options, up_projection_options
+from k3_tail.cli.measurement import measurement_config
+from k3_tail.cli.tables import describe_config, format_selection_gap, format_table
 from k3_tail.config import TailConfig
 from k3_tail.selection.rules import gpu_rules_note, select_tier
 from k3_tail.tiers.registry import TIER_RECORDS, Tier, tier_table
 from k3_tail.tools.benchmark import Measurement, Timing
-from k3_tail.tools.experiment import MAX_CPU_DEVICES
-from k3_tail.tools.tables import format_table
 from k3_tail.units import format_bytes, format_flops, format_seconds
-
-AOT_MISSING = importlib.util.find_spec("jax_plugins.xla_cuda13") is None
 
 
 def test_demo_builds_its_own_mesh_and_all_tiers_agree_with_native():
@@ -90,7 +81,7 @@ def run_cli(*argv):
                           timeout=600, check=False)
 
 
-@pytest.mark.skipif(AOT_MISSING, reason="needs the [aot] extra (jax-cuda13-plugin and -pjrt of the installed jax)")
+@needs_extra("aot", "jax_plugins.xla_cuda13")
 def test_hlo_shows_the_overlap_tier_overlapped_on_eight_h100s_reading_its_fp8_kernel():
     result = run_cli("hlo", "--tier", "overlap", "--tokens", "16", "--topology", "h100x8",
                      "--up-proj-dtype", "float8_e4m3fn")
@@ -190,7 +181,7 @@ def test_tiers_json_lists_every_tier_record_as_plain_data(capsys):
     assert [record["name"] for record in records] == [tier.value for tier in Tier]
     for record in records:
         tier = Tier.parse(record["name"])
-        assert record["summary"] == tier.record.summary and record["schedule"] == tier.record.schedule
+        assert record["summary"] == tier.record.prose.summary and record["schedule"] == tier.record.prose.schedule
         assert record["needs_whole_kernel"] == tier.record.needs_whole_kernel
         assert record["compiler_options"] == {family: dict(options)
                                               for family, options in tier.record.compiler_options.items()}
@@ -314,7 +305,7 @@ def test_tiers_table_wraps_long_cells_keeping_every_word(width, monkeypatch, cap
     assert main(["tiers"]) == 0
     words = capsys.readouterr().out.split()
     for record in TIER_RECORDS:
-        assert all(word in words for word in record.summary.split())
+        assert all(word in words for word in record.prose.summary.split())
 
 
 def test_tiers_prints_a_plain_table_not_markdown_by_default(monkeypatch, capsys):

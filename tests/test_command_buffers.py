@@ -17,16 +17,16 @@ import pytest
 
 from helpers import compiled_dump, compiled_tail, gpu_mesh_for, layout_for, topology_params
 from k3_tail import TailConfig, Tier, compile_tail
-from k3_tail.models.kimi_k3 import layer as layer_module
-from k3_tail.tools import acceptance
+from k3_tail.models.kimi_k3 import LayerConfig, layer as layer_module
 from k3_tail.xla.compilation import compiler_options
 from k3_tail.xla.hlo_text import parse_module
 from k3_tail.xla.launches import collectives_in_command_buffers, read_thunk_sequence
+from lab import acceptance
 
 CONFIG = TailConfig.kimi_k3()
 P = 8
 DECODE = [1, 16]
-LAYER = layer_module.LayerConfig.kimi_k3()
+LAYER = LayerConfig.kimi_k3()
 COMMAND_BUFFER_OPTION = "xla_gpu_enable_command_buffer"
 # XLA's default command types, with graphs from one command on (XLA's default: runs of 5 or more).
 SMALLEST_GRAPHS = {"xla_gpu_graph_min_graph_size": 1}

@@ -1,8 +1,7 @@
 """compile_tail, its abstract arguments, the library's compiler options, the shipped GPU targets, and the
-deviceless ROCm topologies' stand-in runtime libraries (k3_tail.xla.rocm_stand_ins)."""
+deviceless ROCm topologies' stand-in runtime libraries (k3_tail.deviceless.rocm_stand_ins)."""
 
 import ctypes
-import importlib.util
 import json
 import os
 import re
@@ -16,14 +15,15 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from helpers import gpu_mesh_for, make_tp_mesh
+from helpers import ROCM_WHEELS, gpu_mesh_for, make_tp_mesh
 from k3_tail import TailConfig, Tier, compile_tail, select_tier
+from k3_tail.deviceless import rocm_stand_ins
+from k3_tail.deviceless.topologies import GPU_TARGETS, TopologyUnavailable, parse_topology, topology_mesh
 from k3_tail.hardware import HARDWARE, native_fp8_formats
-from k3_tail.xla import rocm_stand_ins
 from k3_tail.xla.compilation import compiler_options, tail_arguments
 from k3_tail.xla.hlo_text import parse_module
 from k3_tail.xla.report import report
-from k3_tail.xla.topologies import GPU_TARGETS, TopologyUnavailable, parse_topology, topology_mesh
+from rocm_stand_in_helpers import PRINT_TOPOLOGY_ERROR, build_fake_plugin, needs_rocm_wheels, needs_tools, run_python
 
 CONFIG = TailConfig(hidden_size=99, latent_size=64)
 
@@ -109,26 +109,11 @@ def test_every_target_ships_a_record_for_its_platform(target):
     assert ("cuda_compute_capability" if platform == "cuda" else "gcn_arch_name") in text
 
 
-ROCM_WHEELS = importlib.util.find_spec(rocm_stand_ins.PLUGIN_MODULE) is not None
-
-
-def needs_rocm_wheels(test):
-    """A test of the deviceless ROCm mechanism: it runs where the ROCm wheels are (``-m compiled`` there) and no
-    AMD GPU is (a ROCm host keeps its own libraries: scripts/rocm_check.sh)."""
-    skip = pytest.mark.skipif(not ROCM_WHEELS, reason="needs the [rocm-aot] extra (.ci/run's .venv-rocm)")
-    real_host = pytest.mark.skipif(ROCM_WHEELS and rocm_stand_ins.real_rocm_host(),
-                                   reason="a ROCm host uses its own ROCm libraries, no stand-ins")
-    return pytest.mark.compiled(real_host(skip(test)))
-
-
-needs_tools = pytest.mark.skipif(shutil.which("gcc") is None or shutil.which("readelf") is None,
-                                 reason="needs gcc and readelf")
-
-
 @pytest.mark.parametrize(("target", "preset"), [("mi300x", "mi300x"), ("mi355x", "mi355x")])
 def test_a_deviceless_rocm_kind_starts_with_its_gfx_arch_and_still_names_its_gpu(target, preset):
-    """jax 0.12's Pallas takes the arch from the device kind (design.md, section 3.6): the shipped record's
-    description starts with its gcn arch, and the FP8 formats are still found by the GPU's name in it."""
+    """jax 0.12's Pallas takes the arch from the device kind (docs/guide.md, "One GPU kernel per decode call"): the
+    shipped record's description starts with its gcn arch, and the FP8 formats are still found by the GPU's name
+    in it."""
     text = GPU_TARGETS[target].config_text()
     arch = re.search(r'gcn_arch_name:\s*"(gfx\w+)', text).group(1)
     kind = re.search(r'device_description_str:\s*"([^"]+)"', text).group(1)
@@ -166,13 +151,6 @@ def test_rocm_meshes_have_eight_devices_of_their_kind_and_compile_an_async_all_r
     scheduled = report(lowered.compile(compiler_options={"xla_gpu_enable_latency_hiding_scheduler": True}),
                        shared_argument=0)
     assert scheduled.overlapped is True
-
-
-def run_python(script, **environment):
-    """Run ``script`` in a fresh interpreter (JAX_PLATFORMS=cpu unless given) and return the completed process."""
-    environment = {"JAX_PLATFORMS": "cpu", **{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, **environment}
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True,
-                          env={k: v for k, v in environment.items() if v is not None}, timeout=300, check=False)
 
 
 MAPPED_STAND_INS = """
@@ -233,7 +211,7 @@ def test_the_plugins_stand_ins_build_into_the_cache_and_are_reused(tmp_path):
 def test_processes_building_the_stand_ins_at_once_share_one_directory(tmp_path):
     script = f"""
     import json
-    from k3_tail.xla import rocm_stand_ins
+    from k3_tail.deviceless import rocm_stand_ins
     built = rocm_stand_ins.stand_ins(root={str(tmp_path)!r})
     print(json.dumps([str(built.directory), built.built]))
     """
@@ -244,16 +222,6 @@ def test_processes_building_the_stand_ins_at_once_share_one_directory(tmp_path):
     assert len({directory for directory, _ in results}) == 1
     assert [built for _, built in results].count(True) <= 1
     assert [path.name for path in tmp_path.iterdir()] == [os.path.basename(results[0][0])]
-
-
-# A fresh process that asks for 8 x MI300X and prints the TopologyUnavailable it gets.
-PRINT_TOPOLOGY_ERROR = """
-    import k3_tail
-    try:
-        k3_tail.topology_mesh("mi300xx8")
-    except k3_tail.TopologyUnavailable as error:
-        print(error)
-    """
 
 
 @needs_rocm_wheels
@@ -288,42 +256,6 @@ def test_a_rocm_host_keeps_its_own_libraries(monkeypatch):
     monkeypatch.setattr(rocm_stand_ins, "plugin_registered", lambda: False)
     monkeypatch.setattr(rocm_stand_ins, "stand_ins", lambda *a, **k: pytest.fail("built stand-ins on a ROCm host"))
     assert rocm_stand_ins.real_rocm_host() and rocm_stand_ins.ensure_rocm_plugin() is None
-
-
-FAKE_RUNTIME = {
-    # soname: (C source, version script or None)
-    "libk3fake.so.1": ("int k3fake_add(int a, int b) { return a + b; }\nint k3fake_new(void) { return 0; }\n",
-                       "K3FAKE_1.0 { global: k3fake_add; local: *; };\n"
-                       "K3FAKE_2.0 { global: k3fake_new; } K3FAKE_1.0;\n"),
-    "libk3plain.so.2": ("int k3plain_hello(void) { return 7; }\n", None),
-}
-FAKE_PLUGIN = """
-extern int k3fake_add(int, int);
-extern int k3fake_new(void);
-extern int k3plain_hello(void);
-int fake_plugin_call(void) { return k3fake_add(2, 3) + 10 * k3fake_new() + 100 * k3plain_hello(); }
-"""
-
-
-def build_fake_plugin(directory):
-    """A "plugin" ELF that links two libraries (one with symbol versions) that are then removed, as a machine
-    without ROCm lacks the plugin's runtime."""
-    runtime = directory / "runtime"
-    runtime.mkdir()
-    for soname, (source, script) in FAKE_RUNTIME.items():
-        (runtime / f"{soname}.c").write_text(source)
-        command = ["gcc", "-shared", "-fPIC", "-o", str(runtime / soname), str(runtime / f"{soname}.c"),
-                   f"-Wl,-soname,{soname}"]
-        if script:
-            (runtime / f"{soname}.map").write_text(script)
-            command.append(f"-Wl,--version-script={runtime / f'{soname}.map'}")
-        subprocess.run(command, check=True)
-    (directory / "plugin.c").write_text(FAKE_PLUGIN)
-    plugin = directory / "fake_plugin.so"
-    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(plugin), str(directory / "plugin.c"), f"-L{runtime}",
-                    "-l:libk3fake.so.1", "-l:libk3plain.so.2"], check=True)
-    shutil.rmtree(runtime)
-    return rocm_stand_ins.Plugin("0.0.test", plugin, ())
 
 
 @needs_tools

@@ -38,6 +38,7 @@ from helpers import FAST_COMPILE_OPTIONS, make_tp_mesh
 from hf_checkpoint import TinyModel, tiny_model, write_checkpoint
 from k3_tail.models.kimi_k3 import layer as layer_module, mxfp4
 from k3_tail.models.kimi_k3.checkpoint import EXPERT_WEIGHTS, layer_config_from_hf, load_layer
+from k3_tail.models.kimi_k3.parameters import ROUTED_EXPERT_SCALES
 
 REQUIRE_VARIABLE = "K3_TAIL_REQUIRE_COMPRESSED_TENSORS"
 if os.environ.get(REQUIRE_VARIABLE):
@@ -263,7 +264,7 @@ def test_the_loaded_experts_decode_bit_for_bit_to_compressed_tensors_decompresse
     for name, weight in EXPERT_WEIGHTS:
         decompressed = np.stack([DECOMPRESSED[f"{MOE}experts.{expert}.{weight}.weight"].T
                                  for expert in range(MODEL.num_experts)]).astype(dtype)
-        decoded = np.asarray(decode(values[name], values[layer_module.ROUTED_EXPERT_SCALES[name]], dtype=dtype))
+        decoded = np.asarray(decode(values[name], values[ROUTED_EXPERT_SCALES[name]], dtype=dtype))
         assert decoded.dtype == dtype and decoded.shape == decompressed.shape
         np.testing.assert_array_equal(bits(decoded), bits(decompressed), err_msg=name)
 

@@ -17,13 +17,13 @@ import pytest
 
 from helpers import compiled_tail, gpu_mesh_for, make_tp_mesh, tier_layouts, topology_params
 from k3_tail import TailConfig, Tier
+from k3_tail.selection.collective_cost import CollectiveCost
 from k3_tail.selection.cost_model import (
     ALL_GATHER,
     ALL_REDUCE,
     ALL_TO_ALL,
     HARDWARE,
     REDUCE_SCATTER,
-    CollectiveCost,
     CostModelPolicy,
     Crossover,
     Hardware,

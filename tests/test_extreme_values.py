@@ -135,9 +135,10 @@ def test_a_zero_latent_row_with_the_smallest_eps_normalises_to_zeros(tier):
 @pytest.mark.parametrize(("value", "finite"), [(1.6e38, True), (2.5e38, False)], ids=["sum-in-range", "sum-overflows"])
 @pytest.mark.parametrize("tier", list(k3_tail.Tier), ids=lambda tier: tier.value)
 def test_finite_partials_give_a_finite_y_while_their_sum_is_in_the_dtypes_range(tier, value, finite):
-    """The contract's limit (docs/design.md, section 5): the latent's sum over the ranks is formed in the activation
-    dtype, so two ranks' 1.6e38 in one element (sum 3.2e38, below bf16's 3.39e38) stay finite and exact, while two
-    2.5e38s overflow the sum to infinity and that token's row of y is NaN on every tier: never a finite result."""
+    """The contract's limit (docs/design.md, "Extreme values"): the latent's sum over the ranks is formed in the
+    activation dtype, so two ranks' 1.6e38 in one element (sum 3.2e38, below bf16's 3.39e38) stay finite and exact,
+    while two 2.5e38s overflow the sum to infinity and that token's row of y is NaN on every tier: never a finite
+    result."""
     inputs = make_inputs(SMALL, 4, 3)
     routed = inputs.routed.copy()
     routed[1:3, 1, 7] = value

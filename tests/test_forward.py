@@ -112,12 +112,13 @@ def test_selection_runs_at_trace_time_and_a_second_call_does_not_retrace(inputs,
     # A threshold no other test uses, so this config meets a cold compilation cache.
     config = dataclasses.replace(CONFIG, overlap_token_threshold=77)
     decisions = []
+    rules_select = k3_tail.selection.rules.VllmRules.select
 
-    def recording_select_tier(*args, **kwargs):
-        decisions.append(k3_tail.select_tier(*args, **kwargs))
+    def recording_select(*args, **kwargs):
+        decisions.append(rules_select(*args, **kwargs))
         return decisions[-1]
 
-    monkeypatch.setattr(k3_tail.selection.rules, "select_tier", recording_select_tier)
+    monkeypatch.setattr(k3_tail.selection.rules.VllmRules, "select", recording_select)
     first = call(inputs, mesh, config=config)
     second = call(inputs, mesh, config=config)
     assert [d.tier for d in decisions] == [k3_tail.Tier.OVERLAP]

@@ -17,8 +17,8 @@ from jax import lax
 
 import k3_tail
 from helpers import gpu_mesh_for, topology_params
-from k3_tail.tools import acceptance
-from k3_tail.tools.experiment import tp_mesh
+from k3_tail.cli.harness import tp_mesh
+from lab import acceptance
 
 SCRIPTS = Path(__file__).parent.parent / "scripts"
 KIMI_K3 = k3_tail.TailConfig.kimi_k3()

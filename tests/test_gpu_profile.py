@@ -17,7 +17,7 @@ import pytest
 from helpers import command_environment
 from k3_tail import Tier
 from k3_tail.hardware import HARDWARE
-from k3_tail.tools.blocks import WEIGHT_LAYOUTS
+from lab.blocks import WEIGHT_LAYOUTS
 
 SCRIPT = Path(__file__).parent.parent / "scripts" / "gpu_profile.py"
 HIDDEN, LATENT, ITEM_BYTES = 64, 32, 2  # bfloat16

@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 
 from helpers import FAST_COMPILE_OPTIONS, make_tp_mesh
-from hf_checkpoint import TinyModel, record_reads, tiny_model, write_checkpoint
-from k3_tail.models.kimi_k3 import layer as layer_module
+from hf_checkpoint import TinyModel, moe_layer_weights, record_reads, tiny_model, write_checkpoint
+from k3_tail.models.kimi_k3 import LayerConfig, layer as layer_module, layer_parameters, partition_specs
 from k3_tail.models.kimi_k3.checkpoint import layer_config_from_hf, load_layer
+from k3_tail.models.kimi_k3.packed_parameters import held_partition_specs
 from k3_tail.models.kimi_k3.reference import reference_layer
 from reference import TOLERANCE, relative_error
 
@@ -22,28 +23,10 @@ MODEL = TinyModel(hidden_size=16)
 TENSORS = tiny_model(MODEL, seed=1)
 TP_SIZE, LAYER, TOKENS = 4, 2, 4
 MOE = f"model.layers.{LAYER}.block_sparse_moe."
+# The layer's weights as the loader should read them, made here from the torch-layout tensors.
+IN_MEMORY_WEIGHTS = moe_layer_weights(TENSORS, LAYER, MODEL.num_experts)
 layer_forward = jax.jit(layer_module.layer_forward, static_argnames=("config", "mesh", "axis_name", "weight_layout",
                                                                       "tier"), compiler_options=FAST_COMPILE_OPTIONS)
-
-
-def in_memory_weights(tensors=TENSORS, layer=LAYER):
-    """The layer's parameters by name, from the torch-layout tensors: each Linear weight transposed, the
-    experts stacked."""
-    moe = f"model.layers.{layer}.block_sparse_moe."
-
-    def experts(weight):
-        return np.stack([tensors[f"{moe}experts.{e}.{weight}.weight"].T for e in range(MODEL.num_experts)])
-
-    return {
-        "router_kernel": tensors[moe + "gate.weight"].T, "router_bias": tensors[moe + "gate.e_score_correction_bias"],
-        "down_proj": tensors[moe + "routed_expert_down_proj.weight"].T,
-        "expert_gate": experts("w1"), "expert_up": experts("w3"), "expert_down": experts("w2"),
-        "shared_gate": tensors[moe + "shared_experts.gate_proj.weight"].T,
-        "shared_up": tensors[moe + "shared_experts.up_proj.weight"].T,
-        "shared_down": tensors[moe + "shared_experts.down_proj.weight"].T,
-        "norm_scale": tensors[moe + "routed_expert_norm.weight"],
-        "up_proj_kernel": tensors[moe + "routed_expert_up_proj.weight"].T,
-    }
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +79,7 @@ def test_a_mesh_without_the_tp_axis_is_a_value_error_naming_the_axis(checkpoint,
 
 
 def test_the_kimi_k3_preset_has_the_released_eps():
-    assert layer_module.LayerConfig.kimi_k3().tail.rms_norm_eps == 1e-5
+    assert LayerConfig.kimi_k3().tail.rms_norm_eps == 1e-5
 
 
 @pytest.mark.parametrize("weight_layout", ["column", "replicated"])
@@ -104,12 +87,11 @@ def test_every_parameter_is_the_stored_tensor_in_flax_layout_placed_as_the_layer
                                                                                             config):
     layer = load_layer(checkpoint, LAYER, config=config, mesh=make_tp_mesh(TP_SIZE), weight_layout=weight_layout)
     values = layer.checkpoint_values()
-    expected = in_memory_weights()
-    assert set(values) == set(expected)
+    assert set(values) == set(IN_MEMORY_WEIGHTS)
     for name, value in values.items():
-        assert value.dtype == np.dtype(layer_module.layer_parameters(config)[name].dtype), name
-        np.testing.assert_array_equal(np.asarray(value), expected[name].astype(value.dtype), err_msg=name)
-    specs = layer_module.held_partition_specs(config, TP_SIZE, weight_layout=weight_layout)
+        assert value.dtype == np.dtype(layer_parameters(config)[name].dtype), name
+        np.testing.assert_array_equal(np.asarray(value), IN_MEMORY_WEIGHTS[name].astype(value.dtype), err_msg=name)
+    specs = held_partition_specs(config, TP_SIZE, weight_layout=weight_layout)
     assert {name: value.sharding.spec for name, value in layer.parameter_values().items()} == specs
 
 
@@ -135,7 +117,7 @@ def outputs(checkpoint, config):
     """(x, y of the loaded layer, y of the layer built in memory from the same numbers), column layout."""
     mesh = make_tp_mesh(TP_SIZE)
     loaded = load_layer(checkpoint, LAYER, config=config, mesh=mesh, weight_layout="column")
-    memory = layer_module.KimiK3MoELayer(config, mesh, in_memory_weights(), weight_layout="column")
+    memory = layer_module.KimiK3MoELayer(config, mesh, IN_MEMORY_WEIGHTS, weight_layout="column")
     x = np.asarray(jnp.asarray(np.random.default_rng(0).standard_normal((TOKENS, MODEL.hidden_size)), config.dtype))
     run = [layer_forward(layer.parameter_values(), jnp.asarray(x), config=config, mesh=mesh, weight_layout="column")
            for layer in (loaded, memory)]
@@ -149,7 +131,7 @@ def test_the_loaded_layer_computes_what_the_layer_built_in_memory_computes(outpu
 
 def test_the_loaded_layer_matches_the_float64_reference(outputs, config):
     x, loaded, _ = outputs
-    expected = reference_layer(in_memory_weights(), x, top_k=config.top_k, rms_norm_eps=config.tail.rms_norm_eps,
+    expected = reference_layer(IN_MEMORY_WEIGHTS, x, top_k=config.top_k, rms_norm_eps=config.tail.rms_norm_eps,
                                routed_scaling_factor=config.tail.routed_scaling_factor)
     assert relative_error(loaded, expected) <= TOLERANCE[config.dtype]
 
@@ -159,8 +141,8 @@ def test_an_fp8_up_projection_is_quantised_at_load(checkpoint):
     values = load_layer(checkpoint, LAYER, config=config, mesh=make_tp_mesh(TP_SIZE),
                         weight_layout="column").parameter_values()
     assert values["up_proj_kernel"].dtype == jnp.float8_e4m3fn and values["up_proj_scale"].dtype == jnp.float32
-    assert values["up_proj_scale"].sharding.spec == layer_module.partition_specs(config, TP_SIZE,
-                                                                                weight_layout="column")["up_proj_scale"]
+    assert values["up_proj_scale"].sharding.spec == partition_specs(config, TP_SIZE,
+                                                                   weight_layout="column")["up_proj_scale"]
 
 
 def quantised_experts(tensors):

@@ -17,9 +17,10 @@ import numpy as np
 import pytest
 
 from helpers import gpu_mesh_for, topology_params
-from k3_tail.models.kimi_k3 import layer as layer_module, routed_experts
+from k3_tail.models.kimi_k3 import LayerConfig, abstract_parameters, layer as layer_module, routed_experts
 from k3_tail.models.kimi_k3.decode_experts import decode_experts
 from k3_tail.models.kimi_k3.mxfp4_experts import Mxfp4Kernel, random_codes
+from k3_tail.models.kimi_k3.per_rank import route_logits
 
 EXPERTS, TOP_K, LATENT, WIDTH = 24, 4, 64, 64
 TOLERANCE = {np.dtype(np.float32): 1e-5, np.dtype(jnp.bfloat16): 8e-3}
@@ -51,7 +52,7 @@ def in_kernels(products, bias, gate, up, down, dtype):
 
 
 def in_xla(products, bias, gate, up, down, dtype):
-    chosen, combine = layer_module.route_logits(products[:, :EXPERTS], bias, top_k=TOP_K)
+    chosen, combine = route_logits(products[:, :EXPERTS], bias, top_k=TOP_K)
     latent = products[:, EXPERTS:EXPERTS + LATENT].astype(dtype)
     return routed_experts.experts_by_gather(latent, chosen, combine, gate, up, down).astype(dtype)
 
@@ -115,10 +116,10 @@ def test_the_layers_decode_accesses_no_more_bytes_than_before(kimi_layer_figures
 @pytest.mark.parametrize("topology", topology_params("h100x8"))
 def test_a_decode_of_no_tokens_compiles_quietly_and_launches_no_expert_kernel(topology, recwarn):
     mesh = gpu_mesh_for(topology)
-    config = layer_module.LayerConfig.kimi_k3(num_experts=8, top_k=2, width_divisor=16)
+    config = LayerConfig.kimi_k3(num_experts=8, top_k=2, width_divisor=16)
     x = jax.ShapeDtypeStruct((0, config.hidden_size), config.dtype,
                              sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
-    text = layer_module.layer_forward.lower(layer_module.abstract_parameters(config, mesh), x, config=config,
+    text = layer_module.layer_forward.lower(abstract_parameters(config, mesh), x, config=config,
                                             mesh=mesh).as_text()
     assert "k3_tail_experts" not in text and not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]
 
@@ -129,23 +130,23 @@ def test_the_decodes_gradient_lowers_for_the_gpu_with_the_two_kernels_in_its_for
                                                                                     width_divisor):
     """The kernels are differentiated as XLA's route, their function, by a custom VJP (they have no rule)."""
     mesh = gpu_mesh_for(topology)
-    config = layer_module.LayerConfig.kimi_k3(num_experts=8, top_k=2, width_divisor=width_divisor,
-                                              expert_quantization=quantization)
+    config = LayerConfig.kimi_k3(num_experts=8, top_k=2, width_divisor=width_divisor,
+                                 expert_quantization=quantization)
     x = jax.ShapeDtypeStruct((1, config.hidden_size), config.dtype,
                              sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
 
     def loss(parameters, x):
         return layer_module.layer_forward(parameters, x, config=config, mesh=mesh).astype(jnp.float32).sum()
 
-    gradient = jax.jit(jax.grad(loss, argnums=1)).lower(layer_module.abstract_parameters(config, mesh), x)
+    gradient = jax.jit(jax.grad(loss, argnums=1)).lower(abstract_parameters(config, mesh), x)
     assert gradient.out_info.shape == x.shape and "k3_tail_experts" in gradient.as_text()
 
 
 def test_the_cpu_takes_xlas_gather_and_no_pallas_kernel():
-    config = layer_module.LayerConfig.kimi_k3(num_experts=8, top_k=2, width_divisor=16)
+    config = LayerConfig.kimi_k3(num_experts=8, top_k=2, width_divisor=16)
     mesh = jax.make_mesh((2,), ("tp",), devices=jax.devices()[:2], axis_types=(jax.sharding.AxisType.Explicit,))
     x = jax.ShapeDtypeStruct((1, config.hidden_size), config.dtype,
                              sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
-    text = layer_module.layer_forward.lower(layer_module.abstract_parameters(config, mesh), x, config=config,
+    text = layer_module.layer_forward.lower(abstract_parameters(config, mesh), x, config=config,
                                             mesh=mesh).as_text()
     assert "k3_tail_experts" not in text

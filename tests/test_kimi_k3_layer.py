@@ -37,8 +37,17 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import covering
 import k3_tail
 from helpers import FAST_COMPILE_OPTIONS, make_tp_mesh, token_sharded_rows
-from k3_tail.models.kimi_k3 import cost as layer_cost, layer as layer_module
+from k3_tail.models.kimi_k3 import (
+    LayerConfig,
+    abstract_parameters,
+    cost as layer_cost,
+    layer as layer_module,
+    partition_specs,
+    random_checkpoint,
+)
 from k3_tail.models.kimi_k3.gemm import matmul
+from k3_tail.models.kimi_k3.packed_parameters import held_partition_specs
+from k3_tail.models.kimi_k3.per_rank import route
 from k3_tail.models.kimi_k3.reference import choice_margin, reference_layer, reference_partials
 from k3_tail.models.kimi_k3.routed_experts import ROUTED_EXPERTS, routed_expert_method
 from k3_tail.selection import cost_model
@@ -98,14 +107,14 @@ FULL_PRODUCT = layer_cases(case for case in PRODUCT if covering.tail_constraint(
 
 def layer_config(dtype, early_shared_reduction=True, **tail_changes):
     tail = k3_tail.TailConfig(hidden_size=HIDDEN, latent_size=LATENT, dtype=DTYPES[dtype], **tail_changes)
-    return layer_module.LayerConfig(tail, num_experts=EXPERTS, top_k=TOP_K, expert_intermediate_size=EXPERT_WIDTH,
-                                    shared_intermediate_size=SHARED_WIDTH,
-                                    early_shared_reduction=early_shared_reduction)
+    return LayerConfig(tail, num_experts=EXPERTS, top_k=TOP_K, expert_intermediate_size=EXPERT_WIDTH,
+                       shared_intermediate_size=SHARED_WIDTH,
+                       early_shared_reduction=early_shared_reduction)
 
 
 @functools.cache
 def checkpoint(dtype):
-    return layer_module.random_checkpoint(layer_config(dtype), seed=0)
+    return random_checkpoint(layer_config(dtype), seed=0)
 
 
 @functools.cache
@@ -160,7 +169,7 @@ def test_layer_with_an_fp8_up_projection_matches_the_reference(up_proj_dtype, fp
     """The checkpoint's kernel quantised at load (FP8 values, per-column scales sharded with the columns):
     the layer matches the reference built from the same values and scales."""
     config = layer_config("bfloat16", up_proj_dtype=up_proj_dtype, fp8_activations=fp8_activations)
-    weights = layer_module.random_checkpoint(config, seed=0)
+    weights = random_checkpoint(config, seed=0)
     layer = layer_module.KimiK3MoELayer(config, make_tp_mesh(tp_size), weights, weight_layout=weight_layout)
     assert layer.parameter_values()["up_proj_kernel"].dtype == jnp.dtype(up_proj_dtype)
     x = hidden_states(num_tokens, "bfloat16")
@@ -175,7 +184,7 @@ def test_the_routing_weights_are_renormalised_only_above_top_1(top_k):
     """At top_k = 1 the weight is the chosen expert's sigmoid score (below 1), as in Kimi-K3's reference;
     above, the chosen scores divided by their sum."""
     weights, x = checkpoint("float32"), hidden_states(16, "float32")
-    chosen, combine = layer_module.route(jnp.asarray(x), weights["router_kernel"], weights["router_bias"], top_k=top_k)
+    chosen, combine = route(jnp.asarray(x), weights["router_kernel"], weights["router_bias"], top_k=top_k)
     scores = 1 / (1 + np.exp(-(x.astype(np.float64) @ weights["router_kernel"])))
     picked = np.take_along_axis(scores, np.asarray(chosen), axis=1)
     expected = picked / picked.sum(axis=1, keepdims=True) if top_k > 1 else picked
@@ -234,7 +243,7 @@ def test_each_rank_holds_its_block_of_every_expert_and_of_the_shared_experts(wei
     assert {name: {shard.data.shape for shard in values[name].addressable_shards} for name in values} == {
         name: {shape} for name, shape in shard_shapes.items()}
     specs = nnx.to_pure_dict(nnx.get_partition_spec(nnx.state(layer, nnx.Param)))
-    held = layer_module.held_partition_specs(layer.config, 8, weight_layout=weight_layout)
+    held = held_partition_specs(layer.config, 8, weight_layout=weight_layout)
     assert specs == {name: spec for name, spec in held.items() if name != "rank"}
 
 
@@ -300,7 +309,7 @@ def test_the_layer_lowers_from_abstract_parameters():
     config = layer_config("bfloat16")
     mesh = make_tp_mesh(2)
     x = jax.ShapeDtypeStruct((3, HIDDEN), config.dtype, sharding=NamedSharding(mesh, P()))
-    lowered = layer_module.layer_forward.lower(layer_module.abstract_parameters(config, mesh), x, config=config,
+    lowered = layer_module.layer_forward.lower(abstract_parameters(config, mesh), x, config=config,
                                                mesh=mesh, tier="overlap")
     assert lowered.out_info.shape == (3, HIDDEN)
 
@@ -332,7 +341,7 @@ def test_no_product_of_the_layer_has_a_single_row_at_one_token(method, early_sha
     config = dataclasses.replace(layer_config("bfloat16", early_shared_reduction), routed_experts=method)
     mesh = make_tp_mesh(2)
     x = jax.ShapeDtypeStruct((1, HIDDEN), config.dtype, sharding=NamedSharding(mesh, P()))
-    text = layer_module.layer_forward.lower(layer_module.abstract_parameters(config, mesh), x, config=config,
+    text = layer_module.layer_forward.lower(abstract_parameters(config, mesh), x, config=config,
                                             mesh=mesh).as_text()
     sides = dot_sides(text)
     # The packed input kernel (router, down projection, shared gate and up), the shared down and up projections.
@@ -356,12 +365,12 @@ def test_the_layer_product_is_the_float32_matrix_product(a_shape, b_shape):
 
 @pytest.mark.parametrize(("num_tokens", "expected_experts"), [(1, 16), (1 << 20, 896)])
 def test_the_cost_model_reads_each_chosen_expert_once(num_tokens, expected_experts):
-    kimi = layer_module.LayerConfig.kimi_k3(num_experts=896, top_k=16)
+    kimi = LayerConfig.kimi_k3(num_experts=896, top_k=16)
     assert layer_cost.experts_read(kimi.sizes, num_tokens) == pytest.approx(expected_experts)
 
 
 def test_a_tiers_predicted_layer_gain_is_the_tail_time_it_saves_over_the_native_layer():
-    kimi = layer_module.LayerConfig.kimi_k3(num_experts=896, top_k=16)
+    kimi = LayerConfig.kimi_k3(num_experts=896, top_k=16)
     tails = {tier: cost_model.predict_time(cost_model.tier_cost(kimi.tail, 64, 8, tier=tier),
                                                    "mi355x").total_s for tier in ("native", "overlap")}
     native = layer_cost.predict_layer(kimi.sizes, 64, 8, tier="native", hardware="mi355x")
@@ -379,7 +388,7 @@ SLOW_LINK_H200 = dataclasses.replace(cost_model.HARDWARE["h200"], name="h200, 1 
 def test_the_early_shared_reduction_is_predicted_to_expose_only_what_the_routed_work_does_not_hide(hardware, exposed):
     """Native's tail without its shared all-reduce, plus what of that all-reduce outlasts the router, the down
     projection and the routed experts (at T = 8192 on an H200 nothing: the routed work is longer)."""
-    early, late = (layer_module.LayerConfig.kimi_k3(num_experts=896, top_k=16, early_shared_reduction=flag)
+    early, late = (LayerConfig.kimi_k3(num_experts=896, top_k=16, early_shared_reduction=flag)
                    for flag in (True, False))
     predictions = [layer_cost.predict_layer(config.sizes, 8192, 8, tier="native", hardware=hardware)
                    for config in (early, late)]
@@ -395,7 +404,7 @@ def test_the_early_shared_reduction_is_predicted_to_expose_only_what_the_routed_
 def test_a_quantised_early_shared_reduction_is_priced_quantised():
     """With int4 sums the early reduction of T = 8192 (112 MiB) travels quantised; at T = 16 (0.2 MiB, below
     vLLM's 2 MiB minimum) it stays bf16."""
-    config = layer_module.LayerConfig.kimi_k3(num_experts=896, top_k=16, all_reduce_quantization="int4")
+    config = LayerConfig.kimi_k3(num_experts=896, top_k=16, all_reduce_quantization="int4")
     assert [layer_cost.shared_reduction(config.sizes, tokens, 8).codec for tokens in (16, 8192)] == [None, "int4"]
 
 
@@ -408,7 +417,7 @@ def test_a_quantised_early_shared_reduction_is_priced_quantised():
         (lambda: layer_module.KimiK3MoELayer(layer_config("float32"), make_tp_mesh(2),
                                              {k: v for k, v in checkpoint("float32").items() if k != "router_bias"}),
          r"^checkpoint: expected the names"),
-        (lambda: layer_module.partition_specs(layer_config("float32"), 3), r"^expert_intermediate_size: expected a "
+        (lambda: partition_specs(layer_config("float32"), 3), r"^expert_intermediate_size: expected a "
                                                                            r"multiple of the TP size 3"),
         (lambda: layer_on(2, "float32")(jnp.zeros((3, HIDDEN), jnp.bfloat16)),
          r"^hidden_states: expected a \[T, 64\] array of float32"),
@@ -416,7 +425,7 @@ def test_a_quantised_early_shared_reduction_is_priced_quantised():
         (lambda: layer_config("float32", early_shared_reduction=1), r"^early_shared_reduction: expected a bool"),
         (lambda: dataclasses.replace(layer_config("float32"), routed_experts="sort"),
          r"^routed_experts: expected None or one of \('gather', 'capacity', 'ragged_dot'\)"),
-        (lambda: layer_module.LayerConfig.kimi_k3(width_divisor=3), r"^width_divisor: expected a positive divisor"),
+        (lambda: LayerConfig.kimi_k3(width_divisor=3), r"^width_divisor: expected a positive divisor"),
     ],
     ids=["checkpoint-shape", "checkpoint-names", "tp-size", "hidden-states-dtype", "tail-config", "early-not-bool",
          "routed-experts-name", "width-divisor"],

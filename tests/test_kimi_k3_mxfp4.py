@@ -26,9 +26,18 @@ import k3_tail
 import mxfp4_fixture
 from helpers import FAST_COMPILE_OPTIONS, gpu_mesh_for, make_tp_mesh, topology_params
 from hf_checkpoint import TinyModel, record_reads, tiny_model, write_checkpoint
-from k3_tail.models.kimi_k3 import layer as layer_module, mxfp4, mxfp4_experts as kimi_k3_mxfp4
+from k3_tail.models.kimi_k3 import (
+    LayerConfig,
+    layer as layer_module,
+    layer_parameters,
+    mxfp4,
+    mxfp4_experts as kimi_k3_mxfp4,
+    partition_specs,
+    random_checkpoint,
+)
 from k3_tail.models.kimi_k3.checkpoint import layer_config_from_hf, load_layer
 from k3_tail.models.kimi_k3.mxfp4 import MXFP4_BYTES
+from k3_tail.models.kimi_k3.parameters import ROUTED_EXPERT_SCALES, ROUTED_EXPERT_WEIGHTS
 
 MODEL = TinyModel(hidden_size=16, latent_size=64, expert_width=64)
 TP_SIZE, LAYER = 2, 1
@@ -193,8 +202,8 @@ def test_a_wrappers_top_level_quantization_config_serves_a_text_config_without_o
 
 def test_the_experts_stay_packed_in_the_layers_layout_and_decode_to_the_bf16_layers(layers):
     quantized, dense = (layer.parameter_values() for layer in layers)
-    specs = layer_module.partition_specs(layers[0].config, TP_SIZE)
-    for name, scale_name in layer_module.ROUTED_EXPERT_SCALES.items():
+    specs = partition_specs(layers[0].config, TP_SIZE)
+    for name, scale_name in ROUTED_EXPERT_SCALES.items():
         packed, scale = quantized[name], quantized[scale_name]
         rows, columns = dense[name].shape[1:]
         assert packed.dtype == scale.dtype == jnp.uint8
@@ -202,7 +211,7 @@ def test_the_experts_stay_packed_in_the_layers_layout_and_decode_to_the_bf16_lay
         assert scale.shape == (MODEL.num_experts, rows // mxfp4.GROUP_SIZE, columns)
         assert packed.sharding.spec == scale.sharding.spec == specs[name] == dense[name].sharding.spec
         np.testing.assert_array_equal(np.asarray(decode(packed, scale, dtype=jnp.bfloat16)), np.asarray(dense[name]))
-    assert set(quantized) == set(dense) | set(layer_module.ROUTED_EXPERT_SCALES.values())
+    assert set(quantized) == set(dense) | set(ROUTED_EXPERT_SCALES.values())
 
 
 @pytest.mark.parametrize(("method", "num_tokens"), [("gather", 1), ("capacity", 4), ("ragged_dot", 4)])
@@ -223,9 +232,9 @@ def test_each_rank_holds_0_53_bytes_per_expert_weight(layers):
         values = layer.parameter_values()
         return sum(values[name].addressable_shards[0].data.nbytes for name in names)
 
-    weights = layer_module.ROUTED_EXPERT_WEIGHTS
+    weights = ROUTED_EXPERT_WEIGHTS
     sizes = (MODEL.num_experts, MODEL.latent_size, MODEL.expert_width, TP_SIZE)
-    quantized = expert_bytes(layers[0], (*weights, *layer_module.ROUTED_EXPERT_SCALES.values()))
+    quantized = expert_bytes(layers[0], (*weights, *ROUTED_EXPERT_SCALES.values()))
     assert quantized == kimi_k3_mxfp4.expert_bytes_per_rank(*sizes, MXFP4_BYTES) == 3 * 4 * 64 * 32 * 17 // 32
     assert expert_bytes(layers[1], weights) == kimi_k3_mxfp4.expert_bytes_per_rank(*sizes, 2)
     assert kimi_k3_mxfp4.expert_bytes_per_rank(896, 3584, 3072, 8, MXFP4_BYTES) == 1_965_293_568
@@ -318,8 +327,8 @@ def test_bf16_experts_under_an_mxfp4_config_are_refused(paths):
 def small_config(**changes):
     tail = k3_tail.TailConfig(hidden_size=16, latent_size=changes.pop("latent_size", 64),
                               dtype=changes.pop("dtype", jnp.bfloat16))
-    return layer_module.LayerConfig(tail, num_experts=4, expert_intermediate_size=64, shared_intermediate_size=32,
-                                    **{"expert_quantization": "mxfp4", **changes})
+    return LayerConfig(tail, num_experts=4, expert_intermediate_size=64, shared_intermediate_size=32,
+                       **{"expert_quantization": "mxfp4", **changes})
 
 
 @pytest.mark.parametrize(("build", "message"), [
@@ -327,10 +336,10 @@ def small_config(**changes):
     (lambda: small_config(dtype=jnp.float16), r"^tail: MXFP4 experts decode to \('bfloat16', 'float32'\), got "
                                               r"dtype float16"),
     (lambda: small_config(latent_size=48), r"^latent_size: MXFP4 experts need a multiple of 32"),
-    (lambda: layer_module.partition_specs(small_config(), 4),
+    (lambda: partition_specs(small_config(), 4),
      r"^expert_intermediate_size: MXFP4 experts split over 4 ranks need a multiple of 32 x 4 = 128"),
     (lambda: layer_module.KimiK3MoELayer(small_config(), make_tp_mesh(2), {
-        **layer_module.random_checkpoint(small_config()), "expert_up": np.zeros((4, 32, 64), np.float32)}),
+        **random_checkpoint(small_config()), "expert_up": np.zeros((4, 32, 64), np.float32)}),
      r"^checkpoint: expected expert_up of uint8 \(MXFP4 codes or scales\), got float32"),
     (lambda: mxfp4.decode(jnp.zeros((16, 2), jnp.uint8), jnp.zeros((1, 2), jnp.uint8), jnp.float16),
      r"^dtype: MXFP4 decodes to one of"),
@@ -353,10 +362,10 @@ def test_stand_in_mxfp4_experts_are_valid_codes_of_about_the_kernels_spread():
     """random_checkpoint for an MXFP4 config: every parameter of its shape and dtype, the codes uniform and one
     scale per kernel, decoding to a spread within a factor sqrt(2) of the bf16 stand-ins' (a power of two)."""
     config = small_config()
-    weights, parameters = layer_module.random_checkpoint(config), layer_module.layer_parameters(config)
+    weights, parameters = random_checkpoint(config), layer_parameters(config)
     assert {name: (value.shape, value.dtype) for name, value in weights.items()} == {
         name: (p.shape, p.dtype) for name, p in parameters.items()}
-    for name, scale_name in layer_module.ROUTED_EXPERT_SCALES.items():
+    for name, scale_name in ROUTED_EXPERT_SCALES.items():
         stored = (weights[name].swapaxes(-1, -2), weights[scale_name].swapaxes(-1, -2))  # torch's [out, in]
         spread = float(np.std(mxfp4_fixture.decode(*stored)))
         assert parameters[name].stddev / 2 ** 0.5 <= spread <= parameters[name].stddev * 2 ** 0.5, name

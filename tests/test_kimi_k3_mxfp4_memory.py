@@ -17,11 +17,12 @@ scales and an int32 u - 1 of the down kernel's; through the format's dtypes it n
 import pytest
 
 from helpers import topology_params
-from k3_tail.models.kimi_k3 import layer as layer_module, mxfp4_experts as mxfp4, routed_experts
+from k3_tail.models.kimi_k3 import KIMI_K3_NUM_EXPERTS, mxfp4_experts as mxfp4, routed_experts
+from k3_tail.models.kimi_k3.layer_config import KIMI_K3_EXPERT_INTERMEDIATE_SIZE
 from k3_tail.models.kimi_k3.mxfp4 import MXFP4_BYTES
 
 DECODE_TEMP_FLOOR, PREFILL_TEMP_OVER_BF16, READ_OVER_PACKED = 2e6, 2.0, 1.2
-EXPERT_SHAPE = (layer_module.KIMI_K3_NUM_EXPERTS, 3584, layer_module.KIMI_K3_EXPERT_INTERMEDIATE_SIZE, 8)
+EXPERT_SHAPE = (KIMI_K3_NUM_EXPERTS, 3584, KIMI_K3_EXPERT_INTERMEDIATE_SIZE, 8)
 TOPOLOGIES = topology_params("h100x8", "mi300xx8", "mi355xx8", slow=("mi355xx8",))
 
 

@@ -35,7 +35,8 @@ from jax.sharding import PartitionSpec as P
 
 import k3_tail
 from helpers import FAST_COMPILE_OPTIONS, gpu_mesh_for, kimi_layer_compiled, make_tp_mesh, topology_params
-from k3_tail.models.kimi_k3 import cost as layer_cost, layer as layer_module, routed_experts
+from k3_tail.models.kimi_k3 import KIMI_K3_NUM_EXPERTS, KIMI_K3_TOP_K, LayerConfig, cost as layer_cost, routed_experts
+from k3_tail.models.kimi_k3.per_rank import route
 from k3_tail.models.kimi_k3.reference import reference_routed_experts
 from k3_tail.models.kimi_k3.schedule import SharedReductionPlacement
 from reference import relative_error
@@ -45,7 +46,7 @@ FLOAT32_TOLERANCE = 1e-5
 METHODS = tuple(routed_experts.ROUTED_EXPERTS)
 PREFILL_TOKENS, DECODE_TOKENS = (256, 2048, 8192), (1, 16)
 MAX_FLOPS_OVER_USEFUL, MAX_PREFILL_TEMP_BYTES, MAX_DECODE_TEMP_OVER_WEIGHTS_READ = 1.5, 8e9, 0.25
-KIMI = layer_module.LayerConfig.kimi_k3(num_experts=layer_module.KIMI_K3_NUM_EXPERTS, top_k=layer_module.KIMI_K3_TOP_K)
+KIMI = LayerConfig.kimi_k3(num_experts=KIMI_K3_NUM_EXPERTS, top_k=KIMI_K3_TOP_K)
 # The deviceless 8-GPU topologies the layer compiles for: the decode and schedule tests take every one, the
 # prefill tests H100's.
 LAYER_TOPOLOGIES = ("h100x8", "mi300xx8", "mi355xx8")
@@ -75,9 +76,9 @@ def same_experts_routing(num_tokens):
 
 def tied_scores_routing(num_tokens):
     """The layer's router on a zero kernel and bias: every score ties at sigmoid(0)."""
-    route = jax.jit(layer_module.route, static_argnames="top_k", compiler_options=FAST_COMPILE_OPTIONS)
-    chosen, combine = route(np.ones((num_tokens, 4), np.float32), np.zeros((4, EXPERTS), np.float32),
-                            np.zeros(EXPERTS, np.float32), top_k=TOP_K)
+    jitted_route = jax.jit(route, static_argnames="top_k", compiler_options=FAST_COMPILE_OPTIONS)
+    chosen, combine = jitted_route(np.ones((num_tokens, 4), np.float32), np.zeros((4, EXPERTS), np.float32),
+                                   np.zeros(EXPERTS, np.float32), top_k=TOP_K)
     return np.asarray(chosen), np.asarray(combine)
 
 
@@ -145,8 +146,8 @@ def test_capacity_is_the_capacity_factor_times_the_mean_pairs_per_expert_rounded
 @pytest.mark.parametrize(("num_tokens", "method"), [(0, "gather"), (1, "gather"), (4, "gather"), (5, "capacity"),
                                                      (300, "capacity")])
 def test_the_layer_gathers_while_t_times_k_is_at_most_e_then_dispatches_by_capacity(num_tokens, method):
-    config = layer_module.LayerConfig(k3_tail.TailConfig(hidden_size=64, latent_size=LATENT), num_experts=EXPERTS,
-                                      top_k=TOP_K)
+    config = LayerConfig(k3_tail.TailConfig(hidden_size=64, latent_size=LATENT), num_experts=EXPERTS,
+                         top_k=TOP_K)
     choice = routed_experts.routed_expert_method(config, num_tokens)
     assert choice.method == method
     assert f"T*k = {num_tokens * TOP_K}" in choice.reason
@@ -154,7 +155,7 @@ def test_the_layer_gathers_while_t_times_k_is_at_most_e_then_dispatches_by_capac
 
 @pytest.mark.parametrize("num_tokens", [-1, 2.0, True])
 def test_a_token_count_that_is_not_a_count_is_a_value_error_naming_it(num_tokens):
-    config = layer_module.LayerConfig(k3_tail.TailConfig(hidden_size=64, latent_size=LATENT))
+    config = LayerConfig(k3_tail.TailConfig(hidden_size=64, latent_size=LATENT))
     with pytest.raises(ValueError, match=r"^num_tokens: expected an integer >= 0"):
         routed_experts.routed_expert_method(config, num_tokens)
 
@@ -221,7 +222,8 @@ def placement(kimi_layer_cost, topology, num_tokens):
 def test_the_shared_reduction_waits_only_after_every_routed_expert_instruction(kimi_layer_cost, num_tokens,
                                                                                topology):
     """An async start/done pair whose done comes after the last routed-expert instruction that feeds the latent
-    reduction (without the early reduction it starts after all of them: docs/performance.md)."""
+    reduction (without the early reduction it starts after all of them:
+    docs/measurements/2026-12-01-early-shared-reduction.md)."""
     where = placement(kimi_layer_cost, topology, num_tokens)
     assert where.is_async and where.ends_after_the_routed_experts and where.done < where.latent_reduction_start
 

@@ -23,9 +23,18 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from helpers import FAST_COMPILE_OPTIONS, gpu_mesh_for, make_tp_mesh, once_per_session, topology_params
-from hf_checkpoint import TinyModel, tiny_model, write_checkpoint
-from k3_tail.models.kimi_k3 import layer as layer_module, mxfp4_experts, stack as stack_module
+from hf_checkpoint import TinyModel, moe_layer_weights, tiny_model, write_checkpoint
+from k3_tail.models.kimi_k3 import (
+    KIMI_K3_NUM_EXPERTS,
+    KIMI_K3_TOP_K,
+    LayerConfig,
+    abstract_parameters,
+    layer as layer_module,
+    mxfp4_experts,
+    stack as stack_module,
+)
 from k3_tail.models.kimi_k3.checkpoint import layer_config_from_hf
+from k3_tail.models.kimi_k3.parameters import ROUTED_EXPERT_SCALES
 from k3_tail.models.kimi_k3.reference import choice_margin
 from k3_tail.xla import hlo_text, report as xla_report
 from reference import relative_error
@@ -42,8 +51,8 @@ stack_forward = jax.jit(stack_module.stack_forward, static_argnames=STATIC_ARGUM
 
 
 def stack_config(expert_quantization=None, num_layers=NUM_LAYERS):
-    layer = layer_module.LayerConfig.kimi_k3(num_experts=8, top_k=2, width_divisor=16,
-                                             expert_quantization=expert_quantization)
+    layer = LayerConfig.kimi_k3(num_experts=8, top_k=2, width_divisor=16,
+                                expert_quantization=expert_quantization)
     return stack_module.StackConfig(layer, num_layers)
 
 
@@ -59,7 +68,7 @@ def decoded_weights(expert_quantization=None):
     checkpoints, pre_norm = weights(expert_quantization)
     if expert_quantization is None:
         return checkpoints, pre_norm
-    scales = layer_module.ROUTED_EXPERT_SCALES
+    scales = ROUTED_EXPERT_SCALES
     decoded = [{**{name: value for name, value in checkpoint.items() if name not in scales.values()},
                 **{name: np.asarray(mxfp4_experts.dense(mxfp4_experts.Mxfp4Kernel(checkpoint[name], checkpoint[scale]),
                                                         jnp.float32)) for name, scale in scales.items()}}
@@ -154,7 +163,7 @@ def test_the_n_layers_are_one_loop_over_one_traced_layer():
     x = jax.ShapeDtypeStruct((6, config.hidden_size), config.dtype, sharding=NamedSharding(mesh, P()))
     stack = stack_module.stack_forward.lower(stack_module.abstract_stack_parameters(config, mesh), x, config=config,
                                              mesh=mesh, attention=attention).as_text()
-    layer = layer_module.layer_forward.lower(layer_module.abstract_parameters(config.layer, mesh), x,
+    layer = layer_module.layer_forward.lower(abstract_parameters(config.layer, mesh), x,
                                              config=config.layer, mesh=mesh).as_text()
     assert traces == [(6, config.hidden_size)]
     assert count(stack, r"stablehlo\.while") == count(layer, r"stablehlo\.while") + 1
@@ -171,30 +180,11 @@ def hf_stack(tmp_path_factory):
     return path, stack_module.StackConfig(layer_config_from_hf(path), 2), tensors
 
 
-def in_memory_checkpoint(tensors, layer, num_experts):
-    """Layer ``layer``'s MoE checkpoint by the layer's names, from the torch-layout tensors (Linear weights
-    transposed, experts stacked): independent of the loader."""
-    moe = f"model.layers.{layer}.block_sparse_moe."
-
-    def experts(weight):
-        return np.stack([tensors[f"{moe}experts.{e}.{weight}.weight"].T for e in range(num_experts)])
-
-    return {"router_kernel": tensors[moe + "gate.weight"].T,
-            "router_bias": tensors[moe + "gate.e_score_correction_bias"],
-            "down_proj": tensors[moe + "routed_expert_down_proj.weight"].T,
-            "expert_gate": experts("w1"), "expert_up": experts("w3"), "expert_down": experts("w2"),
-            "shared_gate": tensors[moe + "shared_experts.gate_proj.weight"].T,
-            "shared_up": tensors[moe + "shared_experts.up_proj.weight"].T,
-            "shared_down": tensors[moe + "shared_experts.down_proj.weight"].T,
-            "norm_scale": tensors[moe + "routed_expert_norm.weight"],
-            "up_proj_kernel": tensors[moe + "routed_expert_up_proj.weight"].T}
-
-
 def test_n_layers_loaded_from_a_hugging_face_checkpoint_compute_what_the_same_weights_in_memory_compute(hf_stack):
     path, config, tensors = hf_stack
     mesh = make_tp_mesh(4)
     loaded = stack_module.load_stack(path, [1, 2], config=config, mesh=mesh)
-    checkpoints = [in_memory_checkpoint(tensors, layer, config.layer.num_experts) for layer in (1, 2)]
+    checkpoints = [moe_layer_weights(tensors, layer, config.layer.num_experts) for layer in (1, 2)]
     pre_norm = np.stack([tensors[f"model.layers.{layer}.post_attention_layernorm.weight"] for layer in (1, 2)])
     built = stack_module.DecoderStack(config, mesh, checkpoints, pre_norm)
     x = np.asarray(jnp.asarray(np.random.default_rng(0).standard_normal((3, 16)), jnp.bfloat16))
@@ -232,7 +222,7 @@ def call_with(parameters=None, x=None, attention=None, config=None):
     (lambda: stack_module.StackConfig(stack_config().layer, 0), r"^num_layers: expected an integer >= 1"),
     (lambda: stack_module.StackConfig(stack_config().layer, 2, norm_eps=0.0), r"^norm_eps: expected a finite number"),
     (lambda: stack_module.StackConfig(stack_config().layer.tail, 2), r"^layer: expected a LayerConfig"),
-    (lambda: stack_module.StackConfig(layer_module.LayerConfig.kimi_k3(width_divisor=16, sequence_parallel=True), 2),
+    (lambda: stack_module.StackConfig(LayerConfig.kimi_k3(width_divisor=16, sequence_parallel=True), 2),
      r"^layer: the stack's residual stream is replicated"),
     (lambda: call_with(x=jnp.zeros((2, 448), jnp.float32)), r"^hidden_states: expected a \[T, 448\] array of bfloat16"),
     (lambda: call_with({**stack_on().parameter_values(), "norm": None}), r"^parameters: expected the names"),
@@ -283,8 +273,8 @@ def compiled_figures(tmp_path_factory, topology):
     """{"layer-T1": ..., "stack-T1": ..., ...}: one Kimi-K3 layer (896 experts, top 16) and a stack of 4, each as
     compile_layer / compile_stack compile it for T = 1 and 16, with XLA's dump; once per session."""
     mesh = gpu_mesh_for(topology)
-    config = stack_module.StackConfig(layer_module.LayerConfig.kimi_k3(num_experts=layer_module.KIMI_K3_NUM_EXPERTS,
-                                                                       top_k=layer_module.KIMI_K3_TOP_K),
+    config = stack_module.StackConfig(LayerConfig.kimi_k3(num_experts=KIMI_K3_NUM_EXPERTS,
+                                                          top_k=KIMI_K3_TOP_K),
                                       COMPILED_LAYERS)
 
     def produce(directory):

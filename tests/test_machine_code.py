@@ -1,11 +1,11 @@
-"""Code objects read out of a compiled executable's serialisation (k3_tail/xla/machine_code.py), on bytes made here:
+"""Code objects read out of a compiled executable's serialisation (tests/machine_code.py), on bytes made here:
 the scan for its raw snappy streams finds the real stream even where other bytes decode as one and run into it
 (seen once in 12 compiles of one gfx950 program, whose headers differ by a temporary directory's name)."""
 
 import struct
 import types
 
-from k3_tail.xla import machine_code
+import machine_code
 
 
 def elf_image() -> bytes:

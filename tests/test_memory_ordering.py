@@ -27,10 +27,10 @@ from pathlib import Path
 import pytest
 
 import k3_tail
+import machine_code
 from helpers import disassembled, gpu_mesh_for, topology_params
 from k3_tail import TailConfig, Tier
 from k3_tail.hardware import device_platform
-from k3_tail.xla import machine_code
 
 pytestmark = pytest.mark.compiled
 

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import pytest
 
 from helpers import FAST_COMPILE_XLA_FLAGS, once_per_session
-from k3_tail.tools.multiprocess import initialize
+from lab.multiprocess import initialize
 from multiprocess_worker import CASES, TIERS_AND_LAYOUTS
 from reference import TOLERANCE
 
@@ -62,9 +62,11 @@ def worker_command(process_id, port, result, *, initialization_timeout=60, heart
 
 def child_environment():
     # The parent's XLA_FLAGS could force another CPU device count than the one each process asks for; each
-    # case compiles in both processes, so they compile fast (helpers.FAST_COMPILE_XLA_FLAGS).
-    return {**{key: value for key, value in os.environ.items() if key != "XLA_FLAGS"},
-            "XLA_FLAGS": FAST_COMPILE_XLA_FLAGS}
+    # case compiles in both processes, so they compile fast (helpers.FAST_COMPILE_XLA_FLAGS). The children
+    # import the lab (lab.multiprocess) from scripts/, as the launcher does.
+    environment = {key: value for key, value in os.environ.items() if key != "XLA_FLAGS"}
+    return {**environment, "XLA_FLAGS": FAST_COMPILE_XLA_FLAGS,
+            "PYTHONPATH": os.pathsep.join(filter(None, (str(LAUNCHER.parent), environment.get("PYTHONPATH"))))}
 
 
 def run_processes(commands, log_dir, *, limit_s, stop_all_on_failure=True) -> list[Ended]:
@@ -193,7 +195,7 @@ def test_a_process_whose_peer_dies_after_joining_ends_by_itself(tmp_path):
     """Process 1 joins, then dies: process 0's heartbeat timeout ends it, with no harness to stop it."""
     port = free_loopback_port()
     join_then_die = (
-        "import os; from k3_tail.tools.multiprocess import initialize; "
+        "import os; from lab.multiprocess import initialize; "
         f"initialize('127.0.0.1:{port}', {NUM_PROCESSES}, 1, local_cpu_devices={LOCAL_DEVICES}); os._exit(3)"
     )
     commands = [

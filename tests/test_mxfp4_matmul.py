@@ -21,11 +21,11 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+import machine_code
 import mxfp4_fixture
 from helpers import command_environment, disassembled, gpu_mesh_for, topology_params
 from k3_tail.models.kimi_k3 import mxfp4_experts as kimi_k3_mxfp4, routed_experts
 from k3_tail.models.kimi_k3.mxfp4_matmul import mxfp4_matmul, mxfp4_matmul_reference, row_tile
-from k3_tail.xla import machine_code
 
 FLOAT32_UNIT = 2.0 ** -24
 

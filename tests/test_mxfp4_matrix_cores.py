@@ -3,13 +3,13 @@ what it asks of the layer.
 
 ``jax.nn.scaled_matmul`` of ``float4_e2m1fn`` codes with ``float8_e8m0fnu`` scales, one per 32 values along K
 (the operands' layout [batch, rows, K] with K minor, the checkpoint's own [out, in/2] layout), is read from the
-code object XLA compiles for it on a deviceless topology (``k3_tail.xla.machine_code``): on gfx950 it runs the
+code object XLA compiles for it on a deviceless topology (``tests/machine_code.py``): on gfx950 it runs the
 block-scaled MFMA ``v_mfma_scale_f32_*_f8f6f4``, on gfx942 (no FP4 matrix instruction) bf16 MFMAs on decoded
 values; with jax 0.12 (jax 0.10.2's XLA cannot lower it for ROCm). It reads the codes in place only in the
 checkpoint's layout (the layer's own layout costs a transposed copy), and with FP8 activations it becomes
 hipBLASLt's block-scaled GEMM, a library call. Both operands are at most 8 bits: the layer's bf16 activations
 would have to be quantised, so its experts do not take this route (``k3_tail.models.kimi_k3.mxfp4_experts.mxfp4_path``;
-docs/guide.md, MXFP4 experts): this pins that it exists and what it costs.
+docs/kimi_k3.md, MXFP4 routed experts): this pins that it exists and what it costs.
 """
 
 import re
@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+import machine_code
 from helpers import disassembled, gpu_mesh_for, topology_params
-from k3_tail.xla import machine_code
 
 pytestmark = pytest.mark.compiled
 # Measured: jax 0.10.2's XLA fails to lower the scaled-dot fusion of two FP4 operands for ROCm ("Failed to lower from

@@ -53,12 +53,11 @@ def test_import_graph_has_no_cycle():
         visit(name, [])
 
 
-# The house from the bottom up (docs/design.md, "Architecture"): a module imports only modules of its own layer
+# The house from the bottom up (docs/design.md, "Layout"): a module imports only modules of its own layer
 # or of the layers below it. A module is in the layer of the longest name here that it is or lies under.
 LAYERS = (
     ("k3_tail._checks", "k3_tail.hardware", "k3_tail.hf_config", "k3_tail.json_files", "k3_tail.units",
-     "k3_tail.output_files", "k3_tail.xla", "k3_tail.xla.launches", "k3_tail.xla.rocm_stand_ins",
-     "k3_tail.xla.topologies"),
+     "k3_tail.output_files", "k3_tail.xla", "k3_tail.xla.launches", "k3_tail.deviceless"),
     ("k3_tail.ops", "k3_tail.xla.hlo_text"),
     ("k3_tail.config", "k3_tail.vllm_env", "k3_tail.policy"),
     ("k3_tail.tiers",),
@@ -66,7 +65,8 @@ LAYERS = (
     ("k3_tail.checkpoint", "k3_tail.per_rank", "k3_tail.shared_reduction", "k3_tail.forward", "k3_tail.module"),
     ("k3_tail.xla.compilation", "k3_tail.xla.report"),
     ("k3_tail",),
-    ("k3_tail.tools",),
+    # The measuring tools and the command-line harness, which the model's commands use too.
+    ("k3_tail.tools", "k3_tail.cli.harness", "k3_tail.cli.tables"),
     ("k3_tail.models",),
     ("k3_tail.cli", "k3_tail.__main__"),
 )
@@ -85,12 +85,23 @@ def test_no_import_runs_back_up_a_layer():
     assert not upward
 
 
+def test_the_package_imports_neither_the_lab_nor_the_tests_nor_the_scripts():
+    """The lab (scripts/lab), the tests' modules and the scripts live beside the package: it never imports them."""
+    outside = {"lab"} | {path.stem for pattern in ("tests/*.py", "scripts/*.py") for path in ROOT.glob(pattern)}
+    imports = [(path, node) for path in PACKAGE.rglob("*.py") for node in ast.walk(ast.parse(path.read_text()))]
+    names = [(path, alias.name) for path, node in imports if isinstance(node, ast.Import) for alias in node.names]
+    names += [(path, node.module) for path, node in imports
+              if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module]
+    assert not [f"{path.relative_to(ROOT)}: {name}" for path, name in names if name.split(".")[0] in outside]
+
+
 # The measurement experiments: the scripts (the Kimi-K3 layer's two among them).
 EXPERIMENTS = ("scripts/*.py",)
 
 
 def test_the_experiments_stay_thin_over_the_harness():
-    """Experiments are thin over k3_tail.tools: at most 1,700 lines of Python among them, their imports apart
+    """Experiments are thin over the harness (k3_tail.cli.harness, k3_tail.cli.tables) and the lab
+    (scripts/lab): at most 1,700 lines of Python among them, their imports apart
     (the linter's isort writes one name a line where they do not fit one)."""
     lines = sum(len(path.read_text().splitlines()) - _import_lines(path) for pattern in EXPERIMENTS
                 for path in ROOT.glob(pattern))
@@ -126,7 +137,7 @@ def test_the_public_surface_is_a_short_list_without_module_aliases():
 
 @pytest.mark.parametrize(("module", "attribute"), [
     ("k3_tail.tools.benchmark", "measure_tiers"), ("k3_tail.selection.table", "SelectionTable"),
-    ("k3_tail.selection.cost_model", "tier_cost"), ("k3_tail.tools.multiprocess", "initialize"),
+    ("k3_tail.selection.cost_model", "tier_cost"), ("k3_tail.deviceless.topologies", "parse_topology"),
     ("k3_tail.xla.report", "report"), ("k3_tail.xla.compilation", "compiler_options"),
     ("k3_tail.tiers.registry", "tier_table"), ("k3_tail.checkpoint", "open_checkpoint"),
 ])
@@ -136,8 +147,8 @@ def test_the_public_modules_go_by_their_real_names(module, attribute):
 
 def test_nothing_cites_a_file_outside_the_repository():
     """The project's docs and code say everything themselves: no path above the checkout, no spec sections."""
-    texts = [path for pattern in ("k3_tail/**/*.py", "tests/*.py", "scripts/*", "docs/*.md", "notebooks/*.ipynb",
-                                  "README.md", "pyproject.toml") for path in ROOT.glob(pattern)]
+    texts = [path for pattern in ("k3_tail/**/*.py", "tests/*.py", "scripts/*", "scripts/lab/*.py", "docs/*.md",
+                                  "notebooks/*.ipynb", "README.md", "pyproject.toml") for path in ROOT.glob(pattern)]
     citation = re.compile(r"\.\./shared|spec,? section")
     offenders = [str(path.relative_to(ROOT)) for path in texts
                  if path.is_file() and path != Path(__file__) and citation.search(path.read_text())]

@@ -28,7 +28,8 @@ def test_each_record_holds_the_public_tier_function_of_its_module(record):
 
 @pytest.mark.parametrize("record", TIER_RECORDS, ids=RECORD_NAMES)
 def test_each_record_describes_itself_in_one_line(record):
-    for text in (record.summary, record.schedule, record.collectives_text, record.token_sharded_form):
+    for text in (record.prose.summary, record.prose.schedule, record.prose.collectives_text,
+                 record.prose.token_sharded_form):
         assert text and "\n" not in text
 
 

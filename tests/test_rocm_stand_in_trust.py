@@ -1,6 +1,6 @@
-"""What the ROCm stand-in cache trusts (k3_tail.xla.rocm_stand_ins): where it is, who may own and write each level
-of it, what its manifest may say and which names from the plugin's ELF files may reach the generated C. Most tests
-use a hand-made cache under a private XDG_CACHE_HOME and need neither the ROCm plugin nor gcc."""
+"""What the ROCm stand-in cache trusts (k3_tail.deviceless.rocm_stand_ins): where it is, who may own and write each
+level of it, what its manifest may say and which names from the plugin's ELF files may reach the generated C. Most
+tests use a hand-made cache under a private XDG_CACHE_HOME and need neither the ROCm plugin nor gcc."""
 
 import json
 import os
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from k3_tail.xla import rocm_stand_ins
-from k3_tail.xla.rocm_stand_ins import ElfNeeds, RocmUnavailable
-from test_compilation import PRINT_TOPOLOGY_ERROR, build_fake_plugin, needs_rocm_wheels, needs_tools, run_python
+from k3_tail.deviceless import rocm_stand_ins
+from k3_tail.deviceless.rocm_stand_ins import ElfNeeds, RocmUnavailable
+from rocm_stand_in_helpers import PRINT_TOPOLOGY_ERROR, build_fake_plugin, needs_rocm_wheels, needs_tools, run_python
 
 LIBRARY = "libk3trust.so.1"
 

@@ -14,8 +14,7 @@ import pytest
 import k3_tail
 from helpers import compiled_tail, gpu_mesh_for, topology_params
 from k3_tail import Tier
-from k3_tail.models.kimi_k3 import layer as layer_module
-from k3_tail.selection.rules import call_tier
+from k3_tail.models.kimi_k3 import KIMI_K3_NUM_EXPERTS, KIMI_K3_TOP_K, LayerConfig, layer as layer_module
 from k3_tail.xla.compilation import compiler_options
 
 CONFIG = k3_tail.TailConfig.kimi_k3()
@@ -58,9 +57,9 @@ def test_decode_on_a_gpu_is_one_kernel_whichever_way_the_platform_is_given(targe
 
 @pytest.mark.parametrize("num_tokens", [1, 16, 1024])
 def test_the_example_layer_compiles_with_the_options_of_the_tier_its_tail_takes(target_mesh, num_tokens):
-    config = layer_module.LayerConfig.kimi_k3(num_experts=layer_module.KIMI_K3_NUM_EXPERTS,
-                                              top_k=layer_module.KIMI_K3_TOP_K)
+    config = LayerConfig.kimi_k3(num_experts=KIMI_K3_NUM_EXPERTS, top_k=KIMI_K3_TOP_K)
     device = target_mesh.devices.flat[0]
-    tier = call_tier(config.tail, num_tokens, P, weight_layout="replicated", tier=None, device=device)
+    tier = k3_tail.select_tier(config.tail, num_tokens, P, weight_layout="replicated",
+                               device_kind=device.device_kind, platform=device).tier
     expected = {**compiler_options(tier, device), **layer_module.GPU_COMPILER_OPTIONS}
     assert layer_module.layer_compiler_options(config, target_mesh, num_tokens) == expected

@@ -16,6 +16,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import k3_tail
 from helpers import make_tp_mesh, reduced_shared
+from k3_tail.selection import cost_model
 from reference import TOLERANCE, make_inputs, reference_tail, relative_error
 
 CONFIG = k3_tail.TailConfig(hidden_size=96, latent_size=64, dtype=jnp.float32)
@@ -61,12 +62,12 @@ def test_the_tail_puts_no_collective_on_a_reduced_shared_output():
 def test_each_tiers_record_drops_the_shared_sum_from_its_collectives(tier):
     """The cost terms: fewer wire bytes (no sum of the shared partials); one_shot's packed buffer is T(H + L)."""
     layout = "column" if tier.supports("column") else "replicated"
-    before = k3_tail.selection.cost_model.tier_cost(CONFIG, 16, 4, tier=tier, weight_layout=layout)
-    after = k3_tail.selection.cost_model.tier_cost(REDUCED, 16, 4, tier=tier, weight_layout=layout)
+    before = cost_model.tier_cost(CONFIG, 16, 4, tier=tier, weight_layout=layout)
+    after = cost_model.tier_cost(REDUCED, 16, 4, tier=tier, weight_layout=layout)
     assert sum(c.wire_bytes for c in after.collectives) < sum(c.wire_bytes for c in before.collectives)
     if tier is k3_tail.Tier.ONE_SHOT:
         assert [c.buffer_bytes for c in after.collectives] == [4 * 16 * (96 + 64)]
-    assert tier.record.shared_reduced_form
+    assert tier.record.prose.shared_reduced_form
 
 
 def test_vllm_policy_runs_native_where_overlap_would_have_nothing_to_hide():
@@ -79,13 +80,13 @@ def test_vllm_policy_runs_native_where_overlap_would_have_nothing_to_hide():
 def test_the_reason_says_how_the_selected_tier_runs_with_a_reduced_shared_output():
     decision = k3_tail.select_tier(REDUCED, 300, 8)
     assert decision.reason.endswith(f"shared output reduced before the tail: "
-                                    f"{k3_tail.Tier.COLUMN_PARALLEL.record.shared_reduced_form}")
+                                    f"{k3_tail.Tier.COLUMN_PARALLEL.record.prose.shared_reduced_form}")
 
 
 def test_model_policy_prices_the_mode():
     """Without the shared all-reduce, the column tier's final collective is an all-gather (half the bytes)."""
-    config = dataclasses.replace(REDUCED, selection_policy=k3_tail.selection.cost_model.CostModelPolicy("mi355x"))
-    cost = k3_tail.selection.cost_model.tier_cost(config, 4096, 8, tier="column_parallel", weight_layout="column")
+    config = dataclasses.replace(REDUCED, selection_policy=cost_model.CostModelPolicy("mi355x"))
+    cost = cost_model.tier_cost(config, 4096, 8, tier="column_parallel", weight_layout="column")
     assert [c.kind for c in cost.collectives] == ["all-reduce", "all-gather"]
     assert "predicted fastest on mi355x" in k3_tail.select_tier(config, 4096, 8, weight_layout="column").reason
 

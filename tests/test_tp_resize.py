@@ -18,7 +18,7 @@ from flax import nnx
 import k3_tail
 from helpers import make_tp_mesh
 from k3_tail.checkpoint import restore_tail_state
-from k3_tail.models.kimi_k3 import layer as layer_module
+from k3_tail.models.kimi_k3 import LayerConfig, layer as layer_module
 from k3_tail.models.kimi_k3.saved_layer import restore_layer
 from reference import TOLERANCE, relative_error
 
@@ -254,7 +254,7 @@ def test_a_relative_directory_is_the_one_under_the_working_directory(tmp_path, m
 
 def kimi_layer(tp_size, seed=0):
     """A small Kimi-K3 layer (H 224, L 112, 8 experts of width 96, shared width 192) in float32, p = tp_size."""
-    config = layer_module.LayerConfig.kimi_k3(num_experts=8, top_k=2, width_divisor=32, dtype="float32")
+    config = LayerConfig.kimi_k3(num_experts=8, top_k=2, width_divisor=32, dtype="float32")
     return layer_module.build_layer(config, make_tp_mesh(tp_size), seed=seed)
 
 
@@ -274,6 +274,6 @@ def test_a_layer_saved_at_p_restores_at_p_prime_and_computes_the_same_y(tmp_path
 
 def test_a_layer_checkpoint_of_another_config_is_a_value_error_naming_the_entry():
     values = kimi_layer(2).checkpoint_values()
-    config = layer_module.LayerConfig.kimi_k3(num_experts=16, top_k=2, width_divisor=32, dtype="float32")
+    config = LayerConfig.kimi_k3(num_experts=16, top_k=2, width_divisor=32, dtype="float32")
     with pytest.raises(ValueError, match=r"^checkpoint: expert_down: expected shape \(16, 96, 112\)"):
         restore_layer(values, config=config, mesh=make_tp_mesh(2))

@@ -11,11 +11,12 @@ Commands:
 
 Each command module (:data:`COMMANDS`) has ``HELP`` and ``DESCRIPTION`` (its lines in
 ``--help``), ``add_arguments(parser)``, which declares its flags, and ``run(args)``, which takes the
-parsed arguments and returns the exit status; a :class:`~k3_tail.tools.experiment.CommandError` is
+parsed arguments and returns the exit status; a :class:`~k3_tail.cli.harness.CommandError` is
 reported in one line with exit status 2, and a closed stdout (``k3-tail tiers | head -1``) ends a
-command quietly with status 141, as it ends ``git log``. What the commands share is the harness
-(:mod:`k3_tail.tools.experiment`: argument types, devices, progress; :mod:`k3_tail.tools.tables`: figures
-and tables) and :mod:`k3_tail.cli.common` (the measurement flags and what their tables say).
+command quietly with status 141, as it ends ``git log``. What the commands share is the harness, which the
+Kimi-K3 model's commands and the experiments in scripts/ use too: :mod:`k3_tail.cli.harness` (argument
+types and flags, devices, progress, errors), :mod:`k3_tail.cli.tables` (figures and tables) and
+:mod:`k3_tail.cli.measurement` (the measurement flags and run of ``bench`` and ``calibrate``).
 """
 
 from __future__ import annotations
@@ -26,8 +27,7 @@ import sys
 from collections.abc import Sequence
 
 from k3_tail.cli import bench, calibrate, demo, hlo, tiers
-from k3_tail.cli.common import PROG, HelpFormatter
-from k3_tail.tools.experiment import CommandError, use_cpu_without_gpu
+from k3_tail.cli.harness import PROG, CommandError, HelpFormatter, use_cpu_without_gpu
 
 COMMANDS = {"demo": demo, "hlo": hlo, "bench": bench, "calibrate": calibrate, "tiers": tiers}
 
@@ -71,7 +71,7 @@ def run_command(argv: Sequence[str] | None) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser: one subparser per command of :data:`COMMANDS`, their help wrapped to the
-    terminal (:class:`~k3_tail.cli.common.HelpFormatter`)."""
+    terminal (:class:`~k3_tail.cli.harness.HelpFormatter`)."""
     parser = argparse.ArgumentParser(
         prog=PROG, description="The Kimi-K3 latent MoE tail under tensor parallelism, in JAX.",
         formatter_class=HelpFormatter,

@@ -22,22 +22,19 @@ import sys
 
 import jax
 
-from k3_tail.cli.common import (
+from k3_tail.cli.harness import CommandError, check_output_flag, demo_devices, positive_int_list, tp_mesh
+from k3_tail.cli.measurement import (
     add_measurement_arguments,
-    check_output_flag,
-    describe_config,
-    format_bench_table,
     measure,
     measurement_config,
     measurement_tiers,
-    selected_tiers,
     untimed_tiers,
 )
+from k3_tail.cli.tables import describe_config, format_bench_table, selected_tiers
 from k3_tail.hardware import device_platform
 from k3_tail.output_files import write_file
 from k3_tail.selection.rules import gpu_rules_note
 from k3_tail.tools.benchmark import Measurement, config_dict, default_token_counts, machine_info
-from k3_tail.tools.experiment import CommandError, demo_devices, positive_int_list, tp_mesh
 
 HELP = "time the tiers over token counts x TP sizes; table, JSON, CSV, plot"
 DESCRIPTION = (

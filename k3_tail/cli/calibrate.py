@@ -18,20 +18,12 @@ from collections.abc import Sequence
 
 import jax
 
-from k3_tail.cli.common import (
-    add_measurement_arguments,
-    check_output_flag,
-    describe_config,
-    format_bench_table,
-    measure,
-    measurement_config,
-    measurement_tiers,
-)
+from k3_tail.cli.harness import CommandError, check_output_flag, demo_devices, positive_int, tp_mesh
+from k3_tail.cli.measurement import add_measurement_arguments, measure, measurement_config, measurement_tiers
+from k3_tail.cli.tables import describe_config, format_bench_table, format_percent, within_noise
 from k3_tail.hardware import device_platform
 from k3_tail.selection.table import table_from_measurements
 from k3_tail.tools.benchmark import Measurement, default_token_counts
-from k3_tail.tools.experiment import CommandError, demo_devices, positive_int, tp_mesh
-from k3_tail.tools.tables import format_percent, within_noise
 from k3_tail.units import format_seconds
 
 HELP = "measure the tiers on this mesh and write a selection table (JSON) for TailConfig.selection_policy"

@@ -1,7 +1,7 @@
 """``k3-tail demo``: the Kimi-K3 tail on every tier, checked against native and timed.
 
 Runs the Kimi-K3 tail (H=7168, L=3584, bf16) on a TP mesh (all GPUs, or ``--devices`` CPU devices, at
-most ``MAX_CPU_DEVICES`` = 512: :func:`k3_tail.tools.experiment.demo_devices`) for a few token counts, on
+most ``MAX_CPU_DEVICES`` = 512: :func:`k3_tail.cli.harness.demo_devices`) for a few token counts, on
 every tier that runs with the kernel layout, and prints a table: for each token count T the tier
 :func:`k3_tail.select_tier` picks and why, for each tier its error against the native tier, its median
 run time and how much slower it is than the fastest tier, and a line on how far the selected tier
@@ -27,19 +27,25 @@ from collections.abc import Callable, Sequence
 import jax
 import numpy as np
 
-from k3_tail.cli.common import (
-    DEFAULT_REPEATS,
+from k3_tail.cli.harness import (
+    AXIS_NAME,
+    CommandError,
     add_all_reduce_quantization_arguments,
+    add_devices_argument,
+    add_repeats_argument,
+    add_seed_argument,
     add_up_projection_arguments,
     add_weight_layout_argument,
     all_reduce_quantization_options,
-    describe_config,
-    format_selection_gap,
-    format_vs_fastest,
+    demo_devices,
     mesh_decision,
-    untimed_tiers,
+    positive_int_list,
+    progress,
+    tp_mesh,
     up_projection_options,
 )
+from k3_tail.cli.measurement import DEFAULT_REPEATS, untimed_tiers
+from k3_tail.cli.tables import describe_config, format_selection_gap, format_vs_fastest
 from k3_tail.config import TailConfig
 from k3_tail.forward import tail_forward
 from k3_tail.hardware import device_platform
@@ -48,17 +54,6 @@ from k3_tail.selection.decision import TierDecision
 from k3_tail.selection.rules import gpu_rules_note
 from k3_tail.tiers.registry import Tier
 from k3_tail.tools.benchmark import Timing, place_partials, place_weights, tiers_for, time_runs
-from k3_tail.tools.experiment import (
-    AXIS_NAME,
-    CommandError,
-    add_devices_argument,
-    add_seed_argument,
-    demo_devices,
-    positive_int,
-    positive_int_list,
-    progress,
-    tp_mesh,
-)
 
 DEFAULT_TOKEN_COUNTS = (1, 16, 64, 320)
 # bf16 keeps 8 significand bits: tiers that sum and round in another order differ by a few 1e-3.
@@ -78,10 +73,7 @@ def add_arguments(demo: argparse.ArgumentParser) -> None:
         "--tokens", type=positive_int_list, default=DEFAULT_TOKEN_COUNTS, metavar="T,T,...",
         help=f"token counts to run, comma-separated (default: {','.join(map(str, DEFAULT_TOKEN_COUNTS))})",
     )
-    demo.add_argument(
-        "--repeats", type=positive_int, default=DEFAULT_REPEATS, metavar="N",
-        help=f"timed runs per (T, tier) after the warm-up run (default: {DEFAULT_REPEATS})",
-    )
+    add_repeats_argument(demo, DEFAULT_REPEATS, "timed runs per (T, tier) after the warm-up run")
     add_devices_argument(demo, "CPU devices to make, the TP size without an accelerator",
                          "with a GPU all GPUs are used")
     add_weight_layout_argument(demo)

@@ -25,35 +25,33 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
-from k3_tail.cli.common import (
-    QUANTIZATION_CHOICES,
-    add_reduced_shared_argument,
-    add_up_projection_arguments,
-    describe_config,
-    mesh_decision,
-    up_projection_options,
-)
-from k3_tail.config import TailConfig
-from k3_tail.ops.columns import WEIGHT_LAYOUTS
-from k3_tail.tiers.registry import Tier
-from k3_tail.tools.experiment import (
+from k3_tail.cli.harness import (
     AXIS_NAME,
+    MIN_BYTES_NEEDS_CODEC,
+    QUANTIZATION_CHOICES,
     CommandError,
     add_devices_argument,
+    add_reduced_shared_argument,
+    add_up_projection_arguments,
     choice_list,
     demo_devices,
+    mesh_decision,
     non_negative_int,
     positive_int,
     positive_int_list,
     stepped,
     tier_values,
     tp_mesh,
+    up_projection_options,
 )
-from k3_tail.tools.tables import format_table, markdown_table, terminal_width
+from k3_tail.cli.tables import describe_config, format_table, markdown_table, terminal_width
+from k3_tail.config import TailConfig
+from k3_tail.deviceless.topologies import TopologyUnavailable, topology_mesh
+from k3_tail.ops.columns import WEIGHT_LAYOUTS
+from k3_tail.tiers.registry import Tier
 from k3_tail.units import format_bytes
 from k3_tail.xla import report as xla_report
 from k3_tail.xla.compilation import compile_tail, compiler_options, tail_arguments
-from k3_tail.xla.topologies import TopologyUnavailable, topology_mesh
 
 DEFAULT_HLO_TOKENS = 16
 DEFAULT_TOPOLOGY = "h100x8"
@@ -238,7 +236,7 @@ def add_arguments(hlo: argparse.ArgumentParser) -> None:
 
 def help_epilog() -> str:
     """``--help``'s account of the output: every label of the table and of the one-case report, and the units.
-    One line per paragraph and per label, which :class:`~k3_tail.cli.common.HelpFormatter` wraps to the
+    One line per paragraph and per label, which :class:`~k3_tail.cli.harness.HelpFormatter` wraps to the
     terminal, a label's text continuing in its column."""
     entries = [(column.label, column.meaning) for column in CASE_COLUMNS.values()]
     entries += [(name if name == column.label.lower() else f"{name} ({column.label.format(baseline='N')})",
@@ -304,8 +302,7 @@ def sum_options(args: argparse.Namespace) -> list[dict[str, object]]:
     """The TailConfig fields of each way the sums travel: no codec once, each codec at each minimum size."""
     codecs = [None if name == "none" else name for name in dict.fromkeys(args.all_reduce_quantization)]
     if args.quantized_all_reduce_min_bytes is not None and codecs == [None]:
-        raise CommandError("--quantized-all-reduce-min-bytes: needs --all-reduce-quantization (one of "
-                           + ", ".join(name for name in QUANTIZATION_CHOICES if name != "none") + ")")
+        raise CommandError(MIN_BYTES_NEEDS_CODEC)
     minima = tuple(dict.fromkeys(args.quantized_all_reduce_min_bytes or (None,)))
     return [{"all_reduce_quantization": codec, "quantized_all_reduce_min_bytes": minimum}
             for codec in codecs for minimum in ((None,) if codec is None else minima)]

@@ -2,7 +2,7 @@
 
 Prints the tier table (schedule, per-rank GEMM FLOPs and kernel bytes, collectives, what each
 needs) laid out for the terminal: as wide as it is, long cells wrapped
-(:func:`k3_tail.tools.tables.format_table`). ``--markdown`` prints it as
+(:func:`k3_tail.cli.tables.format_table`). ``--markdown`` prints it as
 :func:`k3_tail.tiers.registry.tier_table` writes it, the README's tier table. ``--json`` prints the
 records as plain data instead: a list in the registry's order,
 one object per tier with its name, summary, schedule, collectives_text, needs_whole_kernel,
@@ -13,13 +13,14 @@ compiler_options (per platform family). Needs no devices; exit status 0.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import operator
 from typing import Any
 
+from k3_tail.cli.tables import format_table, terminal_width
 from k3_tail.tiers.record import TierRecord
 from k3_tail.tiers.registry import TIER_RECORDS, TIER_TABLE_HEADER, tier_rows, tier_table
-from k3_tail.tools.tables import format_table, terminal_width
 
 HELP = "list the tiers: schedule, cost and collectives per rank, what each needs"
 DESCRIPTION = (
@@ -27,7 +28,8 @@ DESCRIPTION = (
     "collectives, what each needs), as Markdown with --markdown, or with --json each tier's record as plain data."
 )
 
-# The record's fields that are plain data, in the order --json writes them.
+# The record's flags that --json writes beside its name and prose (record.prose), and the order it writes them in.
+RECORD_FLAGS = ("name", "needs_whole_kernel", "serves_routed_output_is_reduced", "projects_all_columns")
 RECORD_FIELDS = (
     "name", "summary", "schedule", "collectives_text", "needs_whole_kernel", "serves_routed_output_is_reduced",
     "projects_all_columns", "token_sharded_form", "shared_reduced_form",
@@ -54,6 +56,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def record_dict(record: TierRecord) -> dict[str, Any]:
-    """``record``'s plain-data fields (:data:`RECORD_FIELDS`), with its compiler options as plain dicts."""
+    """``record``'s plain data (:data:`RECORD_FIELDS`), with its compiler options as plain dicts."""
     options = {family: dict(values) for family, values in record.compiler_options.items()}
-    return {**{name: getattr(record, name) for name in RECORD_FIELDS}, "compiler_options": options}
+    values = {**dataclasses.asdict(record.prose), **{name: getattr(record, name) for name in RECORD_FLAGS}}
+    return {**{name: values[name] for name in RECORD_FIELDS}, "compiler_options": options}

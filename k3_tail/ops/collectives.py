@@ -4,8 +4,8 @@ Both forms leave the same [T, W] sum on every rank and move the same ring bytes,
 them differently. GPU backends run XLA's all-reduce as one NCCL/RCCL ring collective, and the tiers
 keep it there (the overlap tier rests on an async all-reduce). XLA's CPU collectives are not a ring:
 there the decomposition of a bfloat16 buffer is about twice as fast from about 8 MiB on, the two tie
-below, and for float32 it is never faster (docs/performance.md), so "auto" splits where
-``SPLIT_FROM_BYTES`` says.
+below, and for float32 it is never faster (docs/measurements/2026-11-30-collective-forms.md), so
+"auto" splits where ``SPLIT_FROM_BYTES`` says.
 
 **Quantised sums** (vLLM ROCm's QuickReduce). A sum whose buffer lies within ``SumPlan.quantized_bytes``
 travels block-quantised (:mod:`k3_tail.ops.codecs`) in two shots: each rank encodes p chunks of the
@@ -34,7 +34,8 @@ SPLIT = "reduce-scatter+all-gather"
 ALL_REDUCE_FORMS = ("auto", ALL_REDUCE, SPLIT)
 # The smallest buffer (bytes) from which "auto" splits an all-reduce, per (device platform, dtype
 # name); others keep one all-reduce. CPU bfloat16: 8 forced CPU devices, jax 0.10.2: ratio
-# RS+AG / AR 1.0 up to 7 MiB, 0.40-0.48 at 8.75-14 MiB, 0.75-0.86 at 28-70 MiB (docs/performance.md).
+# RS+AG / AR 1.0 up to 7 MiB, 0.40-0.48 at 8.75-14 MiB, 0.75-0.86 at 28-70 MiB
+# (docs/measurements/2026-11-30-collective-forms.md).
 SPLIT_FROM_BYTES = MappingProxyType({("cpu", "bfloat16"): 8 * 2**20})
 # vLLM's QuickReduce minimum sizes in MiB per (dtype the codec's table is for, p), per codec ("based on
 # kernel tests" on MI300X, vLLM says); bfloat16 follows the float16 rows unless

@@ -26,8 +26,8 @@ bytes (111 KB at T = 1, p = 8; the split is capped so that the partials stay wit
 block's bytes). ``serial_split=True`` sums the same S slabs in each tile's one program instead, in the same
 order, without counters or scratch: the split kernel's result bit for bit, its ordering's oracle.
 
-Memory ordering (docs/design.md, "The kernel's memory ordering"). A program's stores of its partial and
-exponent must be visible to the tile's last program before that one loads them. On NVIDIA a program is
+Memory ordering (tests/test_memory_ordering.py reads it from the machine code). A program's stores of its
+partial and exponent must be visible to the tile's last program before that one loads them. On NVIDIA a program is
 4 warps: ``bar.sync``, thread 0's ``atom.acq_rel.gpu`` on the counter, ``bar.sync`` (PTX's cumulativity
 through the barrier; the acquire invalidates L1). On AMD the memory model orders a release or an acquire
 only for the wavefront that executes it, and a workgroup barrier does not make another wavefront's
@@ -57,7 +57,6 @@ from k3_tail.ops.fused_launch import (
     TARGET_PROGRAMS,
     FusedGrid,
     fused_grid,
-    runs_interpreted_on,
     warps_per_program,
 )
 from k3_tail.ops.gpu_only import gpu_only
@@ -75,16 +74,6 @@ def triton_unavailable() -> str | None:
     except ImportError as error:  # a jax without the backend (deprecated since jax 0.11)
         return f"this jax ({jax.__version__}) has no Pallas Triton backend ({_PALLAS_TRITON}: {error})"
     return None
-
-
-def shard_map_may_type_values(platform: str | None) -> bool:
-    """Whether a ``jax.shard_map`` whose ranks run this kernel on ``platform`` may type its values as varying
-    over its axes (``check_vma``): everywhere the kernel compiles. Where it runs interpreted, Pallas's
-    interpreter takes no such values (jax 0.10-0.12: "Primitive ... requires varying manual axes to match"):
-    a shard_map that leaves them untyped (:mod:`k3_tail.forward`'s) runs each rank's kernel alone, and in one
-    that types them (a caller's) :func:`norm_project_add` gathers the inputs and runs every rank's kernel on
-    each, p times the work: the one workaround of that limitation, in its two forms."""
-    return not runs_interpreted_on(platform)
 
 
 def norm_project_add(
@@ -267,7 +256,9 @@ def _fused_call(latent, norm_weight, kernel, addend, *, into_addend: bool, rank,
         warps = {gpu: warps_per_program(gpu) for gpu in GPU_VENDOR_PLATFORMS}  # the lowering platform's
         return gpu_only(kernel_call, *arrays, platform=platform, num_warps=warps)[0]
 
-    # Interpreted inside a shard_map that types its values (shard_map_may_type_values): every device's kernel on each.
+    # Pallas's interpreter takes no values typed as varying over a shard_map's axes (jax 0.10-0.12: "Primitive ...
+    # requires varying manual axes to match"): where they are typed (a caller's shard_map; tail_forward's types them
+    # only where the kernel compiles), it gathers the inputs and runs every rank's kernel on each, p times the work.
     return interpreted(run, present) if interpret else run(present)
 
 

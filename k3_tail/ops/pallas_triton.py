@@ -48,8 +48,9 @@ def vary_alike(arrays: list) -> tuple[list, object]:
     """``arrays`` (a ``pallas_call``'s inputs) cast to vary over the same mesh axes (their union) inside
     ``jax.shard_map``, and their manual-axis type then, which the kernel's outputs take (outside shard_map: the
     trivial one)."""
-    axes = set().union(*(varying_axes(array) for array in arrays))
-    cast = [_vary_over(array, axes) for array in arrays]
+    varying = [varying_axes(array) for array in arrays]
+    axes = set().union(*varying)
+    cast = [_vary_over(array, axes - own) for array, own in zip(arrays, varying, strict=True)]
     aval = jax.typeof(cast[0])
     return cast, getattr(aval, "manual_axis_type", None) or getattr(aval, "mat", None)
 
@@ -62,13 +63,14 @@ def interpreted(run: Callable[[list], jax.Array], arrays: list) -> jax.Array:
     gathered over those axes, each device runs every device's call in turn (``lax.map``) on its slices of them
     and the arrays that vary over none, and keeps its own result. p times the work, with the same values:
     interpret mode is a CPU's run of a GPU kernel, for tests. Elsewhere it is ``run(arrays)``."""
-    axes = set().union(*(varying_axes(array) for array in arrays))
+    varying = [varying_axes(array) for array in arrays]
+    axes = set().union(*varying)
     if not axes:
         return run(arrays)
     names = tuple(sorted(axes, key=str))
     # Every varying array cast to vary over all the axes first: an all-gather over an axis takes only those.
-    gathered = [lax.all_gather(_vary_over(array, axes), names, to="invarying") if varying_axes(array) else None
-                for array in arrays]
+    gathered = [lax.all_gather(_vary_over(array, axes - own), names, to="invarying") if own else None
+                for array, own in zip(arrays, varying, strict=True)]
 
     def one_device(slices):
         slices = iter(slices)
@@ -78,9 +80,8 @@ def interpreted(run: Callable[[list], jax.Array], arrays: list) -> jax.Array:
     return lax.dynamic_index_in_dim(every, lax.axis_index(names), keepdims=False)
 
 
-def _vary_over(array, axes: set):
-    """``array`` cast to vary over ``axes`` too (unchanged when it already does)."""
-    missing = axes - varying_axes(array)
+def _vary_over(array, missing: set):
+    """``array`` cast to vary over the axes ``missing`` too (unchanged when there are none)."""
     return lax.pcast(array, tuple(sorted(missing, key=str)), to="varying") if missing else array
 
 

@@ -24,10 +24,9 @@ The model has two layers.
    - ``scratch_bytes``: a kernel's own scratch, written and read back once (``TierRecord.scratch_bytes``:
      one_kernel's split of K, the partials of the grid ``fused_grid`` gives it, 0.25-0.53 of its weight
      block at T = 16), twice its bytes.
-   - ``collectives``: every collective the tier issues, with its buffer as :mod:`k3_tail.xla.report`
-     counts it (the reduced buffer of an all-reduce, the input of a reduce-scatter, the gathered
-     result of an all-gather, the per-rank send buffer of an all-to-all) and its per-rank ring wire
-     bytes: all-reduce 2(p-1)/p * B, reduce-scatter, all-gather and all-to-all (p-1)/p * B.
+   - ``collectives``: every collective the tier issues, as a
+     :class:`~k3_tail.selection.collective_cost.CollectiveCost`: its buffer as :mod:`k3_tail.xla.report`
+     counts it and its per-rank ring wire bytes (all-reduce 2(p-1)/p * B, the others (p-1)/p * B).
 
    The collectives of each tier, in issue order and with which of them run beside the GEMM, are
    its record's cost terms (``Tier.X.record.collectives`` of a :class:`~k3_tail.tiers.record.CallShape`;
@@ -60,16 +59,10 @@ The model has two layers.
    where peak is the preset's ``peak_fp8_flops`` for a GEMM of two FP8 operands
    (``fp8_activations``) in a format the preset lists in ``fp8_formats``, else ``peak_flops``
    (weight-only FP8 multiplies in ``config.dtype``: it saves bytes, not FLOP time), and a collective
-   is hidden when its record term runs beside the GEMM (``beside_gemm``). A grid of fewer programs than
+   is hidden when its record term runs beside the GEMM (``beside_gemm``); a sum that travels quantised adds its
+   codec's shots and memory passes (:mod:`k3_tail.selection.collective_cost`). A grid of fewer programs than
    ``TARGET_PROGRAMS`` has fewer loads in flight than HBM needs to reach its bandwidth, and fewer
    wavefronts for the matrix units: its kernel runs at ``grid_fill`` of both peaks.
-
-   A sum that travels quantised (``TailConfig.all_reduce_quantization``, inside its size window:
-   :mod:`k3_tail.ops.collectives`; ``CollectiveCost.codec``) moves its encoded chunks instead (b/16 +
-   1/32 of a bf16 buffer, padded to whole blocks), pays one latency per shot (two for an all-reduce,
-   one for a reduce-scatter) and adds the codec's memory passes at HBM bandwidth (encode, decode and
-   sum, and for an all-reduce re-encode and decode: 2B + 3Q + Q/p bytes for a buffer of B bytes whose
-   encoded size is Q).
 
 Assumptions a reader must know:
 - Vendor peaks: the presets hold data-sheet peak dense BF16 FLOP/s, HBM and link bandwidth, which
@@ -78,9 +71,8 @@ Assumptions a reader must know:
   and so is ``kernel_launch_s`` (2 us: what fusing one kernel away saved in the one public measurement
   of this tail's kernels, on an MI355X). Replace any field with a measurement for a real decision:
   ``dataclasses.replace(HARDWARE["mi355x"], collective_latency_s=...)``.
-- ``link_bytes_per_s`` is one GPU's bandwidth in one direction over all its links, and a ring
-  collective is assumed to drive it fully (AMD's fully connected xGMI node and NVSwitch both let
-  every rank send to its peers at that rate).
+- ``link_bytes_per_s`` is one GPU's bandwidth in one direction over all its links, which a ring collective is
+  assumed to drive fully (:mod:`k3_tail.selection.collective_cost`).
 - Collectives run one at a time; a hidden one shares neither HBM bandwidth nor compute units with
   the GEMM it runs beside. The latent all-reduce always precedes the GEMM.
 - Collectives are counted as the tier issues them: on GPU, XLA may combine two independent
@@ -112,87 +104,22 @@ import numpy as np
 from k3_tail._checks import check_int
 from k3_tail.config import TailConfig, check_config
 from k3_tail.hardware import GPU_VENDOR_PLATFORMS, HARDWARE, Hardware, check_platform, hardware_preset
-from k3_tail.ops.codecs import CODECS
 from k3_tail.ops.collectives import SumPlan
 from k3_tail.ops.columns import check_weight_layout
 from k3_tail.ops.fused_launch import TARGET_PROGRAMS
 from k3_tail.policy import SelectionPolicy
 from k3_tail.selection.buffers import collective_buffers, tier_rows
+from k3_tail.selection.collective_cost import CollectiveCost, check_kind
 from k3_tail.selection.decision import TierDecision
 from k3_tail.selection.rules import unlike_the_rules
 from k3_tail.tiers.context import is_token_sharded_output
-from k3_tail.tiers.record import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER, RING_WIRE_FACTORS, SUM_KINDS
+from k3_tail.tiers.record import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER
 from k3_tail.tiers.registry import Tier
 
 __all__ = [
-    "ALL_GATHER", "ALL_REDUCE", "ALL_TO_ALL", "HARDWARE", "REDUCE_SCATTER", "CollectiveCost", "CostModelPolicy",
-    "Crossover", "Hardware", "Prediction", "TierCost", "best_tier", "crossovers", "predict_time", "tier_cost",
+    "ALL_GATHER", "ALL_REDUCE", "ALL_TO_ALL", "HARDWARE", "REDUCE_SCATTER", "CostModelPolicy", "Crossover",
+    "Hardware", "Prediction", "TierCost", "best_tier", "crossovers", "predict_time", "tier_cost",
 ]
-
-
-@dataclasses.dataclass(frozen=True)
-class CollectiveCost:
-    """One collective a tier issues, per rank.
-
-    kind: "all-reduce", "reduce-scatter", "all-gather" or "all-to-all". buffer_bytes: the buffer as
-    :class:`k3_tail.xla.report.Collective` ``.bytes`` counts it (reduced buffer, reduce-scatter input,
-    gathered result, all-to-all send buffer). group_size: ranks taking part (p). hidden: it runs
-    beside the tier's GEMM instead of before or after it. codec: for a sum (all-reduce or
-    reduce-scatter) that travels quantised (:mod:`k3_tail.ops.collectives`), the codec's name, else
-    None; element_bytes: the bytes of one element of the buffer, from which the encoded size follows.
-    """
-
-    kind: str
-    buffer_bytes: int
-    group_size: int
-    hidden: bool = False
-    codec: str | None = None
-    element_bytes: int = 2
-
-    def __post_init__(self):
-        _check_kind(self.kind)
-        if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or self.group_size < 1:
-            raise ValueError(f"group_size: expected an integer >= 1, got {self.group_size!r}")
-        if self.codec is not None and (self.codec not in CODECS or self.kind not in SUM_KINDS):
-            raise ValueError(f"codec: expected one of {tuple(CODECS)} on an all-reduce or reduce-scatter, got "
-                             f"{self.codec!r} on a {self.kind}")
-
-    @property
-    def payload_bytes(self) -> int:
-        """Bytes of the buffer as it travels: ``buffer_bytes``, or its p encoded chunks when quantised
-        (each chunk 1/p of the elements rounded up, padded to whole blocks)."""
-        if self.codec is None:
-            return self.buffer_bytes
-        chunk = -(-(self.buffer_bytes // self.element_bytes) // self.group_size)
-        return self.group_size * CODECS[self.codec].encoded_bytes(chunk)
-
-    @property
-    def wire_bytes(self) -> float:
-        """Bytes this rank sends on a ring: 2(g-1)/g * B for an all-reduce, (g-1)/g * B otherwise, with B
-        the payload (a quantised all-reduce's two shots move (g-1)/g of its encoded chunks each)."""
-        return RING_WIRE_FACTORS[self.kind](self.group_size) * self.payload_bytes
-
-    def seconds(self, hardware: Hardware | str) -> float:
-        """collective_latency_s per collective (two for a quantised all-reduce) + wire_bytes /
-        link_bytes_per_s + the codec's memory passes at HBM bandwidth on ``hardware``; 0 over a group
-        of one rank.
-
-        The codec's passes: encode (read B, write the payload Q), decode and sum the received chunks
-        (read Q), then for an all-reduce re-encode the own chunk (write Q/p) and decode what the
-        all-gather brought (read Q, write B); a reduce-scatter writes its B/p chunk.
-        """
-        hardware = hardware_preset(hardware)
-        if self.group_size == 1:
-            return 0.0
-        wire = self.wire_bytes / hardware.link_bytes_per_s
-        if self.codec is None:
-            return hardware.collective_latency_s + wire
-        buffer, payload, group = self.buffer_bytes, self.payload_bytes, self.group_size
-        if self.kind == ALL_REDUCE:
-            shots, passes = 2, 2 * buffer + 3 * payload + payload / group
-        else:
-            shots, passes = 1, buffer + buffer / group + 2 * payload
-        return shots * hardware.collective_latency_s + wire + passes / hardware.hbm_bytes_per_s
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,7 +157,7 @@ class TierCost:
 
     def collective_bytes(self, kind: str) -> int:
         """Sum of ``buffer_bytes`` of the collectives of ``kind`` (0 when there is none)."""
-        _check_kind(kind)
+        check_kind(kind)
         return sum(collective.buffer_bytes for collective in self.collectives if collective.kind == kind)
 
 
@@ -520,11 +447,6 @@ def _first_fastest(times: list[float]) -> int:
     whichever way rounding tips them."""
     limit = min(times) * (1 + 1e-9)
     return next(index for index, seconds in enumerate(times) if seconds <= limit)
-
-
-def _check_kind(kind: str) -> None:
-    if kind not in RING_WIRE_FACTORS:
-        raise ValueError(f"kind: expected one of {tuple(RING_WIRE_FACTORS)}, got {kind!r}")
 
 
 def _candidates(config: TailConfig, weight_layout: str, tiers: Iterable[Tier | str] | None) -> list[Tier]:

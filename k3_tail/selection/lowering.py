@@ -21,7 +21,7 @@ from jax import lax
 from k3_tail.config import TailConfig
 from k3_tail.hardware import GPU_VENDOR_PLATFORMS
 from k3_tail.selection.buffers import collective_buffers
-from k3_tail.selection.rules import select_tier
+from k3_tail.selection.rules import choose_tier
 from k3_tail.tiers.registry import Tier
 
 # The platforms with a branch of their own; any other (a TPU) lowers the CPU's, as selection treats them alike
@@ -54,19 +54,14 @@ class TailBranch:
     platform: str | None
 
 
-def tail_branches(config: TailConfig, num_tokens: int, tp_size: int, *, weight_layout: str, tier: Tier | None,
-                  device_platform: str | None = None, device_kind: str | None = None) -> dict[str, TailBranch]:
+def tail_branches(config: TailConfig, num_tokens: int, tp_size: int, *, weight_layout: str,
+                  tier: Tier | None) -> dict[str, TailBranch]:
     """The :class:`TailBranch` of a call for each of :data:`LOWERING_PLATFORMS`: ``tier`` (already checked to run)
-    or :func:`~k3_tail.select_tier`'s for that platform. A given ``device_platform`` (and kind) is every
-    platform's, as one branch."""
-    if device_platform is not None:
-        chosen = tier or select_tier(config, num_tokens, tp_size, weight_layout=weight_layout,
-                                     device_kind=device_kind, platform=device_platform).tier
-        return dict.fromkeys(LOWERING_PLATFORMS, TailBranch(chosen, device_platform))
+    or :func:`~k3_tail.selection.rules.choose_tier`'s for that platform."""
     programs = {}
     for platform in LOWERING_PLATFORMS:
-        chosen = tier or select_tier(config, num_tokens, tp_size, weight_layout=weight_layout,
-                                     platform=platform).tier
+        chosen = tier or choose_tier(config, num_tokens, tp_size, weight_layout=weight_layout,
+                                     device_kind=None, platform=platform).tier
         programs[platform] = (chosen, _platform_facts(config, num_tokens, tp_size, chosen, weight_layout, platform))
     return {platform: TailBranch(program[0], _shared_platform([other for other in LOWERING_PLATFORMS
                                                               if programs[other] == program]))

@@ -70,29 +70,25 @@ def select_tier(
         weight_layout = check_weight_layout(weight_layout)
     device_kind = check_device_kind(device_kind)
     platform_name = check_platform(platform)
-    decision = _precondition(config, num_tokens, tp_size)
-    by_policy = decision is None
-    if by_policy:
-        policy = config.selection_policy or VllmRules()
-        # As given: a device of a backend k3_tail does not list is taken, its platform's name would not be.
-        decision = policy.select(config, num_tokens, tp_size, weight_layout=weight_layout, device_kind=device_kind,
-                                 platform=platform)
+    decision = choose_tier(config, num_tokens, tp_size, weight_layout=weight_layout, device_kind=device_kind,
+                           platform=platform)
+    by_policy = _precondition(config, num_tokens, tp_size) is None
     gpu_rules = gpu_rules_note(config, platform_name) if by_policy else None
     notes = _call_notes(config, decision.tier, num_tokens, tp_size, weight_layout, platform_name, gpu_rules)
     return dataclasses.replace(decision, notes=decision.notes + notes)
 
 
-def call_tier(config: TailConfig, num_tokens: int, tp_size: int, *, weight_layout: str, tier: Tier | str | None,
-              device) -> Tier:
-    """The tier a call runs: ``tier`` parsed and checked to run with ``weight_layout`` and ``config``
-    (ValueError naming ``tier`` otherwise), or for None what :func:`select_tier` picks for the call on
-    ``device``'s kind and platform."""
-    if tier is None:
-        return select_tier(config, num_tokens, tp_size, weight_layout=weight_layout, device_kind=device.device_kind,
-                           platform=device).tier
-    tier = Tier.parse(tier)
-    tier.record.check_runs(weight_layout, config)
-    return tier
+def choose_tier(config: TailConfig, num_tokens: int, tp_size: int, *, weight_layout: str | None,
+                device_kind: str | None, platform: str | jax.Device | None) -> TierDecision:
+    """:func:`select_tier`'s tier and rule for arguments already checked, without the notes on the call (which
+    only :func:`select_tier` builds): what a traced call asks for."""
+    decision = _precondition(config, num_tokens, tp_size)
+    if decision is not None:
+        return decision
+    policy = config.selection_policy or VllmRules()
+    # As given: a device of a backend k3_tail does not list is taken, its platform's name would not be.
+    return policy.select(config, num_tokens, tp_size, weight_layout=weight_layout, device_kind=device_kind,
+                         platform=platform)
 
 
 def _precondition(config: TailConfig, num_tokens: int, tp_size: int) -> TierDecision | None:
@@ -141,17 +137,18 @@ class VllmRules(SelectionPolicy):
         platform = check_platform(platform)
         minimum = config.prefill_token_parallel_min_tokens
         if not (config.sequence_parallel and minimum and num_tokens >= minimum):
-            return _after_token_parallel(config, num_tokens, tp_size, platform)
+            return _fused_kernel_rules(config, num_tokens, tp_size, platform)
         why = f"sequence-parallel output and T={num_tokens} >= prefill_token_parallel_min_tokens={minimum}"
         if weight_layout == "replicated":
             return TierDecision(Tier.TOKEN_PARALLEL, f"{why} with the replicated kernel")
-        later = _after_token_parallel(config, num_tokens, tp_size, platform)
+        later = _fused_kernel_rules(config, num_tokens, tp_size, platform)
         return dataclasses.replace(later, rule=f"{later.rule} (not token_parallel although {why}: it needs "
                                                f"weight_layout='replicated', got {weight_layout!r})")
 
 
-def _after_token_parallel(config: TailConfig, num_tokens: int, tp_size: int, platform: str | None) -> TierDecision:
-    """Rules 2-5 of :class:`VllmRules`: scatter-gather, one_kernel, overlap, column-parallel."""
+def _fused_kernel_rules(config: TailConfig, num_tokens: int, tp_size: int, platform: str | None) -> TierDecision:
+    """Rules 2-5 of :class:`VllmRules`: a fused-kernel tier (scatter-gather, one_kernel) for a small enough T, else
+    :func:`_overlap_threshold_rules`."""
     if config.use_scatter_gather and num_tokens <= config.scatter_gather_max_tokens:
         return TierDecision(
             Tier.SCATTER_GATHER,
@@ -164,13 +161,13 @@ def _after_token_parallel(config: TailConfig, num_tokens: int, tp_size: int, pla
         reason = Tier.ONE_KERNEL.why_not("column", config)
         if reason is None:
             return TierDecision(Tier.ONE_KERNEL, f"{why}: one GPU kernel per call besides its two all-reduces")
-        later = _after_one_kernel(config, num_tokens, tp_size)
+        later = _overlap_threshold_rules(config, num_tokens, tp_size)
         return dataclasses.replace(later, rule=f"{later.rule} (not one_kernel although {why}: {reason})")
-    return _after_one_kernel(config, num_tokens, tp_size)
+    return _overlap_threshold_rules(config, num_tokens, tp_size)
 
 
-def _after_one_kernel(config: TailConfig, num_tokens: int, tp_size: int) -> TierDecision:
-    """Rules 4-5 of :class:`VllmRules`: overlap, column-parallel."""
+def _overlap_threshold_rules(config: TailConfig, num_tokens: int, tp_size: int) -> TierDecision:
+    """Rules 4-5 of :class:`VllmRules`: overlap (or native) up to ``overlap_token_threshold``, then column-parallel."""
     within = num_tokens <= config.overlap_token_threshold
     if within and config.shared_output_is_reduced:
         return TierDecision(Tier.NATIVE, f"T={num_tokens} <= overlap_token_threshold={config.overlap_token_threshold}, "
@@ -252,10 +249,10 @@ def _call_notes(config: TailConfig, tier: Tier, num_tokens: int, tp_size: int, w
                      f"{', '.join(quantized) or 'none'}"
                      + (f"; outside that range, in {config.dtype.name}: {', '.join(plain)}" if plain else ""))
     if config.shared_output_is_reduced:
-        notes.append(f"shared output reduced before the tail: {tier.record.shared_reduced_form}")
+        notes.append(f"shared output reduced before the tail: {tier.record.prose.shared_reduced_form}")
     # Token-sharded output is the config's sequence_parallel, for every call (is_token_sharded_output).
     if config.sequence_parallel:
-        notes.append(f"sequence-parallel output: {tier.record.token_sharded_form}")
+        notes.append(f"sequence-parallel output: {tier.record.prose.token_sharded_form}")
     padded = padded_token_count(num_tokens, tp_size)
     if config.sequence_parallel and padded != num_tokens:
         why = "is empty" if num_tokens == 0 else f"is not divisible by tp_size={tp_size}"

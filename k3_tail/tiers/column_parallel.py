@@ -1,4 +1,13 @@
-"""The column-parallel tier (vLLM tier 2): one final all-reduce stitches the column blocks."""
+"""The column-parallel tier (vLLM tier 2): one final all-reduce stitches the column blocks.
+
+Summary: vLLM tier 2: each rank adds its column block of the projection into its own shared partial; one all-reduce
+    stitches and sums
+Schedule: AR(r) + norm; own column block of the GEMM added into own columns of s; AR
+Collectives: AR(TL), AR(TH)
+Token-sharded output: the final AR becomes a reduce-scatter over tokens
+Shared output reduced: the final AR has nothing left to sum and becomes an AG of the column blocks (an all-to-all to
+    token rows for token-sharded output); the reduced shared output is added
+"""
 
 from __future__ import annotations
 
@@ -71,14 +80,7 @@ def _collectives(shape: CallShape) -> tuple[CollectiveTerm, ...]:
 RECORD = TierRecord(
     name="column_parallel",
     function=column_parallel_tail,
-    summary="vLLM tier 2: each rank adds its column block of the projection into its own shared partial; "
-            "one all-reduce stitches and sums",
-    schedule="AR(r) + norm; own column block of the GEMM added into own columns of s; AR",
-    collectives_text="AR(TL), AR(TH)",
     projects_all_columns=False,
-    token_sharded_form="the final AR becomes a reduce-scatter over tokens",
-    shared_reduced_form="the final AR has nothing left to sum and becomes an AG of the column blocks (an "
-                        "all-to-all to token rows for token-sharded output); the reduced shared output is added",
     collectives=_collectives,
     gpu_kernels=GpuKernelCounts.measured(cuda={"column": (6, 4), "replicated": (7, 5)},
                                   rocm={"column": (7, 5), "replicated": (8, 6)}),

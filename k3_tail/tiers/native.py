@@ -1,4 +1,11 @@
-"""The native tier: vLLM's base path and the reference semantics of the tail."""
+"""The native tier: vLLM's base path and the reference semantics of the tail.
+
+Summary: vLLM's base path and the reference semantics: every step after the one before it
+Schedule: AR(r); norm; GEMM; AR(s); add
+Collectives: AR(TL), AR(TH) (column layout: + AG(TH) of the output blocks)
+Token-sharded output: AR(s) becomes a reduce-scatter over tokens and each rank keeps its rows of the projection
+Shared output reduced: AR(s) is left out: the reduced shared output is added
+"""
 
 from __future__ import annotations
 
@@ -38,12 +45,7 @@ def _collectives(shape: CallShape) -> tuple[CollectiveTerm, ...]:
 RECORD = TierRecord(
     name="native",
     function=native_tail,
-    summary="vLLM's base path and the reference semantics: every step after the one before it",
-    schedule="AR(r); norm; GEMM; AR(s); add",
-    collectives_text="AR(TL), AR(TH) (column layout: + AG(TH) of the output blocks)",
     projects_all_columns=True,
-    token_sharded_form="AR(s) becomes a reduce-scatter over tokens and each rank keeps its rows of the projection",
-    shared_reduced_form="AR(s) is left out: the reduced shared output is added",
     collectives=_collectives,
     gpu_kernels=GpuKernelCounts.measured(cuda={"column": (7, 6), "replicated": (6, 4)},
                                   rocm={"column": (7, 6), "replicated": (6, 5)}),

@@ -11,6 +11,14 @@ devices) and deprecated since jax 0.11 without a removal date; where a jax has n
 says so (:meth:`~k3_tail.tiers.record.TierRecord.why_not`) and selection takes the next tier. On a CPU
 the same kernel runs in Pallas's interpret mode, one program after another: correct and tested there,
 but slow, so selection picks the tier only on GPUs.
+
+Summary: column_parallel's schedule with the norm, the own column block of the GEMM and the add in one Pallas
+    kernel: one GPU kernel per call besides the two all-reduces
+Schedule: AR(r); ONE kernel: norm, own column block of the GEMM, added into own columns of s; AR
+Collectives: AR(TL), AR(TH)
+Token-sharded output: the final AR becomes a reduce-scatter over tokens
+Shared output reduced: the kernel adds the own block into the reduced shared output's own columns and an AG
+    assembles the blocks (an all-to-all to token rows, then the add, for token-sharded output)
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from k3_tail.config import TailConfig
 from k3_tail.ops.columns import assemble_column_blocks, padded_hidden_size
 from k3_tail.ops.fused_launch import COMPILED_ON, LARGEST_ROW_TILE, FusedGrid, fused_grid
 from k3_tail.ops.fused_projection import norm_project_add, norm_project_add_into, triton_unavailable
+from k3_tail.ops.pallas_triton import ignore_triton_deprecation_warning
 from k3_tail.ops.scopes import SHARED_REDUCTION, UP_PROJECTION
 from k3_tail.tiers import column_parallel
 from k3_tail.tiers.context import TailCall
@@ -90,14 +99,7 @@ def _why_not(config: TailConfig | None) -> str | None:
 RECORD = TierRecord(
     name="one_kernel",
     function=one_kernel_tail,
-    summary="column_parallel's schedule with the norm, the own column block of the GEMM and the add in one "
-            "Pallas kernel: one GPU kernel per call besides the two all-reduces",
-    schedule="AR(r); ONE kernel: norm, own column block of the GEMM, added into own columns of s; AR",
-    collectives_text="AR(TL), AR(TH)",
     projects_all_columns=False,
-    token_sharded_form=column_parallel.RECORD.token_sharded_form,
-    shared_reduced_form="the kernel adds the own block into the reduced shared output's own columns and an AG "
-                        "assembles the blocks (an all-to-all to token rows, then the add, for token-sharded output)",
     collectives=column_parallel.RECORD.collectives,
     gpu_kernels=GpuKernelCounts.measured(cuda={"column": (1, 1), "replicated": (1, 1)},
                                   rocm={"column": (1, 1), "replicated": (1, 1)}),
@@ -107,4 +109,5 @@ RECORD = TierRecord(
     scratch_bytes=_scratch_bytes,
     reads_rank=True,
     launch_grid=_launch_grid,
+    lowering_setup=ignore_triton_deprecation_warning,
 )

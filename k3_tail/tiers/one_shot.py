@@ -7,6 +7,12 @@ the packed [(r_i g) @ W | s_i | r_i] buffer replaces the two serial collectives 
 tiers; the per-row RMS factor is computed from the reduced x and applied afterwards
 (:func:`k3_tail.ops.norm.inverse_rms`, which takes c as its scale: c x may overflow float32
 where x does not). Without a norm the partials are scaled, (c r_i) @ W, and x is not sent. Not in vLLM.
+
+Summary: not in vLLM: the norm applied after the GEMM as a row scale, so one all-reduce replaces two
+Schedule: own (r g) projected; ONE AR of the packed [(r g) @ W | s | r]; row RMS factor (with c) applied after
+Collectives: AR(T(2H+L)): one collective instead of two serial ones
+Token-sharded output: the packed all-reduce becomes a reduce-scatter over tokens
+Shared output reduced: the packed all-reduce loses s (T(H+L) elements); the reduced shared output is added after it
 """
 
 from __future__ import annotations
@@ -70,12 +76,7 @@ def _collectives(shape: CallShape) -> tuple[CollectiveTerm, ...]:
 RECORD = TierRecord(
     name="one_shot",
     function=one_shot_tail,
-    summary="not in vLLM: the norm applied after the GEMM as a row scale, so one all-reduce replaces two",
-    schedule="own (r g) projected; ONE AR of the packed [(r g) @ W | s | r]; row RMS factor (with c) applied after",
-    collectives_text="AR(T(2H+L)): one collective instead of two serial ones",
     projects_all_columns=True,
-    token_sharded_form="the packed all-reduce becomes a reduce-scatter over tokens",
-    shared_reduced_form="the packed all-reduce loses s (T(H+L) elements); the reduced shared output is added after it",
     collectives=_collectives,
     gpu_kernels=GpuKernelCounts.measured(cuda={"replicated": (5, 5)},
                                   rocm={"replicated": (5, 5)}),

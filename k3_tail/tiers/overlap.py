@@ -22,6 +22,12 @@ Two devices act against that:
 
 ``k3_tail.xla.report`` checks the result on the compiled program; the tests check it for a
 deviceless 8-GPU topology at T in {1, 16, 256}, for both kernel layouts.
+
+Summary: vLLM tier 1: the shared all-reduce in flight while the up projection runs
+Schedule: AR(r) + norm; AR(s) started; GEMM; AR(s) done; add
+Collectives: AR(TL), AR(TH) beside the GEMM (column layout: + AG(TH) of the output blocks)
+Token-sharded output: AR(s) becomes a reduce-scatter over tokens and each rank keeps its rows of the projection
+Shared output reduced: nothing is left to overlap: the reduced shared output is added, as native does
 """
 
 from __future__ import annotations
@@ -76,12 +82,7 @@ def _collectives(shape: CallShape) -> tuple[CollectiveTerm, ...]:
 RECORD = TierRecord(
     name="overlap",
     function=overlap_tail,
-    summary="vLLM tier 1: the shared all-reduce in flight while the up projection runs",
-    schedule="AR(r) + norm; AR(s) started; GEMM; AR(s) done; add",
-    collectives_text="AR(TL), AR(TH) beside the GEMM (column layout: + AG(TH) of the output blocks)",
     projects_all_columns=True,
-    token_sharded_form="AR(s) becomes a reduce-scatter over tokens and each rank keeps its rows of the projection",
-    shared_reduced_form="nothing is left to overlap: the reduced shared output is added, as native does",
     collectives=_collectives,
     gpu_kernels=GpuKernelCounts.measured(cuda={"column": (7, 5), "replicated": (7, 4)},
                                   rocm={"column": (7, 5), "replicated": (6, 4)}),

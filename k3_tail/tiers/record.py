@@ -1,21 +1,10 @@
-"""One record per tier: everything the library knows about a tier, kept beside the tier's function.
+"""One record per tier: what runs and what it costs, kept beside the tier's function.
 
-Each tier module defines its per-rank function and a :class:`TierRecord` named ``RECORD``; the
-ordered registry (:mod:`k3_tail.tiers.registry`) lists the records and is the only list of tiers.
-Selection, the cost model, compilation, benchmarking, the command line and the README's tier table
-read a tier's facts from its record:
-
-- ``function``: the per-rank function, run inside ``jax.shard_map`` over the TP axis;
-- what it needs (``needs_whole_kernel``) or cannot serve (``serves_routed_output_is_reduced``, ``unavailable``)
-  and so the reason it gives when it cannot run (:meth:`TierRecord.why_not`);
-- ``token_sharded_form``: how it makes token-sharded output (``TailConfig.sequence_parallel``);
-- ``shared_reduced_form``: how its schedule changes when the shared output arrives already reduced
-  (``TailConfig.shared_output_is_reduced``);
-- ``compiler_options``: the per-executable XLA options it needs, per platform family;
-- its cost terms: ``projects_all_columns`` (the GEMM's width), ``collectives`` (the collectives
-  it issues, in order, and which of them run beside the GEMM) and ``gpu_kernels`` (the GPU kernels its
-  compiled call launches);
-- ``summary``, ``schedule`` and ``collectives_text``: its description in words.
+Each tier module defines its per-rank function, a :class:`TierRecord` named ``RECORD`` and, in its docstring,
+the tier in words (:data:`PROSE_LABELS`: what it is, its schedule, its collectives, how token-sharded output
+and a reduced shared output change it). The ordered registry (:mod:`k3_tail.tiers.registry`) lists the records
+and is the only list of tiers; selection, the cost model, compilation, the commands and the README's tier table
+read a tier's facts from its record.
 
 Collective buffers are counted as :mod:`k3_tail.xla.report` counts them: the reduced buffer of an
 all-reduce, the input of a reduce-scatter, the gathered result of an all-gather, the per-rank send
@@ -26,6 +15,8 @@ for the others (g ranks).
 from __future__ import annotations
 
 import dataclasses
+import functools
+import sys
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
@@ -45,6 +36,8 @@ RING_WIRE_FACTORS = MappingProxyType({
     ALL_GATHER: lambda g: (g - 1) / g,
     ALL_TO_ALL: lambda g: (g - 1) / g,
 })
+# The lines of a tier module's docstring that describe it in words (:class:`TierProse`), in its fields' order.
+PROSE_LABELS = ("Summary", "Schedule", "Collectives", "Token-sharded output", "Shared output reduced")
 # Device platforms (a device's ``.platform``) by the family whose compiler options apply to them.
 _PLATFORM_FAMILIES = MappingProxyType({"gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "cpu": "cpu", "tpu": "tpu"})
 
@@ -144,43 +137,63 @@ class GpuKernelCounts:
 
 
 @dataclasses.dataclass(frozen=True)
-class TierRecord:
-    """Everything the library knows about one tier (module docstring).
+class TierProse:
+    """A tier in words, as its module docstring states it on lines "Label: text" (continued on lines indented
+    by 4), the labels of :data:`PROSE_LABELS` in this order: summary, what it is in one line; schedule, its steps
+    in the notation AR/RS/AG (all-reduce, reduce-scatter, all-gather; r the routed, s the shared partial);
+    collectives_text, its collectives per rank in that notation; token_sharded_form, how it returns token-sharded
+    output; shared_reduced_form, how its schedule changes when the shared output arrives reduced."""
 
-    name: the tier's value ("overlap"). function: the per-rank
-    :class:`~k3_tail.tiers.context.TierFunction`.
-    summary: one line. schedule: its steps in the notation AR/RS/AG (all-reduce, reduce-scatter,
-    all-gather), r the routed and s the shared partial. collectives_text: the collectives per rank in
-    that notation. needs_whole_kernel: runs only with the replicated kernel.
-    serves_routed_output_is_reduced: takes a reduced routed output. projects_all_columns: with
-    the replicated kernel each rank projects all H columns (else its own block of Hb).
-    splits_tokens: the tier splits the tokens over the ranks itself: it works on T rounded up to a
-    multiple of p (at least p) whatever the output, and its GEMM on this rank's T/p rows.
-    token_sharded_form: how it returns token-sharded output. shared_reduced_form: how its schedule
-    changes when the shared output arrives reduced. compiler_options: per platform family
-    ("gpu", "cpu", "tpu"), the per-executable XLA options. collectives: its collectives for a
-    :class:`CallShape`, in issue order. gpu_kernels: its :class:`GpuKernelCounts`. unavailable: why it cannot
-    run with a config (None: any config) in this installation, or None when it can (one_kernel: Pallas's
-    Triton backend, which a jax may lack). rows_per_weight_read: the token rows of the tier's GEMM tile,
-    when it reads its kernel once per tile of them (:meth:`weight_reads`), else None (once). compiled_on:
-    the device platforms where its kernel runs compiled, elsewhere interpreted (one_kernel's Pallas kernel:
-    :data:`k3_tail.hardware.GPU_PLATFORMS`, "gpu" included), or None (everywhere: it is XLA's).
-    scratch_bytes: the bytes of scratch its kernel writes and reads back once per call, as a function of
-    (config, T, p) (one_kernel's split of K: partials, exponents, counters), or None (none). launch_grid: its own
-    kernel's grid for (config, token rows, p), a :class:`~k3_tail.ops.fused_launch.FusedGrid` (one_kernel's),
-    or None where XLA sizes its kernels. reads_rank: its
-    ranks read their own index (one_kernel's kernel writes at its columns), which the programs that place
-    the inputs (:mod:`k3_tail.forward`) pass as an argument, each rank's block of arange(p).
+    summary: str
+    schedule: str
+    collectives_text: str
+    token_sharded_form: str
+    shared_reduced_form: str
+
+    @classmethod
+    def of_module(cls, module_doc: str) -> TierProse:
+        """The prose a tier module's docstring ``module_doc`` states; ValueError naming a missing label."""
+        facts, label = {}, None
+        for line in module_doc.splitlines():
+            head, _, text = line.partition(": ")
+            if head in PROSE_LABELS:
+                label, facts[head] = head, text.strip()
+            elif label is not None and line.startswith("    "):
+                facts[label] += " " + line.strip()
+            else:
+                label = None
+        missing = [label for label in PROSE_LABELS if label not in facts]
+        if missing:
+            raise ValueError(f"module_doc: a tier module's docstring states {', '.join(PROSE_LABELS)}; "
+                             f"missing {missing}")
+        return cls(*(facts[label] for label in PROSE_LABELS))
+
+
+@dataclasses.dataclass(frozen=True)
+class TierRecord:
+    """What runs and what it costs, for one tier; its words are its module docstring's (:attr:`prose`).
+
+    What runs: ``name``, the tier's value ("overlap"); ``function``, the per-rank
+    :class:`~k3_tail.tiers.context.TierFunction`; ``compiler_options``, the per-executable XLA options per
+    platform family ("gpu", "cpu", "tpu"); where it cannot run: ``needs_whole_kernel`` (the replicated layout
+    only), ``serves_routed_output_is_reduced`` and ``unavailable`` (why not with a config in this installation,
+    or None: one_kernel's Pallas Triton backend, which a jax may lack), together :meth:`why_not`;
+    ``reads_rank``: its ranks read their own index, which the entry points pass as an argument.
+    Its own kernel, for a tier that has one (one_kernel): ``compiled_on``, the device platforms where it compiles
+    (elsewhere it runs interpreted; None: XLA's kernels, compiled everywhere); ``lowering_setup``, what a
+    program holding it needs before it lowers (:meth:`before_lowering`); ``launch_grid`` (config, token rows,
+    p) -> its grid; ``scratch_bytes`` (config, T, p) -> the scratch it writes and reads back once a call.
+    What it costs: ``projects_all_columns`` (with the replicated kernel each rank projects all H columns, else
+    its block of Hb); ``splits_tokens`` (it works on T rounded up to a multiple of p, at least p, and its GEMM
+    on T/p rows); ``rows_per_weight_read`` (the token rows of a GEMM tile where it reads its kernel once per
+    tile, :meth:`weight_reads`; None: once); ``collectives`` (its :class:`CollectiveTerm` for a
+    :class:`CallShape`, in issue order); ``gpu_kernels`` (the GPU kernels its compiled call launches, which the
+    cost model charges and the compiled-program tests compare with XLA's thunk sequence).
     """
 
     name: str
     function: TierFunction
-    summary: str
-    schedule: str
-    collectives_text: str
     projects_all_columns: bool
-    token_sharded_form: str
-    shared_reduced_form: str
     collectives: Callable[[CallShape], tuple[CollectiveTerm, ...]]
     gpu_kernels: GpuKernelCounts
     needs_whole_kernel: bool = False
@@ -193,6 +206,12 @@ class TierRecord:
     scratch_bytes: Callable[[TailConfig, int, int], int] | None = None
     reads_rank: bool = False
     launch_grid: Callable[[TailConfig, int, int], Any] | None = None
+    lowering_setup: Callable[[], None] | None = None
+
+    @functools.cached_property
+    def prose(self) -> TierProse:
+        """The tier in words: its module docstring's (:meth:`TierProse.of_module`)."""
+        return TierProse.of_module(sys.modules[self.function.__module__].__doc__ or "")
 
     def why_not(self, weight_layout: str, config: TailConfig | None = None) -> str | None:
         """Why the tier cannot run with ``weight_layout`` and ``config`` (None: not considered), or None."""
@@ -220,6 +239,13 @@ class TierRecord:
     def runs_interpreted_on(self, platform: str | None) -> bool:
         """Whether its kernel runs interpreted (correct, slow: nothing to time) on device ``platform``."""
         return self.compiled_on is not None and platform not in self.compiled_on
+
+    def before_lowering(self, platform: str | None) -> None:
+        """Make the warnings context ready for a program holding the tier's kernel to lower on device ``platform``
+        (its ``lowering_setup``, where the kernel compiles there): jit caches a trace, but every program holding it
+        lowers the kernel again, in the context it lowers in."""
+        if self.lowering_setup is not None and not self.runs_interpreted_on(platform):
+            self.lowering_setup()
 
     def weight_reads(self, rows: int) -> int:
         """How many times the tier's GEMM reads its kernel for ``rows`` token rows: once, or for a tier whose

@@ -32,7 +32,7 @@ class Tier(str, enum.Enum):
     """The schedules of the tail, in the registry's order; all compute the same function.
 
     A member's value is its record's name (``Tier.OVERLAP == "overlap"``); ``Tier.X.record`` holds its
-    facts and ``Tier.X.record.summary`` says what it does. The members are spelled out for type
+    facts and ``Tier.X.record.prose.summary`` says what it does. The members are spelled out for type
     checkers; the check below this class makes them exactly the registry's records, in its order.
     """
 
@@ -103,6 +103,6 @@ def tier_rows() -> list[tuple[str, ...]]:
         needs = [text for flag, text in ((record.needs_whole_kernel, "replicated kernel"),
                                          (not record.serves_routed_output_is_reduced, "unreduced routed partials"))
                  if flag]
-        rows.append((record.name, record.summary, record.schedule, gemm, kernel, record.collectives_text,
-                     record.shared_reduced_form, ", ".join(needs) or "-"))
+        rows.append((record.name, record.prose.summary, record.prose.schedule, gemm, kernel,
+                     record.prose.collectives_text, record.prose.shared_reduced_form, ", ".join(needs) or "-"))
     return rows

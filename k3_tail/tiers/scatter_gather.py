@@ -1,4 +1,12 @@
-"""The scatter-gather tier: vLLM's fused tier-0 op expressed with standard collectives."""
+"""The scatter-gather tier: vLLM's fused tier-0 op expressed with standard collectives.
+
+Summary: vLLM's fused tier-0 op in standard collectives: reduce-scatter s, shard GEMM + add, all-gather
+Schedule: AR(r) + norm; RS(s) over columns; shard GEMM + add; AG
+Collectives: AR(TL), RS(TH) beside the GEMM, AG(TH)
+Token-sharded output: the final all-gather over columns becomes an all-to-all from columns to tokens
+Shared output reduced: RS(s) is left out: the own block's projection is assembled and the reduced shared output
+    added to it
+"""
 
 from __future__ import annotations
 
@@ -49,13 +57,7 @@ def _collectives(shape: CallShape) -> tuple[CollectiveTerm, ...]:
 RECORD = TierRecord(
     name="scatter_gather",
     function=scatter_gather_tail,
-    summary="vLLM's fused tier-0 op in standard collectives: reduce-scatter s, shard GEMM + add, all-gather",
-    schedule="AR(r) + norm; RS(s) over columns; shard GEMM + add; AG",
-    collectives_text="AR(TL), RS(TH) beside the GEMM, AG(TH)",
     projects_all_columns=False,
-    token_sharded_form="the final all-gather over columns becomes an all-to-all from columns to tokens",
-    shared_reduced_form="RS(s) is left out: the own block's projection is assembled and the reduced shared output "
-                        "added to it",
     collectives=_collectives,
     gpu_kernels=GpuKernelCounts.measured(cuda={"column": (5, 5), "replicated": (6, 6)},
                                   rocm={"column": (6, 6), "replicated": (7, 7)}),

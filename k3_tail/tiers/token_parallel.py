@@ -7,6 +7,14 @@ all-gathers the rows. Per rank that moves RS(T*L) + RS(T*H) (+ AG(T*H)): a quart
 the column tier's token-sharded form AR(T*L) + RS(T*H) at Kimi-K3's L = H/2, a sixth fewer than its
 AR(T*L) + AR(T*H) for replicated output, at the column tier's GEMM FLOPs (2TLH/p). Not for decode:
 every rank needs the whole kernel, and T/p rows of a small T leave the GEMM nothing to do.
+
+Summary: vLLM's ROCm prefill tail: routed and shared partials reduce-scattered over tokens; each rank normalises and
+    projects its own T/p rows with the whole kernel
+Schedule: RS(r) over tokens; norm of own rows; RS(s) over tokens; own rows GEMM + add; AG over tokens (replicated
+    output only)
+Collectives: RS(TL), RS(TH), + AG(TH) for replicated output
+Token-sharded output: the final all-gather over tokens is left out: each rank keeps its own rows
+Shared output reduced: RS(s) is left out: each rank takes its own rows of the reduced shared output
 """
 
 from __future__ import annotations
@@ -72,15 +80,8 @@ def _collectives(shape: CallShape) -> tuple[CollectiveTerm, ...]:
 RECORD = TierRecord(
     name="token_parallel",
     function=token_parallel_tail,
-    summary="vLLM's ROCm prefill tail: routed and shared partials reduce-scattered over tokens; each rank "
-            "normalises and projects its own T/p rows with the whole kernel",
-    schedule="RS(r) over tokens; norm of own rows; RS(s) over tokens; own rows GEMM + add; AG over tokens "
-             "(replicated output only)",
-    collectives_text="RS(TL), RS(TH), + AG(TH) for replicated output",
     projects_all_columns=True,
     splits_tokens=True,
-    token_sharded_form="the final all-gather over tokens is left out: each rank keeps its own rows",
-    shared_reduced_form="RS(s) is left out: each rank takes its own rows of the reduced shared output",
     collectives=_collectives,
     gpu_kernels=GpuKernelCounts.measured(cuda={"replicated": (7, 3)},
                                   rocm={"replicated": (7, 3)}),

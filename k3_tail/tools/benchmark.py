@@ -16,8 +16,8 @@ Token ladder: :func:`token_ladder` gives 1, 2, 4, ... up to 8192. On the CPU bac
 :func:`default_token_counts` stops it at ``CPU_MAX_TOKENS`` = 1024: at Kimi-K3 shapes a forced-device
 CPU mesh shares the host's cores, and one column-layout call at T = 1024 already does a whole
 2*T*L*H = 53 GFLOP projection (1/p of it on each of p devices), so ``k3-tail bench``'s ladder to
-1024 takes about 1.5 minutes on 2 cores (docs/performance.md), and each further doubling of T would
-double that. Explicit token counts are never trimmed.
+1024 takes about 1.5 minutes on 2 cores (docs/measurements/2026-11-30-gemm-floor.md), and each further
+doubling of T would double that. Explicit token counts are never trimmed.
 """
 
 from __future__ import annotations

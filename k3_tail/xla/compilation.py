@@ -18,13 +18,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from k3_tail._checks import AxisName, check_int, check_mesh
 from k3_tail.config import TailConfig, check_config
-from k3_tail.forward import lowered_tail
+from k3_tail.forward import lowered_tail, resolved_tier
 from k3_tail.hardware import check_platform
 from k3_tail.ops.columns import check_weight_layout, padded_hidden_size
 from k3_tail.ops.tokens import padded_token_count
 from k3_tail.ops.up_projection import QuantizedKernel, column_sharding
 from k3_tail.output_files import check_output_directory
-from k3_tail.selection.rules import call_tier
 from k3_tail.tiers.registry import Tier
 
 
@@ -143,8 +142,8 @@ def compile_tail(
         raise ValueError(f"xla_options: expected a mapping of XLA option names to values, or None, got "
                          f"{xla_options!r}")
     arguments = tail_arguments(config, mesh, num_tokens, axis_name=axis_name, weight_layout=weight_layout)
-    device, tp_size = mesh.devices.flat[0], check_mesh(mesh, axis_name)
-    resolved = call_tier(config, num_tokens, tp_size, weight_layout=weight_layout, tier=tier, device=device)
+    device = mesh.devices.flat[0]
+    resolved = resolved_tier(config, num_tokens, mesh, axis_name, tier, weight_layout)
     if dump_to is not None:  # the last check: the directory is made, so only once every argument is good
         dump_to = check_output_directory("dump_to", dump_to, expected="a directory for XLA's dump")
 

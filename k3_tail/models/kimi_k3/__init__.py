@@ -1,7 +1,9 @@
 """The Kimi-K3 latent MoE layer under tensor parallelism, ending in k3_tail's tail, and a decoder stack of it.
 
-- :mod:`~k3_tail.models.kimi_k3.layer`: :class:`LayerConfig`, the parameters and their partition specs,
-  :func:`layer_forward` (one ``jax.shard_map``), :class:`KimiK3MoELayer` (Flax NNX), :func:`compile_layer`.
+- :mod:`~k3_tail.models.kimi_k3.layer`: :func:`layer_forward` (one ``jax.shard_map``), :class:`KimiK3MoELayer`
+  (Flax NNX), :func:`compile_layer`; its shapes :class:`LayerConfig` (:mod:`~k3_tail.models.kimi_k3.layer_config`),
+  its parameters and their partition specs (:mod:`~k3_tail.models.kimi_k3.parameters`), what it holds per rank
+  (:mod:`~k3_tail.models.kimi_k3.packed_parameters`) and its work on one rank (:mod:`~k3_tail.models.kimi_k3.per_rank`).
 - :mod:`~k3_tail.models.kimi_k3.routed_experts`: the routed experts' methods (gather, capacity, ragged_dot).
 - :mod:`~k3_tail.models.kimi_k3.checkpoint`: the config and a layer from a Hugging Face checkpoint.
 - :mod:`~k3_tail.models.kimi_k3.reference`: the float64 numpy reference.
@@ -13,20 +15,10 @@
 """
 
 from k3_tail.models.kimi_k3.checkpoint import layer_config_from_hf, load_layer
-from k3_tail.models.kimi_k3.layer import (
-    KIMI_K3_NUM_EXPERTS,
-    KIMI_K3_TOP_K,
-    KimiK3MoELayer,
-    LayerConfig,
-    abstract_parameters,
-    build_layer,
-    compile_layer,
-    layer_forward,
-    layer_parameters,
-    pack_parameters,
-    partition_specs,
-    random_checkpoint,
-)
+from k3_tail.models.kimi_k3.layer import KimiK3MoELayer, build_layer, compile_layer, layer_forward
+from k3_tail.models.kimi_k3.layer_config import KIMI_K3_NUM_EXPERTS, KIMI_K3_TOP_K, LayerConfig
+from k3_tail.models.kimi_k3.packed_parameters import abstract_parameters, pack_parameters
+from k3_tail.models.kimi_k3.parameters import layer_parameters, partition_specs, random_checkpoint
 from k3_tail.models.kimi_k3.reference import reference_layer
 from k3_tail.models.kimi_k3.saved_layer import restore_layer
 

@@ -61,13 +61,9 @@ from k3_tail._checks import check_mesh
 from k3_tail.checkpoint import Checkpoint, open_checkpoint
 from k3_tail.json_files import read_json
 from k3_tail.models.kimi_k3 import mxfp4
-from k3_tail.models.kimi_k3.layer import (
-    ROUTED_EXPERT_SCALES,
-    KimiK3MoELayer,
-    LayerConfig,
-    layer_parameters,
-    partition_specs,
-)
+from k3_tail.models.kimi_k3.layer import KimiK3MoELayer
+from k3_tail.models.kimi_k3.layer_config import LayerConfig
+from k3_tail.models.kimi_k3.parameters import ROUTED_EXPERT_SCALES, layer_parameters, partition_specs
 from k3_tail.models.kimi_k3.situ import SITU_GATE_BOUND, SITU_UP_BOUND
 
 # The model config's activation and routing, as this layer computes them.

@@ -46,9 +46,10 @@ import dataclasses
 
 from k3_tail.config import TailConfig
 from k3_tail.ops.tokens import padded_token_count
+from k3_tail.ops.up_projection import gemm_rows
 from k3_tail.selection import cost_model
+from k3_tail.selection.collective_cost import CollectiveCost
 from k3_tail.tiers.registry import Tier
-from k3_tail.tools.blocks import gemm_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,7 +153,7 @@ def predict_layer(config: MoELayerSizes, num_tokens: int, tp_size: int, *, tier:
                            cost_model.predict_time(tail, hardware).total_s, exposed)
 
 
-def shared_reduction(config: MoELayerSizes, num_tokens: int, tp_size: int) -> cost_model.CollectiveCost:
+def shared_reduction(config: MoELayerSizes, num_tokens: int, tp_size: int) -> CollectiveCost:
     """The early shared reduction as ````k3_tail.reduce_shared```` issues it, per rank: AR(T*H), or for
     sequence-parallel output a reduce-scatter over tokens of the T'-row padded partial; quantised
     where the tail config's quantisation window holds it."""
@@ -161,8 +162,8 @@ def shared_reduction(config: MoELayerSizes, num_tokens: int, tp_size: int) -> co
     if config.tail.sequence_parallel:
         kind, rows = cost_model.REDUCE_SCATTER, padded_token_count(num_tokens, tp_size)
     nbytes = element * rows * config.tail.hidden_size
-    return cost_model.CollectiveCost(kind, nbytes, tp_size, codec=_codec_name(config.tail, nbytes, tp_size),
-                                     element_bytes=element)
+    return CollectiveCost(kind, nbytes, tp_size, codec=_codec_name(config.tail, nbytes, tp_size),
+                          element_bytes=element)
 
 
 def best_layer(config: MoELayerSizes, num_tokens: int, tp_size: int, *, hardware: cost_model.Hardware | str,

@@ -14,7 +14,13 @@ import tempfile
 import jax
 
 import k3_tail
-from k3_tail.models.kimi_k3 import layer as layer_module
+from k3_tail.models.kimi_k3.layer import compile_layer
+from k3_tail.models.kimi_k3.layer_config import (
+    KIMI_K3_EXPERT_INTERMEDIATE_SIZE,
+    KIMI_K3_NUM_EXPERTS,
+    KIMI_K3_TOP_K,
+    LayerConfig,
+)
 from k3_tail.models.kimi_k3.mxfp4 import MXFP4_BYTES
 from k3_tail.models.kimi_k3.mxfp4_experts import (
     ACTIVATION_FORMATS,
@@ -22,6 +28,7 @@ from k3_tail.models.kimi_k3.mxfp4_experts import (
     expert_bytes_per_rank,
     mxfp4_path,
 )
+from k3_tail.models.kimi_k3.routed_experts import routed_expert_method
 from k3_tail.xla import hlo_text, report as xla_report
 
 
@@ -43,10 +50,10 @@ def compiled_figures(quantization: str | None, mesh, num_tokens: int) -> Compile
     """The Kimi-K3 layer (896 experts, top 16) with routed experts held as ``quantization`` (None: bf16), compiled
     for T tokens on ``mesh`` as ``compile_layer`` compiles it, with XLA's dump (where ``XlaReport`` counts the
     kernels) in a temporary directory."""
-    config = layer_module.LayerConfig.kimi_k3(num_experts=layer_module.KIMI_K3_NUM_EXPERTS,
-                                              top_k=layer_module.KIMI_K3_TOP_K, expert_quantization=quantization)
+    config = LayerConfig.kimi_k3(num_experts=KIMI_K3_NUM_EXPERTS, top_k=KIMI_K3_TOP_K,
+                                 expert_quantization=quantization)
     with tempfile.TemporaryDirectory() as dump_dir:
-        compiled = layer_module.compile_layer(config, mesh, num_tokens, xla_options={"xla_dump_to": dump_dir})
+        compiled = compile_layer(config, mesh, num_tokens, xla_options={"xla_dump_to": dump_dir})
         return figures_of(compiled, dump_dir)
 
 
@@ -63,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     """Per rank, one Kimi-K3 MoE layer (896 experts, top 16) at p = 8: the routed experts' bytes from the
     shapes, and the layer compiled with MXFP4 and with bf16 experts: per T the path the MXFP4 experts take and
     the three figures (temp bytes, bytes accessed, kernels) of each."""
-    from k3_tail.tools.experiment import positive_int_list  # the harness's types, loaded for the command only
+    from k3_tail.cli.harness import positive_int_list  # the harness's types, loaded for the command only
 
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--topology", default="cpu", help="cpu (8 CPU devices) or a deviceless GPU topology "
@@ -78,9 +85,9 @@ def main(argv: list[str] | None = None) -> int:
                 else k3_tail.topology_mesh(args.topology))
     except (ValueError, k3_tail.TopologyUnavailable) as error:
         parser.error(f"--topology: {error}")
-    tp_size, experts = mesh.shape["tp"], layer_module.KIMI_K3_NUM_EXPERTS
+    tp_size, experts = mesh.shape["tp"], KIMI_K3_NUM_EXPERTS
     for name, per_weight in (("mxfp4", MXFP4_BYTES), ("bfloat16", 2)):
-        held = expert_bytes_per_rank(experts, 3584, layer_module.KIMI_K3_EXPERT_INTERMEDIATE_SIZE, tp_size, per_weight)
+        held = expert_bytes_per_rank(experts, 3584, KIMI_K3_EXPERT_INTERMEDIATE_SIZE, tp_size, per_weight)
         print(f"routed experts held as {name}: {held:,} bytes per rank ({per_weight:g} bytes per weight)")
     device = mesh.devices.flat[0]
     print(f"why no other route on {device.device_kind}: {mxfp4_path('gather', device, tp_size=tp_size).reason}")
@@ -88,9 +95,9 @@ def main(argv: list[str] | None = None) -> int:
           + ", ".join(f"{name or 'bf16 (the layer)'} {activation_quantization_error(name):.2%}"
                       for name in (None, *ACTIVATION_FORMATS)))
     print(f"compiled for {args.topology} (p = {tp_size}, jax {jax.__version__}), per rank, MXFP4 experts / bf16:")
-    config = layer_module.LayerConfig.kimi_k3(num_experts=experts, top_k=layer_module.KIMI_K3_TOP_K)
+    config = LayerConfig.kimi_k3(num_experts=experts, top_k=KIMI_K3_TOP_K)
     for num_tokens in args.tokens:
-        method = layer_module.routed_expert_method(config, num_tokens).method
+        method = routed_expert_method(config, num_tokens).method
         mxfp4, bf16 = (compiled_figures(quantization, mesh, num_tokens) for quantization in ("mxfp4", None))
         kernels = "" if mxfp4.kernels is None else f", kernels {mxfp4.kernels} / {bf16.kernels}"
         print(f"  T = {num_tokens:5}: {method}, {mxfp4_path(method, device, tp_size=tp_size).decode}\n"

@@ -3,7 +3,7 @@ k3_tail/models/kimi_k3/routed_experts.py is :func:`matmul`.
 
 A product with one row ([1, K] x [K, N] at T = 1: the router, the down projection, the shared experts'
 three kernels; [S, 1, K] x [S, K, N] for a capacity of one) is multiplied as two rows, the second zero,
-and the zero row's result dropped, as the tail's up projection does (``k3_tail.tools.blocks``,
+and the zero row's result dropped, as the tail's up projection does (``k3_tail.ops.up_projection``,
 ``gemm_rows``; docs/design.md, "One-row GEMMs"). XLA's GPU pipeline rewrites a dot with one vector side
 and a narrow kernel ((N + 1) K < 1e7: the router [7168, 896] and the shared experts' [7168, 768] and
 [768, 7168] blocks) into a multiply and a reduce; on ROCm the multiply stays a fusion of its own that
@@ -14,7 +14,7 @@ reduce reads back. With two rows it stays one GEMM that reads the kernel once in
 import jax
 import jax.numpy as jnp
 
-from k3_tail.tools.blocks import gemm_rows
+from k3_tail.ops.up_projection import gemm_rows
 
 
 def matmul(a: jax.Array, b: jax.Array) -> jax.Array:

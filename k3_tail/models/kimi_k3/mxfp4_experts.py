@@ -28,9 +28,10 @@ program writes a decoded copy of the experts: the gather method (decode) reduces
 ``decode_by_group``, so XLA fuses the gather of the codes into the multiply-reduce, and the capacity
 method (prefill) takes S = E/16 experts at a time, each of its GEMMs on a GPU one Pallas kernel that decodes
 the codes in its operand load (:meth:`Mxfp4Kernel.matmul`, ``k3_tail.models.kimi_k3.mxfp4_matmul``; XLA fuses no decode
-into a GEMM and wrote each group's kernels decoded, 154 MB each); the layer's temp memory (docs/performance.md
-has the table) is 1.6-1.7 / 5.1-6.2 MB at T = 1 / 16 (bf16 experts: 0.4-0.5 / 5.3-6.4) and 83-96 MB at T = 2048
-(bf16: 0.67 GB), where it was 24 MB / 387 MB / 7.80 GB. On the CPU the capacity GEMMs multiply the decoded group.
+into a GEMM and wrote each group's kernels decoded, 154 MB each); the layer's temp memory
+(docs/measurements/2026-12-01-mxfp4-experts.md has the table) is 1.6-1.7 / 5.1-6.2 MB at T = 1 / 16 (bf16
+experts: 0.4-0.5 / 5.3-6.4) and 83-96 MB at T = 2048 (bf16: 0.67 GB), where it was 24 MB / 387 MB / 7.80 GB.
+On the CPU the capacity GEMMs multiply the decoded group.
 
 :func:`mxfp4_path` says, per method and device, which path a call takes and why no other route is (gfx950's
 MXFP4 matrix instruction would need the activations quantised, whose cost :func:`activation_quantization_error`
@@ -192,7 +193,7 @@ def mxfp4_path(method: str, device, *, num_experts: int = 896, latent_size: int 
     """The path MXFP4 experts take for routed-expert ``method`` on ``device`` (a ``jax.Device``), with the reason
     that applies to that device; the sizes (Kimi-K3's by default) size the one-time decode it weighs.
 
-    Every target keeps the bf16 layer's products (docs/guide.md, MXFP4 experts), the capacity GEMMs on a GPU
+    Every target keeps the bf16 layer's products (docs/kimi_k3.md, MXFP4 routed experts), the capacity GEMMs on a GPU
     decoding in the Pallas kernel's operand load (:data:`IN_KERNEL_PATH`): gfx950's block-scaled matrix
     instruction would need the activations quantised, gfx942 has no FP4 instruction and a one-time FP8 decode does
     not fit it, Hopper multiplies FP8 at most.
@@ -232,7 +233,7 @@ def activation_quantization_error(activation_format: str | None, *, rows: int = 
     2^-8 .. 2^-5 per group), when x is first rounded to bfloat16 (``activation_format`` None: what the layer does)
     or quantised in MX blocks of 32 along ``depth`` to "mxfp4" or "mxfp8" (E4M3; the MX rule, values over the
     block's scale rounded to nearest and clamped to the format's largest). In float64 with ml_dtypes: no backend's
-    arithmetic in it. What a native block-scaled product would cost these experts (docs/guide.md, MXFP4 experts)."""
+    arithmetic in it. What a native block-scaled product would cost these experts (docs/kimi_k3.md)."""
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((rows, depth))
     codes = rng.integers(0, 16, (depth, columns), dtype=np.uint8).view(ml_dtypes.float4_e2m1fn).astype(np.float64)

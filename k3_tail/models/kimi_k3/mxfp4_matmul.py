@@ -11,7 +11,7 @@ with the products of the rows' dtype (bfloat16 or float32: every MXFP4 value is 
 float32, as XLA's GEMM of the decoded kernel computes them, in another order of the additions.
 
 Why a kernel. Compiled for H100, MI300X and MI355X, XLA fuses no decode into its GEMM's operand, whatever the
-layout (docs/guide.md, MXFP4 experts): at prefill it wrote each group of 56 experts' kernels decoded, 154 MB
+layout (docs/kimi_k3.md, MXFP4 routed experts): at prefill it wrote each group of 56 experts' kernels decoded, 154 MB
 of bf16 a kernel, and read them back, 4.53 bytes moved a weight where the packed one is 0.53. Here program
 (s, j, i) takes kernel e[s]'s column tile j (:data:`BLOCK_COLUMNS` columns) and row tile i, and walks K one
 MXFP4 group (32 rows, 16 bytes a column, one scale) at a time: it loads the group's bytes and scales, builds

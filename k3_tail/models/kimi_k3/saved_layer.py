@@ -2,7 +2,7 @@
 
 What a layer holds depends on p (its packed input kernel is p blocks of [router | down projection | the rank's
 shared gate and up blocks], and its ranks' indices p entries); what it saves does not: save
-``layer.checkpoint_values()`` (the checkpoint's arrays, :func:`~k3_tail.models.kimi_k3.layer.layer_parameters`'
+``layer.checkpoint_values()`` (the checkpoint's arrays, :func:`~k3_tail.models.kimi_k3.parameters.layer_parameters`'
 names and global shapes) with orbax's ``StandardCheckpointer``, and :func:`restore_layer` builds the layer at any
 p' from it, each device reading only its block of every array as p' places it, then packing. No padding is
 involved: the layer needs p' to divide what it splits (``partition_specs`` says what).
@@ -17,7 +17,9 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from k3_tail.models.kimi_k3.layer import KimiK3MoELayer, LayerConfig, layer_parameters, partition_specs
+from k3_tail.models.kimi_k3.layer import KimiK3MoELayer
+from k3_tail.models.kimi_k3.layer_config import LayerConfig
+from k3_tail.models.kimi_k3.parameters import layer_parameters, partition_specs
 
 
 def restore_layer(checkpoint: str | os.PathLike | Mapping, *, config: LayerConfig, mesh: Mesh, axis_name: str = "tp",

@@ -12,13 +12,13 @@ where each layer adds its output (and wherever ``attention`` rounds); everything
 that layer's docstring says.
 
 Parameters (:func:`stack_partition_specs`): ``pre_norm`` [N, H], replicated, and ``layers``: every array
-one layer's ``layer_forward`` takes (``layer.held_partition_specs``' names), each stacked along a new leading
+one layer's ``layer_forward`` takes (``held_partition_specs``' names), each stacked along a new leading
 layer axis [N, ...] with spec ``P(None, *spec)``, so a rank holds its blocks of every layer. The stack never
 names one layer's parameters: whatever the layer holds is stacked and scanned over.
 
 Cost: the scan body is one layer, traced and compiled once (one while loop, N trips, each layer's collectives
 once in its body): the FLOPs of N layers, and a program of one layer's size whatever N. The routed experts'
-arrays go to every trip whole with the layer's index (``layer.STACKED_IN_PLACE``), so their kernels read the
+arrays go to every trip whole with the layer's index (``STACKED_IN_PLACE``), so their kernels read the
 layer's blocks where they lie; XLA still copies each trip's packed input kernel out of the stacked arrays before
 its GEMM (a loop-indexed dynamic slice: 86 MB per rank at Kimi-K3's sizes, compiled for 8 x H100 and 8 x MI300X),
 which tests/test_kimi_k3_stack.py records.
@@ -44,9 +44,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import k3_tail
 from k3_tail.checkpoint import Checkpoint, open_checkpoint
-from k3_tail.models.kimi_k3 import layer as layer_module
 from k3_tail.models.kimi_k3.checkpoint import load_layer
-from k3_tail.models.kimi_k3.layer import KimiK3MoELayer, LayerConfig
+from k3_tail.models.kimi_k3.layer import KimiK3MoELayer, layer_compiler_options
+from k3_tail.models.kimi_k3.layer_config import LayerConfig
+from k3_tail.models.kimi_k3.packed_parameters import abstract_parameters, held_partition_specs
+from k3_tail.models.kimi_k3.parameters import NORM_SCALE_STDDEV, STACKED_IN_PLACE, partition_specs, random_checkpoint
+from k3_tail.models.kimi_k3.per_rank import layer_per_rank
 from k3_tail.models.kimi_k3.reference import reference_layer
 
 # The pre-norm's tensor under a decoder layer's prefix ("model.layers.N.") of a Hugging Face checkpoint.
@@ -88,7 +91,7 @@ class StackConfig:
 def stack_partition_specs(config: StackConfig, tp_size: int, *, axis_name: str = "tp",
                           weight_layout: str = "replicated") -> dict[str, Any]:
     """{"pre_norm": P(), "layers": {name: P(None, *spec)}}: one layer's held specs behind the layer axis."""
-    specs = layer_module.held_partition_specs(config.layer, tp_size, axis_name=axis_name, weight_layout=weight_layout)
+    specs = held_partition_specs(config.layer, tp_size, axis_name=axis_name, weight_layout=weight_layout)
     return {"pre_norm": P(), "layers": {name: P(None, *spec) for name, spec in specs.items()}}
 
 
@@ -97,7 +100,7 @@ def abstract_stack_parameters(config: StackConfig, mesh: Mesh, *, axis_name: str
     """The stack's parameters as ``jax.ShapeDtypeStruct``s placed on ``mesh`` (one layer's
     ``abstract_parameters`` with the layer axis N in front): to compile without values."""
     specs = stack_partition_specs(config, mesh.shape[axis_name], axis_name=axis_name, weight_layout=weight_layout)
-    layer = layer_module.abstract_parameters(config.layer, mesh, axis_name=axis_name, weight_layout=weight_layout)
+    layer = abstract_parameters(config.layer, mesh, axis_name=axis_name, weight_layout=weight_layout)
     n = config.num_layers
     return {"pre_norm": jax.ShapeDtypeStruct((n, config.hidden_size), config.dtype,
                                              sharding=NamedSharding(mesh, specs["pre_norm"])),
@@ -133,14 +136,14 @@ def stack_forward(parameters: Mapping[str, Any], hidden_states: jax.Array, *, co
     specs = stack_partition_specs(config, mesh.shape[axis_name], axis_name=axis_name, weight_layout=weight_layout)
     _check_parameters(config, parameters, abstract_stack_parameters(config, mesh, axis_name=axis_name,
                                                                     weight_layout=weight_layout))
-    layer_per_rank = functools.partial(layer_module.layer_per_rank, config=config.layer, axis_name=axis_name,
-                                       weight_layout=weight_layout, tier=tier, device=mesh.devices.flat[0])
+    one_layer = functools.partial(layer_per_rank, config=config.layer, axis_name=axis_name,
+                                  weight_layout=weight_layout, tier=tier, device=mesh.devices.flat[0])
 
     def per_rank(rank_parameters, rank_hidden_states):
         # The routed experts' arrays go to every trip whole, with the layer's index: their kernels read the layer's
         # blocks in place (a scanned slice of them would be a copy of one layer's experts, GBs, every trip).
         layers = rank_parameters["layers"]
-        in_place = {name: layers[name] for name in layer_module.STACKED_IN_PLACE if name in layers}
+        in_place = {name: layers[name] for name in STACKED_IN_PLACE if name in layers}
 
         def layer_step(h, layer):
             if attention is not None:
@@ -149,8 +152,8 @@ def stack_forward(parameters: Mapping[str, Any], hidden_states: jax.Array, *, co
                     raise ValueError(f"attention: expected it to return h's shape {h.shape} and dtype "
                                      f"{h.dtype.name}, got {attended.shape} of {attended.dtype.name}")
                 h = attended
-            y = layer_per_rank({**layer["layers"], **in_place}, rms_norm(h, layer["pre_norm"], eps=config.norm_eps),
-                               layer_index=layer["index"])
+            y = one_layer({**layer["layers"], **in_place}, rms_norm(h, layer["pre_norm"], eps=config.norm_eps),
+                          layer_index=layer["index"])
             return (h + y).astype(h.dtype), None
 
         scanned = {"pre_norm": rank_parameters["pre_norm"], "index": jnp.arange(config.num_layers),
@@ -175,8 +178,8 @@ def compile_stack(config: StackConfig, mesh: Mesh, num_tokens: int, *,
     parameters = abstract_stack_parameters(config, mesh, axis_name=axis_name, weight_layout=weight_layout)
     lowered = stack_forward.lower(parameters, hidden, config=config, mesh=mesh, attention=attention,
                                   axis_name=axis_name, weight_layout=weight_layout, tier=tier)
-    options = layer_module.layer_compiler_options(config.layer, mesh, num_tokens, axis_name=axis_name,
-                                                  weight_layout=weight_layout, tier=tier)
+    options = layer_compiler_options(config.layer, mesh, num_tokens, axis_name=axis_name,
+                                     weight_layout=weight_layout, tier=tier)
     return lowered.compile(compiler_options=options | dict(xla_options or {}))
 
 
@@ -209,7 +212,7 @@ def _check_parameters(config: StackConfig, parameters: Any, expected: Mapping[st
 class DecoderStack(nnx.Module):
     """The stack (module docstring) with its parameters as ``nnx.Param``, sharded over ``mesh``.
 
-    ``layers``: N per-layer checkpoints (dicts as ``layer.random_checkpoint`` returns, each made a
+    ``layers``: N per-layer checkpoints (dicts as ``random_checkpoint`` returns, each made a
     ``KimiK3MoELayer``, which checks and places it) or N built ``KimiK3MoELayer``s of ``config.layer``, ``mesh``,
     ``axis_name`` and ``weight_layout``; their arrays are stacked once (each rank stacks its own blocks, so
     while building it holds the layers twice). ``pre_norm``: the N pre-norm weights [N, H] (cast to the dtype).
@@ -262,10 +265,10 @@ class DecoderStack(nnx.Module):
 def random_stack_weights(config: StackConfig, *, seed: int = 0) -> tuple[list[dict[str, np.ndarray]], np.ndarray]:
     """(N per-layer checkpoints, pre_norm [N, H]): layer l is ``random_checkpoint(config.layer, seed=seed + l)``,
     the pre-norm weights 1 + NORM_SCALE_STDDEV * N(0, 1), as a trained norm's, drawn on the host."""
-    checkpoints = [layer_module.random_checkpoint(config.layer, seed=seed + index)
+    checkpoints = [random_checkpoint(config.layer, seed=seed + index)
                    for index in range(config.num_layers)]
     rng = np.random.default_rng([seed, config.num_layers])  # a stream of its own, not any layer's seed
-    spread = layer_module.NORM_SCALE_STDDEV * rng.standard_normal((config.num_layers, config.hidden_size))
+    spread = NORM_SCALE_STDDEV * rng.standard_normal((config.num_layers, config.hidden_size))
     return checkpoints, (1.0 + spread).astype(config.dtype)
 
 
@@ -319,8 +322,9 @@ def main(argv: list[str] | None = None) -> int:
     the library selects against the same stack with an XLA tier forced, in interleaved rounds, and prints their
     median times and the ratio. On the CPU mesh (no GPU) it runs Kimi-K3's proportions at a 16th of the widths
     with 8 experts in seconds; on GPUs, the full widths with 64 experts (the flags change both)."""
-    from k3_tail.tools.benchmark import Timing, time_round_robin  # the harness, loaded for the command only
-    from k3_tail.tools.experiment import Experiment, positive_int, spread_ms
+    from k3_tail.cli.harness import Experiment, positive_int  # the harness, loaded for the command only
+    from k3_tail.cli.tables import spread_ms
+    from k3_tail.tools.benchmark import Timing, time_round_robin
 
     experiment = Experiment(main.__doc__, repeats=7, warmup=1)
     add = experiment.parser.add_argument
@@ -341,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
                                     top_k=args.top_k or (2 if on_cpu else 16),
                                     width_divisor=args.width_divisor or (16 if on_cpu else 1))
         config = StackConfig(layer, args.layers)
-        layer_module.partition_specs(layer, mesh.size)
+        partition_specs(layer, mesh.size)
     except ValueError as error:
         experiment.parser.error(f"--width-divisor, --experts, --top-k, --devices: {error}")
     if not args.tier.supports("replicated", layer.tail):

@@ -11,7 +11,7 @@ import re
 import stat
 from pathlib import Path
 
-from k3_tail.xla.rocm_stand_ins.plugin import RocmUnavailable
+from k3_tail.deviceless.rocm_stand_ins.plugin import RocmUnavailable
 
 MANIFEST = "stand-ins.json"
 

@@ -9,8 +9,8 @@ object (hsaco) on ROCm, a cubin on CUDA. Deviceless compiles (``k3_tail.topology
   ``apt-get install llvm-22``; the ``llvm`` package, 14, knows neither gfx942 nor gfx950 well);
 - NVIDIA: ``nvdisasm`` (PyPI's ``nvidia-cuda-nvdisasm``, in the ``[dev]`` extra).
 
-The tests read the split-K kernel's memory ordering from it (docs/design.md, "The kernel's memory
-ordering"). Nothing here runs at import or in a call of the tail.
+The tests read the split-K kernel's memory ordering from it (k3_tail/ops/fused_projection.py,
+"Memory ordering"). Nothing here runs at import or in a call of the tail.
 """
 
 from __future__ import annotations

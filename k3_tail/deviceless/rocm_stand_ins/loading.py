@@ -9,8 +9,8 @@ import sys
 import threading
 import warnings
 
-from k3_tail.xla.rocm_stand_ins.plugin import EXTENSION_PACKAGE, PLUGIN_MODULE, RocmUnavailable
-from k3_tail.xla.rocm_stand_ins.trust import SONAME, StandIns, check_trusted, check_trusted_path
+from k3_tail.deviceless.rocm_stand_ins.plugin import EXTENSION_PACKAGE, PLUGIN_MODULE, RocmUnavailable
+from k3_tail.deviceless.rocm_stand_ins.trust import SONAME, StandIns, check_trusted, check_trusted_path
 
 LOCK = threading.RLock()
 LOADED: dict[str, ctypes.CDLL] = {}  # soname -> the preloaded stand-in (kept: never unloaded)
@@ -19,7 +19,7 @@ LOADED: dict[str, ctypes.CDLL] = {}  # soname -> the preloaded stand-in (kept: n
 def preload(built: StandIns) -> None:
     """Load the stand-ins by absolute path, ``RTLD_GLOBAL``, the hub first, so that the plugin's NEEDED
     sonames resolve to them; once per process (a soname already loaded is left alone). Each library and the
-    path to it are checked as the cache is (:mod:`~k3_tail.xla.rocm_stand_ins.trust`); RocmUnavailable names
+    path to it are checked as the cache is (:mod:`~k3_tail.deviceless.rocm_stand_ins.trust`); RocmUnavailable names
     what is not to trust."""
     with LOCK:
         pending = [soname for soname in built.libraries if soname not in LOADED]

@@ -14,14 +14,14 @@ h200       cuda      NVIDIA H200            the same (no NVIDIA libraries: compi
 mi300x     rocm      AMD MI300X             the ``[rocm-aot]`` extra (jax-rocm7-pjrt and -plugin of the
                                             installed jax), and gcc and readelf: without ROCm, stand-in
                                             runtime libraries are built on first use
-                                            (``k3_tail.xla.rocm_stand_ins``); a ROCm host uses its own
+                                            (``k3_tail.deviceless.rocm_stand_ins``); a ROCm host uses its own
 mi355x     rocm      AMD MI355X             the same
 =========  ========  =====================  ===========================================================
 
 A topology is named ``<target>x<count>`` (``h100x8``, ``mi355xx8``; ``mi355x8`` reads the same).
 The process must not have initialised a GPU backend it cannot use: set ``JAX_PLATFORMS=cpu`` on a
 machine without a GPU. Without an AMD GPU a ROCm topology compiles XLA's whole AMDGPU pipeline without
-autotuning (:mod:`k3_tail.xla.rocm_stand_ins`).
+autotuning (:mod:`k3_tail.deviceless.rocm_stand_ins`).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import numpy as np
 from jax.experimental import topologies
 from jax.sharding import Mesh
 
-from k3_tail.xla import rocm_stand_ins
+from k3_tail.deviceless import rocm_stand_ins
 
 
 class TopologyUnavailable(RuntimeError):
@@ -52,7 +52,7 @@ class GpuTarget:
 
     def config_text(self) -> str:
         """The ``TargetConfig`` record in text-proto form."""
-        return importlib.resources.files("k3_tail.xla").joinpath("targets", self.filename).read_text()
+        return importlib.resources.files("k3_tail.deviceless").joinpath("targets", self.filename).read_text()
 
 
 GPU_TARGETS = {
@@ -83,7 +83,7 @@ def topology_mesh(topology: str, *, axis_name: str = "tp") -> Mesh:
 
     Programs lowered on it compile but cannot execute. The devices of one topology are made once per
     process, so meshes of the same topology compare equal. For a ROCm target on a machine without an
-    AMD GPU the ROCm plugin is made to load first (:mod:`k3_tail.xla.rocm_stand_ins`).
+    AMD GPU the ROCm plugin is made to load first (:mod:`k3_tail.deviceless.rocm_stand_ins`).
 
     Args:
       topology: ``<target>x<count>`` with a target of :data:`GPU_TARGETS` ("h100x8", "mi355xx8").

@@ -19,7 +19,7 @@ loads, so on a machine without ROCm:
    or others; the directories above it, up to your home, yours or root's and not writable by others unless
    sticky; the manifest well-formed and listing plain sonames; the names taken from the ELF files of a
    charset the generated files can hold. Anything else is a RocmUnavailable naming the path or name and
-   the fix (:mod:`~k3_tail.xla.rocm_stand_ins.trust`).
+   the fix (:mod:`~k3_tail.deviceless.rocm_stand_ins.trust`).
 2. :func:`preload` loads them by absolute path with ``RTLD_GLOBAL``, the hub first, so the loader finds
    each soname already loaded (``LD_LIBRARY_PATH`` set after start does not reach ``dlopen``).
 3. :func:`register_plugin` (re)imports the plugin module, lets jax's plugin discovery and backends start
@@ -33,10 +33,10 @@ choice between Triton and hipBLASLt are XLA's defaults), and the kernels jax's R
 register when jax is imported (linear algebra, sparse, PRNG, RNN, Pallas's Triton calls) are missing when
 jax was imported first, the usual order. ``K3_TAIL_ROCM_STAND_IN_TRACE=1`` logs each stand-in call.
 
-The parts, by what each does: :mod:`~k3_tail.xla.rocm_stand_ins.plugin` (the installed plugin),
-:mod:`~k3_tail.xla.rocm_stand_ins.generator` (the stand-ins planned from its ELF files, written and compiled),
-:mod:`~k3_tail.xla.rocm_stand_ins.trust` (the cache and its checks) and :mod:`~k3_tail.xla.rocm_stand_ins.loading`
-(preloading and registration); this module puts them together.
+The parts, by what each does: :mod:`~k3_tail.deviceless.rocm_stand_ins.plugin` (the installed plugin),
+:mod:`~k3_tail.deviceless.rocm_stand_ins.generator` (the stand-ins planned from its ELF files, written and
+compiled), :mod:`~k3_tail.deviceless.rocm_stand_ins.trust` (the cache and its checks) and
+:mod:`~k3_tail.deviceless.rocm_stand_ins.loading` (preloading and registration); this module puts them together.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from k3_tail.xla.rocm_stand_ins.generator import (
+from k3_tail.deviceless.rocm_stand_ins.generator import (
     ElfNeeds,
     build,
     c_source,
@@ -55,9 +55,15 @@ from k3_tail.xla.rocm_stand_ins.generator import (
     read_elf,
     version_script,
 )
-from k3_tail.xla.rocm_stand_ins.loading import LOCK, plugin_registered, preload, real_rocm_host, register_plugin
-from k3_tail.xla.rocm_stand_ins.plugin import INSTALL_HINT, PLUGIN_MODULE, Plugin, RocmUnavailable, installed_plugin
-from k3_tail.xla.rocm_stand_ins.trust import (
+from k3_tail.deviceless.rocm_stand_ins.loading import LOCK, plugin_registered, preload, real_rocm_host, register_plugin
+from k3_tail.deviceless.rocm_stand_ins.plugin import (
+    INSTALL_HINT,
+    PLUGIN_MODULE,
+    Plugin,
+    RocmUnavailable,
+    installed_plugin,
+)
+from k3_tail.deviceless.rocm_stand_ins.trust import (
     MANIFEST,
     StandIns,
     cache_root,
@@ -76,7 +82,7 @@ def stand_ins(plugin: Plugin | None = None, *, root: Path | None = None) -> Stan
     """The stand-ins for ``plugin`` (the installed one by default): from the cache, or built into it now.
 
     ``root``: where the stand-in directories go (``cache_root()`` by default; the top of the cache then is its
-    parent, ``$XDG_CACHE_HOME/k3_tail``). Every check of :mod:`~k3_tail.xla.rocm_stand_ins.trust` applies."""
+    parent, ``$XDG_CACHE_HOME/k3_tail``). Every check of :mod:`~k3_tail.deviceless.rocm_stand_ins.trust` applies."""
     plugin = plugin or installed_plugin()
     root, top = locations(root)
     directory = root / f"{plugin.version}-{plugin.digest()}"

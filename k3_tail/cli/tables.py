@@ -1,6 +1,7 @@
 """How results are written out, for the commands and the experiments: figures in scaled units,
 whether two timings can be told apart, text tables (laid out by their specs, or fitted to the
-terminal) and Markdown tables."""
+terminal), Markdown tables, and the table of ``bench`` and ``calibrate`` with what it says about the
+selection (:func:`format_bench_table`)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,16 @@ import textwrap
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:  # annotations only: the tables need neither jax nor the benchmark
-    from k3_tail.tools.benchmark import Timing
+from k3_tail.selection.rules import select_tier
+from k3_tail.tiers.registry import Tier
+from k3_tail.units import format_seconds
+
+if TYPE_CHECKING:  # annotations only: the tables need neither a device nor the benchmark
+    import jax
+
+    from k3_tail.config import TailConfig
+    from k3_tail.selection.decision import TierDecision
+    from k3_tail.tools.benchmark import Measurement, Timing
 
 # The space between the columns of a fitted table (format_table(fit=True)).
 TABLE_GAP = "  "
@@ -161,3 +170,87 @@ def markdown_table(header: Sequence[str], rows: Iterable[Sequence[Any]], *,
     rule = ["---:" if right is None or index in right else "---" for index in range(len(header))]
     return "\n".join("| " + " | ".join(str(cell).replace("|", "\\|") for cell in row) + " |"
                      for row in (header, rule, *rows))
+
+
+# ---- the measurement table ----
+
+
+def describe_config(config: TailConfig) -> str:
+    """One line: the config's shapes and numerics, e.g. "H=7168, L=3584, bfloat16, eps 1e-06, scale 1"."""
+    text = (f"H={config.hidden_size}, L={config.latent_size}, {config.dtype.name}, eps {config.rms_norm_eps:g}, "
+            f"scale {config.routed_scaling_factor:g}")
+    minimum = config.quantized_all_reduce_min_bytes
+    quantised = (f"{config.all_reduce_quantization}-quantised sums "
+                 + ("(vLLM's minimum)" if minimum is None else f">= {minimum} B"))
+    flags = [name for name, on in (
+        ("no norm", not config.use_latent_norm), ("no shared experts", not config.has_shared_experts),
+        ("reduced routed output", config.routed_output_is_reduced),
+        ("reduced shared output", config.shared_output_is_reduced), ("sequence-parallel", config.sequence_parallel),
+        (f"all_reduce_form {config.all_reduce_form}", config.all_reduce_form != "auto"),
+        (f"up projection {getattr(config.up_proj_dtype, 'name', '')}", config.up_proj_dtype is not None),
+        ("FP8 activations", config.fp8_activations),
+        (quantised, config.all_reduce_quantization is not None),
+    ) if on]
+    return ", ".join([text, *flags])
+
+
+def format_vs_fastest(timing: Timing, fastest: Timing) -> str:
+    """One tier's median against the fastest's at the same call: "fastest", or how much slower ("+7.1%")."""
+    if timing is fastest:
+        return "fastest"
+    return f"+{format_percent(timing.median_s / fastest.median_s - 1)}"
+
+
+def format_selection_gap(selected: Tier, timings: Mapping[Tier, Timing]) -> str:
+    """How far the selected tier is from the fastest of ``timings`` (the tiers timed at one call):
+    "selected native, fastest overlap: selection 7.1% slower (412 us vs 385 us)", "within noise" when
+    their q25-q75 ranges overlap; "selected overlap, the fastest"; or "selected overlap (not timed)"."""
+    fastest = min(timings, key=lambda tier: timings[tier].median_s)
+    if selected not in timings:
+        return f"selected {selected.value} (not timed), fastest {fastest.value}"
+    if selected == fastest:
+        return f"selected {selected.value}, the fastest"
+    mine, best = timings[selected], timings[fastest]
+    noise = ", within noise: their q25-q75 ranges overlap" if within_noise(mine, best) else ""
+    return (f"selected {selected.value}, fastest {fastest.value}: selection "
+            f"{format_percent(mine.median_s / best.median_s - 1)} slower ({format_seconds(mine.median_s)} vs "
+            f"{format_seconds(best.median_s)}{noise})")
+
+
+def selected_tiers(measurements: Sequence[Measurement], config: TailConfig, *,
+                   device: jax.Device) -> dict[tuple[int, int, str], TierDecision]:
+    """What select_tier picks for each call of ``measurements`` (``config``, T, p, layout, on ``device``'s kind
+    and platform), by (p, T, weight layout): the tier the bench table stars and its plot rings."""
+    return {key: select_tier(config, key[1], key[0], weight_layout=key[2], device_kind=device.device_kind,
+                             platform=device)
+            for key in dict.fromkeys((m.tp_size, m.num_tokens, m.weight_layout) for m in measurements)}
+
+
+def format_bench_table(measurements: Sequence[Measurement], config: TailConfig, *, device: jax.Device) -> str:
+    """The table of ``bench`` and ``calibrate``: one row per (p, T, tier) with the median, the q25-q75
+    spread (ms), the speedup over native at the same (p, T) (median over median; "-" when native
+    was not timed) and the median against the fastest tier's there. A "*" marks the tier select_tier
+    picks for that call (``config``, T, p, layout, ``device``'s kind and platform); after each (p, T) a line says how
+    far that pick is from the fastest (:func:`format_selection_gap`)."""
+    blocks: dict[tuple[int, int], list[Measurement]] = {}
+    for m in measurements:
+        blocks.setdefault((m.tp_size, m.num_tokens), []).append(m)
+    selections = selected_tiers(measurements, config, device=device)
+    lines = [f"{'p':>4}{'T':>7}  {'tier':<16}{'median ms':>11}{'q25-q75 ms':>19}{'vs native':>11}{'vs fastest':>12}"]
+    for (tp_size, num_tokens), block in blocks.items():
+        if len(lines) > 1:
+            lines.append("")
+        timings = {m.tier: m.timing for m in block}
+        fastest = min(timings.values(), key=lambda timing: timing.median_s)
+        native = timings.get(Tier.NATIVE)
+        selection = selections[(tp_size, num_tokens, block[0].weight_layout)]
+        for m in block:
+            speedup = "-" if native is None else f"{native.median_s / m.timing.median_s:.2f}x"
+            spread = quartiles_ms(m.timing)
+            selected = " *" if selection.tier == m.tier else ""
+            lines.append(f"{tp_size:>4}{num_tokens:>7}  {m.tier.value:<16}{format_ms(m.timing.median_s):>11}"
+                         f"{spread:>19}{speedup:>11}{format_vs_fastest(m.timing, fastest):>12}{selected}")
+        lines.append(f"{'':>11}p={tp_size} T={num_tokens}: {format_selection_gap(selection.tier, timings)}")
+    lines += ["", "* the tier select_tier picks for that call (config, T, p, layout, device kind)",
+              "vs fastest: the median against the fastest tier's at that (p, T)"]
+    return "\n".join(lines)

@@ -33,6 +33,8 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from k3_tail.cli.harness import AXIS_NAME, stepped
+from k3_tail.cli.tables import format_table
 from k3_tail.config import TailConfig
 from k3_tail.hardware import GPU_PLATFORMS, device_platform, native_fp8_formats
 from k3_tail.ops.columns import padded_hidden_size
@@ -40,7 +42,6 @@ from k3_tail.ops.fused_launch import TARGET_PROGRAMS, fused_grid, runs_interpret
 from k3_tail.ops.fused_projection import norm_project_add_into, norm_project_add_into_reference
 from k3_tail.ops.up_projection import quantize_up_proj
 from k3_tail.tiers.registry import Tier
-from k3_tail.tools.experiment import AXIS_NAME, format_table, stepped
 from k3_tail.xla.hlo_text import parse_module
 from k3_tail.xla.launches import read_launches
 

@@ -14,9 +14,9 @@ import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 
-from k3_tail.xla.rocm_stand_ins.loading import LOADED
-from k3_tail.xla.rocm_stand_ins.plugin import GENERATOR_VERSION, Plugin, RocmUnavailable
-from k3_tail.xla.rocm_stand_ins.trust import MANIFEST, SONAME, SYMBOL, VERSION
+from k3_tail.deviceless.rocm_stand_ins.loading import LOADED
+from k3_tail.deviceless.rocm_stand_ins.plugin import GENERATOR_VERSION, Plugin, RocmUnavailable
+from k3_tail.deviceless.rocm_stand_ins.trust import MANIFEST, SONAME, SYMBOL, VERSION
 
 TRACE_VARIABLE = "K3_TAIL_ROCM_STAND_IN_TRACE"
 

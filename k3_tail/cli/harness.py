@@ -1,17 +1,20 @@
-"""What every measurement experiment needs: its flags, its devices, progress, a table and JSON.
+"""The command-line harness of the ``k3-tail`` commands, of the Kimi-K3 model's commands and of the experiments
+in scripts/: argument types and the flags they share, the tail config as flags, devices and the TP mesh,
+progress, one-line errors and an experiment's JSON. Tables and figures are :mod:`k3_tail.cli.tables`'s.
 
-Devices: an experiment runs on a 1-d TP mesh (axis ``AXIS_NAME``) of every accelerator, or without
-one of ``--devices`` CPU devices (at most ``MAX_CPU_DEVICES``: JAX builds every forced CPU device
-before its first output). JAX takes the CPU device count only before its backend starts, so
-:func:`demo_devices` sets it before anything else touches JAX. Without ``JAX_PLATFORMS`` and without
-a GPU device node, :func:`use_cpu_without_gpu` selects the CPU platform first: an installed GPU plugin
-would otherwise print its failed start (a cuDNN traceback) before JAX falls back to the CPU.
+Devices: a command runs on a 1-d TP mesh (axis ``AXIS_NAME``) of every accelerator, or without one of
+``--devices`` CPU devices (at most ``MAX_CPU_DEVICES``: JAX builds every forced CPU device before its first
+output). JAX takes the CPU device count only before its backend starts, so :func:`demo_devices` sets it
+before anything else touches JAX. Without ``JAX_PLATFORMS`` and without a GPU device node,
+:func:`use_cpu_without_gpu` selects the CPU platform first: an installed GPU plugin would otherwise print its
+failed start (a cuDNN traceback) before JAX falls back to the CPU.
 
-Flags, declared once (:class:`Experiment`): ``--devices N``, ``--repeats N`` (also spelt ``--rounds``:
-timed runs or interleaved rounds), ``--warmup N``, ``--seed S`` (an integer in [0, 2**32), what numpy
-takes) and ``--json FILE`` (``-``: stdout, the tables then go to stderr; a file is checked as the flags are
-parsed, before any work, and written whole or not at all). Progress goes to stderr; the
-tables and figures are :mod:`k3_tail.tools.tables`'s, the experiments' six also importable from here.
+Flags, declared once: ``--devices N``, ``--repeats N`` (an experiment's also spelt ``--rounds``: timed runs or
+interleaved rounds), ``--warmup N``, ``--seed S`` (an integer in [0, 2**32), what numpy takes), the tail
+config's that several commands take (every field as a flag: :mod:`k3_tail.cli.measurement`) and an
+experiment's ``--json FILE`` (:class:`Experiment`; ``-``: stdout, the tables then go to stderr; a file is
+checked as the flags are parsed, before any work, and written whole or not at all). A failure to report is a
+:class:`CommandError`: one line, exit status 2. Progress goes to stderr.
 """
 
 from __future__ import annotations
@@ -21,7 +24,9 @@ import dataclasses
 import enum
 import json
 import os
+import re
 import sys
+import textwrap
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import IO, Any
@@ -30,19 +35,16 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from k3_tail.config import TailConfig
+from k3_tail.config import ALL_REDUCE_QUANTIZATIONS, TailConfig
+from k3_tail.ops.columns import WEIGHT_LAYOUTS
+from k3_tail.ops.up_projection import FP8_FORMATS
 from k3_tail.output_files import check_output_file, write_file
+from k3_tail.selection.decision import TierDecision
+from k3_tail.selection.rules import select_tier
 from k3_tail.tiers.registry import Tier
 from k3_tail.tools.benchmark import machine_info
-from k3_tail.tools.tables import (  # the experiments take their table and figures from the harness
-    format_ms as format_ms,
-    format_table as format_table,
-    markdown_table as markdown_table,
-    median_columns as median_columns,
-    quartiles_ms as quartiles_ms,
-    spread_ms as spread_ms,
-)
 
+PROG = "k3-tail"
 AXIS_NAME = "tp"
 DEFAULT_CPU_DEVICES = 8
 MAX_CPU_DEVICES = 512
@@ -51,10 +53,37 @@ DEFAULT_SEED = 0
 CONFIG_DTYPES = ("bfloat16", "float16", "float32")
 # Device nodes whose presence means a GPU backend can start (CUDA, ROCm).
 GPU_DEVICE_NODES = ("/dev/nvidiactl", "/dev/kfd")
+# --all-reduce-quantization's choices: "none" (no codec) and the codecs (k3_tail.ops.codecs.CODECS).
+QUANTIZATION_CHOICES = tuple("none" if name is None else name for name in ALL_REDUCE_QUANTIZATIONS)
+MIN_BYTES_NEEDS_CODEC = ("--quantized-all-reduce-min-bytes: needs --all-reduce-quantization (one of "
+                         + ", ".join(name for name in QUANTIZATION_CHOICES if name != "none") + ")")
+# A line of help text that sets a label off from its text by two or more spaces ("  accessed  bytes ..."):
+# its wrapped lines continue under the text.
+_LABELLED_LINE = re.compile(r"^( *\S+(?: \S+)*  +)\S")
 
 
 class CommandError(Exception):
     """A failure to report to the user in one line (no traceback), with exit status 2."""
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """argparse's formatter, wrapped to the terminal's width as argparse measures it (``COLUMNS``, else the
+    terminal's, else 80), that keeps the line breaks of a description or epilog: each of its lines is
+    wrapped on its own, continuing under its text (after its indent, or after a label that two or more
+    spaces set off). Text without line breaks wraps as argparse wraps it."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        return "\n".join(self._fill_line(line, width, indent) for line in text.splitlines())
+
+    @staticmethod
+    def _fill_line(line: str, width: int, indent: str) -> str:
+        if not line.strip():
+            return ""
+        labelled = _LABELLED_LINE.match(line)
+        hanging = len(labelled.group(1)) if labelled else len(line) - len(line.lstrip())
+        return textwrap.fill(line, width, initial_indent=indent, subsequent_indent=indent + " " * hanging,
+                             break_on_hyphens=False, break_long_words=False, replace_whitespace=False,
+                             drop_whitespace=True)
 
 
 # ---- devices ----
@@ -94,6 +123,14 @@ def demo_devices(cpu_device_count: int, *, accelerators: bool = True) -> list[ja
 def tp_mesh(devices: Sequence[jax.Device]) -> Mesh:
     """The 1-d TP mesh (axis ``AXIS_NAME``) over ``devices``."""
     return jax.make_mesh((len(devices),), (AXIS_NAME,), devices=devices)
+
+
+def mesh_decision(config: TailConfig, num_tokens: int, mesh: Mesh, weight_layout: str) -> TierDecision:
+    """What :func:`~k3_tail.selection.rules.select_tier` picks for a call on ``mesh`` (its TP size, device kind
+    and platform)."""
+    device = mesh.devices.flat[0]
+    return select_tier(config, num_tokens, mesh.shape[AXIS_NAME], weight_layout=weight_layout,
+                       device_kind=device.device_kind, platform=device)
 
 
 def announce_machine(stream: IO[str] | None = None) -> dict:
@@ -181,6 +218,9 @@ def tier_list(text: str) -> tuple[Tier, ...]:
     return tuple(tiers)
 
 
+# ---- the flags every command and experiment declares alike ----
+
+
 def add_devices_argument(parser: argparse.ArgumentParser, what: str, gpus: str | None = None) -> None:
     """``--devices N``, the CPU devices to force (:func:`cpu_device_count`), on ``parser``: its help says
     ``what`` they are for, the maximum and the default, then ``gpus`` (what happens with GPUs) if given."""
@@ -189,10 +229,43 @@ def add_devices_argument(parser: argparse.ArgumentParser, what: str, gpus: str |
                         help=f"{what}, at most {MAX_CPU_DEVICES} (default: {DEFAULT_CPU_DEVICES}){after}")
 
 
+def add_repeats_argument(parser: argparse.ArgumentParser, default: int, runs: str, *, rounds: bool = False) -> None:
+    """``--repeats N`` (also spelt ``--rounds`` with ``rounds``) on ``parser``: how many ``runs`` (its help)."""
+    names = ("--repeats", "--rounds") if rounds else ("--repeats",)
+    parser.add_argument(*names, dest="repeats", type=positive_int, default=default, metavar="N",
+                        help=f"{runs} (default: {default})")
+
+
+def add_warmup_argument(parser: argparse.ArgumentParser, default: int) -> None:
+    """``--warmup N`` on ``parser``: untimed runs of each call before the timed ones."""
+    parser.add_argument("--warmup", type=positive_int, default=default, metavar="N",
+                        help=f"untimed runs of each call first, the first compiling (default: {default})")
+
+
 def add_seed_argument(parser: argparse.ArgumentParser) -> None:
     """``--seed S``, of the random inputs (:func:`random_seed`), on ``parser``."""
     parser.add_argument("--seed", type=random_seed, default=DEFAULT_SEED,
                         help=f"random seed, 0 <= SEED < 2**32 (default: {DEFAULT_SEED})")
+
+
+def check_output_flag(flag: str, path: str) -> None:
+    """CommandError naming ``flag`` unless a file can be written at ``path``
+    (:func:`k3_tail.output_files.check_output_file`), asked before anything is measured."""
+    try:
+        check_output_file(flag, path)
+    except ValueError as error:
+        raise CommandError(str(error)) from None
+
+
+# ---- the tail config's flags that several commands take ----
+
+
+def add_weight_layout_argument(parser: argparse.ArgumentParser) -> None:
+    """``--weight-layout``: where the up-projection kernel lives (default: column)."""
+    parser.add_argument(
+        "--weight-layout", choices=WEIGHT_LAYOUTS, default="column",
+        help="where the up-projection kernel lives: column-sharded or replicated (default: column)",
+    )
 
 
 def add_shape_arguments(group: argparse._ArgumentGroup) -> argparse._ArgumentGroup:
@@ -205,6 +278,49 @@ def add_shape_arguments(group: argparse._ArgumentGroup) -> argparse._ArgumentGro
     group.add_argument("--dtype", choices=CONFIG_DTYPES, default=kimi.dtype.name,
                        help=f"activation and weight dtype (default: {kimi.dtype.name})")
     return group
+
+
+def add_reduced_shared_argument(group: argparse._ArgumentGroup | argparse.ArgumentParser) -> None:
+    """``--reduced-shared``: the shared output arrives reduced (``k3_tail.reduce_shared`` before the tail)."""
+    group.add_argument("--reduced-shared", action="store_true",
+                       help="the shared output arrives reduced, [T, H], reduced before the tail by "
+                       "k3_tail.reduce_shared (shared_output_is_reduced=True)")
+
+
+def add_up_projection_arguments(group: argparse._ArgumentGroup | argparse.ArgumentParser) -> None:
+    """``--up-proj-dtype`` and ``--fp8-activations``: the up projection's weights in FP8."""
+    group.add_argument("--up-proj-dtype", choices=FP8_FORMATS, default=None,
+                       help="store the up-projection kernel in this FP8 format, per-column scales (default: the "
+                       "activation dtype)")
+    group.add_argument("--fp8-activations", action="store_true",
+                       help="with --up-proj-dtype: quantise the normalised latent per token too, so the GEMM "
+                       "multiplies two FP8 operands (fp8_activations=True)")
+
+
+def up_projection_options(args: argparse.Namespace) -> dict[str, object]:
+    """The TailConfig fields ``--up-proj-dtype`` and ``--fp8-activations`` set."""
+    if args.fp8_activations and args.up_proj_dtype is None:
+        raise CommandError("--fp8-activations: needs --up-proj-dtype (one of " + ", ".join(FP8_FORMATS) + ")")
+    return {"up_proj_dtype": args.up_proj_dtype, "fp8_activations": args.fp8_activations}
+
+
+def add_all_reduce_quantization_arguments(group: argparse._ArgumentGroup | argparse.ArgumentParser) -> None:
+    """``--all-reduce-quantization`` and ``--quantized-all-reduce-min-bytes``: quantised TP sums
+    (vLLM ROCm's QuickReduce, :mod:`k3_tail.ops.collectives`)."""
+    group.add_argument("--all-reduce-quantization", choices=QUANTIZATION_CHOICES, default="none",
+                       help="send the TP sums block-quantised in this codec, as two-shot all-reduces like vLLM "
+                       "ROCm's QuickReduce; changes the numerics (default: none)")
+    group.add_argument("--quantized-all-reduce-min-bytes", type=non_negative_int, default=None, metavar="N",
+                       help="with --all-reduce-quantization: quantise only sums of buffers of at least N bytes "
+                       "(default: vLLM's minimum for the dtype and p)")
+
+
+def all_reduce_quantization_options(args: argparse.Namespace) -> dict[str, object]:
+    """The TailConfig fields ``--all-reduce-quantization`` and ``--quantized-all-reduce-min-bytes`` set."""
+    codec = None if args.all_reduce_quantization == "none" else args.all_reduce_quantization
+    if args.quantized_all_reduce_min_bytes is not None and codec is None:
+        raise CommandError(MIN_BYTES_NEEDS_CODEC)
+    return {"all_reduce_quantization": codec, "quantized_all_reduce_min_bytes": args.quantized_all_reduce_min_bytes}
 
 
 # ---- the experiment ----
@@ -224,27 +340,26 @@ class Experiment:
         self.parser = argparse.ArgumentParser(description=doc.strip().split("\n\n")[0])
         self.started = time.perf_counter()
         self.machine: dict | None = None
-        add = self.parser.add_argument
         if devices:
             add_devices_argument(self.parser, "CPU devices to make without a GPU", "with GPUs all GPUs are used")
         if repeats is not None:
-            add("--repeats", "--rounds", dest="repeats", type=positive_int, default=repeats, metavar="N",
-                help=f"timed runs, or interleaved rounds each running every call once (default: {repeats})")
+            add_repeats_argument(self.parser, repeats, "timed runs, or interleaved rounds each running every call once",
+                                 rounds=True)
         if warmup is not None:
-            add("--warmup", type=positive_int, default=warmup, metavar="N",
-                help=f"untimed runs of each call first, the first compiling (default: {warmup})")
+            add_warmup_argument(self.parser, warmup)
         add_seed_argument(self.parser)
-        add("--json", metavar="FILE", help="also write the machine, the settings and every result ('-': stdout)")
+        self.parser.add_argument("--json", metavar="FILE",
+                                 help="also write the machine, the settings and every result ('-': stdout)")
 
     def parse(self, argv: Sequence[str] | None = None) -> argparse.Namespace:
         """The parsed flags (also ``self.args``); a usage error exits with status 2, and so does a ``--json``
-        file that cannot be written (:func:`k3_tail.output_files.check_output_file`), before any work."""
+        file that cannot be written (:func:`check_output_flag`), before any work."""
         self.args = self.parser.parse_args(argv)
         self.out = sys.stderr if self.args.json == "-" else sys.stdout
         if self.args.json and self.args.json != "-":
             try:
-                check_output_file("--json", self.args.json)
-            except ValueError as error:
+                check_output_flag("--json", self.args.json)
+            except CommandError as error:
                 self.error(str(error))
         return self.args
 
@@ -309,7 +424,7 @@ def plain(value: Any) -> Any:
     return value
 
 
-# ---- output ----
+# ---- progress ----
 
 
 class ProgressBar:
