@@ -2,22 +2,10 @@
 
     y = RMSNorm_g(c * sum_i r_i) @ W + sum_i s_i      (replicated on every TP rank)
 
-The tiers (:class:`Tier`, one module and one record each under :mod:`k3_tail.tiers`) all compute it
-with different schedules; :func:`select_tier` picks one per call and says why. The entry points:
-:func:`latent_moe_tail` per rank inside a model's own ``jax.shard_map``, :func:`tail_forward` on
-global arrays, :class:`LatentMoETail` (Flax NNX), and :func:`reduce_shared`, the shared experts' sum
-issued before the routed experts finish. :func:`load_tail_weights` reads a checkpoint's weights,
-:func:`quantize_up_proj` stores the up projection in FP8, :func:`compile_tail` compiles one call
-(also for a deviceless GPU topology, :func:`topology_mesh`) and :class:`XlaReport` says what XLA
-made of it.
-
-The subpackages by their names: :mod:`k3_tail.selection` (``rules``, ``table``, ``cost_model``),
-:mod:`k3_tail.xla` (``compilation``, ``report``), :mod:`k3_tail.deviceless` (``topologies``),
-:mod:`k3_tail.tiers` (``registry``, ``record``), :mod:`k3_tail.checkpoint`, :mod:`k3_tail.hf_config`,
-:mod:`k3_tail.hardware`
-and, which ``import k3_tail`` does not load, the tools under :mod:`k3_tail.tools` and the Kimi-K3 model
-(:mod:`k3_tail.models.kimi_k3`). :mod:`k3_tail.ops` holds
-the building blocks the tiers are made of.
+The tiers (:class:`Tier`) compute it with different schedules; :func:`select_tier` picks one per call and says
+why. Entry points: :func:`latent_moe_tail` per rank inside a model's ``jax.shard_map``, :func:`tail_forward` on
+global arrays, :class:`LatentMoETail` (Flax NNX), and :func:`reduce_shared`, the shared experts' sum issued early.
+The Kimi-K3 model, :mod:`k3_tail.models.kimi_k3`, is not loaded by ``import k3_tail``. The map: docs/design.md.
 """
 
 from k3_tail.checkpoint import load_tail_weights

@@ -26,13 +26,9 @@ def check_int(name: str, value: Any, *, minimum: int) -> int:
 
 
 def check_path(name: str, path: Any, *, expected: str) -> str:
-    """``path`` as a str, or ValueError naming ``name`` and the path unless it is a non-empty str or os.PathLike
-    (an empty one would be the working directory) that the file system can take: no NUL byte, every
-    character one its encoding encodes (``os.fsencode``; UTF-8 refuses a lone surrogate such as "\\ud800"),
-    and no name longer than the file system takes (ENAMETOOLONG: 255 bytes a name, 4096 a path on Linux,
-    asked of the system with an ``lstat``, whose other errors, a missing file among them, are left to the
-    caller). Each would otherwise surface later as another error, naming none. ``expected`` says what the
-    path stands for, for the message."""
+    """``path`` as a str, or ValueError naming ``name`` unless it is a non-empty str or os.PathLike that the file
+    system can take (no NUL byte, encodable, no name too long: asked with an ``lstat``, whose other errors are
+    the caller's), each of which would surface later naming nothing. ``expected``: what the path stands for."""
     if not isinstance(path, (str, os.PathLike)) or not (text := os.fsdecode(path)):
         raise ValueError(f"{name}: expected {expected}, got {path!r}")
     if "\0" in text:

@@ -33,78 +33,46 @@ DEFAULT_QUANTIZED_ALL_REDUCE_MAX_BYTES = 2**31
 
 @dataclasses.dataclass(frozen=True)
 class TailConfig:
-    """Static description of one latent MoE tail (hashable: it is a static argument under jit).
+    """Static description of one latent MoE tail (hashable: a static argument under jit); ValueError naming the
+    field for a value it does not take.
 
-    Shapes: the routed experts finish in ``latent_size`` (L) columns, the layer's output has
-    ``hidden_size`` (H) columns; the up projection maps L -> H.
-
-    Numerics: ``y = RMSNorm_g(routed_scaling_factor * sum_i r_i) @ W + sum_i s_i``, the norm in
-    float32 with ``rms_norm_eps``, skipped when ``use_latent_norm`` is False. Activations and
-    weights are ``dtype``; GEMMs and the norm accumulate in float32; collectives move ``dtype``.
-    ``rms_norm_eps`` (> 0) and ``routed_scaling_factor`` (any sign, or 0) are Python or numpy real
-    numbers that float32 holds as normal numbers (magnitudes 1.2e-38 to 3.4e38), stored as floats.
+    Shapes and numerics: ``y = RMSNorm_g(routed_scaling_factor * sum_i r_i) @ W + sum_i s_i``, W mapping
+    ``latent_size`` (L) to ``hidden_size`` (H) columns; the norm in float32 with ``rms_norm_eps``, skipped
+    without ``use_latent_norm``. Activations, weights and collectives are ``dtype``; GEMMs and the norm
+    accumulate in float32. ``rms_norm_eps`` (> 0) and ``routed_scaling_factor`` (any sign, or 0) are real
+    numbers that float32 holds as normal numbers, stored as floats.
 
     Up-projection weights (:mod:`k3_tail.ops.up_projection`):
-      up_proj_dtype: None (or ``dtype`` itself): the kernel W is an array of ``dtype``.
-        "float8_e4m3fn" or "float8_e4m3fnuz" (names or jnp dtypes): W is a
-        :class:`k3_tail.QuantizedKernel` of that format with per-column float32 scales
-        (:func:`k3_tail.quantize_up_proj`), half the bytes of bf16; the GEMM reads the FP8 values.
-      fp8_activations: with an FP8 ``up_proj_dtype`` only. False (default): weight-only FP8, the
-        GEMM runs in ``dtype``. True: the normalised latent is also quantised per token to the same
-        format and the GEMM multiplies two FP8 operands, accumulating in float32 (for large T on
-        hardware with FP8 matrix units).
+      up_proj_dtype: None (or ``dtype``): W is an array of ``dtype``; "float8_e4m3fn" or "float8_e4m3fnuz":
+        a :class:`k3_tail.QuantizedKernel` of that format (:func:`k3_tail.quantize_up_proj`).
+      fp8_activations: with an FP8 ``up_proj_dtype`` only: the latent is quantised per token too and the GEMM
+        multiplies two FP8 operands (False: weight-only FP8, the GEMM in ``dtype``).
 
-    Selection switches (see :func:`k3_tail.select_tier`):
-      overlap_token_threshold: largest token count served by the overlap tier (vLLM: 256).
-      disable_overlap: never pick the overlap tier (vLLM_DISABLE_SHARED_EXPERTS_STREAM).
-      one_kernel_max_tokens: on a GPU (CUDA or ROCm), pick the one_kernel tier for 0 < T <= this many
-        tokens (decode; 0: never, which K3_TAIL_DISABLE_ONE_KERNEL=1 sets through ``from_env``), where one
-        GPU kernel per call beats the XLA tiers' 3-8 (the default, 16: as far as the kernel's split of K
-        gives it the 1024 programs a GPU wants, for p = 2 to 16, and the cost model predicts it fastest at
-        least that far on every preset: docs/guide.md).
-      use_scatter_gather / scatter_gather_max_tokens: pick the scatter-gather tier for
-        0 < T <= max tokens, as vLLM does with its fused tier-0 op (off by default: vLLM enables it
-        only on SM100 GPUs).
+    Selection switches (:func:`k3_tail.select_tier`; docs/design.md, "Selection"):
+      overlap_token_threshold, disable_overlap: the overlap tier up to this T (vLLM: 256), or never.
+      one_kernel_max_tokens: the one_kernel tier on a GPU for 0 < T <= this (0: never;
+        K3_TAIL_DISABLE_ONE_KERNEL=1 sets it through ``from_env``).
+      use_scatter_gather, scatter_gather_max_tokens: the scatter-gather tier for 0 < T <= max (off by default).
       has_shared_experts: the layer has shared experts, so a shared partial exists.
-      routed_output_is_reduced: the routed output arrives already reduced (expert parallelism
-        reduces it in the combine); the tail then skips the latent all-reduce and takes one
-        replicated [T, L] latent instead of per-rank partials. ``fused_output_is_reduced`` (vLLM's
-        name) is accepted for it with a DeprecationWarning.
-      shared_output_is_reduced: the shared-expert output arrives already reduced
-        (:func:`k3_tail.reduce_shared`, called as soon as the shared experts finish so that its
-        collective runs during the routed experts: vLLM's VLLM_KIMI_K3_SHARED_OUTPUT_AR_OVERLAP);
-        the tail then puts no collective on it and takes it in place of the shared partials, in
-        the form :func:`k3_tail.reduce_shared` returns. Needs ``has_shared_experts``. Each tier's
-        record says how its schedule changes (``Tier.X.record.prose.shared_reduced_form``).
-      sequence_parallel: the surrounding model shards tokens over the TP axis: every tier returns
-        y token-sharded ([T/p, H] per rank; see :mod:`k3_tail.ops.tokens`).
-      prefill_token_parallel_min_tokens: with sequence-parallel output, pick the token_parallel
-        tier from this many tokens on (vLLM's VLLM_KIMI_K3_AMD_PREFILL_SP_MIN_TOKENS); 0: never.
-      all_reduce_form: how a sum over the ranks travels: "auto" (one all-reduce, or a reduce-scatter
-        + all-gather where that was measured faster: :mod:`k3_tail.ops.collectives`),
-        "all-reduce" or "reduce-scatter+all-gather".
+      routed_output_is_reduced: the routed output arrives reduced (expert parallelism's combine): one replicated
+        [T, L] latent, no latent all-reduce. ``fused_output_is_reduced``, vLLM's name, is deprecated.
+      shared_output_is_reduced: the shared output arrives reduced, in the form :func:`k3_tail.reduce_shared`
+        returns (issued as the shared experts finish); needs ``has_shared_experts``.
+      sequence_parallel: every tier returns y token-sharded ([T/p, H] per rank: :mod:`k3_tail.ops.tokens`).
+      prefill_token_parallel_min_tokens: with sequence-parallel output, the token_parallel tier from this T
+        on (0: never).
+      all_reduce_form: "auto", "all-reduce" or "reduce-scatter+all-gather" (:mod:`k3_tail.ops.collectives`).
+      selection_policy: a :class:`k3_tail.policy.SelectionPolicy`: None or ``VllmRules()`` (vLLM's rules), a
+        :class:`k3_tail.SelectionTable`, or ``CostModelPolicy("mi355x")``.
 
     Quantised sums (vLLM ROCm's QuickReduce, :mod:`k3_tail.ops.collectives`):
-      all_reduce_quantization: None (default: sums travel in ``dtype``) or "int8", "int6", "int4":
-        every sum the tail sends over the TP axis whose buffer holds between the two sizes below
-        travels block-quantised (:mod:`k3_tail.ops.codecs`) as a two-shot all-reduce (all-to-all of
-        each rank's chunks, float32 sum by the chunk's owner, re-quantised all-gather); a sum that
-        only scatters sends the first shot alone. It changes the result (each value by at most about
-        one codec step of its 32-value block per shot), so no selection policy turns it on; the
-        selection reason says which of the tier's sums it quantises.
-      quantized_all_reduce_min_bytes: the smallest buffer (bytes, in ``dtype``) that is quantised;
-        None (default): vLLM's minimum-size table for the codec, ``dtype`` and p
-        (:meth:`TailConfig.quantization_min_bytes`).
-      quantized_all_reduce_max_bytes: the largest buffer that is quantised (default 2 GiB, as
-        QuickReduce's).
-      quantized_all_reduce_fp16_sizes_for_bf16: with the default minimum, bfloat16 buffers follow
-        vLLM's float16 table (True, default: what vLLM's default bf16-to-fp16 cast does) or its far
-        larger bfloat16 one (False). The codec itself computes in float32 either way.
-      selection_policy: how the tier is chosen for a token count (a
-        :class:`k3_tail.policy.SelectionPolicy`). None (default) or ``selection.rules.VllmRules()``:
-        the rules above (vLLM's fixed thresholds). A :class:`k3_tail.SelectionTable`: the table
-        measured on this hardware (:mod:`k3_tail.selection.table`). ``cost_model.CostModelPolicy("mi355x")``:
-        the tier :mod:`k3_tail.selection.cost_model` predicts fastest on that hardware preset.
+      all_reduce_quantization: None (default) or "int8", "int6", "int4": every sum whose buffer lies between
+        the two sizes below travels block-quantised. It changes the result, so no selection policy turns it on.
+      quantized_all_reduce_min_bytes: the smallest buffer quantised; None: vLLM's table
+        (:meth:`quantization_min_bytes`).
+      quantized_all_reduce_max_bytes: the largest (default 2 GiB, as QuickReduce's).
+      quantized_all_reduce_fp16_sizes_for_bf16: with the default minimum, bfloat16 buffers follow vLLM's
+        float16 table (True, vLLM's default) or its far larger bfloat16 one.
     """
 
     hidden_size: int
@@ -198,26 +166,18 @@ class TailConfig:
 
     @classmethod
     def kimi_k3(cls, **overrides: Any) -> TailConfig:
-        """Kimi-K3's tail: H = 7168, L = 3584, eps 1e-5 (its released config.json), scale 1.0, bf16.
-
-        The generic default of ``rms_norm_eps`` (a plain ``TailConfig(...)``) stays 1e-6, vLLM's
-        RMSNorm default; this preset and :meth:`from_hf_config` set the model's own value.
-        """
+        """Kimi-K3's tail: H = 7168, L = 3584, eps 1e-5 (its released config.json), scale 1.0, bf16; the plain
+        default eps stays vLLM's 1e-6."""
         return cls(**{"hidden_size": 7168, "latent_size": 3584, "rms_norm_eps": 1e-5, **overrides})
 
     @classmethod
     def from_hf_config(cls, config: Any, **overrides: Any) -> TailConfig:
-        """The tail of a Hugging Face model's config: ``config`` a path to its config.json, a checkpoint
-        directory holding one, a ``.safetensors`` file (the config.json beside it: every path
-        :func:`k3_tail.load_tail_weights` takes), or the config as a dict (its ``text_config`` read when
-        nested).
+        """The tail of a Hugging Face model's ``config`` (a config.json, a directory or ``.safetensors`` file
+        beside one, or the dict; a nested ``text_config`` read), ``overrides`` setting any field.
 
-        Sets hidden_size, latent_size (``routed_expert_hidden_size``), rms_norm_eps,
-        routed_scaling_factor, use_latent_norm (``latent_moe_use_norm``) and dtype (``torch_dtype``);
-        ``overrides`` set any field as keywords (``up_proj_dtype=...``, ``all_reduce_quantization=...``).
-        ValueError naming the config's field (``text_config.rms_norm_eps``) when it has no
-        ``routed_expert_hidden_size`` (no latent MoE), misses a field or holds a value the tail cannot
-        serve (:mod:`k3_tail.hf_config`); naming the file when it cannot be read.
+        Raises:
+          ValueError: naming the config's field (``text_config.rms_norm_eps``) when it is missing (no
+            ``routed_expert_hidden_size``: no latent MoE) or the tail cannot serve it; naming an unreadable file.
         """
         text = text_config(config)
         fields = tail_fields(text)
@@ -228,8 +188,8 @@ class TailConfig:
         return cls(**{**fields, **overrides})
 
     def quantization_min_bytes(self, tp_size: int) -> int | None:
-        """The smallest buffer (bytes) sent quantised over ``tp_size`` ranks, or None when nothing is: no
-        codec, p = 1, or a dtype without a vLLM table (float32) and no ``quantized_all_reduce_min_bytes``."""
+        """The smallest buffer (bytes) sent quantised over ``tp_size`` ranks, or None when nothing is (no codec,
+        p = 1, or no vLLM table for the dtype and no ``quantized_all_reduce_min_bytes``)."""
         if self.all_reduce_quantization is None or tp_size == 1:
             return None
         if self.quantized_all_reduce_min_bytes is not None:
@@ -243,9 +203,7 @@ class TailConfig:
         return QUICK_REDUCE_MIN_MIB[dtype, max(rows)][self.all_reduce_quantization] * 2**20
 
     def sum_plan(self, tp_size: int, platform: str | None = None) -> SumPlan:
-        """How this config's sums travel over ``tp_size`` ranks of ``platform`` (as
-        :func:`k3_tail.hardware.device_platform` names a device's; None: not known): the all-reduce form, and
-        the codec with the buffer sizes it quantises (an empty buffer never is: nothing travels)."""
+        """How this config's sums travel over ``tp_size`` ranks of ``platform`` (None: not known)."""
         minimum = self.quantization_min_bytes(tp_size)
         if minimum is None:
             return SumPlan(self.all_reduce_form, platform)
@@ -254,11 +212,9 @@ class TailConfig:
 
     @classmethod
     def from_env(cls, base: TailConfig | None = None, environ: Mapping[str, str] | None = None) -> TailConfig:
-        """``base`` (default: Kimi-K3) with vLLM's variables, and k3_tail's K3_TAIL_DISABLE_ONE_KERNEL, in
-        ``environ`` (default: ``os.environ``) applied (:func:`k3_tail.vllm_env.config_changes` says which set
-        what); ValueError naming the field for a value that does not parse or that the field does not take,
-        naming ``environ`` (or the variable) when it is no mapping of str to str, and naming ``base`` when it is
-        no TailConfig."""
+        """``base`` (default: Kimi-K3) with vLLM's variables and K3_TAIL_DISABLE_ONE_KERNEL in ``environ`` (default:
+        ``os.environ``) applied (:mod:`k3_tail.vllm_env`). ValueError naming the field, the variable, ``environ``
+        or ``base`` for what it cannot take."""
         if base is not None and not isinstance(base, TailConfig):
             raise ValueError(f"base: expected a k3_tail.TailConfig or None (Kimi-K3's), got {type(base).__name__}")
         base = cls.kimi_k3() if base is None else base
@@ -294,8 +250,8 @@ for _old, _new in _DEPRECATED_FIELDS.items():
 
 
 def _float32_normal(name: str, value: Any, *, zero: bool) -> float:
-    """``value`` (a Python or numpy real number) as a Python float that float32 holds as a normal number,
-    with either sign and 0 allowed when ``zero``, else > 0; ValueError naming ``name`` otherwise."""
+    """``value`` (a real number) as a float that float32 holds as a normal number (> 0 unless ``zero``, which
+    allows 0 and either sign); ValueError naming ``name`` otherwise."""
     expected = "a finite number" if zero else "a finite number > 0"
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
         raise ValueError(f"{name}: expected {expected} (a Python or numpy real number), got {value!r}")
@@ -317,7 +273,6 @@ def check_config(config: Any) -> TailConfig:
 
 
 def _float_dtype(value: Any) -> np.dtype | None:
-    """``value`` as one of the supported float dtypes, or None when it names none of them."""
     if value is None:  # np.dtype(None) would be float64
         return None
     try:

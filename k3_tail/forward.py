@@ -32,40 +32,27 @@ def tail_forward(
     tier: Tier | str | None = None,
     weight_layout: str = "replicated",
 ) -> jax.Array:
-    """``y = RMSNorm_g(c * sum_i r_i) @ W + sum_i s_i`` on ``mesh``, by one of the tiers.
-
-    Each rank runs :func:`k3_tail.latent_moe_tail` on its blocks. Works eagerly (compiled once per
-    shape and placement) and under ``jax.jit``; never modifies or donates its inputs.
+    """``y = RMSNorm_g(c * sum_i r_i) @ W + sum_i s_i`` on ``mesh``, each rank running
+    :func:`k3_tail.latent_moe_tail` on its blocks. Eager (compiled once per shape and placement) or under
+    ``jax.jit``; never modifies or donates its inputs.
 
     Args:
-      routed_partials: [p, T, L], entry i TP rank i's routed latent partial; [T, L] (the reduced
-        latent) when ``config.routed_output_is_reduced``. Numpy or jax arrays in any sharding, all
-        of dtype ``config.dtype``: they are placed here.
-      shared_partials: [p, T, H], entry i rank i's shared-expert partial; None exactly when
-        ``config.has_shared_experts`` is False; the reduced shared output [T, H] (their sum, added
-        without a collective) with ``config.shared_output_is_reduced``.
-      norm_weight: [L] RMSNorm scale g; None exactly when ``config.use_latent_norm`` is False.
-      up_proj_kernel: [L, H] (Flax layout, y = x @ W); with ``weight_layout="column"`` also the
-        padded [L, padded_hidden_size(H, p)] storage of :class:`LatentMoETail`. With an FP8
-        ``config.up_proj_dtype``: a :class:`k3_tail.QuantizedKernel` of that format
-        (:func:`k3_tail.quantize_up_proj`).
-      config: the tail's :class:`TailConfig`.
-      mesh: a Mesh with the TP axis ``axis_name``; other axes replicate the computation.
-      axis_name: the TP axis: a name, or a tuple of names whose sizes multiply to p.
-      tier: a :class:`Tier` (or its value) to force, or None to let :func:`select_tier` decide at
-        trace time.
-      weight_layout: where the kernel lives during the call: "replicated" (whole on every rank) or
-        "column" (``P(None, axis_name)``: each rank holds [L, H/p]). one_shot needs "replicated".
+      routed_partials: [p, T, L], entry i rank i's routed partial ([T, L], the reduced latent, with
+        ``config.routed_output_is_reduced``): numpy or jax arrays of ``config.dtype`` in any sharding.
+      shared_partials: [p, T, H], or the reduced [T, H] with ``config.shared_output_is_reduced``; None exactly
+        without ``config.has_shared_experts``.
+      norm_weight: [L] RMSNorm scale g; None exactly without ``config.use_latent_norm``.
+      up_proj_kernel: [L, H] (y = x @ W), for "column" also padded to [L, padded_hidden_size(H, p)]; a
+        :class:`k3_tail.QuantizedKernel` with an FP8 ``config.up_proj_dtype``.
+      config, mesh, axis_name: the :class:`TailConfig`; a Mesh whose TP axis (a name, or names whose sizes
+        multiply to p) is ``axis_name``, its other axes replicating the computation.
+      tier: a :class:`Tier` (or its value) to force, or None: :func:`select_tier`'s at trace time.
+      weight_layout: "replicated" (the whole kernel on every rank) or "column" (``P(None, axis_name)``).
 
     Returns:
-      y [T, H] in ``config.dtype``, replicated over the mesh; T = 0 gives an empty [0, H]. With
-      ``config.sequence_parallel``, for every T, what :func:`k3_tail.latent_moe_tail` returns with
-      it: y padded to T' = ``padded_token_count(T, p)`` rows, [T', H], sharded over ``axis_name``
-      on its tokens, rows T..T'-1 padding (zero). It is not sliced back to [T, H]: where p does not
-      divide T, JAX holds [T, H] over p ranks only replicated, so slicing here would all-gather T'H
-      elements and silently drop the token-sharded output the config asks for. The caller takes the
-      first T rows where it wants them whole: ``jax.sharding.reshard(y, NamedSharding(mesh, P()))[:T]``
-      (an all-gather), or ``np.asarray(y)[:T]`` on the host.
+      y [T, H] in ``config.dtype``, replicated ([0, H] for T = 0). With ``config.sequence_parallel``: y padded
+      to T' = ``padded_token_count(T, p)`` zero rows, [T', H], sharded over ``axis_name`` on its tokens; not
+      sliced back, which would all-gather it (``jax.sharding.reshard(y, NamedSharding(mesh, P()))[:T]`` does).
 
     Raises:
       ValueError: naming the argument, for bad shapes or dtypes, a mesh without the axis or a wrong p.
@@ -85,9 +72,8 @@ def tail_forward(
 
 def lowered_tail(config: TailConfig, mesh: Mesh, arguments, *, axis_name: AxisName = "tp",
                  tier: Tier | str | None = None, weight_layout: str = "replicated") -> jax.stages.Lowered:
-    """:func:`tail_forward`'s program lowered for abstract ``arguments`` (routed, shared, norm weight, kernel, as
-    :func:`k3_tail.xla.compilation.tail_arguments` makes them), with the per-rank inputs its tier reads (one_kernel:
-    the ranks' indices) as arguments of their own after them: what :func:`k3_tail.compile_tail` compiles."""
+    """:func:`tail_forward`'s program lowered for abstract ``arguments`` (routed, shared, norm weight, kernel),
+    followed by the per-rank inputs its tier reads: what :func:`k3_tail.compile_tail` compiles."""
     check_config(config)
     axis_name = check_axis_name(axis_name)
     weight_layout = check_weight_layout(weight_layout)
@@ -100,7 +86,7 @@ def lowered_tail(config: TailConfig, mesh: Mesh, arguments, *, axis_name: AxisNa
 
 def resolved_tier(config, num_tokens, mesh, axis_name, tier, weight_layout) -> Tier:
     """The tier a call with T = ``num_tokens`` on ``mesh`` takes (``tier`` checked, or the selection's), made ready
-    to lower in the warnings context the program lowers in (its record's :meth:`~TierRecord.before_lowering`)."""
+    to lower (:meth:`~k3_tail.tiers.record.TierRecord.before_lowering`)."""
     device = mesh.devices.flat[0]
     if tier is None:
         resolved = _chosen_tier(config, num_tokens, check_mesh(mesh, axis_name), weight_layout, device)
@@ -119,9 +105,8 @@ def _chosen_tier(config: TailConfig, num_tokens: int, tp_size: int, weight_layou
 
 
 def _per_rank_inputs(tier: Tier, mesh: Mesh, axis_name: AxisName, *, abstract: bool) -> tuple:
-    """The per-rank inputs ``tier``'s record says it reads, as arguments of the program (none for most tiers):
-    one_kernel's ranks' indices, each rank's block of arange(p) (inside the program they would cost a kernel
-    that converts the partition id), placed once per mesh, or their abstract value."""
+    """The per-rank inputs ``tier`` reads, as arguments of the program (or their abstract values): the ranks'
+    indices, which inside the program would cost a kernel that converts the partition id."""
     if not tier.record.reads_rank:
         return ()
     sharding = NamedSharding(mesh, P(axis_name))
@@ -132,8 +117,7 @@ def _per_rank_inputs(tier: Tier, mesh: Mesh, axis_name: AxisName, *, abstract: b
 
 @functools.cache  # placed once per mesh and axis, as jit caches its programs: no transfer in every call
 def _placed_rank_indices(mesh: Mesh, axis_name: AxisName) -> jax.Array:
-    """``arange(p, dtype=int32)`` placed ``P(axis_name)`` on ``mesh``: each rank's block is its ``rank``. A
-    concrete array even when a caller's jit traces the first call (which then holds it as a constant)."""
+    """``arange(p, dtype=int32)`` placed ``P(axis_name)`` on ``mesh``, concrete even inside a caller's jit."""
     with jax.ensure_compile_time_eval():
         return jax.device_put(np.arange(check_mesh(mesh, axis_name), dtype=np.int32),
                               NamedSharding(mesh, P(axis_name)))
@@ -179,15 +163,13 @@ def _tail_forward_jit(routed_partials, shared_partials, norm_weight, up_proj_ker
 
     in_specs = tuple(None if x is None else spec for x, spec in zip(args, specs, strict=True))
     out_spec = P(axis_name) if is_token_sharded_output(config, num_tokens, tp_size) else P()
-    # Pallas's interpreter takes no values typed as varying over the mesh's axes: where the tier's kernel runs
-    # interpreted, each rank runs it on untyped values (fused_projection.norm_project_add's other form gathers).
+    # Pallas's interpreter takes no values typed as varying over the mesh's axes: untyped where it runs.
     check_vma = not tier.record.runs_interpreted_on(platform)
     return jax.shard_map(per_rank, mesh=mesh, in_specs=in_specs, out_specs=out_spec, check_vma=check_vma)(*args)
 
 
 def _check_global_inputs(routed_partials, shared_partials, norm_weight, up_proj_kernel, *, config, tp_size,
                          weight_layout) -> int:
-    """Validate the global shapes and dtypes against the config and p; return T."""
     hidden, latent = config.hidden_size, config.latent_size
     routed_shape = np.shape(routed_partials)
     if config.routed_output_is_reduced:

@@ -1,10 +1,6 @@
-"""Hardware presets for the cost model: one GPU's peak figures, each cited from its vendor's data sheet.
-
-Data only (no dependency on the rest of the library), so that :class:`k3_tail.TailConfig` can check a
-preset name. The presets' ``fp8_formats`` are also what FP8 activations are checked against on a device
-(:func:`native_fp8_formats`); :func:`device_platform` tells ROCm from CUDA (JAX calls both "gpu"), and
-:func:`check_platform` reads the ``platform`` argument of selection and compilation, :func:`check_device` every
-``device`` argument and :func:`check_device_kind` every ``device_kind`` one.
+"""Hardware presets for the cost model (one GPU's peak figures, each cited from its vendor's data sheet), the FP8
+formats a device multiplies, and the checks of ``platform``, ``device`` and ``device_kind`` arguments. Data only:
+no dependency on the rest of the library.
 """
 
 from __future__ import annotations
@@ -20,21 +16,16 @@ import jax
 
 @dataclasses.dataclass(frozen=True)
 class Hardware:
-    """One GPU of a TP group, for :func:`k3_tail.selection.cost_model.predict_time`.
+    """One GPU of a TP group, for :func:`k3_tail.selection.cost_model.predict_time`; ValueError naming a bad field.
 
     Attributes:
-      name: the preset's name.
-      peak_flops: dense BF16 FLOP/s.
-      hbm_bytes_per_s: HBM bandwidth.
+      peak_flops, hbm_bytes_per_s: dense BF16 FLOP/s; HBM bandwidth.
       link_bytes_per_s: collective bandwidth, one direction, all links to its TP peers together.
       collective_latency_s: the fixed time of one collective.
-      peak_fp8_flops: dense FP8 FLOP/s, at which a GEMM of two FP8 operands in one of ``fp8_formats``
-        runs (every other GEMM at ``peak_flops``); None without FP8 matrix units.
-      fp8_formats: the FP8 dtype names its matrix units multiply natively.
-      platform: the XLA platform that compiles for it ("cuda" or "rocm"): which kernel counts apply
-        (:class:`k3_tail.tiers.record.GpuKernelCounts`).
-      kernel_launch_s: the time one more GPU kernel adds to a call (its launch and the gap to the next
-        dependent one).
+      peak_fp8_flops, fp8_formats: dense FP8 FLOP/s of a GEMM of two FP8 operands in one of the FP8 dtype names
+        its matrix units multiply natively; None and () without FP8 matrix units.
+      platform: "cuda" or "rocm", whose kernel counts apply.
+      kernel_launch_s: the time one more GPU kernel adds to a call (its launch and the gap to the next).
     """
 
     name: str
@@ -73,32 +64,23 @@ class Hardware:
 # Assumed, for every preset: no vendor publishes a per-collective latency. 10 us is the order of the
 # small-message all-reduce times that nccl-tests / rccl-tests report inside one 8-GPU node.
 _ASSUMED_COLLECTIVE_LATENCY_S = 10e-6
-# Assumed too, for every preset: 2 us for each GPU kernel of a call, what one kernel fewer saved in the one public
-# measurement of the tail's kernels (tokenspeed, MI355X, one token: the up projection and the add fused into one
-# kernel, 17.56 us p50 against 19.76 us). Dependent kernels cost their launch and the gap before the next; a CUDA
-# or HIP graph shortens the launch, not the gap.
+# Assumed too: 2 us for each GPU kernel of a call, what one kernel fewer saved in the one public measurement of the
+# tail's kernels (tokenspeed, MI355X, one token: 17.56 us p50 against 19.76 us); a graph shortens launches, not gaps.
 _ASSUMED_KERNEL_LAUNCH_S = 2e-6
-# The XLA platforms of GPUs, one per vendor, as device_platform names them: what presets and kernel counts are for.
+# The XLA platforms of GPUs, one per vendor, as device_platform names them; with JAX's "gpu" for both.
 GPU_VENDOR_PLATFORMS = ("cuda", "rocm")
-# Every name of a GPU's platform: the vendors' and JAX's own "gpu" (a device's ``.platform`` for both vendors).
 GPU_PLATFORMS = (*GPU_VENDOR_PLATFORMS, "gpu")
-# The platform names that selection and compilation take: JAX's (a device's ``.platform``) and the vendors'.
+# The platform names that selection and compilation take.
 PLATFORMS = ("cpu", "gpu", "tpu", *GPU_VENDOR_PLATFORMS)
 
-# Each figure from the GPU's data sheet; link bandwidth is per GPU per direction, all links to its peers together.
-# mi300x: AMD Instinct MI300X data sheet (2023): peak BF16 1307.4 TFLOPs dense (2614.9 with sparsity); 192 GB HBM3,
-#   5.3 TB/s peak; 7 AMD Infinity Fabric (xGMI) links of 128 GB/s peak bidirectional each, one to each peer of an
-#   8-GPU node: 7 x 64 GB/s = 448 GB/s; peak FP8 2614.9 TFLOPs dense. CDNA 3 (gfx942) multiplies the FNUZ FP8 formats.
-# mi325x: AMD Instinct MI325X data sheet (2024): peak BF16 1307.4 TFLOPs dense (the MI300X's compute); 256 GB HBM3E,
-#   6.0 TB/s; 7 Infinity Fabric links of 128 GB/s bidirectional: 448 GB/s; peak FP8 2614.9 TFLOPs dense; CDNA 3.
-# mi355x: AMD Instinct MI355X data sheet (2025): peak BF16 2.5 PFLOPs dense (5.0 with sparsity): 2516.6 TFLOP/s
-#   = 256 CUs x 4096 dense BF16 FLOP/clock x 2.4 GHz peak engine clock; 288 GB HBM3E, 8 TB/s; 7 Infinity Fabric
-#   links of 153.6 GB/s bidirectional: 7 x 76.8 = 537.6 GB/s; peak FP8 5.0 PFLOPs dense (twice BF16: 5033.2 TFLOP/s
-#   at 2.4 GHz). CDNA 4 (gfx950) multiplies the OCP FP8 formats.
-# h200: NVIDIA H200 Tensor Core GPU data sheet (2024), SXM: BF16 Tensor Core 1,979 TFLOPS with sparsity, i.e.
-#   989.4 TFLOP/s dense (the dense figure of NVIDIA's H100 SXM white paper; same GH100 and clocks); 141 GB HBM3e,
-#   4.8 TB/s; NVLink 900 GB/s per GPU (bidirectional, fourth-generation NVLink through NVSwitch): 450 GB/s;
-#   FP8 Tensor Core 3,958 TFLOPS with sparsity, 1978.9 dense; OCP FP8 (E4M3, E5M2).
+# Data sheets; link bandwidth per GPU per direction over all its links to its peers.
+# mi300x: AMD Instinct MI300X (2023): BF16 1307.4 TFLOPs dense, FP8 2614.9; HBM3 5.3 TB/s; 7 xGMI links of 128 GB/s
+#   bidirectional, one per peer: 7 x 64 = 448 GB/s. CDNA 3 (gfx942) multiplies the FNUZ FP8 formats.
+# mi325x: AMD Instinct MI325X (2024): the MI300X's compute and links; HBM3E 6.0 TB/s.
+# mi355x: AMD Instinct MI355X (2025): BF16 2.5 PFLOPs dense (256 CUs x 4096 FLOP/clock x 2.4 GHz = 2516.6 TFLOP/s),
+#   FP8 twice that; HBM3E 8 TB/s; 7 links of 153.6 GB/s bidirectional: 537.6 GB/s. CDNA 4 (gfx950): OCP FP8.
+# h200: NVIDIA H200 SXM (2024): BF16 1,979 TFLOPS with sparsity (989.4 dense, as H100 SXM's white paper), FP8 1978.9
+#   dense; HBM3e 4.8 TB/s; NVLink 900 GB/s bidirectional: 450 GB/s; OCP FP8.
 _PRESETS = (
     # name      BF16 FLOP/s  HBM bytes/s  link bytes/s  FP8 FLOP/s  FP8 formats multiplied natively  platform
     ("mi300x", 1307.4e12, 5.3e12, 448e9, 2614.9e12, ("float8_e4m3fnuz",), "rocm"),
@@ -114,10 +96,8 @@ HARDWARE = MappingProxyType({
 })
 
 
-# GPU architectures by the names in their device kinds (``jax.Device.device_kind``: "AMD MI300X" for the
-# deviceless topology, "AMD Instinct MI300X" on a ROCm host, "NVIDIA H100 80GB HBM3"; matched
-# case-insensitively as words), each with the preset whose matrix units it shares: the FP8 formats it
-# multiplies natively are that preset's ``fp8_formats``.
+# GPU architectures by the words of their device kinds ("AMD MI300X", "AMD Instinct MI300X", "NVIDIA H100 80GB
+# HBM3"; case-insensitive), each with the preset whose matrix units (and ``fp8_formats``) it shares.
 FP8_ARCHITECTURES = MappingProxyType({
     # CDNA 3 (gfx942): MI300X, MI300A, MI308X, MI325X multiply the FNUZ formats.
     ("mi300x", "mi300a", "mi308x", "mi325x"): "mi300x",
@@ -129,8 +109,7 @@ FP8_ARCHITECTURES = MappingProxyType({
 
 
 def architecture(device_kind: str) -> str | None:
-    """The preset ("mi300x", "mi355x", "h200") whose matrix units a ``device_kind`` GPU shares
-    (:data:`FP8_ARCHITECTURES`), or None when the kind names none of those GPUs (a CPU, an unknown GPU)."""
+    """The preset ("mi300x", "mi355x", "h200") whose matrix units a ``device_kind`` GPU shares, or None."""
     words = set(re.findall(r"[a-z0-9]+", str(device_kind).lower()))
     for names, preset in FP8_ARCHITECTURES.items():
         if words & set(names):
@@ -139,17 +118,14 @@ def architecture(device_kind: str) -> str | None:
 
 
 def native_fp8_formats(device_kind: str) -> tuple[str, ...] | None:
-    """The FP8 formats (dtype names) that the matrix units of a ``device_kind`` GPU multiply natively:
-    the ``fp8_formats`` of its :func:`architecture`'s preset, or None when the kind names none of those
-    GPUs (not known here: neither format can be vouched for)."""
+    """The FP8 formats (dtype names) a ``device_kind`` GPU multiplies natively, or None when it is not known."""
     preset = architecture(device_kind)
     return None if preset is None else HARDWARE[preset].fp8_formats
 
 
 def device_platform(device) -> str:
-    """The platform a ``jax.Device`` compiles for: "rocm" or "cuda" for a GPU (both "gpu" to JAX, on a host
-    and a deviceless topology alike), from the client's platform name, its version, then the device kind's
-    vendor; else its ``.platform``."""
+    """The platform a ``jax.Device`` compiles for: "rocm" or "cuda" for a GPU (both "gpu" to JAX), else its
+    ``.platform``."""
     platform = getattr(device, "platform", None)
     if platform != "gpu":
         return platform
@@ -167,11 +143,9 @@ def device_platform(device) -> str:
 
 
 def check_device(device: Any, argument: str = "device", *, optional: bool = False) -> jax.Device | None:
-    """``device`` unchanged when it is a ``jax.Device`` (of a host or a deviceless topology), or an object that
-    reads as one: a str ``platform`` and a non-empty str ``device_kind`` (what is read of a device: a stand-in
-    for a GPU the host lacks passes); None too when ``optional`` (the entry point documents what None stands
-    for). ValueError naming ``argument`` for anything else: a platform's or a GPU's name ("gpu", "rocm",
-    "MI300X"), which says neither the device kind nor the backend, an int, a mesh."""
+    """``device`` unchanged when it is a ``jax.Device`` or reads as one (a str ``platform`` and a non-empty str
+    ``device_kind``), or None when ``optional``; ValueError naming ``argument`` for anything else (a platform's
+    or a GPU's name says neither the device kind nor the backend)."""
     if device is None and optional:
         return None
     kind = getattr(device, "device_kind", None)
@@ -193,9 +167,8 @@ def check_device_kind(device_kind: Any, argument: str = "device_kind") -> str | 
 
 
 def check_platform(platform) -> str | None:
-    """The platform a ``platform`` argument names: a name of :data:`PLATFORMS` as it is, a ``jax.Device``'s
-    :func:`device_platform` (whatever its backend), None (not known) as it is; ValueError naming ``platform``
-    for anything else."""
+    """A name of :data:`PLATFORMS` or None as it is, a ``jax.Device``'s :func:`device_platform`; ValueError
+    naming ``platform`` for anything else."""
     if isinstance(platform, jax.Device):
         return device_platform(platform)
     if platform is None or (isinstance(platform, str) and platform in PLATFORMS):

@@ -1,7 +1,7 @@
 """A Hugging Face model config (config.json) read for the tail: the fields, checked, and which layers are MoE.
 
-Kimi-K3 wraps its text model's fields under ``text_config``; other models of the family keep them at the
-top level. :func:`tail_fields` maps them to :class:`k3_tail.TailConfig` fields:
+The text model's fields (under ``text_config`` in Kimi-K3's, at the top level in others) map to
+:class:`k3_tail.TailConfig` fields (:func:`tail_fields`):
 
     hidden_size                 -> hidden_size (H)
     routed_expert_hidden_size   -> latent_size (L): required; a model without it has no latent MoE
@@ -13,15 +13,11 @@ top level. :func:`tail_fields` maps them to :class:`k3_tail.TailConfig` fields:
                                    given must agree)
 
 Decoder layer i is MoE when ``i >= first_k_dense_replace`` (default 0) and ``i % moe_layer_freq == 0``
-(default 1), as the model's reference code, vLLM and SGLang build it (Kimi-K3: layer 0 dense, 1-92
-MoE); a config with MoE layers must give ``num_experts``.
+(default 1), as the reference code, vLLM and SGLang build it; a config with MoE layers must give ``num_experts``.
 
-The file is read by :func:`k3_tail.json_files.read_json` (strict JSON: duplicate keys, non-UTF-8 text
-and the like are refused naming the file). A bad value is a ValueError naming the field as the config
-spells it (``text_config.rms_norm_eps``). The fields are kept apart from what is known about where they
-came from (:class:`TextConfig`), so that no key of the file, whatever its name, is taken for anything
-but a field. This module imports nothing from k3_tail but the JSON reader, so that ``config.py`` can
-use it.
+The file is strict JSON (:func:`k3_tail.json_files.read_json`). A bad value is a ValueError naming the field as
+the config spells it (``text_config.rms_norm_eps``). The fields are kept apart from where they came from
+(:class:`TextConfig`), so no key of the file is taken for anything but a field.
 """
 
 from __future__ import annotations
@@ -42,9 +38,8 @@ TEXT_CONFIG = "text_config"
 # The dtypes the tail computes in, as a config.json names them ("torch.bfloat16" is accepted too).
 TAIL_DTYPES = ("bfloat16", "float16", "float32")
 _DTYPE_FIELDS = ("torch_dtype", "dtype")
-# A wrapper's fields that serve its text config when that has none of its own: the dtype, and the quantisation
-# (compressed-tensors' ``ModelCompressor.update_config`` writes ``quantization_config`` at the top level; Kimi-K3's
-# release has it under ``text_config``).
+# A wrapper's fields that serve its text config when that has none of its own (compressed-tensors writes
+# ``quantization_config`` at the top level; Kimi-K3's release has it under ``text_config``).
 WRAPPER_FIELDS = (*_DTYPE_FIELDS, "quantization_config")
 # The most decoder layers a config may have: the largest length a Python range reports (moe_layers).
 MAX_LAYERS = sys.maxsize
@@ -52,14 +47,8 @@ MAX_LAYERS = sys.maxsize
 
 @dataclasses.dataclass(frozen=True)
 class TextConfig:
-    """The text model's part of a model config.
-
-    Attributes:
-      fields: its fields, as the file holds them.
-      where: "text_config." when they sit under a wrapper's ``text_config``, else "" (for messages).
-      wrapper: the wrapper's fields that serve a text config without its own (:data:`WRAPPER_FIELDS`: the
-        dtype, and the quantisation, which Hugging Face's tools write at the top level).
-    """
+    """The text model's part of a model config: its ``fields``; ``where`` they sit ("text_config." or "", for
+    messages); the ``wrapper``'s fields that serve it (:data:`WRAPPER_FIELDS`)."""
 
     fields: Mapping[str, Any]
     where: str = ""
@@ -74,18 +63,15 @@ class TextConfig:
         return f"{self.where}{field}"
 
     def inherited(self, field: str) -> tuple[Any, str]:
-        """(the value, its name as the config spells it) of ``field``: the text config's own, else the
-        wrapper's (one of :data:`WRAPPER_FIELDS`), else (None, the text config's name for it)."""
+        """(the value, its name as the config spells it) of ``field``: the text config's, else the wrapper's."""
         if field not in self.fields and field in self.wrapper:
             return self.wrapper[field], field
         return self.fields.get(field), self.name(field)
 
 
 def config_file(path: str | os.PathLike) -> Path:
-    """The config.json that ``path`` stands for: ``path`` itself when it names a JSON file, the one in
-    ``path`` when it is a checkpoint directory, or the one beside ``path`` when it is a ``.safetensors``
-    file (the paths :func:`k3_tail.load_tail_weights` takes). ValueError for an empty path or when that
-    file does not exist, and for a path that no file can have (:func:`k3_tail._checks.check_path`)."""
+    """The config.json that ``path`` stands for: itself, the one in a checkpoint directory, or the one beside a
+    ``.safetensors`` file. ValueError for a path no file can have or when that file does not exist."""
     given = Path(check_path("config", path, expected=f"a path to {CONFIG_FILE}, a checkpoint directory or a "
                                                      ".safetensors file"))
     file, beside = given, ""
@@ -99,9 +85,8 @@ def config_file(path: str | os.PathLike) -> Path:
 
 
 def text_config(config: Any) -> TextConfig:
-    """The text model's config from ``config``: a path (:func:`config_file`), a mapping (the whole config or
-    its text part) or a :class:`TextConfig` (returned as it is). ValueError when the file cannot be read
-    or is not a JSON object, or ``config`` is none of these."""
+    """The text model's config from a path (:func:`config_file`), a mapping or a :class:`TextConfig`. ValueError
+    when the file cannot be read or is no JSON object, or ``config`` is none of these."""
     if isinstance(config, TextConfig):
         return config
     if isinstance(config, (str, os.PathLike)):
@@ -117,16 +102,13 @@ def text_config(config: Any) -> TextConfig:
     text = config[TEXT_CONFIG]
     if not isinstance(text, Mapping):
         raise ValueError(f"{TEXT_CONFIG}: expected a JSON object, got {type(text).__name__}")
-    # A wrapper may give the dtype or the quantisation at its top level only: the text model's, unless it says
-    # otherwise.
     wrapper = {name: config[name] for name in WRAPPER_FIELDS if name in config}
     return TextConfig(text, f"{TEXT_CONFIG}.", wrapper)
 
 
 def tail_fields(config: Any) -> dict[str, Any]:
-    """The :class:`k3_tail.TailConfig` fields the model's config sets (module docstring), checked: ValueError
-    naming the field when ``routed_expert_hidden_size`` or another required field is absent, or a value is
-    one the tail cannot serve."""
+    """The :class:`k3_tail.TailConfig` fields the model's config sets (module docstring); ValueError naming the
+    field when a required one is absent or the tail cannot serve its value."""
     text = text_config(config)
     if text.get("routed_expert_hidden_size") is None:
         raise ValueError(f"{text.name('routed_expert_hidden_size')}: missing: this model has no latent MoE "
@@ -155,9 +137,8 @@ def num_layers(config: Any) -> int:
 
 
 def is_moe_layer(config: Any, layer: int) -> bool:
-    """Whether decoder layer ``layer`` has a MoE block (module docstring). ValueError naming ``layer`` when it
-    is not one of the model's ``num_hidden_layers`` layers, and naming ``num_experts`` when the layer is MoE
-    but the config gives no expert count."""
+    """Whether decoder layer ``layer`` has a MoE block (module docstring). ValueError naming ``layer`` outside
+    the model's layers, or ``num_experts`` when a MoE layer has no expert count."""
     text = text_config(config)
     count = num_layers(text)
     if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < count:
@@ -171,8 +152,7 @@ def is_moe_layer(config: Any, layer: int) -> bool:
 
 
 def moe_layers(config: Any) -> range:
-    """Every decoder layer that has a MoE block, in order (:func:`is_moe_layer`), as a range: built in
-    constant time and space whatever ``num_hidden_layers`` is (Kimi-K3: ``range(1, 93)``)."""
+    """Every decoder layer that has a MoE block, as a range (Kimi-K3: ``range(1, 93)``)."""
     text = text_config(config)
     count = num_layers(text)
     first, frequency = _moe_rule(text)
@@ -183,8 +163,8 @@ def moe_layers(config: Any) -> range:
 
 
 def field(config: Any, name: str, *, minimum: int | None = None, default: Any = None) -> Any:
-    """One field of the text config: an integer >= ``minimum`` when ``minimum`` is given (ValueError
-    naming it otherwise), else the raw value; ``default`` when absent (ValueError when that is None)."""
+    """One field of the text config, an integer >= ``minimum`` when given; ``default`` when absent. ValueError
+    naming it otherwise, or when absent without a default."""
     text = text_config(config)
     if minimum is not None:
         return _integer(text, name, minimum=minimum, default=default)
@@ -197,7 +177,6 @@ def field_name(config: Any, name: str) -> str:
 
 
 def _moe_rule(text: TextConfig) -> tuple[int, int]:
-    """(first_k_dense_replace, moe_layer_freq), checked."""
     return (_integer(text, "first_k_dense_replace", minimum=0, default=0),
             _integer(text, "moe_layer_freq", minimum=1, default=1))
 
@@ -247,9 +226,8 @@ def _boolean(text: TextConfig, name: str) -> bool:
 
 
 def _dtype(text: TextConfig) -> str | None:
-    """The dtype the config names (``torch_dtype`` or ``dtype``; the text config's, else the wrapper's) as one
-    of TAIL_DTYPES, or None when it names none. ValueError naming both fields when one level gives both and
-    they differ ("torch.bfloat16" and "bfloat16" agree): which the model was saved in cannot be told."""
+    """The dtype the config names (``torch_dtype`` or ``dtype``; the text config's, else the wrapper's), or None.
+    ValueError naming both fields when one level gives two that differ."""
     for fields, where in ((text.fields, text.where), (text.wrapper, "")):
         named = {}
         for name in _DTYPE_FIELDS:

@@ -1,25 +1,11 @@
 """Strict JSON files: the one reader of a model's config.json, a checkpoint's index and a selection table.
 
-:func:`read_json` reads a file as RFC 8259 JSON and nothing looser, and turns every way a file can fail
-into a ValueError naming the file (and the field, where there is one):
-
-- a path that no file can have (a NUL byte, a character the file system's encoding cannot encode) is
-  refused as every entry point refuses it (:func:`k3_tail._checks.check_path`);
-- only a regular file is read: a FIFO, a device or a directory is refused before any byte is read, and
-  opening never blocks (``O_NONBLOCK``; a FIFO would otherwise wait for a writer forever);
-- at most ``max_bytes`` (default ``MAX_JSON_BYTES``, 256 MiB), checked before parsing: the largest file
-  read is a checkpoint index, and the released Kimi-K3's (about half a million tensor names of some 80
-  characters, each mapped to a shard name) is about 60 MB;
-- UTF-8 only (``json`` would also guess UTF-16 and UTF-32 from bytes);
-- an object that gives one key twice is refused, naming the key's path (``json`` keeps the last value
-  silently);
-- NaN, Infinity, a number beyond float64's range (``1e400``, which ``json`` reads as inf) and an
-  integer of more than ``MAX_INTEGER_DIGITS`` digits are refused, whatever the interpreter's own
-  integer-digit limit is set to;
-- nesting too deep for the parser (its RecursionError) is a ValueError too.
-
-It imports only :mod:`k3_tail._checks` (the path check): every layer of the package may use it. The write side
-is :mod:`k3_tail.output_files`.
+:func:`read_json` reads RFC 8259 JSON and nothing looser, every failure a ValueError naming the file (and the
+field): a path no file can have; anything but a regular file (refused before a byte is read, never blocking on a
+FIFO); more than ``max_bytes``; text that is not UTF-8; a key given twice in one object (``json`` keeps the last);
+NaN, Infinity, a number beyond float64 (``1e400``) or an integer of more than ``MAX_INTEGER_DIGITS`` digits;
+nesting too deep for the parser. It imports only :mod:`k3_tail._checks`; the write side is
+:mod:`k3_tail.output_files`.
 """
 
 from __future__ import annotations
@@ -34,20 +20,14 @@ from k3_tail._checks import check_path
 
 # The largest JSON file read: four times the released Kimi-K3's checkpoint index (about 60 MB).
 MAX_JSON_BYTES = 256 * 2**20
-# Python's own default limit on an integer's digits (sys.int_info.default_max_str_digits), applied here
-# whatever the interpreter is set to: no integer in these files comes near it.
+# Python's default limit on an integer's digits, applied whatever the interpreter is set to.
 MAX_INTEGER_DIGITS = 4300
 
 
 def read_json(path: Any, *, what: str, field_prefix: str = "", max_bytes: int = MAX_JSON_BYTES) -> Any:
-    """The JSON value in the file at ``path`` (module docstring: what is refused).
-
-    Args:
-      path: a str or os.PathLike naming the file (:func:`k3_tail._checks.check_path`); symbolic links are followed.
-      what: what the file is, the first word of every message about the file ("config", "checkpoint").
-      field_prefix: put before a field's path in a message (``"selection_table."`` makes
-        ``selection_table.ranges[1].tier``).
-      max_bytes: the largest file read.
+    """The JSON value in the file at ``path`` (a str or os.PathLike; links followed): module docstring.
+    ``what`` starts every message ("config"); ``field_prefix`` goes before a field's path
+    (``"selection_table."``).
 
     Raises:
       ValueError: ``"<what>: '<path>' ..."`` when the file cannot be opened, is no regular file, is larger
@@ -126,8 +106,8 @@ class _Duplicates(dict):
 
 
 def _first_duplicate(value: Any) -> tuple[str, str]:
-    """(the path of the first object, in document order, that repeats a key; that key). Walks the value
-    with a stack of its own: it may nest as deep as the parser went."""
+    """(the path of the first object, in document order, that repeats a key; that key), walked with a stack of
+    its own: it may nest as deep as the parser went."""
     stack: list[tuple[str, Any]] = [("", value)]
     while stack:
         where, item = stack.pop()

@@ -1,20 +1,8 @@
 """Where outputs go: each output path checked before any work, and each file written whole or not at all.
 
-An entry point that writes (``SelectionTable.save``, ``compile_tail(dump_to=)``, the commands' and scripts'
-``--out``, ``--json``, ``--csv`` and ``--plot``) checks its paths before it measures, compiles or computes
-anything, so that a bad one costs nothing: ValueError naming the argument (a command turns it into a one-line
-error, exit status 2).
-
-- :func:`check_output_file`: a path (:func:`k3_tail._checks.check_path`) of a regular file, or of none yet,
-  whose directory exists and takes a new file there (tried: a file made there and removed, so that /proc, /sys
-  and read-only mounts are caught, which no permission bit tells); a directory, a FIFO (which would block the
-  writer), a device or a socket is refused, as :mod:`k3_tail.json_files` refuses it on the read side.
-- :func:`write_file`: the bytes written to a new file in the same directory, flushed to the disk, then renamed
-  over the path (``os.replace``): a reader sees the old file or the new one, never a part, and a failure
-  leaves the old one as it was. A symbolic link is followed: the file it names is replaced, the link kept.
-  The new file has the old one's permission bits, else those ``open`` gives a new file (0o666 less the umask).
-- :func:`check_output_directory`: a directory for a tool that writes files into it (XLA's dump), created
-  with its parents when absent.
+An entry point that writes checks its paths before it measures, compiles or computes anything: ValueError
+naming the argument. A file path must be a regular file or none yet, in a directory that takes a new file (tried:
+one made and removed, which catches /proc and read-only mounts that no permission bit tells).
 """
 
 from __future__ import annotations
@@ -32,8 +20,7 @@ _NEW_FILE_MODE = 0o666  # what open() asks for a new file; the umask applies
 
 
 def check_output_file(name: str, path: Any, *, expected: str = "a path to write a file to") -> str:
-    """``path`` as a str when a file can be written there (module docstring), else ValueError naming ``name``.
-    ``expected`` says what the path stands for, for the message."""
+    """``path`` as a str when a file can be written there (module docstring), else ValueError naming ``name``."""
     text = check_path(name, path, expected=expected)
     target = os.path.realpath(text)
     try:
@@ -56,8 +43,9 @@ def check_output_file(name: str, path: Any, *, expected: str = "a path to write 
 
 
 def write_file(name: str, path: Any, data: str | bytes) -> None:
-    """Write ``data`` (a str as UTF-8) to the file ``path``, atomically (module docstring); ValueError naming
-    ``name`` when it cannot be written there (:func:`check_output_file`, and then the write's own errors)."""
+    """Write ``data`` (a str as UTF-8) to ``path`` atomically: a new file beside it, flushed, renamed over it
+    (a link's target replaced, the old file's mode kept); a failure leaves the old file. ValueError naming
+    ``name`` when it cannot be written."""
     text = check_output_file(name, path)
     target = os.path.realpath(text)
     try:
@@ -84,9 +72,8 @@ def write_file(name: str, path: Any, data: str | bytes) -> None:
 
 
 def check_output_directory(name: str, path: Any, *, expected: str = "a directory to write files into") -> str:
-    """``path`` as a str once it is a directory, created with its parents when absent; ValueError naming
-    ``name`` when it is something else (a file, a FIFO) or cannot be created (a path under a file, no
-    permission)."""
+    """``path`` as a str once it is a directory, created with its parents when absent; ValueError naming ``name``
+    when it is something else or cannot be created."""
     text = check_path(name, path, expected=expected)
     try:
         os.makedirs(text, exist_ok=True)
@@ -104,9 +91,8 @@ def check_output_directory(name: str, path: Any, *, expected: str = "a directory
 
 
 def _new_file_beside(name: str, text: str, target: str) -> tuple[int, str]:
-    """(a descriptor open for writing, the path) of a new, empty, hidden file in ``target``'s directory, made with
-    the mode open() gives a new file; ValueError naming ``name`` (and ``text``, the path as given) when none can
-    be made there."""
+    """(a descriptor open for writing, the path) of a new hidden file in ``target``'s directory; ValueError naming
+    ``name`` and ``text`` when none can be made there."""
     directory, base = os.path.split(target)
     temporary = os.path.join(directory, f".{base}.{secrets.token_hex(6)}.tmp")
     try:

@@ -1,8 +1,5 @@
 """The per-rank entry point: the tail as one TP rank computes it, inside the caller's ``jax.shard_map``.
-
-For a model that writes its MoE layer as one ``jax.shard_map``; :func:`k3_tail.tail_forward` runs
-:func:`run_tail` per rank on what it has checked globally. Notation (T, L, H, p): docs/design.md, Conventions.
-"""
+Notation (T, L, H, p): docs/design.md, "Conventions"."""
 
 from __future__ import annotations
 
@@ -44,38 +41,33 @@ def latent_moe_tail(
 ) -> jax.Array:
     """``y = RMSNorm_g(c * sum_i r_i) @ W + sum_i s_i`` for this TP rank, inside ``jax.shard_map`` over ``axis_name``.
 
-    The tier is the one :func:`k3_tail.select_tier` picks for the call on ``device``'s platform, or without a
-    device on the platform the program is lowered for. Never modifies its inputs; costs are the tier's. Composes
-    with jit, vmap, scan, remat, grad/vjp/jvp (not with quantised sums) and ``jax.export``.
+    Never modifies its inputs; costs are the tier's. Composes with jit, vmap, scan, remat, grad/vjp/jvp (not
+    with quantised sums) and ``jax.export``.
 
     Args:
-      routed_partial: [T, L] in ``config.dtype``, this rank's routed partial; with
-        ``config.routed_output_is_reduced`` the reduced latent, the same on every rank.
-      shared_partial: [T, H], this rank's shared-expert partial; None exactly when ``config.has_shared_experts``
-        is False. With ``config.shared_output_is_reduced``: what :func:`k3_tail.reduce_shared` returns.
-      norm_weight: [L] RMSNorm scale g; None exactly when ``config.use_latent_norm`` is False.
-      up_proj_kernel: [L, H] ("replicated"), or this rank's [L, Hb] block of the kernel stored padded to
+      routed_partial: [T, L] in ``config.dtype``, this rank's routed partial (the reduced latent with
+        ``config.routed_output_is_reduced``).
+      shared_partial: [T, H], this rank's shared partial (with ``config.shared_output_is_reduced`` what
+        :func:`k3_tail.reduce_shared` returns); None exactly without ``config.has_shared_experts``.
+      norm_weight: [L] RMSNorm scale g; None exactly without ``config.use_latent_norm``.
+      up_proj_kernel: [L, H] ("replicated"), or this rank's [L, Hb] block of the kernel padded to
         ``padded_hidden_size(H, p)`` columns ("column", in_spec ``P(None, axis_name)``); a
         :class:`k3_tail.QuantizedKernel` with an FP8 ``config.up_proj_dtype``.
-      config: the tail's :class:`k3_tail.TailConfig`.
-      axis_name: the TP axis: a mesh axis name, or a tuple of them (p is the product of their sizes).
-      weight_layout: "replicated" or "column".
-      tier: a :class:`k3_tail.Tier` (or its value) to force, or None to select one.
-      device: a device of the mesh, whose platform and kind the selection and the FP8 check read; None: one
-        program per lowering platform ("cpu", "cuda", "rocm"), joined by ``jax.lax.platform_dependent``.
-      rank: this rank's index, int32 [1]: its block of ``jnp.arange(p, dtype=jnp.int32)`` with in_spec
-        ``P(axis_name)``; None: ``lax.axis_index`` (on a GPU one_kernel then launches one more kernel).
+      config, axis_name, weight_layout: the TailConfig; the TP axis (names whose sizes multiply to p); the layout.
+      tier: a :class:`k3_tail.Tier` (or its value) to force, or None: :func:`k3_tail.select_tier`'s.
+      device: a device of the mesh, whose platform and kind selection and the FP8 check read; None: one program
+        per lowering platform, joined by ``jax.lax.platform_dependent``.
+      rank: this rank's index, int32 [1] (its block of ``jnp.arange(p, dtype=jnp.int32)``, in_spec
+        ``P(axis_name)``); None: ``lax.axis_index`` (on a GPU one_kernel then launches one more kernel).
 
     Returns:
-      y [T, H] in ``config.dtype``, the same on every rank (out_spec ``P()``). With ``config.sequence_parallel``:
-      this rank's [T'/p, H] rows of y padded with zero rows to T' = ``padded_token_count(T, p)``
-      (out_spec ``P(axis_name)``); T = 0 gives one zero row per rank.
+      y [T, H] in ``config.dtype``, the same on every rank (out_spec ``P()``); with ``config.sequence_parallel``
+      this rank's [T'/p, H] rows of y zero-padded to T' = ``padded_token_count(T, p)`` (``P(axis_name)``).
 
     Raises:
-      ValueError: naming the argument, before any work: bad shapes or dtypes, no TP axis ``axis_name`` in
-        scope, a forced tier that cannot run with the layout or config, FP8 activations ``device`` does not
-        multiply, or (where the shard_map types values, ``check_vma=True``) an input whose variation over the
-        axis contradicts the config field it names, or a ``rank`` that is the same on every rank.
+      ValueError: naming the argument, before any work: bad shapes or dtypes, no TP axis in scope, a forced tier
+        that cannot run, FP8 activations ``device`` does not multiply, or (where the shard_map types values) an
+        input whose variation over the axis contradicts its config field, or a ``rank`` the same on every rank.
     """
     check_config(config)
     axis_name = check_axis_name(axis_name)
@@ -107,12 +99,11 @@ def latent_moe_tail(
 def run_tail(routed_partial, shared_partial, norm_weight, up_proj_kernel, *, config: TailConfig, axis_name: AxisName,
              tp_size: int, num_tokens: int, weight_layout: str, tier: Tier | None, platform: str | None,
              device_kind: str | None, rank: jax.Array | None) -> jax.Array:
-    """:func:`latent_moe_tail` on arguments it (or :func:`k3_tail.tail_forward`, on the global arrays) has checked:
-    ``tier`` parsed and able to run, the device as its platform ("cuda", "rocm", "cpu"; None: the platform the
-    program is lowered for) and kind."""
+    """:func:`latent_moe_tail` on checked arguments (by it, or globally by :func:`k3_tail.tail_forward`), the device
+    as its ``platform`` (None: the lowering platform's) and kind."""
     if config.sequence_parallel:
-        # Zero token rows up to a multiple of p, so that each rank owns T'/p rows of the output, for every
-        # T: JAX shards evenly only (a reduced shared output already is this rank's rows).
+        # Zero token rows up to a multiple of p: JAX shards evenly only (a reduced shared output already is this
+        # rank's rows).
         routed_partial = pad_tokens(routed_partial, tp_size)
         if shared_partial is not None and not config.shared_output_is_reduced:
             shared_partial = pad_tokens(shared_partial, tp_size)
@@ -133,8 +124,7 @@ def run_tail(routed_partial, shared_partial, norm_weight, up_proj_kernel, *, con
 
 
 def _check_rank(rank, axis_name: AxisName, tp_size: int) -> None:
-    """ValueError naming ``rank`` unless it is an int32 [1] that, where its value is known at trace time, lies in
-    [0, p). (A traced one outside it gives NaN: the one_kernel tier's kernel masks it both ways.)"""
+    """ValueError naming ``rank`` unless it is an int32 [1] in [0, p) where known (a traced one outside gives NaN)."""
     expect_array(rank, "rank", [(1,)], np.dtype(np.int32), "this rank's index: its block of jnp.arange(p)",
                  dtype_field="int32")
     if not isinstance(rank, jax.core.Tracer) and not 0 <= int(np.asarray(rank)[0]) < tp_size:
@@ -143,9 +133,8 @@ def _check_rank(rank, axis_name: AxisName, tp_size: int) -> None:
 
 
 def _check_variation(variation: dict[str, bool], *, config: TailConfig, axis_name: AxisName) -> None:
-    """ValueError naming the argument, or the config field it contradicts, where an input's type
-    (:func:`~k3_tail._checks.variation_over`) is not what the call expects: a per-rank partial and ``rank`` vary
-    over the TP axis, a reduced output does not."""
+    """ValueError naming the argument or the config field it contradicts where an input's variation over the TP
+    axis is not what the call expects (a partial and ``rank`` vary, a reduced output does not)."""
     if variation.get("rank") is False:
         raise ValueError(f"rank: expected this rank's index, which varies over {axis_name!r} (the block of "
                          f"jnp.arange(p, dtype=jnp.int32) with in_spec P({axis_name!r})), but its type is the same "
@@ -173,7 +162,6 @@ def _check_variation(variation: dict[str, bool], *, config: TailConfig, axis_nam
 
 def _check_per_rank_inputs(routed_partial, shared_partial, norm_weight, up_proj_kernel, *, config, tp_size,
                            weight_layout) -> int:
-    """Validate this rank's shapes and dtypes against the config and p; return T."""
     hidden, latent = config.hidden_size, config.latent_size
     expect_rank(routed_partial, "routed_partial", "[T, L] (this rank's block)", 2)
     num_tokens = routed_partial.shape[0]

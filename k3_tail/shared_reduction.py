@@ -1,9 +1,5 @@
-"""The shared experts' reduction, per rank, issued as early as the model likes.
-
-The shared-expert partials do not depend on the routed experts, so their sum can travel while the
-routed experts compute (tens of microseconds at decode on a GPU) instead of beside the tail's up
-projection (one or two): vLLM's VLLM_KIMI_K3_SHARED_OUTPUT_AR_OVERLAP.
-"""
+"""The shared experts' reduction, per rank, issued as early as the model likes: it can then travel while the
+routed experts compute (vLLM's VLLM_KIMI_K3_SHARED_OUTPUT_AR_OVERLAP)."""
 
 from __future__ import annotations
 
@@ -25,33 +21,22 @@ def reduce_shared(
     axis_name: AxisName = "tp",
     device: jax.Device | None = None,
 ) -> jax.Array:
-    """The sum over the TP ranks of the shared-expert partials, in the form the tail takes it.
-
-    Call it inside a ``jax.shard_map`` whose mesh has the TP axis ``axis_name``, as soon as the
-    shared experts finish, and pass the result as ``shared_partial`` of
-    :func:`k3_tail.latent_moe_tail` (or :meth:`k3_tail.LatentMoETail.per_rank`) with
-    ``TailConfig(shared_output_is_reduced=True)``. The collective carries the named scope
-    ``k3_tail/shared_reduction``.
+    """The sum over the TP ranks of the shared-expert partials, in the form the tail takes it as ``shared_partial``
+    with ``TailConfig(shared_output_is_reduced=True)``; call it inside the ``jax.shard_map`` as soon as the shared
+    experts finish.
 
     Args:
-      shared_partial: this rank's [T, H] partial, dtype ``config.dtype``.
-      config: the tail's :class:`k3_tail.TailConfig`, with shared experts and
-        ``shared_output_is_reduced``.
-      axis_name: the TP axis: a name, or a tuple of names as for :func:`k3_tail.latent_moe_tail`.
-      device: a device of the mesh, whose platform then decides the all-reduce's form; None: the platform
-        the program is lowered for decides (``jax.lax.platform_dependent``), as in :func:`k3_tail.latent_moe_tail`.
+      shared_partial: this rank's [T, H] partial in ``config.dtype``.
+      config, axis_name: as for :func:`k3_tail.latent_moe_tail`.
+      device: a device of the mesh, whose platform decides the all-reduce's form; None: the lowering platform's.
 
     Returns:
-      In ``config.dtype``: without ``config.sequence_parallel`` the sum [T, H], the same on every
-      rank (an all-reduce in the form ``config.all_reduce_form`` picks); with it this rank's rows of
-      the sum, [T'/p, H], T' = ``padded_token_count(T, p)`` (zero rows appended): a reduce-scatter
-      over tokens, half the wire bytes, in the rows the tail's token-sharded output then has.
+      The sum [T, H], the same on every rank (an all-reduce); with ``config.sequence_parallel`` this rank's
+      [T'/p, H] rows of it zero-padded to T' = ``padded_token_count(T, p)`` (a reduce-scatter over tokens).
 
     Raises:
-      ValueError: naming the argument, for a wrong shape or dtype, a config without shared experts or
-        without ``shared_output_is_reduced`` (the tail it feeds must take a reduced shared output),
-        no ``axis_name`` axis in scope, or a ``device`` that is no ``jax.Device``
-        (:func:`k3_tail.hardware.check_device`).
+      ValueError: naming the argument, for a wrong shape or dtype, a config without shared experts or without
+        ``shared_output_is_reduced``, no ``axis_name`` in scope, or a ``device`` that is no ``jax.Device``.
     """
     check_config(config)
     axis_name = check_axis_name(axis_name)
@@ -73,8 +58,7 @@ def reduce_shared(
     def form_on(platform: str) -> str:
         return config.sum_plan(tp_size, platform).form_for(config.dtype, nbytes)
 
-    # As latent_moe_tail's sums: the device's platform where given, else the lowering's; platforms whose sum
-    # travels alike share one branch (their first).
+    # The device's platform where given, else the lowering's; platforms whose sum travels alike share a branch.
     branches = {platform: device_platform(device) if device is not None else
                 next(other for other in LOWERING_PLATFORMS if form_on(other) == form_on(platform))
                 for platform in LOWERING_PLATFORMS}

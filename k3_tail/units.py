@@ -1,20 +1,15 @@
-"""Figures in the unit that keeps about three significant digits: bytes, FLOPs and seconds.
-
-Shared by every report the library prints (the compiled program's, the command line's tables and the
-experiments'), so that one figure reads the same everywhere.
-"""
+"""Figures in the unit that keeps about three significant digits (bytes, FLOPs, seconds), for every report."""
 
 from __future__ import annotations
 
 
 def format_bytes(count: float) -> str:
-    """``count`` bytes in the binary unit that keeps about 3 significant digits: "512 B", "12.3 KiB",
-    "6.13 MiB", "1.50 GiB"."""
+    """``count`` bytes in a binary unit: "512 B", "12.3 KiB", "6.13 MiB", "1.50 GiB"."""
     return _scaled(count, 1024, ("B", "KiB", "MiB", "GiB", "TiB"))
 
 
 def format_flops(count: float) -> str:
-    """``count`` FLOPs in the decimal unit that keeps about 3 significant digits: "822 MFLOP", "13.2 GFLOP"."""
+    """``count`` FLOPs in a decimal unit: "822 MFLOP", "13.2 GFLOP"."""
     return _scaled(count, 1000, ("FLOP", "kFLOP", "MFLOP", "GFLOP", "TFLOP", "PFLOP"))
 
 
@@ -31,7 +26,7 @@ def _scaled(count: float, base: int, units: tuple[str, ...]) -> str:
 
 
 def format_seconds(seconds: float) -> str:
-    """``seconds`` in the unit that keeps about 3 significant digits: "812 us", "1.23 ms", "2.50 s"."""
+    """``seconds`` as "812 us", "1.23 ms", "2.50 s"."""
     for scale, unit in ((1e-3, "us"), (1.0, "ms")):
         if seconds < scale:
             value = seconds / scale * 1e3

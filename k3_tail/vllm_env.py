@@ -1,8 +1,5 @@
-"""vLLM's environment variables as :class:`~k3_tail.TailConfig` fields (what ``TailConfig.from_env`` applies),
-and one of k3_tail's own, named K3_TAIL_*, for a switch vLLM has no variable for.
-
-Below the config: it returns field values, and the config applies them.
-"""
+"""vLLM's environment variables, and k3_tail's K3_TAIL_*, as :class:`~k3_tail.TailConfig` field values (what
+``TailConfig.from_env`` applies)."""
 
 from __future__ import annotations
 
@@ -32,26 +29,16 @@ _FALSE_WORDS = ("0", "false", "no", "off", "")
 
 
 def config_changes(environ: Mapping[str, str]) -> dict[str, Any]:
-    """The TailConfig fields that the vLLM variables (and k3_tail's) set in ``environ`` give, by field name.
-
-    VLLM_SHARED_EXPERTS_STREAM_TOKEN_THRESHOLD sets ``overlap_token_threshold`` and
-    VLLM_KIMI_K3_AMD_PREFILL_SP_MIN_TOKENS ``prefill_token_parallel_min_tokens`` (integers; the config
-    checks their range); VLLM_DISABLE_SHARED_EXPERTS_STREAM sets ``disable_overlap``,
-    VLLM_KIMI_K3_SHARED_OUTPUT_AR_OVERLAP ``shared_output_is_reduced`` and
-    VLLM_ROCM_QUICK_REDUCE_CAST_BF16_TO_FP16 ``quantized_all_reduce_fp16_sizes_for_bf16`` (each 1/0,
-    true/false, yes/no, on/off). VLLM_ROCM_QUICK_REDUCE_QUANTIZATION (case-insensitive) sets
-    ``all_reduce_quantization``: INT8, INT6, INT4 the codec; NONE off; FP, QuickReduce's unquantised
-    two-shot form, sets ``all_reduce_form`` to "reduce-scatter+all-gather" (for every sum: both forms are
-    exact, so no size window is needed). VLLM_ROCM_QUICK_REDUCE_MAX_SIZE_BYTES_MB sets
-    ``quantized_all_reduce_max_bytes`` (an integer, in MiB). K3_TAIL_DISABLE_ONE_KERNEL (a boolean as
-    above) true sets ``one_kernel_max_tokens`` to 0, so that vLLM's rules, the default policy, never pick
-    the one_kernel tier; false sets nothing (the base's limit stays). Unset variables set nothing.
+    """The TailConfig fields, by name, that the variables set in ``environ`` give (unset ones set nothing): the
+    integers ``overlap_token_threshold`` and ``prefill_token_parallel_min_tokens``, the booleans (1/0, true/false,
+    yes/no, on/off) ``disable_overlap``, ``shared_output_is_reduced`` and
+    ``quantized_all_reduce_fp16_sizes_for_bf16``; VLLM_ROCM_QUICK_REDUCE_QUANTIZATION: INT8/INT6/INT4 the codec,
+    NONE off, FP (QuickReduce's unquantised two-shot form) ``all_reduce_form`` "reduce-scatter+all-gather";
+    ``quantized_all_reduce_max_bytes`` in MiB; K3_TAIL_DISABLE_ONE_KERNEL true: ``one_kernel_max_tokens`` 0.
 
     Raises:
-      ValueError: naming ``environ`` when it is no mapping of variable names to values (``os.environ``, a
-        dict), naming the variable when one of its names or values is not a str (as every environment's
-        are: an int or None would be read as no value, or fail as no string), and naming the field and the
-        variable for a value that does not parse.
+      ValueError: naming ``environ`` when it is no mapping, the variable whose name or value is no str, or the
+        field and the variable for a value that does not parse.
     """
     check_environ(environ)
     changes: dict[str, Any] = {}
@@ -73,8 +60,7 @@ def config_changes(environ: Mapping[str, str]) -> dict[str, Any]:
 
 
 def check_environ(environ: Any) -> Mapping[str, str]:
-    """``environ`` unchanged when it is a Mapping of str to str, as an environment is; ValueError naming
-    ``environ``, or the variable whose name or value is not a str, otherwise."""
+    """``environ`` unchanged when it is a Mapping of str to str; ValueError naming it or the variable otherwise."""
     if not isinstance(environ, Mapping):
         raise ValueError(f"environ: expected a mapping of environment variable names to their values (os.environ "
                          f"or a dict of str to str), got {type(environ).__name__}")
@@ -103,7 +89,6 @@ def _boolean(raw: str, variable: str, field: str) -> bool:
 
 
 def _quick_reduce_regime(raw: str) -> dict[str, Any]:
-    """The config fields that QuickReduce's quantisation regime ``raw`` (its environment value) sets."""
     regime = raw.strip().lower()
     if regime == "fp":
         return {"all_reduce_quantization": None, "all_reduce_form": SPLIT}

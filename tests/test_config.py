@@ -202,3 +202,16 @@ def test_from_env_reads_the_quick_reduce_size_cap_in_mib_and_the_bf16_cast():
     assert config.quantized_all_reduce_fp16_sizes_for_bf16 is False
     defaults = TailConfig.from_env(environ={})
     assert (defaults.all_reduce_quantization, defaults.quantized_all_reduce_max_bytes) == (None, 2**31)
+
+
+def test_fused_output_is_reduced_is_the_deprecated_name_of_routed_output_is_reduced():
+    with pytest.warns(DeprecationWarning, match="use routed_output_is_reduced"):
+        config = TailConfig(hidden_size=96, latent_size=64, fused_output_is_reduced=True)
+    assert config == TailConfig(hidden_size=96, latent_size=64, routed_output_is_reduced=True)
+    with pytest.warns(DeprecationWarning, match="use routed_output_is_reduced"):
+        assert config.fused_output_is_reduced is True
+
+
+def test_both_names_of_a_reduced_routed_output_at_once_are_refused():
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="fused_output_is_reduced: .* give only"):
+        TailConfig(hidden_size=96, latent_size=64, fused_output_is_reduced=True, routed_output_is_reduced=True)

@@ -6,6 +6,7 @@ Gradients with respect to the routed and shared partials, the norm weight and th
 """
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -73,25 +74,33 @@ CASES = [
 ]
 
 
+def loss_and_gradients(mesh, config, tier, weight_layout):
+    """(the jitted loss <tail(arrays), cotangent>, its inputs, its gradients with respect to the four arrays)."""
+    tail, specs = tail_of(mesh, config, tier, weight_layout)
+    arrays = inputs(mesh, specs, weight_layout)
+    cotangent = jax.random.normal(jax.random.key(1), jax.eval_shape(tail, *arrays).shape)
+    loss = jax.jit(lambda *a: jnp.vdot(tail(*a), cotangent))
+    return loss, arrays, jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(*arrays)
+
+
+@functools.cache
+def native_gradients(mesh, weight_layout, changes):
+    """native's gradients for a config (``changes`` as sorted items), once for the tiers that compare with them."""
+    return loss_and_gradients(mesh, dataclasses.replace(CONFIG, **dict(changes)), "native", weight_layout)[2]
+
+
 @pytest.mark.parametrize(("tier", "weight_layout", "changes"), CASES, ids=[f"{t}-{w}" for t, w, _ in CASES])
 def test_every_tiers_gradient_is_natives_and_the_finite_differences(mesh, tier, weight_layout, changes):
     config = dataclasses.replace(CONFIG, **changes)
-    tail, specs = tail_of(mesh, config, tier, weight_layout)
-    native, _ = tail_of(mesh, config, "native", weight_layout)
-    arrays = inputs(mesh, specs, weight_layout)
-    cotangent = jax.random.normal(jax.random.key(1), jax.eval_shape(tail, *arrays).shape)
-
-    def loss(function):
-        return jax.jit(lambda *a: jnp.vdot(function(*a), cotangent))
-
-    gradients = jax.grad(loss(tail), argnums=(0, 1, 2, 3))(*arrays)
-    for gradient, want in zip(gradients, jax.grad(loss(native), argnums=(0, 1, 2, 3))(*arrays), strict=True):
+    loss, arrays, gradients = loss_and_gradients(mesh, config, tier, weight_layout)
+    wanted = native_gradients(mesh, weight_layout, tuple(sorted(changes.items())))
+    for gradient, want in zip(gradients, wanted, strict=True):
         assert relative(gradient, want) <= GRADIENT_TOLERANCE
 
     directions = [jax.random.normal(jax.random.key(2 + i), x.shape) for i, x in enumerate(arrays)]
     step = 1e-2
     moved = [[x + sign * step * d for x, d in zip(arrays, directions, strict=True)] for sign in (1, -1)]
-    difference = (loss(tail)(*moved[0]) - loss(tail)(*moved[1])) / (2 * step)
+    difference = (loss(*moved[0]) - loss(*moved[1])) / (2 * step)
     predicted = sum(jnp.vdot(g, d) for g, d in zip(gradients, directions, strict=True))
     assert abs(difference - predicted) <= DIFFERENCE_TOLERANCE * abs(predicted)
 

@@ -1,32 +1,18 @@
 """Block quantisation of a collective's payload: vLLM ROCm QuickReduce's INT8, INT6 and INT4 codecs.
 
-A codec cuts a float buffer into blocks of ``BLOCK`` = 32 values and stores each as 32 b-bit integers
-and one bfloat16 scale, packed so that the wire carries b bits per value:
+A block of ``BLOCK`` = 32 values travels as 32 b-bit integers and one bfloat16 scale (computed in float32):
 
-    scale = bfloat16(-m / 2^(b-1)),   m = max |x| over the block
+    scale = bfloat16(-m / 2^(b-1)),   m = max |x| over the block (an all-zero block: -0)
     q     = clamp(round(x / scale), -2^(b-1), 2^(b-1) - 1)        (round half to even)
     x'    = q * scale
 
-This is QuickReduce's symmetric scheme, its negative scale included: the block's largest positive value
-lands exactly on -2^(b-1), the one level without a positive twin, and only a value near -m can be
-clamped. The codec computes in float32; bfloat16, QuickReduce's scale type for bf16 data, has float32's
-range, so no finite block overflows its scale or rounds it to zero. An all-zero block has scale -0.
-
-Non-finite values travel as NaN, at their own elements only (QuickReduce has no rule for them; a scale
-taken over a NaN would spread it over the block, or, where a reduction drops NaN as XLA:CPU's max can,
-hide it). A block holding a NaN or an infinity is marked by a scale with its sign bit clear,
-+m / (2^(b-1) - 1) with m the largest finite magnitude: its finite values use the symmetric levels
-[-(2^(b-1) - 1), 2^(b-1) - 1], and the spare level -2^(b-1) marks each non-finite element, which
-decodes to NaN.
-
-Error per value: |x - x'| <= |scale| / 2 where no clamp applies, and at most ``max_error(m)`` for any
-finite value (the bf16 scale is within 2^-8 of m / 2^(b-1), so -m can pass the highest level by up to
-2^(b-1) * 2^-8 steps, clamped; a marked block's longer step clamps by at most 2^(b-9) of one). Decoded
-values are clamped to float32's range. A block whose scale would be subnormal (m < 2^(b-1) * 1.2e-38)
-may decode to zeros: XLA flushes subnormals on CPU and GPU.
-
-Wire format of one block: the values in offset binary (q + 2^(b-1)), ``group`` of them little-endian in
-``group * b / 8`` bytes, then the scale's two bytes: 34, 26 or 18 bytes per 32 values (bf16: 64).
+The negative scale is QuickReduce's: the largest positive value lands on -2^(b-1), the level without a twin.
+Non-finite values decode to NaN at their own elements only (a scale over a NaN would spread or hide it): such a
+block's scale has its sign bit clear, +m / (2^(b-1) - 1) over the finite values, and the spare level -2^(b-1)
+marks each non-finite element. Error per value: |scale| / 2 where no clamp applies, ``max_error(m)`` for any
+finite value; a subnormal scale (m < 2^(b-1) * 1.2e-38) may decode to zeros (XLA flushes subnormals).
+Wire format of a block: the values in offset binary (q + 2^(b-1)), ``group`` of them little-endian in
+``group * b / 8`` bytes, then the scale's two bytes.
 """
 
 from __future__ import annotations
@@ -45,8 +31,7 @@ _SIGN_BIT = 0x8000  # of the bfloat16 scale: clear in a block that holds a non-f
 
 @dataclasses.dataclass(frozen=True)
 class Codec:
-    """One block codec: ``name`` ("int8"), ``bits`` per value, and ``group``: how many values pack
-    into whole bytes (group * bits is a multiple of 8)."""
+    """One block codec: ``name`` ("int8"), ``bits`` per value, ``group`` values packed in whole bytes."""
 
     name: str
     bits: int
@@ -54,23 +39,19 @@ class Codec:
 
     @property
     def lowest(self) -> int:
-        """The smallest level, -2^(b-1)."""
         return -(1 << (self.bits - 1))
 
     @property
     def highest(self) -> int:
-        """The largest level, 2^(b-1) - 1."""
         return (1 << (self.bits - 1)) - 1
 
     @property
     def relative_step(self) -> float:
-        """The step between two levels relative to the block's largest magnitude, 1 / 2^(b-1): the
-        scale of the codec's error (a rounding costs about a third of a step, RMS)."""
+        """The step between two levels relative to the block's largest magnitude, 1 / 2^(b-1)."""
         return 1.0 / -self.lowest
 
     @property
     def block_bytes(self) -> int:
-        """Bytes of one encoded block: BLOCK * bits / 8 value bytes and the bfloat16 scale."""
         return BLOCK * self.bits // 8 + _SCALE_BYTES
 
     def encoded_bytes(self, elements: int) -> int:
@@ -78,8 +59,7 @@ class Codec:
         return -(-elements // BLOCK) * self.block_bytes
 
     def max_error(self, block_max: float) -> float:
-        """The largest error one encode-decode can put on a value of a block whose largest magnitude
-        is ``block_max`` (module docstring)."""
+        """The largest error one encode-decode puts on a value of a block of largest magnitude ``block_max``."""
         if block_max * self.relative_step < float(jnp.finfo(jnp.float32).tiny):  # a subnormal scale
             return block_max
         step = block_max * self.relative_step * (1 + 2**-8)
@@ -102,16 +82,14 @@ class Codec:
         levels = jnp.where(finite, levels, self.lowest)  # the spare level of a marked block: NaN
         offset = (levels - self.lowest).astype(jnp.uint32)
         grouped = offset.reshape(*offset.shape[:-1], BLOCK // self.group, self.group)
-        # The group's values side by side in one little-endian word (disjoint bits: their sum is their OR),
-        # of which the low group * bits / 8 bytes travel.
+        # The group's values side by side in one little-endian word (disjoint bits: their sum is their OR).
         words = jnp.sum(grouped << self._shifts, axis=-1, dtype=jnp.uint32)
         packed = lax.bitcast_convert_type(words, jnp.uint8)[..., : self._group_bytes]
         values = packed.reshape(*offset.shape[:-1], BLOCK * self.bits // 8)
         return jnp.concatenate([values, lax.bitcast_convert_type(scale_bits[..., 0], jnp.uint8)], axis=-1)
 
     def decode(self, encoded: jax.Array) -> jax.Array:
-        """``encoded`` uint8 [..., block_bytes] back to float32 values [..., BLOCK] (NaN where a marked
-        block holds its spare level: a non-finite value went in there)."""
+        """``encoded`` uint8 [..., block_bytes] back to float32 values [..., BLOCK]."""
         leading = encoded.shape[:-1]
         value_bytes = BLOCK * self.bits // 8
         scale_bits = lax.bitcast_convert_type(encoded[..., value_bytes:], jnp.uint16)
@@ -132,7 +110,6 @@ class Codec:
 
     @property
     def _shifts(self) -> jax.Array:
-        """The bit offset of each value of a group in its word."""
         return jnp.arange(self.group, dtype=jnp.uint32) * self.bits
 
 

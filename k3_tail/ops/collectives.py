@@ -1,20 +1,10 @@
-"""How a sum over the TP ranks travels: one all-reduce, or a reduce-scatter followed by an all-gather.
+"""How a sum over the TP ranks travels: one all-reduce, a reduce-scatter + all-gather, or quantised.
 
-Both forms leave the same [T, W] sum on every rank and move the same ring bytes, but backends implement
-them differently. GPU backends run XLA's all-reduce as one NCCL/RCCL ring collective, and the tiers
-keep it there (the overlap tier rests on an async all-reduce). XLA's CPU collectives are not a ring:
-there the decomposition of a bfloat16 buffer is about twice as fast from about 8 MiB on, the two tie
-below, and for float32 it is never faster (docs/measurements/2026-11-30-collective-forms.md), so
-"auto" splits where ``SPLIT_FROM_BYTES`` says.
-
-**Quantised sums** (vLLM ROCm's QuickReduce). A sum whose buffer lies within ``SumPlan.quantized_bytes``
-travels block-quantised (:mod:`k3_tail.ops.codecs`) in two shots: each rank encodes p chunks of the
-flattened buffer and sends chunk j to rank j (an all-to-all); rank j sums its p decoded versions in
-float32, re-encodes the sum, and every rank gathers all chunks (an all-gather) and decodes them: the
-same bytes on every rank, so the same result. Per rank 2(p-1)/p * B * (b/16 + 1/32) bytes for a bf16
-buffer of B bytes, for two collective latencies and three memory-bound codec passes. A reduce-scatter
-sends the first shot alone. A NaN or infinity in any rank's buffer arrives as NaN at its own elements
-only. p = 1 sends nothing; QuickReduce itself runs on 2, 4 or 8 ranks, this on any p.
+Quantised sums (vLLM ROCm's QuickReduce, :mod:`k3_tail.ops.codecs`; docs/design.md, "How sums travel") take two
+shots: each rank encodes p chunks and sends chunk j to rank j (an all-to-all); rank j sums its p decoded chunks in
+float32 and re-encodes the sum, which every rank gathers and decodes (an all-gather): the same bytes on every
+rank, so the same result. Per rank 2(p-1)/p * B * (b/16 + 1/32) bytes for a bf16 buffer of B bytes; a
+reduce-scatter sends the first shot alone.
 """
 
 from __future__ import annotations
@@ -32,14 +22,11 @@ from k3_tail.ops.codecs import BLOCK, Codec
 ALL_REDUCE = "all-reduce"
 SPLIT = "reduce-scatter+all-gather"
 ALL_REDUCE_FORMS = ("auto", ALL_REDUCE, SPLIT)
-# The smallest buffer (bytes) from which "auto" splits an all-reduce, per (device platform, dtype
-# name); others keep one all-reduce. CPU bfloat16: 8 forced CPU devices, jax 0.10.2: ratio
-# RS+AG / AR 1.0 up to 7 MiB, 0.40-0.48 at 8.75-14 MiB, 0.75-0.86 at 28-70 MiB
-# (docs/measurements/2026-11-30-collective-forms.md).
+# The smallest buffer (bytes) from which "auto" splits an all-reduce, per (device platform, dtype name):
+# docs/measurements/2026-11-30-collective-forms.md. GPUs keep XLA's ring all-reduce (overlap rests on it).
 SPLIT_FROM_BYTES = MappingProxyType({("cpu", "bfloat16"): 8 * 2**20})
-# vLLM's QuickReduce minimum sizes in MiB per (dtype the codec's table is for, p), per codec ("based on
-# kernel tests" on MI300X, vLLM says); bfloat16 follows the float16 rows unless
-# quantized_all_reduce_fp16_sizes_for_bf16 is False. Other p use the row of the largest p below.
+# vLLM's QuickReduce minimum sizes in MiB per (dtype of the table, p), per codec; bfloat16 follows the float16
+# rows unless quantized_all_reduce_fp16_sizes_for_bf16 is False; other p use the row of the largest p below.
 QUICK_REDUCE_MIN_MIB = MappingProxyType({
     ("float16", 2): MappingProxyType({"int8": 2, "int6": 2, "int4": 1}),
     ("float16", 4): MappingProxyType({"int8": 16, "int6": 4, "int4": 2}),
@@ -51,8 +38,8 @@ QUICK_REDUCE_MIN_MIB = MappingProxyType({
 
 
 def resolved_form(all_reduce_form: str, platform: str | None, dtype: jnp.dtype, nbytes: int) -> str:
-    """The form a sum of ``nbytes`` bytes of ``dtype`` takes on ``platform`` (None: not known, one
-    all-reduce) under ``all_reduce_form``: "all-reduce" or "reduce-scatter+all-gather"."""
+    """The form ("all-reduce" or "reduce-scatter+all-gather") of a sum of ``nbytes`` bytes of ``dtype`` on
+    ``platform`` (None: not known) under ``all_reduce_form``."""
     if all_reduce_form != "auto":
         return all_reduce_form
     threshold = SPLIT_FROM_BYTES.get((platform, jnp.dtype(dtype).name))
@@ -70,9 +57,8 @@ def describe_auto(platform: str | None, dtype: jnp.dtype) -> str | None:
 
 @dataclasses.dataclass(frozen=True)
 class SumPlan:
-    """How the sums of one call travel (built once per call by ``TailConfig.sum_plan``): the
-    ``all_reduce_form``, the devices' platform (None: not known), and the codec of quantised sums with
-    the (smallest, largest) buffer in bytes that travels quantised."""
+    """How the sums of one call travel (``TailConfig.sum_plan``): the form, the platform (None: not known), the
+    codec of quantised sums and the (smallest, largest) buffer in bytes that travels quantised."""
 
     form: str = "auto"
     platform: str | None = None
@@ -80,18 +66,16 @@ class SumPlan:
     quantized_bytes: tuple[int, int] = (1, 0)
 
     def codec_for(self, nbytes: int) -> Codec | None:
-        """The codec a sum of an ``nbytes``-byte buffer travels in, or None for the unquantised forms."""
+        """The codec a sum of an ``nbytes``-byte buffer travels in, or None."""
         smallest, largest = self.quantized_bytes
         return self.codec if self.codec is not None and smallest <= nbytes <= largest else None
 
     def form_for(self, dtype: jnp.dtype, nbytes: int) -> str:
-        """The unquantised form of a sum of ``nbytes`` bytes of ``dtype`` (:func:`resolved_form`)."""
         return resolved_form(self.form, self.platform, dtype, nbytes)
 
 
 def all_reduce(x: jax.Array, *, axis_name: AxisName, sums: SumPlan) -> jax.Array:
-    """The sum of ``x`` [T, W] over the ranks, on every rank, in ``x.dtype``: quantised when ``sums``
-    has a codec for its size, else in ``sums``' form (the decomposition pads T to a multiple of p)."""
+    """The sum of ``x`` [T, W] over the ranks, on every rank, in ``x.dtype``, as ``sums`` says."""
     nbytes = x.size * x.dtype.itemsize
     codec = sums.codec_for(nbytes)
     if codec is not None:
@@ -106,9 +90,7 @@ def all_reduce(x: jax.Array, *, axis_name: AxisName, sums: SumPlan) -> jax.Array
 
 
 def reduce_scatter(x: jax.Array, *, axis_name: AxisName, sums: SumPlan, scatter_dimension: int) -> jax.Array:
-    """This rank's block k of the sum of ``x`` over the ranks, along ``scatter_dimension`` (which p
-    divides), in ``x.dtype``: one quantised shot when ``sums`` has a codec for the buffer's size,
-    else a reduce-scatter."""
+    """This rank's block of the sum of ``x`` along ``scatter_dimension`` (p divides it), as ``sums`` says."""
     codec = sums.codec_for(x.size * x.dtype.itemsize)
     if codec is not None:
         return _quantized_sum(x, codec, axis_name=axis_name, scatter_dimension=scatter_dimension)
@@ -121,9 +103,8 @@ def quantized_scope(codec: Codec) -> str:
 
 
 def _quantized_sum(x: jax.Array, codec: Codec, *, axis_name: AxisName, scatter_dimension: int | None) -> jax.Array:
-    """The two-shot quantised sum of ``x`` (module docstring): all of it when ``scatter_dimension`` is
-    None, else this rank's block along that dimension (the first shot alone). Differentiating it is a ValueError
-    (its rounding has no derivative), not the zero gradient that rounding would silently give."""
+    """The two-shot quantised sum of ``x``, or this rank's block along ``scatter_dimension``. Differentiating it
+    is a ValueError, not the zero gradient that rounding would silently give."""
 
     @jax.custom_jvp
     def quantized_sum(x):

@@ -1,6 +1,4 @@
-"""float32 and FP8 values from their bits, as the fused kernel computes them (:mod:`k3_tail.ops.fused_projection`):
-powers of two made and read exactly, FP8 bytes decoded where Triton has no cast.
-"""
+"""float32 and FP8 values from their bits, for the fused kernel: exact powers of two, FP8 where Triton can't cast."""
 
 from __future__ import annotations
 
@@ -19,9 +17,8 @@ _FP8_CODES = {"float8_e4m3fn": (7, True), "float8_e4m3fnuz": (8, False)}
 
 
 def decode_fp8(codes: jax.Array, fp8_format: str) -> jax.Array:
-    """The float32 values of E4M3 bytes ``codes`` (uint8) in ``fp8_format``, "float8_e4m3fn" or "float8_e4m3fnuz",
-    exactly, from their bits: sign, 4 exponent bits, 3 mantissa bits; subnormals, signed zeros and NaN as the
-    format has them (E4M3FN: S.1111.111 is NaN; FNUZ: 0x80 is, and there is no negative zero)."""
+    """The exact float32 values of E4M3 bytes ``codes`` (uint8) in ``fp8_format`` ("float8_e4m3fn" or
+    "float8_e4m3fnuz"), subnormals, signed zeros and NaN as the format has them."""
     bias, all_ones_is_nan = _FP8_CODES[fp8_format]
     bits = codes.astype(jnp.int32)
     negative = (bits & 0x80) != 0

@@ -1,39 +1,21 @@
-"""One GPU kernel for the tail's local work: RMSNorm, this rank's column block of the up projection and
-the add, fused (Pallas, Triton backend), with its float32 reference :func:`norm_project_add_reference`.
-
-XLA launches 3-8 kernels for the same work (it fuses no row reduction into a GEMM and no ``x * g``
-prologue); at decode they, not the 6 MB of weights, are what costs. :func:`norm_project_add` computes,
-for this rank k of p, block width Hb and own columns C = [k*Hb, (k+1)*Hb) cut at H,
+"""One GPU kernel (Pallas, Triton backend) for the tail's local work, with its float32 reference
+:func:`norm_project_add_reference`: for rank k of p and own columns C = [k*Hb, (k+1)*Hb) cut at H,
 
     y[:, C] = round( RMSNorm_g(c * x) @ W[:, C] + a[:, C] )        (float32 inside, one rounding)
 
-with the library's overflow-safe norm contract (:func:`k3_tail.ops.norm.rms_norm`): any finite x gives a
-finite y, NaN and infinity give NaN. ``W`` is the whole [L, H] kernel or the rank's [L, Hb] block, in
-the activation dtype or a :class:`~k3_tail.ops.up_projection.QuantizedKernel` (FP8 values read as FP8,
-scaled per column in the kernel); both are read where they lie, never copied.
+with :func:`k3_tail.ops.norm.rms_norm`'s overflow-safe contract (finite x: finite y; NaN and infinity: NaN).
 
-The grid. A GEMV over a row-major [L, Hb] block reads the block coalesced only if a program takes a run
-of columns over all of L, which leaves Hb/16 = 56 programs at Kimi-K3's p = 8: a GPU of 132 SMs or 304
-CUs needs about 1024. So K is split too: program (r, j, s) multiplies row tile r, column tile j (16
-columns: 32-byte runs of bf16) and slab s of K (:func:`fused_grid`: 1568 programs at T <= 16, p = 8),
-and the last of the S programs of a tile (an atomic counter, release/acquire at GPU scope) sums the S
-partials in a fixed order and applies the row scale and the add. Each slab is scaled by the power of two
-at or above its own largest magnitude, so no program needs the whole row first; the last program
-rescales the partials to the row's largest such power (exact: powers of two) and, with the norm, takes
-the row's sum of squares from the latent itself (L values a row).
-Partials, slab exponents and counters are the kernel's scratch outputs: S*T*Hb*4 + S*J*T*4 + R*J*128
-bytes (111 KB at T = 1, p = 8; the split is capped so that the partials stay within half the weight
-block's bytes). ``serial_split=True`` sums the same S slabs in each tile's one program instead, in the same
-order, without counters or scratch: the split kernel's result bit for bit, its ordering's oracle.
+K is split too, to fill a GPU: program (r, j, s) multiplies row tile r, column tile j and slab s of K, scaled by
+the power of two at or above the slab's largest magnitude; the last of a tile's S programs (an atomic counter)
+rescales the partials exactly to the row's largest, sums them in slab order and finishes the row.
+``serial_split=True`` sums them in one program per tile: the split's result bit for bit, its ordering's oracle.
 
-Memory ordering (tests/test_memory_ordering.py reads it from the machine code). A program's stores of its
-partial and exponent must be visible to the tile's last program before that one loads them. On NVIDIA a program is
-4 warps: ``bar.sync``, thread 0's ``atom.acq_rel.gpu`` on the counter, ``bar.sync`` (PTX's cumulativity
-through the barrier; the acquire invalidates L1). On AMD the memory model orders a release or an acquire
-only for the wavefront that executes it, and a workgroup barrier does not make another wavefront's
-stores complete, so a program there is ONE wavefront (:func:`warps_per_program`): the atomic's own
-``buffer_wbl2`` / ``s_waitcnt vmcnt(0)`` release and ``buffer_inv`` acquire then cover every store and
-load of the program. Each counter has a 128-byte line of its own (:data:`COUNTER_STRIDE`).
+Memory ordering (tests/test_memory_ordering.py reads it from the machine code): a program's stores of its partial
+and exponent must be visible to the tile's last program before it loads them. On NVIDIA a program is 4 warps:
+``bar.sync``, thread 0's ``atom.acq_rel.gpu`` on the counter, ``bar.sync`` (PTX's cumulativity through the
+barrier). On AMD a release or an acquire orders only its own wavefront, and a workgroup barrier completes no other
+wavefront's stores, so a program is ONE wavefront (:func:`warps_per_program`): the atomic's ``buffer_wbl2`` /
+``s_waitcnt vmcnt(0)`` release and ``buffer_inv`` acquire then cover every store and load of the program.
 """
 
 from __future__ import annotations
@@ -93,34 +75,24 @@ def norm_project_add(
     target_programs: int | None = None,
     serial_split: bool = False,
 ) -> jax.Array:
-    """This rank's [T, Hb] block ``round(RMSNorm_g(scale * latent) @ W[:, C] + addend[:, C])`` in one kernel
-    (module docstring); its columns past H are zero.
+    """This rank's [T, Hb] block ``round(RMSNorm_g(scale * latent) @ W[:, C] + addend[:, C])`` in the latent's
+    dtype, in one kernel; its columns past H are zero.
 
     Args:
-      latent: [T, L], the reduced routed latent x (the activation dtype, bf16 or float32).
-      norm_weight: g [L]; None for no norm (then ``scale * x`` is rounded to the activation dtype and
-        projected, as :func:`~k3_tail.ops.norm.rms_norm` without a weight).
-      kernel: the whole [L, H] kernel (C is read at columns rank*Hb..) or this rank's [L, Hb] block,
-        an array of the latent's dtype or a QuantizedKernel.
-      addend: a [T, Wa] array in the latent's dtype whose columns C are added (Wa >= H), or None.
-      rank: int32 [1], this rank's index k in [0, p). A traced index outside it touches no memory outside
-        the arrays and gives NaN in the first block's columns (never a plausible y).
-      tp_size: p.
-      block_width: Hb, the width of one rank's block (padded_hidden_size(H, p) / p).
-      hidden_size: H: the columns of C at or above H are left out.
-      eps, scale: the norm's epsilon and routed_scaling_factor c (norm_is_computable holds for them).
-      interpret: run in Pallas's interpret mode (a CPU has no Triton); the same kernel, programs in turn.
-      platform: the device platform it compiles for ("cuda", "rocm", ...): :func:`warps_per_program`.
-      target_programs: the programs the grid aims at (:func:`fused_grid`; 1: no split of K). None:
-        :data:`TARGET_PROGRAMS` compiled, 1 interpreted (its programs run in turn: nothing to fill).
-      serial_split: sum the grid's S slabs in each tile's one program (module docstring).
+      latent, norm_weight: x [T, L] in the activation dtype (bf16 or float32); g [L], or None (``scale * x``,
+        rounded to the activation dtype, is projected).
+      kernel: the whole [L, H] kernel or this rank's [L, Hb] block, in the latent's dtype or a QuantizedKernel;
+        read where it lies, never copied.
+      addend: [T, Wa] (Wa >= H) in the latent's dtype whose columns C are added, or None.
+      rank: int32 [1], k in [0, p); a traced index outside touches no memory outside the arrays and gives NaN
+        in the first block's columns.
+      tp_size, block_width, hidden_size: p, Hb = padded_hidden_size(H, p) / p, H.
+      eps, scale: the norm's epsilon and c (norm_is_computable holds for them).
+      interpret, platform, serial_split: Pallas's interpret mode; the platform it compiles for; see above.
+      target_programs: the grid's aim (1: no split of K; None: :data:`TARGET_PROGRAMS` compiled, 1 interpreted).
 
-    Returns:
-      [T, Hb] in the latent's dtype.
-
-    Cost: reads 2*L*Hb weight bytes (L*Hb for FP8), T*L latent values about twice, T*Hb addend values;
-    2*T*L*Hb FLOPs; :meth:`FusedGrid.scratch_bytes` of scratch; one kernel launch (and, when S > 1, a memcpy of
-    the counters' starts).
+    Cost: 2*L*Hb weight bytes (L*Hb for FP8), T*L latent values read about twice, 2*T*L*Hb FLOPs,
+    :meth:`FusedGrid.scratch_bytes` of scratch, one kernel launch (and when S > 1 a memcpy of the counters).
     """
     if latent.shape[0] == 0:
         return jnp.zeros((0, block_width), latent.dtype)
@@ -138,9 +110,8 @@ def norm_project_add_into(
     addend: jax.Array,
     **options,
 ) -> jax.Array:
-    """``addend`` [T, Wa] with its columns C (those below H) replaced by :func:`norm_project_add`'s: the output
-    aliases ``addend`` (column_parallel's stitch: a rank adds its block into its own columns of its shared
-    partial). ``options``: :func:`norm_project_add`'s keywords. Cost: :func:`norm_project_add`'s."""
+    """``addend`` [T, Wa] with its columns C below H replaced by :func:`norm_project_add`'s (``options``: its
+    keywords), the output aliasing ``addend``. Cost: :func:`norm_project_add`'s."""
     if addend is None:
         raise ValueError("addend: expected the [T, W] array to write into, got None")
     if latent.shape[0] == 0:
@@ -156,10 +127,7 @@ _KERNEL_ONLY_OPTIONS = ("interpret", "platform", "target_programs", "serial_spli
 
 def _with_reference_gradient(into_addend: bool, latent, norm_weight, kernel, addend, rank, kernel_options: dict,
                              function_options: dict) -> jax.Array:
-    """The kernel's result, differentiable: its derivatives are the float32 reference's
-    (:func:`norm_project_add_reference`), plain XLA, since Pallas differentiates no kernel that writes into its
-    input. ``function_options``: the sizes and the norm's constants; ``kernel_options``: how the kernel runs.
-    Differentiated, the reference's product runs beside the kernel's."""
+    """The kernel's result with the reference's derivatives: Pallas differentiates no kernel writing its input."""
     reference = norm_project_add_into_reference if into_addend else norm_project_add_reference
 
     @jax.custom_jvp
@@ -179,7 +147,6 @@ def _with_reference_gradient(into_addend: bool, latent, norm_weight, kernel, add
 
 def _fused_call(latent, norm_weight, kernel, addend, *, into_addend: bool, rank, tp_size, block_width, hidden_size,
                 eps, scale, interpret, platform=None, target_programs=None, serial_split=False):
-    """The kernel's pallas_call (:func:`norm_project_add`): into ``addend`` or into a new [T, Hb] block."""
     # Pallas is loaded with the first call only: `import k3_tail` stays light, and a jax without it imports.
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plt
@@ -205,9 +172,8 @@ def _fused_call(latent, norm_weight, kernel, addend, *, into_addend: bool, rank,
         fp8_format=jnp.dtype(values.dtype).name if quantized else None, into_addend=into_addend,
         communicates=communicates, barriers=not interpret,
     )
-    # The kernel's inputs in its signature's order, None where absent. FP8 values travel as their bytes and are
-    # decoded in the kernel (decode_fp8): Pallas's Triton lowering casts from no float8_e4m3fnuz (MI300X's
-    # format); the bitcast is free.
+    # The kernel's inputs in its signature's order, None where absent. FP8 values travel as their bytes (a free
+    # bitcast), decoded in the kernel: Pallas's Triton lowering casts from no float8_e4m3fnuz (MI300X's format).
     inputs = (rank.astype(jnp.int32).reshape(1), latent, norm_weight if use_norm else None,
               lax.bitcast_convert_type(values, jnp.uint8) if quantized else values,
               kernel.scale if quantized else None, addend,
@@ -217,8 +183,7 @@ def _fused_call(latent, norm_weight, kernel, addend, *, into_addend: bool, rank,
     scratch = (jax.ShapeDtypeStruct(inputs[-1].shape, jnp.int32),
                jax.ShapeDtypeStruct((grid.splits, num_tokens, grid.columns * COLUMN_TILE), jnp.float32),
                jax.ShapeDtypeStruct((grid.splits, grid.columns, num_tokens), jnp.int32)) if communicates else None
-    # Indices among the inputs passed (absent ones take none): the output writes into the addend, the counters
-    # count in place.
+    # Indices among the inputs passed: the output writes into the addend, the counters count in place.
     def passed_index(position):
         return sum(array is not None for array in inputs[:position])
 
@@ -227,8 +192,7 @@ def _fused_call(latent, norm_weight, kernel, addend, *, into_addend: bool, rank,
         aliases[passed_index(_COUNTER_STARTS_INPUT)] = 1
 
     def run(arrays):
-        """The pallas_call on ``arrays`` (``inputs``' present ones), its outputs typed as varying over what the
-        arrays vary over; compiled, lowered for the GPUs only (:func:`~k3_tail.ops.gpu_only.gpu_only`)."""
+        """The pallas_call on the present ``arrays``, its outputs varying as they do."""
         arrays, varying = vary_alike(arrays)
 
         def typed(shape):
@@ -256,9 +220,7 @@ def _fused_call(latent, norm_weight, kernel, addend, *, into_addend: bool, rank,
         warps = {gpu: warps_per_program(gpu) for gpu in GPU_VENDOR_PLATFORMS}  # the lowering platform's
         return gpu_only(kernel_call, *arrays, platform=platform, num_warps=warps)[0]
 
-    # Pallas's interpreter takes no values typed as varying over a shard_map's axes (jax 0.10-0.12: "Primitive ...
-    # requires varying manual axes to match"): where they are typed (a caller's shard_map; tail_forward's types them
-    # only where the kernel compiles), it gathers the inputs and runs every rank's kernel on each, p times the work.
+    # Pallas's interpreter takes no values typed as varying over a shard_map's axes: interpreted() gathers them.
     return interpreted(run, present) if interpret else run(present)
 
 
@@ -279,8 +241,8 @@ class _KernelSpec:
     scale: float
     sqrt_eps: float  # sqrt(eps) / |c| with the norm, else 0
     floor_exponent: int  # the smallest slab exponent: log2 of rms_norm's row-scale floor, 0 without the norm
-    kernel_offset: bool  # the whole [L, H] kernel, read at the rank's columns (else the rank's block)
-    fp8_format: str | None  # the FP8 format of the kernel's values (passed as their bytes), or None
+    kernel_offset: bool
+    fp8_format: str | None
     into_addend: bool  # the output is the addend with the rank's columns replaced (else the [T, Hb] block)
     communicates: bool  # S > 1 slabs in S programs, summed by the last (else in the tile's one program)
     barriers: bool  # the GPU's: interpret mode runs programs in turn
@@ -288,14 +250,8 @@ class _KernelSpec:
 
 def _kernel(rank_ref, latent_ref, norm_weight_ref, values_ref, column_scale_ref, addend_ref, counter_starts_ref,
             out_ref, scratch_refs, *, spec: _KernelSpec, pl, plt):
-    """Program (r, j, s) of :func:`norm_project_add` (module docstring); absent inputs are None.
-
-    rank_ref: int32 [1]. latent_ref: [T, L]. norm_weight_ref: [L], or None without the norm. values_ref: [L, Hb] or
-    [L, H] in the activation dtype, or uint8 FP8 bytes. column_scale_ref: float32 [Hb] or [H] with FP8 values.
-    addend_ref: [T, Wa] or None. counter_starts_ref: int32 [R*J*COUNTER_STRIDE], aliased to the counters.
-    out_ref: [T, Wa] (aliasing addend_ref) or [T, Hb]. scratch_refs: (counters, float32 partials [S, T, J*16],
-    int32 exponents [S, J, T]) when the split communicates, else None.
-    """
+    """Program (r, j, s) of :func:`norm_project_add`; absent inputs are None. scratch_refs: (counters, float32
+    partials [S, T, J*16], int32 exponents [S, J, T]) when the split communicates."""
     del counter_starts_ref  # the counters' starts: their ref is the counters' output, aliased
     grid = spec.grid
     use_norm = norm_weight_ref is not None
@@ -312,14 +268,12 @@ def _kernel(rank_ref, latent_ref, norm_weight_ref, values_ref, column_scale_ref,
     steps = grid.split_depth // K_STEP
 
     def latent_tile(step):
-        """The latent's [row_tile, K_STEP] tile at K step ``step`` (zeros outside), in float32."""
         ks = step * K_STEP + jnp.arange(K_STEP)
         mask = row_ok[:, None] & (ks < spec.latent_size)[None, :]
         return ks, plt.load(latent_ref.at[rows[:, None], ks[None, :]], mask=mask, other=0.0).astype(jnp.float32)
 
     def slab_exponent(slab):
-        """e_s per row: the exponent of the power of two at or above the slab's largest magnitude, clipped to
-        [floor, 126] (NaN and infinity give 126; NaN also propagates through the products)."""
+        """e_s per row: 2^e_s at or above the slab's largest magnitude, in [floor, 126] (126 for NaN, infinity)."""
         def body(step, largest):
             _, x = latent_tile(slab * steps + step)
             return jnp.maximum(largest, jnp.max(jnp.abs(x), axis=1))
@@ -327,7 +281,6 @@ def _kernel(rank_ref, latent_ref, norm_weight_ref, values_ref, column_scale_ref,
         return exponent_at_or_above(largest, spec.floor_exponent)
 
     def slab_partial(slab, exponent):
-        """The slab's [row_tile, COLUMN_TILE] product in float32, its latent scaled by 2^-exponent."""
         inverse_scale = power_of_two(-exponent)[:, None]
 
         def body(step, partial):
@@ -338,8 +291,7 @@ def _kernel(rank_ref, latent_ref, norm_weight_ref, values_ref, column_scale_ref,
             else:
                 operand = x * inverse_scale * spec.scale  # round(c x) 2^-e, exactly: a power of two
             mask = (ks < spec.latent_size)[:, None] & column_ok[None, :]
-            # The operands of the product in the activation dtype, as every tier's GEMM has them (an FP8 weight
-            # is exact in it), accumulated in float32.
+            # Operands in the activation dtype, as every tier's GEMM has them (FP8 is exact in it); float32 sums.
             w = plt.load(values_ref.at[ks[:, None], kernel_columns[None, :]], mask=mask, other=0)
             w = (decode_fp8(w, spec.fp8_format) if spec.fp8_format else w).astype(latent_ref.dtype)
             return partial + jnp.dot(operand.astype(latent_ref.dtype), w, preferred_element_type=jnp.float32,
@@ -348,8 +300,7 @@ def _kernel(rank_ref, latent_ref, norm_weight_ref, values_ref, column_scale_ref,
         return lax.fori_loop(0, steps, body, jnp.zeros((grid.row_tile, COLUMN_TILE), jnp.float32))
 
     def finish(projected, row_exponent):
-        """Row scale, column scale, the add, one rounding, the store: ``projected`` is the tile's product with
-        the latent scaled by 2^-row_exponent."""
+        """Row scale, column scale, the add, one rounding, the store of ``projected`` (scaled by 2^-row_exponent)."""
         inverse_scale = power_of_two(-row_exponent)
         if use_norm:
             def squares(step, total):
@@ -382,8 +333,7 @@ def _kernel(rank_ref, latent_ref, norm_weight_ref, values_ref, column_scale_ref,
         plt.store(out_ref.at[rows[:, None], out_columns[None, :]], projected.astype(out_ref.dtype), mask=store_mask)
 
     def combine(exponent_of, partial_of):
-        """The tile's S slabs summed in slab order, each rescaled exactly to the row's largest exponent E,
-        then finished: ``exponent_of(s)`` and ``partial_of(s, e_s)`` give slab s's."""
+        """The tile's S slabs summed in slab order, each rescaled exactly to the row's largest exponent E."""
         row_exponent = lax.fori_loop(0, grid.splits, lambda slab, e: jnp.maximum(e, exponent_of(slab)),
                                      jnp.full((grid.row_tile,), spec.floor_exponent, jnp.int32))
 
@@ -399,9 +349,8 @@ def _kernel(rank_ref, latent_ref, norm_weight_ref, values_ref, column_scale_ref,
         combine(slab_exponent, slab_partial)
         return
 
-    # Publish this slab's partial and exponent, then count it; the last of the S slabs of tile (r, j)
-    # finishes the tile. The counter's atomic is acquire-release at GPU scope: on NVIDIA the barriers extend
-    # it to the program's every thread, on AMD the program is one wavefront (module docstring).
+    # Publish this slab's partial and exponent, then count it; the tile's last slab finishes it. The barriers
+    # extend the acquire-release atomic to every thread of an NVIDIA program (module docstring).
     counter_ref, partial_ref, exponent_ref = scratch_refs
     s = pl.program_id(2)
     exponent = slab_exponent(s)
@@ -422,21 +371,18 @@ def _kernel(rank_ref, latent_ref, norm_weight_ref, values_ref, column_scale_ref,
                                          mask=valid_rows, other=0.0))
 
 
-# The counters start at these values, not at zero: XLA turns a constant of equal values (or an iota) into a
-# kernel that writes it, but copies any other constant in with a memcpy, which launches no kernel. Word w of
-# the counters' array starts at (w mod M) * A mod M (below 2^31 in int32 arithmetic).
+# The counters start at (w mod M) * A mod M, not at zero: XLA writes a constant of equal values (or an iota) with
+# a kernel, but copies any other constant in with a memcpy, which launches no kernel.
 _START_MULTIPLIER, _START_MODULUS = 7919, 65521
 
 
 def _counter_starts(count: int) -> np.ndarray:
-    """The counters of ``count`` tiles, int32 [count * COUNTER_STRIDE]: tile t's is word t * COUNTER_STRIDE
-    (the words between them are padding), every word w starting at :func:`_counter_start` of w."""
+    """The counters of ``count`` tiles, int32 [count * COUNTER_STRIDE]: tile t's is word t * COUNTER_STRIDE."""
     words = np.arange(count * COUNTER_STRIDE, dtype=np.int64)
     return (words % _START_MODULUS * _START_MULTIPLIER % _START_MODULUS).astype(np.int32)
 
 
 def _counter_start(word):
-    """The start value of the counters' word ``word`` (the same formula, in the kernel)."""
     return word % _START_MODULUS * _START_MULTIPLIER % _START_MODULUS
 
 
@@ -453,8 +399,7 @@ def norm_project_add_reference(
     eps: float,
     scale: float,
 ) -> jax.Array:
-    """:func:`norm_project_add` in plain float32 jnp, [T, Hb], for a ``rank`` (int32 [1]) in [0, p): the norm of
-    :func:`~k3_tail.ops.norm.rms_norm`, the product at full float32 precision, one rounding."""
+    """:func:`norm_project_add` in plain float32 jnp, [T, Hb], for a ``rank`` (int32 [1]) in [0, p)."""
     del tp_size  # the kernel's bound on rank, which the reference is not asked outside
     dtype = latent.dtype
     weights = kernel.dequantize() if isinstance(kernel, QuantizedKernel) else jnp.asarray(kernel, jnp.float32)
@@ -473,8 +418,7 @@ def norm_project_add_reference(
 
 
 def norm_project_add_into_reference(latent, norm_weight, kernel, addend: jax.Array, **options) -> jax.Array:
-    """:func:`norm_project_add_into` in plain float32 jnp: ``addend`` with its columns C below H replaced by
-    :func:`norm_project_add_reference`'s block (``options``: its keywords)."""
+    """:func:`norm_project_add_into` in plain float32 jnp (``options``: the reference's keywords)."""
     block = norm_project_add_reference(latent, norm_weight, kernel, addend, **options)
     start = options["rank"].astype(jnp.int32).reshape(())[()] * options["block_width"]
     width = addend.shape[1]
@@ -486,6 +430,6 @@ def norm_project_add_into_reference(latent, norm_weight, kernel, addend: jax.Arr
 
 
 def _padded_columns(x: jax.Array, block_width: int) -> jax.Array:
-    """``x`` [R, W] (W >= H) with ``block_width`` zero columns after it: a valid rank's block, which starts below
-    H, then lies inside, and a dynamic slice of it never clips."""
+    """``x`` [R, W] (W >= H) with ``block_width`` zero columns after it, so a dynamic slice of a rank's block never
+    clips."""
     return jnp.pad(x, [(0, 0), (0, block_width)])

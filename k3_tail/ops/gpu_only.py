@@ -1,13 +1,6 @@
-"""A compiled GPU kernel lowered for the GPU platforms only, so that a multi-platform program can hold it.
-
-:mod:`k3_tail.selection.lowering` puts a GPU kernel (a Pallas Triton call) in the branch of
-``jax.lax.platform_dependent`` that CUDA and ROCm take. A lowering for several platforms at once
-(``jax.export(..., platforms=("cpu", "cuda", "rocm"))``) lowers every branch for every one of them, and Pallas
-refuses to lower a compiled kernel for the CPU, although the CPU never runs that branch. :func:`gpu_only` binds
-the kernel's function as one primitive whose lowering is the function's own on the GPU platform of its branch
-(lowered for that platform alone) and, on any other platform, NaN and zeros of the outputs' types: code the conditional
-around it never runs there, and never a plausible result if something did.
-"""
+"""A compiled GPU kernel lowered for the GPU platforms only, so that a multi-platform program (``jax.export(...,
+platforms=("cpu", "cuda", "rocm"))`` lowers every branch for each) can hold it: elsewhere it lowers to NaN and
+zeros, as Pallas lowers no compiled kernel for the CPU."""
 
 from __future__ import annotations
 
@@ -30,9 +23,8 @@ _gpu_only_p.multiple_results = True
 def gpu_only(function: Callable[..., tuple[jax.Array, ...]], *operands: jax.Array, platform: str | None = None,
              num_warps: Mapping[str, int] | None = None) -> tuple[jax.Array, ...]:
     """``function(*operands)`` (arrays in, a tuple of arrays out), lowered only for ``platform`` ("cuda" or
-    "rocm"; "gpu" or None: both), the platform its branch runs on (module docstring). ``num_warps``: the warps of
-    its Pallas Triton calls per GPU platform, set as each platform lowers (one trace serves both vendors). It is
-    traced here once; vmap batches it as ``function`` batches. Not differentiable: callers give it a custom JVP."""
+    "rocm"; "gpu" or None: both). ``num_warps``: the warps of its Pallas Triton calls per GPU platform, set as each
+    lowers. vmap batches it as ``function`` does; not differentiable (callers give it a custom JVP)."""
     closed = jax.make_jaxpr(lambda *arrays: tuple(function(*arrays)))(*operands)
     platforms = GPU_VENDOR_PLATFORMS if platform not in GPU_VENDOR_PLATFORMS else (platform,)
     warps = () if num_warps is None else tuple(sorted(num_warps.items()))

@@ -1,10 +1,5 @@
-"""The latent RMSNorm in float32, for any finite input: :func:`rms_norm` and one_shot's :func:`inverse_rms`.
-
-The plain formula's mean of squares overflows float32 from |x| of about 3e17 at L = 3584 (well inside
-bfloat16's range), and rsqrt then gives 0; both functions here scale each row by its largest magnitude
-instead, as a softmax subtracts its maximum (docs/design.md, "Extreme values"). NaN and infinity
-propagate as in the plain formula.
-"""
+"""The latent RMSNorm in float32 for any finite input, each row scaled by its largest magnitude (the plain formula
+overflows from |x| of about 3e17): docs/design.md, "Extreme values". NaN and infinity propagate."""
 
 from __future__ import annotations
 
@@ -16,23 +11,16 @@ from jax import lax
 
 
 def rms_norm(x: jax.Array, weight: jax.Array | None, *, eps: float, scale: float = 1.0) -> jax.Array:
-    """``RMSNorm_weight(scale * x)`` over the last axis of x [..., L] (any float dtype), as float32.
-
-    ``weight`` [L], or None for no norm (only ``scale``, routed_scaling_factor, applied). With a norm
-    ``scale`` matters only through eps, and never multiplies x (scale * x may overflow where x does not).
-    """
+    """``RMSNorm_weight(scale * x)`` over the last axis of x [..., L] (any float dtype), as float32; ``weight`` [L],
+    or None for ``scale * x`` alone. With a norm ``scale`` never multiplies x (scale * x may overflow)."""
     x = x.astype(jnp.float32)
     if weight is None:
         return x * scale
     if scale == 0:
         return x * 0.0  # keeps NaN and turns infinity into NaN, as 0 * x does
     # s = clip(max |x|, floor, 2^126), v = x / s, RMSNorm = sign(scale) * v * rsqrt(mean(v^2) + eps') * weight,
-    # with floor a power of two about 2^12 sqrt(L eps) / |scale| and eps' = eps / (scale floor)^2 (about 2^-24 / L).
-    # A row below the floor is divided by the floor, which is exact (eps' is its eps / (scale s)^2); a row above
-    # has mean(v^2) >= 1/L, against which eps' and its own eps / (scale s)^2 lie below float32's resolution.
-    # Normalised values below about 2^-114 sqrt(L) flush to zero. s and each reduction's result have one use, so
-    # that XLA's GPU backend fuses both reductions with the division and products into one kernel (as a
-    # softmax's): the latent is read once, as by the plain formula.
+    # eps' = eps / (scale floor)^2: exact below the floor, below float32's resolution above it. s and each
+    # reduction's result have one use, so XLA's GPU backend fuses both reductions in one kernel (a softmax's).
     floor = row_scale_floor(eps, scale, x.shape[-1])
     # Capped at 2^126 too: XLA divides by multiplying with the reciprocal, which float32 must hold.
     row_scale = jnp.clip(jnp.max(jnp.abs(x), axis=-1, keepdims=True), floor, _LARGEST_ROW_SCALE)
@@ -43,15 +31,12 @@ def rms_norm(x: jax.Array, weight: jax.Array | None, *, eps: float, scale: float
 
 
 def inverse_rms(x: jax.Array, *, eps: float, scale: float = 1.0) -> jax.Array:
-    """``scale / sqrt(mean((scale * x)^2) + eps)`` over the last axis of float32 ``x`` [..., L]: [..., 1],
-    the row factor one_shot applies to its projected rows, for any finite x (NaN or infinity: NaN)."""
+    """``scale / sqrt(mean((scale * x)^2) + eps)`` over the last axis of float32 ``x`` [..., L]: [..., 1], for any
+    finite x (NaN or infinity: NaN)."""
     if scale == 0:
         return jnp.zeros(x.shape[:-1] + (1,), jnp.float32) * jnp.sum(x, axis=-1, keepdims=True)  # NaN stays
-    # One pass gives each row's largest magnitude m and q = sum (x / m)^2 (a reduction that rescales its partial
-    # sums to the larger maximum as it combines them, as BLAS's nrm2 does); then, with r = sqrt(eps) / |scale|,
+    # One pass gives m = max |x| and q = sum (x / m)^2 (as BLAS's nrm2); then, with r = sqrt(eps) / |scale|,
     #   m >= r: sign(scale) / m * rsqrt(q / L + (r / m)^2),   m < r: sign(scale) / r * rsqrt(1 + (m / r)^2 q / L).
-    # Nothing overflows; the factor is subnormal only for rows whose RMS (times scale) exceeds 2^126, where
-    # one_shot's projected rows near float32's largest value themselves.
     magnitude, scaled_squares = _max_and_scaled_sum_of_squares(x)
     mean = scaled_squares[..., None] / x.shape[-1]
     magnitude = magnitude[..., None]
@@ -67,9 +52,8 @@ def inverse_rms(x: jax.Array, *, eps: float, scale: float = 1.0) -> jax.Array:
 
 @jax.custom_jvp
 def _max_and_scaled_sum_of_squares(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(m, q) over the last axis of float32 ``x``: m = max |x|, q = sum (x / m)^2 (0 for a zero row), in
-    one pass (NaN propagates into both). Differentiated as the same two sums in two passes (JAX differentiates
-    no reduction whose combiner is a function of its own)."""
+    """(m, q) over the last axis of float32 ``x``: m = max |x|, q = sum (x / m)^2 (0 for a zero row), in one pass.
+    Differentiated as two passes: JAX differentiates no reduction with a combiner of its own."""
     magnitude = jnp.abs(x)
 
     def combine(left, right):
@@ -98,17 +82,15 @@ _SMALLEST_NORMAL = 2.0**-126
 
 
 def norm_is_computable(eps: float, scale: float, width: int) -> bool:
-    """Whether float32 computes the norm of rows of ``width`` values with ``eps`` and a nonzero ``scale``
-    (sqrt(eps) / |scale| normal, and :func:`row_scale_floor` within range): eps / scale^2 from 2^-252 to
-    about 2^228 / width."""
+    """Whether float32 computes the norm of rows of ``width`` values with ``eps`` and a nonzero ``scale``:
+    eps / scale^2 from 2^-252 to about 2^228 / width."""
     root_eps = math.sqrt(eps) / abs(scale)
     return _SMALLEST_NORMAL <= root_eps <= 2.0**127 and row_scale_floor(eps, scale, width) is not None
 
 
 def row_scale_floor(eps: float, scale: float, width: int) -> float | None:
-    """:func:`rms_norm`'s floor of the row scale: the power of two at or above 2^12 sqrt(width eps) /
-    |scale|, at least float32's smallest normal; None above 2^126, or where eps / (scale floor)^2 would
-    be below float32's smallest normal."""
+    """:func:`rms_norm`'s floor of the row scale: the power of two at or above 2^12 sqrt(width eps) / |scale|,
+    at least float32's smallest normal; None where it or eps / (scale floor)^2 leaves float32's normals."""
     relative_eps = eps / (scale * scale)
     exponent = max(math.ceil(0.5 * math.log2(width * relative_eps)) + 12, -126)
     if exponent > 126 or relative_eps * 4.0**-exponent < _SMALLEST_NORMAL:

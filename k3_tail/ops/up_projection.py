@@ -1,19 +1,8 @@
 """The up projection's weights and its GEMM: the kernel in ``config.dtype`` or quantised to FP8.
 
-At decode the tail is bound by reading the [L, H] kernel (51 MB in bf16 at Kimi-K3's shapes), so
-:func:`quantize_up_proj` stores it in FP8 with one float32 scale per output column (one loud channel
-does not cost the others their precision): W ~= values * scale, scale[j] = amax(|W[:, j]|) / the
-format's max. "float8_e4m3fn" is OCP E4M3 (MI355X, H100/H200); "float8_e4m3fnuz" is gfx942's
-(MI300X/MI325X: no infinity, no negative zero, largest value 240 where E4M3FN reaches 448).
-
-:func:`project` is every tier's GEMM. A :class:`QuantizedKernel` is converted to the activation's
-dtype inside the program (XLA's GPU backend fuses that into the GEMM, which reads the FP8 kernel).
-With ``fp8_activations`` the rows are quantised per token too and the GEMM takes two FP8 operands;
-that is an FP8 GEMM only in a format the GPU multiplies (XLA converts two operands of the other format
-to float16: FP8 bytes at the f16 rate), so :func:`check_fp8_activations` refuses the rest.
-
-A QuantizedKernel's leaves both have the kernel's columns as their last axis, so every column
-operation (padding, a rank's block, a column sharding) applies to them alike (:func:`map_columns`).
+"float8_e4m3fn" is OCP E4M3 (MI355X, H100/H200); "float8_e4m3fnuz" gfx942's (MI300X/MI325X: no infinity, no
+negative zero, largest value 240): docs/design.md, "FP8 up-projection weights". :func:`project` is every tier's
+GEMM.
 """
 
 from __future__ import annotations
@@ -39,14 +28,10 @@ FP8_FORMATS = ("float8_e4m3fn", "float8_e4m3fnuz")
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class QuantizedKernel:
-    """An up-projection kernel in FP8 with one float32 scale per output column (a JAX pytree).
+    """An up-projection kernel ``values * scale`` in FP8 (a JAX pytree, from :func:`quantize_up_proj`), taken
+    wherever a kernel is when ``TailConfig.up_proj_dtype`` is its format.
 
-    Made by :func:`quantize_up_proj`; the tail takes it wherever it takes a kernel, when
-    ``TailConfig.up_proj_dtype`` is its format. The kernel it stands for is ``values * scale``.
-
-    Attributes:
-      values: FP8 [L, N] (N = H, or a rank's column block).
-      scale: float32 [N].
+    Attributes: ``values`` FP8 [L, N] (N = H, or a rank's column block), ``scale`` float32 [N].
     """
 
     values: Any
@@ -54,22 +39,19 @@ class QuantizedKernel:
 
     @property
     def shape(self) -> tuple[int, ...]:
-        """The kernel's shape [L, N] (that of ``values``)."""
         return tuple(self.values.shape)
 
     @property
     def dtype(self) -> np.dtype:
-        """The FP8 format of ``values``."""
         return np.dtype(self.values.dtype)
 
     def dequantize(self) -> jax.Array:
-        """``values * scale`` in float32, [L, N]: the kernel the quantised GEMM computes with."""
+        """``values * scale`` in float32, [L, N]."""
         return jnp.asarray(self.values, jnp.float32) * jnp.asarray(self.scale, jnp.float32)
 
 
 def fp8_format(value: Any, argument: str) -> np.dtype:
-    """``value`` (a name such as "float8_e4m3fn" or a dtype) as one of :data:`FP8_FORMATS`, or
-    ValueError naming ``argument``."""
+    """``value`` (a name or a dtype) as one of :data:`FP8_FORMATS`, or ValueError naming ``argument``."""
     try:
         dtype = None if value is None else np.dtype(value)
     except TypeError:
@@ -79,18 +61,15 @@ def fp8_format(value: Any, argument: str) -> np.dtype:
     return dtype
 
 
-# The GPU platforms on which FP8 activations are checked against the formats the device multiplies.
-# Elsewhere (the CPU backend) there are no FP8 matrix units to miss: XLA:CPU computes an FP8 x FP8
-# product in float32 whatever the format, so both formats are taken, with the same numerics.
+# The platforms where FP8 activations must match the device's format: XLA:CPU computes either in float32.
 _FP8_CHECKED_PLATFORMS = ("rocm", "cuda")
 # The format for a device without FP8 matrix units (the CPU): OCP's, which has the larger range.
 _DEFAULT_FP8_FORMAT = "float8_e4m3fn"
 
 
 def native_fp8_format(device: Any) -> str:
-    """The FP8 format (dtype name) ``device``'s GPU multiplies natively, from the hardware presets
-    (:func:`k3_tail.hardware.native_fp8_formats`); "float8_e4m3fn" on a CPU, which multiplies neither.
-    ValueError naming ``device`` for a GPU whose device kind is not known there."""
+    """The FP8 format (dtype name) ``device``'s GPU multiplies natively; "float8_e4m3fn" on a CPU. ValueError
+    naming ``device`` for a GPU whose device kind :mod:`k3_tail.hardware` does not know."""
     platform = device_platform(device)
     if platform not in _FP8_CHECKED_PLATFORMS:
         return _DEFAULT_FP8_FORMAT
@@ -104,9 +83,8 @@ def native_fp8_format(device: Any) -> str:
 
 
 def check_fp8_activations(up_proj_dtype: np.dtype | None, fp8_activations: bool, device: Any) -> None:
-    """ValueError when FP8 activations in format ``up_proj_dtype`` would not make an FP8 GEMM on
-    ``device`` (module docstring): its GPU multiplies another format, or its kind is not known. Weight-only
-    FP8 and the CPU (no FP8 matrix units: XLA:CPU computes in float32) take either format."""
+    """ValueError when FP8 activations in format ``up_proj_dtype`` would not make an FP8 GEMM on ``device``'s GPU
+    (XLA would convert both operands of another format to float16), or its kind is not known."""
     if not fp8_activations or up_proj_dtype is None:
         return
     platform = device_platform(device)
@@ -137,28 +115,22 @@ def _known_architectures() -> str:
 
 
 def quantize_up_proj(kernel: Any, dtype: Any = None, *, device: Any = None) -> QuantizedKernel:
-    """The [L, H] up-projection ``kernel`` quantised to FP8 with per-column scales.
-
-    Computed in float32: scale[j] = amax(|kernel[:, j]|) / the format's max (1 for an all-zero
-    column), values = kernel / scale clipped to the format's range and rounded to it (a cast beyond
-    E4M3FNUZ's range would be NaN). Each value is off by at most half a unit in the format's last
-    place (a relative error <= 2^-4), or the format's subnormal spacing times the scale.
+    """The [L, H] up-projection ``kernel`` quantised to FP8: scale[j] = amax(|kernel[:, j]|) / the format's max
+    (1 for a zero column), values = kernel / scale clipped and rounded to the format, in float32. Error per value:
+    half a unit in the format's last place (relative <= 2^-4), or its subnormal spacing times the scale.
 
     Args:
       kernel: a float array [L, H], numpy or jax, any float dtype (a checkpoint's bf16 kernel).
-      dtype: "float8_e4m3fn" or "float8_e4m3fnuz" (or the jnp dtype); None: the format ``device``
-        multiplies natively, which FP8 activations need there.
+      dtype: "float8_e4m3fn" or "float8_e4m3fnuz" (or the jnp dtype); None: the one ``device`` multiplies.
       device: a ``jax.Device`` of the mesh the tail runs on, exactly when ``dtype`` is None.
 
     Returns:
       ``QuantizedKernel(values, scale)``; its ``dtype.name`` is the ``TailConfig.up_proj_dtype`` to use.
 
     Raises:
-      ValueError: naming the argument, for neither or both of ``dtype`` and ``device``, an unknown
-        format, a device that is no ``jax.Device`` (:func:`k3_tail.hardware.check_device`: "rocm" says
-        neither E4M3FN nor E4M3FNUZ) or a GPU whose format is not known, a kernel that is not a
-        non-empty 2-d float array, or a concrete kernel with a non-finite value (under ``jax.jit`` it
-        cannot be inspected: its column's scale becomes non-finite).
+      ValueError: naming the argument, for neither or both of ``dtype`` and ``device``, an unknown format, a
+        device that is no ``jax.Device`` or a GPU whose format is not known, a kernel that is not a non-empty
+        2-d float array, or a concrete kernel with a non-finite value (traced: its column's scale is non-finite).
     """
     device = check_device(device, optional=True)
     if dtype is None and device is None:
@@ -183,29 +155,24 @@ def _quantize_columns(kernel: jax.Array, fp8: np.dtype) -> QuantizedKernel:
 
 
 def _scale(amax: jax.Array, fp8: np.dtype) -> jax.Array:
-    """amax / the format's largest value; 1 where amax is 0 (those values are all zero)."""
+    """amax / the format's largest value; 1 where amax is 0."""
     scale = amax / float(jnp.finfo(fp8).max)
     return jnp.where(scale > 0, scale, 1.0)
 
 
 def _round_to(x: jax.Array, fp8: np.dtype) -> jax.Array:
-    """float32 ``x`` rounded to ``fp8``, clipped to its range first (never NaN for a finite x)."""
+    """float32 ``x`` clipped to ``fp8``'s range (a cast beyond E4M3FNUZ's is NaN) and rounded to it."""
     largest = float(jnp.finfo(fp8).max)
     return jnp.clip(x, -largest, largest).astype(fp8)
 
 
 def project(latent: jax.Array, kernel: jax.Array | QuantizedKernel, *, fp8_activations: bool = False) -> jax.Array:
-    """``latent @ kernel``: [T, L] x [L, N] -> float32 [T, N], 2TLN FLOPs, accumulated in float32.
-
-    A :class:`QuantizedKernel` is read as FP8 (L*N bytes) and its result scaled per column; with
-    ``fp8_activations`` the rows are quantised per token to its format first (module docstring).
-    """
+    """``latent @ kernel``: [T, L] x [L, N] -> float32 [T, N], 2TLN FLOPs, accumulated in float32. A
+    :class:`QuantizedKernel` is read as FP8 (L*N bytes); ``fp8_activations`` quantises the rows per token too."""
     rows = latent.shape[0]
     with jax.named_scope(UP_PROJECTION):
-        # One row is multiplied as two, the second zero: XLA turns a one-row product with a narrow kernel into
-        # a multiply that writes a float32 transposed copy of the kernel and a reduce (GPU), or a slower
-        # matrix-vector path (CPU); two rows stay one GEMM that reads the kernel once in its stored dtype
-        # (docs/design.md, "One-row GEMMs").
+        # One row is multiplied as two, the second zero: XLA turns a one-row product into a multiply that writes
+        # a float32 copy of the kernel (GPU) or a slower path (CPU) (docs/design.md, "One-row GEMMs").
         padded = jnp.pad(latent, [(0, gemm_rows(rows) - rows), (0, 0)])
         return _project_rows(padded, kernel, fp8_activations=fp8_activations)[:rows]
 
@@ -216,7 +183,6 @@ def gemm_rows(rows: int) -> int:
 
 
 def _project_rows(latent: jax.Array, kernel: jax.Array | QuantizedKernel, *, fp8_activations: bool) -> jax.Array:
-    """:func:`project` for any number of rows, as one product."""
     if not isinstance(kernel, QuantizedKernel):
         return jnp.dot(latent, kernel, preferred_element_type=jnp.float32)
     if not fp8_activations:
@@ -230,12 +196,10 @@ def _project_rows(latent: jax.Array, kernel: jax.Array | QuantizedKernel, *, fp8
 
 
 def outside_gemm(projected: jax.Array, *, platform: str | None) -> jax.Array:
-    """``projected``, a GEMM's result, as a value XLA cannot add to inside the GEMM on ``platform`` "rocm"
-    (an optimisation barrier, which emits no kernel); as is on "cuda" and "cpu"; for "gpu" (either vendor) or
-    None (not known) decided for the platform the program is lowered for."""
-    # XLA's GEMM rewriter folds ``dot + x`` into a library GEMM that accumulates into a C operand, the form
-    # vLLM ROCm removed from this tail: hipBLASLt's C-accumulating GEMM faults at some row counts
-    # (docs/design.md, "No C-accumulating GEMM on ROCm"). The rewriter cannot see through a barrier.
+    """``projected``, a GEMM's result, behind an optimisation barrier (no kernel) on "rocm", as is on "cuda" and
+    "cpu"; for "gpu" or None decided as the program lowers."""
+    # XLA's GEMM rewriter folds ``dot + x`` into a GEMM accumulating into C, which faults in hipBLASLt at some
+    # row counts (docs/design.md, "No C-accumulating GEMM on ROCm"); it cannot see through a barrier.
     if platform in ("gpu", None):
         return lax.platform_dependent(projected, rocm=lax.optimization_barrier, default=lambda x: x)
     if platform != "rocm":
@@ -244,15 +208,13 @@ def outside_gemm(projected: jax.Array, *, platform: str | None) -> jax.Array:
 
 
 def map_columns(function: Callable[[jax.Array], jax.Array], kernel: jax.Array | QuantizedKernel):
-    """``function``, which acts on the last (column) axis only, applied to the kernel or to a
-    QuantizedKernel's values and scale alike."""
+    """``function`` (of the last, column axis) applied to the kernel, or to a QuantizedKernel's leaves alike."""
     return jax.tree.map(function, kernel)
 
 
 def column_spec(kernel: jax.Array | QuantizedKernel | None, axis_name: Any) -> Any:
-    """The shard_map / NamedSharding spec of a kernel sharded by columns over ``axis_name``
-    (``P(None, axis_name)`` for values, ``P(axis_name)`` for scales), or replicated (``P()``) when
-    ``axis_name`` is None: one spec per leaf (a QuantizedKernel of two specs)."""
+    """The spec per leaf of a kernel sharded by columns over ``axis_name`` (``P(None, axis_name)`` for values,
+    ``P(axis_name)`` for scales), or replicated (``P()``) when ``axis_name`` is None."""
     values = P() if axis_name is None else P(None, axis_name)
     if isinstance(kernel, QuantizedKernel):
         return QuantizedKernel(values, P() if axis_name is None else P(axis_name))
@@ -260,8 +222,7 @@ def column_spec(kernel: jax.Array | QuantizedKernel | None, axis_name: Any) -> A
 
 
 def column_sharding(kernel: jax.Array | QuantizedKernel, mesh: Mesh, axis_name: Any) -> Any:
-    """:func:`column_spec` as ``NamedSharding`` over ``mesh`` (a pytree of them for a QuantizedKernel),
-    for ``jax.device_put``."""
+    """:func:`column_spec` as ``NamedSharding`` over ``mesh``, for ``jax.device_put``."""
     return jax.tree.map(lambda spec: NamedSharding(mesh, spec), column_spec(kernel, axis_name),
                         is_leaf=lambda x: isinstance(x, P))
 
@@ -270,11 +231,9 @@ def check_up_proj_kernel(
     kernel: Any, *, dtype: np.dtype, up_proj_dtype: np.dtype | None, shapes: Sequence[tuple[int, int]], sizes: str,
     column_block: bool = False,
 ) -> None:
-    """ValueError naming ``up_proj_kernel`` unless ``kernel`` is an array of ``dtype`` with one of
-    ``shapes`` (``up_proj_dtype`` None), or a QuantizedKernel of ``up_proj_dtype`` whose values have one
-    of ``shapes`` [L, N] and whose scale is float32 [N]; ``sizes`` names the sizes, for the message, and
-    ``column_block`` says that ``shapes`` is one rank's column block (the column layout inside
-    ``jax.shard_map``). A wrong shape's message names the likely fix (:func:`kernel_shape_hint`)."""
+    """ValueError naming ``up_proj_kernel`` unless ``kernel`` is an array of ``dtype`` with one of ``shapes``
+    (``up_proj_dtype`` None), or a QuantizedKernel of ``up_proj_dtype`` with values of one of ``shapes`` [L, N]
+    and a float32 [N] scale. ``sizes`` names the sizes; ``column_block``: ``shapes`` is one rank's block."""
     def hint(shape: tuple[int, ...]) -> str | None:
         return kernel_shape_hint(shape, shapes, column_block=column_block)
 
@@ -297,17 +256,14 @@ def check_up_proj_kernel(
                  "scale: one per column", dtype_field="float32 scales")
 
 
-# The likely fixes of a kernel of the wrong shape (kernel_shape_hint).
 TRANSPOSED_HINT = "transposed? a kernel is [L, H] (torch's weight is [H, L]: pass weight.T)"
 WHOLE_KERNEL_HINT = ("the column layout takes this rank's [L, padded_hidden_size(H, p) / p] block: pad the [L, H] "
                      "kernel to k3_tail.padded_hidden_size(H, p) columns and pass it with in_spec P(None, axis)")
 
 
 def kernel_shape_hint(shape: tuple[int, ...], shapes: Sequence[tuple[int, int]], *, column_block: bool) -> str | None:
-    """The likely fix when a kernel of ``shape`` came where one of ``shapes`` [L, N] was expected: the
-    transpose of one of them (torch's [N, L] weight), or, for one rank's column block (``column_block``),
-    more than N columns (the whole kernel, padded or not, where the shard_map should have split it), maybe
-    transposed too. None for any other shape."""
+    """The likely fix when a kernel of ``shape`` came where one of ``shapes`` [L, N] was expected (a transpose, or
+    for a column block the whole kernel), or None."""
     latent, block = shapes[0]
     if tuple(reversed(shape)) in shapes:
         return TRANSPOSED_HINT

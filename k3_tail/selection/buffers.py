@@ -1,9 +1,5 @@
-"""The collectives one call of a tier issues, with their buffers in bytes and how its sums travel,
-read from the tier's record.
-
-What the cost model prices and what :func:`k3_tail.select_tier`'s notes say (which sums are
-quantised, which all-reduces split), from one place and without pricing anything.
-"""
+"""The collectives one call of a tier issues, with their buffers in bytes and how its sums travel, read from the
+tier's record: what the cost model prices and what :func:`k3_tail.select_tier`'s notes say."""
 
 from __future__ import annotations
 
@@ -19,10 +15,8 @@ from k3_tail.tiers.registry import Tier
 
 @dataclasses.dataclass(frozen=True)
 class CollectiveBuffer:
-    """One collective of a call on each rank: its kind, its buffer in bytes (as :mod:`k3_tail.xla.report`
-    counts it), whether it runs beside the tier's GEMM, for a sum the codec it travels in (None:
-    unquantised) and for an unquantised all-reduce its form ("all-reduce" or
-    "reduce-scatter+all-gather": :mod:`k3_tail.ops.collectives`), else None."""
+    """One collective of a call on each rank: its kind, its buffer in bytes, whether it runs beside the GEMM, for
+    a sum its codec (None: unquantised) and for an unquantised all-reduce its form (else None)."""
 
     kind: str
     nbytes: int
@@ -32,8 +26,7 @@ class CollectiveBuffer:
 
 
 def tier_rows(config: TailConfig, tier: Tier, num_tokens: int, tp_size: int) -> int:
-    """The token rows ``tier`` works on: T, or for sequence-parallel output and for a tier that shards
-    tokens itself, T rounded up to a multiple of p (at least p)."""
+    """The token rows ``tier`` works on: T, or T' for sequence-parallel output and a tier that splits tokens."""
     if config.sequence_parallel or tier.record.splits_tokens:
         return padded_token_count(num_tokens, tp_size)
     return num_tokens
@@ -41,10 +34,8 @@ def tier_rows(config: TailConfig, tier: Tier, num_tokens: int, tp_size: int) -> 
 
 def collective_buffers(config: TailConfig, num_tokens: int, tp_size: int, *, tier: Tier, weight_layout: str,
                        sums: SumPlan) -> tuple[CollectiveBuffer, ...]:
-    """The collectives ``tier`` issues per rank for T = ``num_tokens`` on ``tp_size`` ranks whose sums
-    travel as ``sums`` says (``config.sum_plan(tp_size, platform)``, built once by the caller for all the
-    tiers and token counts it asks about), in issue order (its record's terms); none for T = 0 without
-    sequence-parallel output (XLA drops the empty collectives)."""
+    """The collectives ``tier`` issues per rank for T = ``num_tokens`` on ``tp_size`` ranks, in issue order, its
+    sums travelling as ``sums`` says; none for T = 0 without sequence-parallel output (XLA drops them)."""
     if num_tokens == 0 and not config.sequence_parallel:
         return ()
     shape = CallShape(

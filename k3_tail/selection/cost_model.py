@@ -1,54 +1,24 @@
 """What each tier costs per rank, how long it should take on a given GPU, and where the tiers cross over.
 
-The model has two layers.
+1. **Counts** (:func:`tier_cost`), exact for the program each tier builds: per TP rank, for T tokens, L -> H,
+   p ranks, d bytes per element of ``config.dtype`` and Hb = padded_hidden_size(H, p) / p:
 
-1. **Counts** (:func:`tier_cost`), exact for the program each tier builds: per TP rank, for T tokens,
-   hidden size H, latent size L, p ranks, d bytes per element of ``config.dtype`` and the column block
-   width Hb = padded_hidden_size(H, p) / p (= H/p when p divides H):
+   - ``gemm_flops``: 2*rows*L*columns, with the tier record's ``gemm_rows`` and ``gemm_columns`` (H or Hb).
+   - ``weight_bytes``: the kernel bytes the GEMM reads, w*L*columns (w = d, or 1 for FP8 plus a float32 scale
+     per column; once per ``rows_per_weight_read`` rows), plus d*L of norm weight with ``use_latent_norm``.
+   - ``activation_bytes``: d*(T*L + T*H + T*H), the routed and shared inputs and this rank's rows of y (no
+     shared partial: no second term; token-sharded output: T'/p rows of y, and of a reduced shared output):
+     the program's activation arguments and result per rank. XLA's intermediates are not counted.
+   - ``scratch_bytes``: a kernel's own scratch (``TierRecord.scratch_bytes``), written and read back: twice.
+   - ``collectives``: the record's terms in issue order, as
+     :class:`~k3_tail.selection.collective_cost.CollectiveCost`. With sequence-parallel output, and for a tier
+     that splits tokens, the tier works on T' = ``padded_token_count(T, p)`` rows (every figure but the
+     inputs' activation bytes). T = 0 without sequence-parallel output costs nothing.
+   - ``gpu_kernels``: the record's :class:`~k3_tail.tiers.record.GpuKernelCounts`.
+   - ``grid_programs``: the programs of one_kernel's grid (None for XLA's kernels); ``grid_fill`` =
+     min(1, programs / ``TARGET_PROGRAMS``).
 
-   - ``gemm_flops``: 2*rows*L*columns, with the tier record's ``gemm_rows`` (T, or T'/p for a tier that
-     shards tokens) and ``gemm_columns`` (H when the tier projects all columns with the replicated
-     kernel, else its own column block Hb).
-   - ``weight_bytes``: kernel bytes the GEMM reads (w*L*H or w*L*Hb; a column tier on the replicated
-     layout reads only its own block) plus the norm weight (d*L) when ``use_latent_norm``; w = d, or
-     1 for an FP8 ``up_proj_dtype``, whose per-column float32 scales add 4*H (or 4*Hb) bytes.
-   - ``activation_bytes``: the activation rows the call reads and writes on this rank: its routed and
-     shared inputs and its own rows of y, d*(T*L + T*H + T*H) (no shared partial: no second term;
-     token-sharded output: the last term is T'/p*H, T' = ``padded_token_count(T, p)``; a shared output
-     that arrives reduced is read as the [T, H] that :func:`k3_tail.tail_forward` takes, or this
-     rank's T'/p rows of it for token-sharded output), for the caller's T. This is the traffic no
-     schedule avoids, and for
-     a call it equals the per-rank bytes of the program's activation arguments and result;
-     intermediates that XLA's fusion decides (the float32 projection of the replicated layout, the
-     normalised latent, the column tier's [T, H] buffer) are not counted.
-   - ``scratch_bytes``: a kernel's own scratch, written and read back once (``TierRecord.scratch_bytes``:
-     one_kernel's split of K, the partials of the grid ``fused_grid`` gives it, 0.25-0.53 of its weight
-     block at T = 16), twice its bytes.
-   - ``collectives``: every collective the tier issues, as a
-     :class:`~k3_tail.selection.collective_cost.CollectiveCost`: its buffer as :mod:`k3_tail.xla.report`
-     counts it and its per-rank ring wire bytes (all-reduce 2(p-1)/p * B, the others (p-1)/p * B).
-
-   The collectives of each tier, in issue order and with which of them run beside the GEMM, are
-   its record's cost terms (``Tier.X.record.collectives`` of a :class:`~k3_tail.tiers.record.CallShape`;
-   the README's tier table lists them): the record says how they change without shared experts,
-   without the norm, with a reduced routed output or with token-sharded output. With sequence-parallel
-   output and p not dividing T, the tier runs on T' = T rounded up to a multiple of p (every figure
-   but the inputs' activation bytes with T' for T; a tier that shards tokens always does), and the
-   output stays the [T'/p, H] rows of each rank (:func:`k3_tail.latent_moe_tail`): no gather.
-   T = 0 without sequence-parallel output costs nothing: XLA drops the empty collectives.
-
-   - ``gpu_kernels``: the GPU kernels the tier's compiled call launches besides its collectives and
-     copies, per XLA platform: its record's :class:`~k3_tail.tiers.record.GpuKernelCounts`, counted in
-     the compiled programs (one for one_kernel; 3-8 for the XLA tiers at decode).
-   - ``grid_programs``: the programs of the tier's own kernel's grid, one_kernel's
-     (:func:`k3_tail.ops.fused_launch.fused_grid`: row tiles x column tiles x slabs of K); None for XLA's
-     kernels, which XLA sizes to the GPU. ``grid_fill`` = min(1, programs / ``TARGET_PROGRAMS``): the share
-     of the GPU the grid keeps busy. Kimi-K3, p = 8: 1 for T <= 47 and 65-89, 784 of 1024 programs at T =
-     48-64, 448 at T = 512, as the cap on the split of K bites and then no split is left; p = 16: 1 only to
-     T = 16, the default rules' ``one_kernel_max_tokens`` (the grid fills a GPU that far for p = 2 to 16).
-
-2. **Time** (:func:`predict_time`) from a roofline for the local work, an alpha-beta model for the
-   collectives and a fixed cost per kernel, with the :class:`Hardware` figures:
+2. **Time** (:func:`predict_time`), with the :class:`Hardware` figures:
 
        local      = max(gemm_flops / peak, (weight_bytes + activation_bytes + scratch_bytes) / hbm_bytes_per_s)
                     / grid_fill
@@ -56,40 +26,22 @@ The model has two layers.
        launches   = gpu_kernels (on the preset's platform) * kernel_launch_s
        total      = sum(serial collectives) + max(local, sum(hidden collectives)) + launches
 
-   where peak is the preset's ``peak_fp8_flops`` for a GEMM of two FP8 operands
-   (``fp8_activations``) in a format the preset lists in ``fp8_formats``, else ``peak_flops``
-   (weight-only FP8 multiplies in ``config.dtype``: it saves bytes, not FLOP time), and a collective
-   is hidden when its record term runs beside the GEMM (``beside_gemm``); a sum that travels quantised adds its
-   codec's shots and memory passes (:mod:`k3_tail.selection.collective_cost`). A grid of fewer programs than
-   ``TARGET_PROGRAMS`` has fewer loads in flight than HBM needs to reach its bandwidth, and fewer
-   wavefronts for the matrix units: its kernel runs at ``grid_fill`` of both peaks.
+   peak: ``peak_fp8_flops`` for a GEMM of two FP8 operands (``fp8_activations``) in a format of the preset's
+   ``fp8_formats``, else ``peak_flops``. A collective is hidden when its term runs beside the GEMM; a quantised
+   sum adds its codec's shots and memory passes (:mod:`k3_tail.selection.collective_cost`).
 
-Assumptions a reader must know:
-- Vendor peaks: the presets hold data-sheet peak dense BF16 FLOP/s, HBM and link bandwidth, which
-  real kernels reach only in part, so predicted times are optimistic; the crossovers depend on the
-  ratios between the terms. ``collective_latency_s`` is an assumption (10 us), not a vendor figure,
-  and so is ``kernel_launch_s`` (2 us: what fusing one kernel away saved in the one public measurement
-  of this tail's kernels, on an MI355X). Replace any field with a measurement for a real decision:
-  ``dataclasses.replace(HARDWARE["mi355x"], collective_latency_s=...)``.
-- ``link_bytes_per_s`` is one GPU's bandwidth in one direction over all its links, which a ring collective is
-  assumed to drive fully (:mod:`k3_tail.selection.collective_cost`).
-- Collectives run one at a time; a hidden one shares neither HBM bandwidth nor compute units with
-  the GEMM it runs beside. The latent all-reduce always precedes the GEMM.
-- Collectives are counted as the tier issues them: on GPU, XLA may combine two independent
-  all-reduces into one (one latency fewer than modelled).
-- A column tier on the replicated layout reads only its own kernel block; XLA on GPU materialises
-  that slice as a copy first (another 2*d*L*Hb bytes per call, not counted; the column layout has
-  none).
-- Elementwise work (norm, adds, casts) costs no FLOPs here; its traffic is in ``activation_bytes``.
-- Every kernel runs at the roofline, one_kernel's Pallas kernel at ``grid_fill`` of it: its tiles are
-  sized for decode (at most 64 rows a tile: beyond 64 tokens it reads the weight block once per 64 rows,
-  which ``weight_bytes`` counts) and nothing tunes it; no measurement backs its time beyond decode.
-  ``TARGET_PROGRAMS`` (1024) is where a grid fills a GPU on every preset (AMD's MI300X tuning guide's
-  figure), and below it the share is taken as proportional (loads in flight grow with the programs).
-- The kernels it saves are what keep one_kernel fastest past ``one_kernel_max_tokens``: column_parallel
-  launches 3 (CUDA) or 4 (ROCm) more beyond one token (6-8 us at the assumed 2 us each), which its
-  unfilled grid and its weight reads per 64 rows outweigh only at T of a few hundred
-  (:class:`CostModelPolicy`'s reason says so where it departs from the default rules).
+Assumptions:
+- The presets hold data-sheet peaks, which real kernels reach only in part: times are optimistic, and the
+  crossovers rest on the ratios. ``collective_latency_s`` (10 us) and ``kernel_launch_s`` (2 us) are
+  assumptions. Replace any field with a measurement: ``dataclasses.replace(HARDWARE["mi355x"], ...)``.
+- A ring collective drives ``link_bytes_per_s`` fully (:mod:`k3_tail.selection.collective_cost`).
+- Collectives run one at a time, as the tier issues them (XLA on GPU may combine two all-reduces); a hidden one
+  shares neither HBM bandwidth nor compute units with the GEMM. The latent all-reduce precedes the GEMM.
+- A column tier on the replicated layout reads only its own block (XLA on GPU copies that slice first: 2*d*L*Hb
+  bytes more, not counted). Elementwise work costs no FLOPs; its traffic is in ``activation_bytes``.
+- Every kernel runs at the roofline, one_kernel's at ``grid_fill`` of it (a grid below ``TARGET_PROGRAMS``
+  has fewer loads in flight: taken as proportional); its tiles are sized for decode, and no measurement backs
+  its time beyond.
 """
 
 from __future__ import annotations
@@ -124,15 +76,8 @@ __all__ = [
 
 @dataclasses.dataclass(frozen=True)
 class TierCost:
-    """Per-rank cost of one tail call by one tier (module docstring: formulas).
-
-    gemm_flops: FLOPs of the up projection. weight_bytes: kernel (and norm weight) bytes read.
-    activation_bytes: activation input and output bytes. scratch_bytes: a kernel's scratch traffic (written,
-    then read). collectives: in the order the tier issues them.
-    fp8_gemm: the FP8 format of both GEMM operands (``fp8_activations``), else None. gpu_kernels: the GPU
-    kernels the call launches, by XLA platform ("cuda", "rocm"). grid_programs: the programs of the tier's own
-    kernel's grid (one_kernel's), None where XLA sizes the kernels.
-    """
+    """Per-rank cost of one tail call by one tier (module docstring: the fields). fp8_gemm: the FP8 format of
+    both GEMM operands, else None; gpu_kernels: by XLA platform ("cuda", "rocm")."""
 
     tier: Tier
     num_tokens: int
@@ -149,8 +94,7 @@ class TierCost:
 
     @property
     def grid_fill(self) -> float:
-        """The share of the GPU its kernel keeps busy: min(1, grid_programs / TARGET_PROGRAMS); 1 for XLA's
-        kernels and for a call with no work."""
+        """min(1, grid_programs / TARGET_PROGRAMS); 1 for XLA's kernels and for a call with no work."""
         if not self.grid_programs:
             return 1.0
         return min(1.0, self.grid_programs / TARGET_PROGRAMS)
@@ -164,12 +108,9 @@ class TierCost:
 def tier_cost(
     config: TailConfig, num_tokens: int, tp_size: int, *, tier: Tier | str, weight_layout: str = "replicated"
 ) -> TierCost:
-    """The per-rank :class:`TierCost` of ``tier`` for ``num_tokens`` (T) tokens on ``tp_size`` (p) ranks.
-
-    ``weight_layout`` is where the [L, H] kernel lives ("replicated" or "column", as for
-    :func:`k3_tail.tail_forward`). Bad arguments, or a tier whose record says it cannot run with the
-    layout or config, raise ValueError naming the argument.
-    """
+    """The per-rank :class:`TierCost` of ``tier`` for T = ``num_tokens`` on p = ``tp_size`` ranks with
+    ``weight_layout`` ("replicated" or "column"). ValueError naming the argument for a bad one, or for a tier that
+    cannot run with the layout or config."""
     check_config(config)
     num_tokens = check_int("num_tokens", num_tokens, minimum=0)
     tp_size = check_int("tp_size", tp_size, minimum=1)
@@ -181,7 +122,6 @@ def tier_cost(
 
 def _tier_cost(config: TailConfig, num_tokens: int, tp_size: int, tier: Tier, weight_layout: str,
                sums: SumPlan) -> TierCost:
-    """:func:`tier_cost` of checked arguments, the sums travelling as ``sums`` says."""
     if num_tokens == 0 and not config.sequence_parallel:
         return TierCost(tier, num_tokens, tp_size, weight_layout, 0, 0, 0, (),
                         gpu_kernels=dict.fromkeys(GPU_VENDOR_PLATFORMS, 0))
@@ -226,8 +166,7 @@ def _tier_cost(config: TailConfig, num_tokens: int, tp_size: int, tier: Tier, we
 
 
 def _grid_programs(config: TailConfig, tier: Tier, rows: int, tp_size: int) -> int | None:
-    """The programs of ``tier``'s own kernel's grid for ``rows`` token rows (its record's ``launch_grid``); None for
-    the tiers whose kernels XLA sizes."""
+    """The programs of ``tier``'s own kernel's grid for ``rows`` token rows; None where XLA sizes the kernels."""
     if tier.record.launch_grid is None or rows == 0:
         return None
     return tier.record.launch_grid(config, rows, tp_size).programs
@@ -235,12 +174,8 @@ def _grid_programs(config: TailConfig, tier: Tier, rows: int, tp_size: int) -> i
 
 @dataclasses.dataclass(frozen=True)
 class Prediction:
-    """Predicted per-call times in seconds (module docstring: formulas).
-
-    compute_s: GEMM FLOPs at peak. memory_s: weight, activation and scratch bytes at HBM bandwidth; both at
-    the cost's ``grid_fill`` of the peak. collective_s: all collectives, hidden ones included. launch_s: the
-    kernels' fixed costs. total_s: the call, hidden collectives overlapped.
-    """
+    """Predicted per-call times in seconds (module docstring: formulas): compute_s and memory_s at ``grid_fill``
+    of the peaks; collective_s, hidden ones included; launch_s; total_s, hidden collectives overlapped."""
 
     compute_s: float
     memory_s: float
@@ -255,14 +190,8 @@ class Prediction:
 
 
 def predict_time(cost: TierCost, hardware: Hardware | str) -> Prediction:
-    """The :class:`Prediction` for ``cost`` on ``hardware`` (a :class:`Hardware` or a key of HARDWARE).
-
-    total = sum(serial collective times) + max(local, sum(hidden collective times)) + launches, where
-    local = max(gemm_flops / peak, (weight_bytes + activation_bytes + scratch_bytes) / hbm_bytes_per_s)
-    / grid_fill (peak: the preset's FP8 peak for a GEMM of two FP8 operands in a format it multiplies, else
-    its BF16 peak), a collective takes collective_latency_s + wire_bytes / link_bytes_per_s (nothing over a
-    group of one rank) and launches = gpu_kernels on the preset's platform * kernel_launch_s.
-    """
+    """The :class:`Prediction` for ``cost`` on ``hardware`` (a :class:`Hardware` or a key of HARDWARE), by the
+    module docstring's formulas; ValueError for a ``cost`` that is no TierCost or an unknown preset."""
     if not isinstance(cost, TierCost):
         raise ValueError(f"cost: expected a k3_tail.selection.cost_model.TierCost, got {type(cost).__name__}")
     hardware = hardware_preset(hardware)
@@ -299,12 +228,9 @@ def best_tier(
     weight_layout: str = "replicated",
     tiers: Iterable[Tier | str] | None = None,
 ) -> TierDecision:
-    """The tier with the smallest predicted time for this call, and a reason quoting the predictions.
-
-    ``tiers`` (default: every tier that runs with ``config`` and ``weight_layout``) are the candidates;
-    on equal times (within a relative 1e-9, whichever way rounding tips them) the one first in
-    ``Tier``'s order wins. Bad arguments raise ValueError naming the argument.
-    """
+    """The tier with the smallest predicted time among ``tiers`` (default: every tier that runs), the first in
+    ``Tier``'s order on a tie (within a relative 1e-9), and a reason quoting the predictions. ValueError naming
+    a bad argument."""
     hardware = hardware_preset(hardware)
     check_config(config)
     num_tokens = check_int("num_tokens", num_tokens, minimum=0)
@@ -329,8 +255,7 @@ def _unfilled_grid(cost: TierCost) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class CostModelPolicy(SelectionPolicy):
-    """The selection policy that picks the tier :func:`best_tier` predicts fastest on the HARDWARE preset
-    named ``hardware`` (``TailConfig(selection_policy=CostModelPolicy("mi355x"))``)."""
+    """The selection policy of :func:`best_tier` on the HARDWARE preset ``hardware`` (``CostModelPolicy("mi355x")``)."""
 
     hardware: str
 
@@ -340,9 +265,8 @@ class CostModelPolicy(SelectionPolicy):
 
     def select(self, config: TailConfig, num_tokens: int, tp_size: int, *, weight_layout: str | None = None,
                device_kind: str | None = None, platform: str | jax.Device | None = None) -> TierDecision:
-        """:func:`best_tier` among every tier that runs, compiled, on ``platform`` (as :func:`k3_tail.select_tier`
-        takes it; one_kernel only on a GPU platform: elsewhere, or with the platform unknown, its kernel would
-        run interpreted); ValueError without ``weight_layout``, which the price depends on."""
+        """:func:`best_tier` among the tiers that run compiled on ``platform`` (one_kernel on a GPU platform only);
+        ValueError without ``weight_layout``, which the price depends on."""
         platform = check_platform(platform)
         if weight_layout is None:
             raise ValueError('weight_layout: the cost-model selection policy prices the call, so it needs its '
@@ -374,17 +298,11 @@ def crossovers(
     tiers: Iterable[Tier | str] | None = None,
     token_range: tuple[int, int] = (1, 16384),
 ) -> tuple[Crossover, ...]:
-    """Every token count in ``token_range`` (inclusive) where :func:`best_tier`'s tier changes, in order.
+    """Every token count in ``token_range`` (inclusive) where :func:`best_tier`'s tier changes, in order; empty
+    when one tier is fastest over the range. ValueError naming a bad argument.
 
-    The fastest tier is evaluated on a grid of every multiple of p and the count after it, and each
-    change between two grid points is bisected to the exact count. That grid follows the padding: a
-    tier that works on T rounded up to a multiple of p (token_parallel; every tier with
-    sequence-parallel output) costs the same over a block of p counts but for the activation bytes,
-    while the others grow smoothly but for one_kernel, whose weight reads step where its row tiles do
-    (every ``rows_per_weight_read`` = 64 rows: grid points wherever p divides 64) and whose grid's fill
-    steps where its row tiles or its split of K change. Inside a block without such a step the fastest
-    tier changes at most once; a block holding one may hide a change and its change back (the tests find
-    none against best_tier at every T to 2048). An empty tuple: one tier is fastest over the whole range.
+    Evaluated at every multiple of p and the count after it (the padding's steps), each change bisected to
+    the exact count; a change and its change back inside one block of p, at one_kernel's steps, may hide.
     """
     hardware = hardware_preset(hardware)
     check_config(config)
@@ -418,8 +336,7 @@ def crossovers(
 
 
 def _bisect(fastest: Callable[[int], Tier], start: int, before: Tier, end: int) -> Crossover:
-    """The first count in (``start``, ``end``] where ``fastest`` differs from ``before`` (its tier at
-    ``start``; it differs at ``end``)."""
+    """The first count in (``start``, ``end``] where ``fastest`` differs from ``before``, its tier at ``start``."""
     while end - start > 1:
         middle = (start + end) // 2
         if fastest(middle) is before:
@@ -431,20 +348,17 @@ def _bisect(fastest: Callable[[int], Tier], start: int, before: Tier, end: int) 
 
 def _costs(config: TailConfig, num_tokens: int, tp_size: int, weight_layout: str, candidates: list[Tier],
            sums: SumPlan) -> list[TierCost]:
-    """The :class:`TierCost` of each candidate tier for the call."""
     return [_tier_cost(config, num_tokens, tp_size, tier, weight_layout, sums) for tier in candidates]
 
 
 def _times(config: TailConfig, num_tokens: int, tp_size: int, hardware: Hardware, weight_layout: str,
            candidates: list[Tier], sums: SumPlan) -> list[float]:
-    """The predicted total seconds of each candidate tier for the call."""
     return [predict_time(cost, hardware).total_s
             for cost in _costs(config, num_tokens, tp_size, weight_layout, candidates, sums)]
 
 
 def _first_fastest(times: list[float]) -> int:
-    """The index of the first time within a relative 1e-9 of the smallest: ties go to the earlier tier
-    whichever way rounding tips them."""
+    """The index of the first time within a relative 1e-9 of the smallest, whichever way rounding tips them."""
     limit = min(times) * (1 + 1e-9)
     return next(index for index, seconds in enumerate(times) if seconds <= limit)
 

@@ -9,9 +9,7 @@ from k3_tail.tiers.registry import Tier
 
 @dataclasses.dataclass(frozen=True)
 class TierDecision:
-    """The tier chosen for one call (config, token count, TP size): ``rule``, why this tier, in one
-    clause; ``notes``, further facts about this call (how its sums travel, how it shards tokens), each
-    present only where it applies."""
+    """The tier chosen for one call: ``rule``, why, in one clause; ``notes``, further facts where they apply."""
 
     tier: Tier
     rule: str

@@ -1,8 +1,5 @@
-"""Which tier serves a call, and why: vLLM's rule order without its silent fallbacks.
-
-Selection runs at trace time (the token count is static under jit), so it costs nothing per call,
-and every outcome carries the rule that chose it and the notes that apply to the call.
-"""
+"""Which tier serves a call, and why: vLLM's rule order without its silent fallbacks, at trace time (T is static
+under jit), so nothing per call."""
 
 from __future__ import annotations
 
@@ -34,34 +31,24 @@ def select_tier(
 ) -> TierDecision:
     """Pick the tier for a call with ``num_tokens`` tokens (T) on ``tp_size`` (p) TP ranks.
 
+    The fast tiers need p > 1, a shared-expert partial, an unreduced routed output and T > 0; otherwise NATIVE,
+    the rule naming the failed condition, whatever the policy.
+
     Args:
-      config: the tail's :class:`~k3_tail.TailConfig`; ``config.selection_policy`` picks the tier
-        once the preconditions below hold (None: :class:`VllmRules`).
+      config: the tail's :class:`~k3_tail.TailConfig`; ``config.selection_policy`` picks once the
+        preconditions hold (None: :class:`VllmRules`).
       num_tokens, tp_size: T >= 0 and p >= 1.
-      weight_layout, device_kind: the call's kernel layout and its devices' ``.device_kind``, where the
-        caller knows them (None: not known). A measured table checks both, the cost model prices the
-        layout and the token_parallel rule needs it.
-      platform: where the call runs: a device of its mesh (a ``jax.Device``: its
-        :func:`~k3_tail.hardware.device_platform` decides, as in the call), or a platform's name as JAX
-        and device_platform give it, "cpu", "gpu", "tpu", "cuda" or "rocm"; None: not known. "gpu", JAX's
-        name for CUDA and ROCm devices alike, selects as either does: no rule, policy or note here
-        depends on the vendor (the GPU kernel counts the cost model charges are its preset's). The
-        one_kernel rule needs a GPU platform, and the notes say how the sums travel there
-        (``config.all_reduce_form``, :mod:`k3_tail.ops.collectives`).
+      weight_layout, device_kind: the call's kernel layout and its devices' ``.device_kind`` (None: not known).
+      platform: a device of the call's mesh (its :func:`~k3_tail.hardware.device_platform` decides), or "cpu",
+        "gpu", "tpu", "cuda" or "rocm"; None: not known. "gpu" selects as either vendor does.
 
     Returns:
-      The :class:`TierDecision`: the tier, the rule that chose it and the notes that apply to this
-      call (how its sums travel or are quantised, how it shards tokens, how a reduced shared output
-      changes it).
+      The :class:`TierDecision`: the tier, its rule and the notes on this call (how its sums travel, how it
+      shards tokens, how a reduced shared output changes it).
 
     Raises:
-      ValueError: naming the argument for a bad one (``platform`` for a name not listed above), or the
-        policy's (a table measured elsewhere, the cost model without ``weight_layout``).
-
-    The fast tiers need p > 1, a shared-expert partial, an unreduced routed output and a non-empty
-    batch; otherwise NATIVE, the rule naming the failed condition, whatever the policy.
-    (routed_scaling_factor is honoured by every tier, so unlike vLLM's ROCm runner it is no
-    precondition; nor is sequence parallelism, which every tier serves.)
+      ValueError: naming the argument for a bad one, or the policy's (a table measured elsewhere, the cost
+        model without ``weight_layout``).
     """
     check_config(config)
     num_tokens = check_int("num_tokens", num_tokens, minimum=0)
@@ -80,8 +67,7 @@ def select_tier(
 
 def choose_tier(config: TailConfig, num_tokens: int, tp_size: int, *, weight_layout: str | None,
                 device_kind: str | None, platform: str | jax.Device | None) -> TierDecision:
-    """:func:`select_tier`'s tier and rule for arguments already checked, without the notes on the call (which
-    only :func:`select_tier` builds): what a traced call asks for."""
+    """:func:`select_tier`'s tier and rule for checked arguments, without the notes: what a traced call asks for."""
     decision = _precondition(config, num_tokens, tp_size)
     if decision is not None:
         return decision
@@ -112,24 +98,9 @@ def _precondition(config: TailConfig, num_tokens: int, tp_size: int) -> TierDeci
 
 @dataclasses.dataclass(frozen=True)
 class VllmRules(SelectionPolicy):
-    """vLLM's rules, from the config's switches (the default ``selection_policy``), in order:
-
-      1. TOKEN_PARALLEL for prefill with token-sharded output: ``config.sequence_parallel``,
-         ``prefill_token_parallel_min_tokens`` > 0, T >= it and the replicated kernel layout (vLLM's
-         VLLM_KIMI_K3_AMD_PREFILL_SP_MIN_TOKENS; the rule says when only the layout kept it out).
-      2. SCATTER_GATHER if ``config.use_scatter_gather`` and T <= ``scatter_gather_max_tokens``.
-      3. ONE_KERNEL on a GPU platform ("cuda", "rocm", "gpu") for T <= ``config.one_kernel_max_tokens`` (decode):
-         one GPU kernel per call besides the two all-reduces, where the XLA tiers launch 3-8; the rule
-         that follows says why not when the tier cannot run here (no Pallas Triton backend, FP8
-         activations). Not on a CPU, where its kernel runs in Pallas's interpret mode.
-      4. OVERLAP if T <= ``overlap_token_threshold`` and overlap is not disabled; NATIVE there when
-         ``config.shared_output_is_reduced`` (vLLM's pre-reduced shared tail: nothing is left to
-         overlap, and overlap's schedule then is native's).
-      5. COLUMN_PARALLEL otherwise; when H % p != 0 the projection's columns are padded to the next
-         multiple of p and sliced back, so no columns are dropped and no fallback is needed.
-
-    ONE_SHOT is never selected here: it trades a full GEMM per rank for one collective fewer, and only
-    a cost model or a measured table for the hardware can say where that wins; force it with ``tier=``.
+    """vLLM's rules from the config's switches (the default ``selection_policy``), in order: docs/design.md,
+    "Selection". ONE_SHOT is never selected here: only a cost model or a measured table can say where its full
+    GEMM per rank for one collective fewer wins; force it with ``tier=``.
     """
 
     def select(self, config: TailConfig, num_tokens: int, tp_size: int, *, weight_layout: str | None = None,
@@ -147,15 +118,14 @@ class VllmRules(SelectionPolicy):
 
 
 def _fused_kernel_rules(config: TailConfig, num_tokens: int, tp_size: int, platform: str | None) -> TierDecision:
-    """Rules 2-5 of :class:`VllmRules`: a fused-kernel tier (scatter-gather, one_kernel) for a small enough T, else
-    :func:`_overlap_threshold_rules`."""
+    """Rules 2-5 of :class:`VllmRules`: scatter-gather or one_kernel for a small enough T, else the next rules."""
     if config.use_scatter_gather and num_tokens <= config.scatter_gather_max_tokens:
         return TierDecision(
             Tier.SCATTER_GATHER,
             f"use_scatter_gather is True and T={num_tokens} <= "
             f"scatter_gather_max_tokens={config.scatter_gather_max_tokens}",
         )
-    # Where its kernel runs compiled (its record's compiled_on: the GPU platforms), not interpreted.
+    # Where its kernel runs compiled (the GPU platforms), not interpreted.
     if not Tier.ONE_KERNEL.record.runs_interpreted_on(platform) and num_tokens <= config.one_kernel_max_tokens:
         why = f"T={num_tokens} <= one_kernel_max_tokens={config.one_kernel_max_tokens} on {platform}"
         reason = Tier.ONE_KERNEL.why_not("column", config)
@@ -189,9 +159,8 @@ def _overlap_threshold_rules(config: TailConfig, num_tokens: int, tp_size: int) 
 
 def unlike_the_rules(config: TailConfig, num_tokens: int, tp_size: int, tier: Tier, *, weight_layout: str | None,
                      platform: str | None) -> str:
-    """Where another policy's ``tier`` is not what :class:`VllmRules` pick for the same call, why: the rules' tier
-    and rule, with ``one_kernel_max_tokens`` where the other keeps one_kernel past it, as a clause to append to
-    that policy's reason ("; unlike the default rules, which ..."); else ""."""
+    """A clause for another policy's reason where its ``tier`` is not :class:`VllmRules`' for the call
+    ("; unlike the default rules, which ..."), else ""."""
     rules = VllmRules().select(config, num_tokens, tp_size, weight_layout=weight_layout, platform=platform)
     if tier is rules.tier:
         return ""
@@ -202,10 +171,8 @@ def unlike_the_rules(config: TailConfig, num_tokens: int, tp_size: int, tier: Ti
 
 
 def gpu_rules_note(config: TailConfig, platform: str | None) -> str | None:
-    """The note that the default rules (:class:`VllmRules`: ``config.selection_policy`` None or
-    ``VllmRules()``) are vLLM's GPU thresholds, where they pick for a platform known not to be a GPU's
-    ("cpu", "tpu"), with how to measure this machine instead; None elsewhere: on a GPU, on a platform
-    not known (None), under a measured table or the cost model."""
+    """The note that the default rules are vLLM's GPU thresholds, where they pick for a platform known to be no
+    GPU ("cpu", "tpu"), with how to measure this machine instead; else None."""
     if platform is None or platform in GPU_PLATFORMS:
         return None
     if config.selection_policy is not None and not isinstance(config.selection_policy, VllmRules):
@@ -217,13 +184,9 @@ def gpu_rules_note(config: TailConfig, platform: str | None) -> str | None:
 
 def _call_notes(config: TailConfig, tier: Tier, num_tokens: int, tp_size: int, weight_layout: str | None,
                 platform: str | None, gpu_rules: str | None) -> tuple[str, ...]:
-    """The facts about this call of ``tier``, each only where it applies: ``gpu_rules``, that vLLM's GPU
-    thresholds picked it for a platform that is no GPU (:func:`gpu_rules_note`, None where a precondition
-    picked native, which no threshold decides), how its unquantised all-reduces travel (where not as one
-    all-reduce each), which of the sums it sends are quantised, how a reduced shared output and
-    token-sharded output (with the padded token count) change the tier."""
-    # The facts first, from the tier's record and the config, then the words. The sums (all-reduces,
-    # reduce-scatters) of a tier do not depend on the kernel's layout.
+    """The facts about this call of ``tier``, each only where it applies: ``gpu_rules``, how its sums travel or
+    are quantised, how a reduced shared output and token-sharded output (padded tokens) change the tier."""
+    # A tier's sums (all-reduces, reduce-scatters) do not depend on the kernel's layout.
     layout = weight_layout or ("replicated" if tier.record.needs_whole_kernel else "column")
     buffers = collective_buffers(config, num_tokens, tp_size, tier=tier, weight_layout=layout,
                                  sums=config.sum_plan(tp_size, platform))
@@ -250,7 +213,6 @@ def _call_notes(config: TailConfig, tier: Tier, num_tokens: int, tp_size: int, w
                      + (f"; outside that range, in {config.dtype.name}: {', '.join(plain)}" if plain else ""))
     if config.shared_output_is_reduced:
         notes.append(f"shared output reduced before the tail: {tier.record.prose.shared_reduced_form}")
-    # Token-sharded output is the config's sequence_parallel, for every call (is_token_sharded_output).
     if config.sequence_parallel:
         notes.append(f"sequence-parallel output: {tier.record.prose.token_sharded_form}")
     padded = padded_token_count(num_tokens, tp_size)

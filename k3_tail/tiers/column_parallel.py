@@ -22,16 +22,8 @@ from k3_tail.tiers.record import CallShape, CollectiveTerm, GpuKernelCounts, Tie
 
 
 def column_parallel_tail(routed_partial, shared_partial, norm_weight, up_proj_kernel, call: TailCall) -> jax.Array:
-    """AR(r) + norm; rank k adds latent @ W[:, block k] into block k of its shared partial; AR (a
-    :class:`~k3_tail.tiers.context.TierFunction`).
-
-    The final all-reduce sums the ranks' :func:`stitched_buffer`; for token-sharded output it is a
-    reduce-scatter over tokens. With ``shared_output_is_reduced`` it has nothing left to sum, so it
-    is an all-gather of the [T, Hb] projection blocks (an all-to-all to token rows for token-sharded
-    output), and the reduced shared output is added after it. Cost per rank, either layout: 2TLH/p
-    GEMM FLOPs, 2LH/p weight bytes, AR(T*L) then AR(T*H), serial. The replicated layout slices its
-    block out of the whole kernel (which it keeps in memory).
-    """
+    """The tier's :class:`~k3_tail.tiers.context.TierFunction`. Cost per rank, either layout: 2TLH/p GEMM FLOPs,
+    2LH/p weight bytes, AR(T*L) then AR(T*H), serial."""
     if not call.config.shared_output_is_reduced:
         buffer = stitched_buffer(routed_partial, shared_partial, norm_weight, up_proj_kernel, call)
         return call.reduce_output(buffer, scope=SHARED_REDUCTION)
@@ -45,12 +37,8 @@ def column_parallel_tail(routed_partial, shared_partial, norm_weight, up_proj_ke
 
 
 def stitched_buffer(routed_partial, shared_partial, norm_weight, up_proj_kernel, call: TailCall) -> jax.Array:
-    """The [T, H] buffer this rank hands to the final all-reduce (for unreduced shared partials).
-
-    It equals the shared partial (zeros without one) everywhere except this rank's columns
-    [k*Hb, min((k+1)*Hb, H)), which hold shared + latent @ block, added in float32 and rounded once:
-    summed over the ranks, every column gets its projection exactly once.
-    """
+    """The [T, H] buffer this rank hands to the final all-reduce: the shared partial (zeros without one) with
+    latent @ block added (float32, rounded once) into its columns [k*Hb, min((k+1)*Hb, H))."""
     config = call.config
     latent = call.normalised_latent(routed_partial, norm_weight)
     block = _own_block(up_proj_kernel, call)

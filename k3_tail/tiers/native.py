@@ -18,13 +18,8 @@ from k3_tail.tiers.record import CallShape, CollectiveTerm, GpuKernelCounts, Tie
 
 
 def native_tail(routed_partial, shared_partial, norm_weight, up_proj_kernel, call: TailCall) -> jax.Array:
-    """AR(r); norm; GEMM; AR(s); add, one after the other (a :class:`~k3_tail.tiers.context.TierFunction`).
-
-    Cost per rank, replicated layout: 2TLH GEMM FLOPs, 2LH weight bytes, AR(T*L) and AR(T*H).
-    Column layout: 2TLH/p FLOPs and 2LH/p weight bytes, plus an all-gather of the [T, H/p] output
-    blocks. For token-sharded output AR(s) is a reduce-scatter over tokens and the rank keeps its rows
-    of the projection. XLA's scheduler may still reorder or combine the collectives.
-    """
+    """The tier's :class:`~k3_tail.tiers.context.TierFunction`. Cost per rank: 2TLH GEMM FLOPs, 2LH weight bytes
+    (column layout: /p, plus AG of the output blocks), AR(T*L) and AR(T*H)."""
     config = call.config
     latent = call.normalised_latent(routed_partial, norm_weight)
     projected = project_all_columns(

@@ -1,16 +1,7 @@
 """The one_kernel tier: column_parallel's schedule with its local work in ONE GPU kernel (Pallas, Triton backend).
 
-AR(r); one kernel per rank normalises the reduced latent, multiplies it by the rank's column block of
-the kernel and adds the result into the rank's own columns of its shared partial, in float32, rounded
-once (:func:`k3_tail.ops.fused_projection.norm_project_add`); one all-reduce of that [T, H] buffer
-stitches the blocks and sums the shared partials. At decode, where the tail moves 6 MB of weights per
-rank and the XLA tiers launch 3-8 kernels, the whole call is one kernel besides its two all-reduces.
-
-The kernel is Pallas's Triton backend, the only Pallas GPU backend on ROCm (Mosaic GPU refuses AMD
-devices) and deprecated since jax 0.11 without a removal date; where a jax has no such backend the tier
-says so (:meth:`~k3_tail.tiers.record.TierRecord.why_not`) and selection takes the next tier. On a CPU
-the same kernel runs in Pallas's interpret mode, one program after another: correct and tested there,
-but slow, so selection picks the tier only on GPUs.
+Pallas's Triton backend is the only Pallas GPU backend on ROCm (Mosaic GPU refuses AMD devices); where a jax
+lacks it the record says why not. On a CPU the kernel runs interpreted: correct, slow, so selected on GPUs only.
 
 Summary: column_parallel's schedule with the norm, the own column block of the GEMM and the add in one Pallas
     kernel: one GPU kernel per call besides the two all-reduces
@@ -38,16 +29,8 @@ from k3_tail.tiers.record import GpuKernelCounts, TierRecord
 
 
 def one_kernel_tail(routed_partial, shared_partial, norm_weight, up_proj_kernel, call: TailCall) -> jax.Array:
-    """AR(r); one kernel: norm, own column block of the GEMM, added into own columns of s; AR (a
-    :class:`~k3_tail.tiers.context.TierFunction`).
-
-    As column_parallel: the final all-reduce sums the ranks' buffers (a reduce-scatter over tokens for
-    token-sharded output); with ``shared_output_is_reduced`` the kernel adds the own block into the
-    reduced shared output's own columns and an all-gather assembles the blocks (for token-sharded
-    output the blocks go to token rows by an all-to-all and the shared rows are added after it). Cost
-    per rank, either layout: 2TLH/p FLOPs, 2LH/p weight bytes read where they lie (the replicated
-    layout's block too), AR(T*L) then AR(T*H); one kernel.
-    """
+    """The tier's :class:`~k3_tail.tiers.context.TierFunction`. Cost per rank, either layout: 2TLH/p FLOPs, 2LH/p
+    weight bytes read where they lie, AR(T*L) then AR(T*H), one kernel."""
     config = call.config
     hidden = config.hidden_size
     latent = call.reduced_latent(routed_partial)
@@ -58,8 +41,7 @@ def one_kernel_tail(routed_partial, shared_partial, norm_weight, up_proj_kernel,
         with jax.named_scope(UP_PROJECTION):
             summed = norm_project_add_into(latent, norm_weight, up_proj_kernel, buffer, **options)
         return call.reduce_output(summed, scope=SHARED_REDUCTION)
-    # With token-sharded output this rank's shared rows are not its columns' rows: the blocks travel to token
-    # rows first and the shared rows are added after.
+    # Token-sharded, this rank's shared rows are not its columns' rows: the blocks go to token rows, then the add.
     with jax.named_scope(UP_PROJECTION):
         own = norm_project_add(latent, norm_weight, up_proj_kernel, None if call.token_sharded else shared_partial,
                                **options)
@@ -69,7 +51,6 @@ def one_kernel_tail(routed_partial, shared_partial, norm_weight, up_proj_kernel,
 
 
 def _kernel_options(call: TailCall) -> dict:
-    """The kernel's keywords for this call: the rank and sizes, the norm's constants, where it compiles."""
     config = call.config
     return dict(rank=call.rank_index(), tp_size=call.tp_size,
                 block_width=padded_hidden_size(config.hidden_size, call.tp_size) // call.tp_size,
@@ -79,12 +60,11 @@ def _kernel_options(call: TailCall) -> dict:
 
 
 def _launch_grid(config: TailConfig, num_tokens: int, tp_size: int) -> FusedGrid:
-    """The kernel's grid on a GPU for T >= 1 tokens on p ranks (fused_grid over this rank's column block)."""
+    """The kernel's grid on a GPU for T >= 1 tokens on p ranks."""
     return fused_grid(num_tokens, config.latent_size, padded_hidden_size(config.hidden_size, tp_size) // tp_size)
 
 
 def _scratch_bytes(config: TailConfig, num_tokens: int, tp_size: int) -> int:
-    """The kernel's scratch for T tokens on p ranks: its grid's (the split of K on a GPU)."""
     return _launch_grid(config, num_tokens, tp_size).scratch_bytes(num_tokens)
 
 

@@ -2,11 +2,7 @@
 
     y = sum_i s_i + c * rsqrt(mean((c x)^2) + eps) * sum_i ((r_i * g) @ W),   x = sum_i r_i
 
-Each rank projects its own routed partial, and ONE all-reduce of
-the packed [(r_i g) @ W | s_i | r_i] buffer replaces the two serial collectives of the other
-tiers; the per-row RMS factor is computed from the reduced x and applied afterwards
-(:func:`k3_tail.ops.norm.inverse_rms`, which takes c as its scale: c x may overflow float32
-where x does not). Without a norm the partials are scaled, (c r_i) @ W, and x is not sent. Not in vLLM.
+Without a norm the partials are scaled, (c r_i) @ W, and x is not sent.
 
 Summary: not in vLLM: the norm applied after the GEMM as a row scale, so one all-reduce replaces two
 Schedule: own (r g) projected; ONE AR of the packed [(r g) @ W | s | r]; row RMS factor (with c) applied after
@@ -27,22 +23,13 @@ from k3_tail.tiers.record import CallShape, CollectiveTerm, GpuKernelCounts, Tie
 
 
 def one_shot_tail(routed_partial, shared_partial, norm_weight, up_proj_kernel, call: TailCall) -> jax.Array:
-    """Project the own partial; one AR of [z | s | x]; scale z by the row RMS factor; add (a
-    :class:`~k3_tail.tiers.context.TierFunction`).
-
-    Needs the whole kernel ("replicated"): each rank projects a partial over ALL columns, and a
-    column block would need every rank's partial. Cost per rank: 2TLH GEMM FLOPs (as native), 2LH
-    weight bytes, and one collective of T*(2H + L) elements (without shared experts T*(H + L);
-    without the norm x is not sent): one latency instead of two serial ones, for 2TH more bytes than
-    native moves. The packed buffer is in ``config.dtype``, as every tier's collectives, so each
-    rank's projected partial is rounded once before the sum (a few bf16 ulps of y, as the other
-    tiers). With ``shared_output_is_reduced`` the packed buffer loses s and the reduced shared
-    output is added after the collective.
-    """
+    """The tier's :class:`~k3_tail.tiers.context.TierFunction`; needs the whole kernel ("replicated"). Cost per
+    rank: 2TLH GEMM FLOPs, 2LH weight bytes, one collective of T*(2H + L) elements in ``config.dtype``."""
     config = call.config
     RECORD.check_runs(call.weight_layout, config)
     routed = routed_partial.astype(jnp.float32)
-    # With the norm, c enters through the row factor (inverse_rms); without it, through the partials.
+    # With the norm, c enters through the row factor (inverse_rms: c x may overflow float32 where x does not);
+    # without it, through the partials.
     if config.use_latent_norm:
         weighted = routed * norm_weight.astype(jnp.float32)
     else:

@@ -1,15 +1,10 @@
 """One record per tier: what runs and what it costs, kept beside the tier's function.
 
 Each tier module defines its per-rank function, a :class:`TierRecord` named ``RECORD`` and, in its docstring,
-the tier in words (:data:`PROSE_LABELS`: what it is, its schedule, its collectives, how token-sharded output
-and a reduced shared output change it). The ordered registry (:mod:`k3_tail.tiers.registry`) lists the records
-and is the only list of tiers; selection, the cost model, compilation, the commands and the README's tier table
-read a tier's facts from its record.
-
-Collective buffers are counted as :mod:`k3_tail.xla.report` counts them: the reduced buffer of an
-all-reduce, the input of a reduce-scatter, the gathered result of an all-gather, the per-rank send
-buffer of an all-to-all. A ring moves 2(g-1)/g of the buffer per rank for an all-reduce and (g-1)/g
-for the others (g ranks).
+the tier in words (:data:`PROSE_LABELS`). Collective buffers are counted as :mod:`k3_tail.xla.report` counts
+them: the reduced buffer of an all-reduce, the input of a reduce-scatter, the gathered result of an all-gather,
+the per-rank send buffer of an all-to-all. A ring moves 2(g-1)/g of the buffer per rank for an all-reduce and
+(g-1)/g for the others (g ranks).
 """
 
 from __future__ import annotations
@@ -44,8 +39,7 @@ _PLATFORM_FAMILIES = MappingProxyType({"gpu": "gpu", "cuda": "gpu", "rocm": "gpu
 
 @dataclasses.dataclass(frozen=True)
 class CollectiveTerm:
-    """One collective a tier issues on each rank: its kind, its buffer in elements, and whether it
-    runs beside the tier's GEMM (hidden behind it) rather than before or after it."""
+    """One collective a tier issues on each rank: its kind, its buffer in elements, whether it runs beside the GEMM."""
 
     kind: str
     elements: int
@@ -54,14 +48,8 @@ class CollectiveTerm:
 
 @dataclasses.dataclass(frozen=True)
 class CallShape:
-    """The per-rank sizes of one call that a tier's cost terms depend on.
-
-    rows: the token rows the tier works on (T; for token-sharded output, and for a tier that splits
-    tokens, T' = T rounded up to a multiple of p, at least p: each rank's output then is T'/p of
-    them). The other fields are the config's and the call's: L, H, p, the kernel's layout, whether a
-    shared partial exists, whether the norm runs, whether the routed output arrives reduced, whether
-    the output is token-sharded, and whether the shared output arrives reduced.
-    """
+    """The per-rank sizes of one call that a tier's cost terms depend on. rows: T, or T' (T rounded up to a
+    multiple of p, at least p) for token-sharded output and a tier that splits tokens."""
 
     rows: int
     latent_size: int
@@ -100,9 +88,7 @@ class CallShape:
         return (CollectiveTerm(ALL_GATHER, self.rows * self.tp_size * self.block_width),)
 
     def block_assembly(self) -> CollectiveTerm:
-        """How a column tier assembles y from the ranks' [T, Hb] blocks
-        (:func:`k3_tail.ops.columns.assemble_column_blocks`): AG(T*p*Hb), or for token-sharded output
-        an all-to-all whose per-rank send buffer is T*Hb."""
+        """How a column tier assembles y from [T, Hb] blocks: AG(T*p*Hb), or token-sharded an all-to-all of T*Hb."""
         if self.token_sharded:
             return CollectiveTerm(ALL_TO_ALL, self.rows * self.block_width)
         return CollectiveTerm(ALL_GATHER, self.rows * self.tp_size * self.block_width)
@@ -110,15 +96,8 @@ class CallShape:
 
 @dataclasses.dataclass(frozen=True)
 class GpuKernelCounts:
-    """The GPU kernels a tier's compiled call launches besides its collectives and copies, as XLA's thunk
-    sequence lists them (:mod:`k3_tail.xla.launches`): for one token and for more, per XLA platform ("cuda",
-    "rocm") and weight layout.
-
-    Counted in the programs :func:`k3_tail.compile_tail` makes for Kimi-K3 at p = 8 (T = 1 and 16; the
-    same on jax 0.10.2 and 0.12, on MI300X and MI355X alike), which the compiled-program tests compare
-    them with. They are XLA's fusion decisions, not a formula: other shapes and forms (quantised sums,
-    a reduced shared output) may launch one or two more or fewer.
-    """
+    """The GPU kernels a tier's compiled call launches besides collectives and copies (one token, more) per XLA
+    platform and weight layout, counted for Kimi-K3 at p = 8: XLA's fusion decisions, not a formula."""
 
     counts: Mapping[tuple[str, str], tuple[int, int]]
 
@@ -138,11 +117,8 @@ class GpuKernelCounts:
 
 @dataclasses.dataclass(frozen=True)
 class TierProse:
-    """A tier in words, as its module docstring states it on lines "Label: text" (continued on lines indented
-    by 4), the labels of :data:`PROSE_LABELS` in this order: summary, what it is in one line; schedule, its steps
-    in the notation AR/RS/AG (all-reduce, reduce-scatter, all-gather; r the routed, s the shared partial);
-    collectives_text, its collectives per rank in that notation; token_sharded_form, how it returns token-sharded
-    output; shared_reduced_form, how its schedule changes when the shared output arrives reduced."""
+    """A tier in words: its module docstring's lines "Label: text" (continued on lines indented by 4), one field
+    per label of :data:`PROSE_LABELS`; AR/RS/AG: all-reduce, reduce-scatter, all-gather of r (routed), s (shared)."""
 
     summary: str
     schedule: str
@@ -173,22 +149,14 @@ class TierProse:
 class TierRecord:
     """What runs and what it costs, for one tier; its words are its module docstring's (:attr:`prose`).
 
-    What runs: ``name``, the tier's value ("overlap"); ``function``, the per-rank
-    :class:`~k3_tail.tiers.context.TierFunction`; ``compiler_options``, the per-executable XLA options per
-    platform family ("gpu", "cpu", "tpu"); where it cannot run: ``needs_whole_kernel`` (the replicated layout
-    only), ``serves_routed_output_is_reduced`` and ``unavailable`` (why not with a config in this installation,
-    or None: one_kernel's Pallas Triton backend, which a jax may lack), together :meth:`why_not`;
-    ``reads_rank``: its ranks read their own index, which the entry points pass as an argument.
-    Its own kernel, for a tier that has one (one_kernel): ``compiled_on``, the device platforms where it compiles
-    (elsewhere it runs interpreted; None: XLA's kernels, compiled everywhere); ``lowering_setup``, what a
-    program holding it needs before it lowers (:meth:`before_lowering`); ``launch_grid`` (config, token rows,
-    p) -> its grid; ``scratch_bytes`` (config, T, p) -> the scratch it writes and reads back once a call.
-    What it costs: ``projects_all_columns`` (with the replicated kernel each rank projects all H columns, else
-    its block of Hb); ``splits_tokens`` (it works on T rounded up to a multiple of p, at least p, and its GEMM
-    on T/p rows); ``rows_per_weight_read`` (the token rows of a GEMM tile where it reads its kernel once per
-    tile, :meth:`weight_reads`; None: once); ``collectives`` (its :class:`CollectiveTerm` for a
-    :class:`CallShape`, in issue order); ``gpu_kernels`` (the GPU kernels its compiled call launches, which the
-    cost model charges and the compiled-program tests compare with XLA's thunk sequence).
+    ``compiler_options``: per-executable XLA options per platform family ("gpu", "cpu", "tpu").
+    ``needs_whole_kernel``, ``serves_routed_output_is_reduced``, ``unavailable`` (config -> why not in this
+    installation, or None): where it cannot run (:meth:`why_not`). ``reads_rank``: the entry points pass the rank.
+    For a tier with its own kernel: ``compiled_on`` (platforms where it compiles, else interpreted; None: XLA's
+    kernels), ``lowering_setup``, ``launch_grid`` and ``scratch_bytes`` ((config, T, p) -> grid, bytes).
+    Cost: ``projects_all_columns`` (all H columns with the replicated kernel, else a block of Hb);
+    ``splits_tokens`` (GEMM on T/p rows); ``rows_per_weight_read`` (None: the kernel is read once);
+    ``collectives`` (a :class:`CallShape` -> its terms, in issue order); ``gpu_kernels``.
     """
 
     name: str
@@ -230,8 +198,7 @@ class TierRecord:
             raise ValueError(f"{argument}: {reason}")
 
     def gemm_columns(self, hidden_size: int, tp_size: int, weight_layout: str) -> int:
-        """The width of one rank's projection [T, L] x [L, columns]: H when the tier projects all
-        columns with the replicated kernel, else its column block padded_hidden_size(H, p) / p."""
+        """The width of one rank's projection [T, L] x [L, columns]: H or padded_hidden_size(H, p) / p."""
         if self.projects_all_columns and weight_layout == "replicated":
             return hidden_size
         return padded_hidden_size(hidden_size, tp_size) // tp_size
@@ -241,27 +208,22 @@ class TierRecord:
         return self.compiled_on is not None and platform not in self.compiled_on
 
     def before_lowering(self, platform: str | None) -> None:
-        """Make the warnings context ready for a program holding the tier's kernel to lower on device ``platform``
-        (its ``lowering_setup``, where the kernel compiles there): jit caches a trace, but every program holding it
-        lowers the kernel again, in the context it lowers in."""
+        """Run ``lowering_setup`` where the kernel compiles on ``platform``: each program lowers the kernel again."""
         if self.lowering_setup is not None and not self.runs_interpreted_on(platform):
             self.lowering_setup()
 
     def weight_reads(self, rows: int) -> int:
-        """How many times the tier's GEMM reads its kernel for ``rows`` token rows: once, or for a tier whose
-        tiles hold at most ``rows_per_weight_read`` rows (one_kernel's), once per such tile."""
+        """How many times the GEMM reads its kernel for ``rows`` token rows (once per ``rows_per_weight_read``)."""
         if self.rows_per_weight_read is None:
             return 1
         return max(1, -(-rows // self.rows_per_weight_read))
 
     def gemm_rows(self, rows: int, tp_size: int) -> int:
-        """The rows of one rank's projection when the tier works on ``rows`` token rows: its own
-        rows / p when it shards tokens, else all of them."""
+        """The rows of one rank's projection of ``rows`` token rows: rows / p when it splits tokens, else rows."""
         return rows // tp_size if self.splits_tokens else rows
 
     def multiplied_rows(self, rows: int, tp_size: int) -> int:
-        """The rows its GEMM multiplies for :meth:`gemm_rows`: one row as two where the GEMM is
-        :func:`k3_tail.ops.up_projection.project` (every tier but one_kernel, whose tiles read rows as they are)."""
+        """The rows its GEMM multiplies: one row as two in :func:`k3_tail.ops.up_projection.project`."""
         rows = self.gemm_rows(rows, tp_size)
         return rows if self.rows_per_weight_read is not None else gemm_rows(rows)
 

@@ -1,10 +1,7 @@
 """The ordered registry of tiers: the only list of them, and the :class:`Tier` enum that names them.
 
-Adding a tier is one new module under ``k3_tail/tiers/`` (its per-rank function and its
-:class:`~k3_tail.tiers.record.TierRecord`), one entry below and its member in :class:`Tier`, and its
-tests: selection, the cost model, compilation, the benchmark, the command line and the README's tier
-table read the record.
-The order is the enum's, and breaks ties between equally fast tiers in the cost model.
+Adding a tier: its module under ``k3_tail/tiers/``, one entry below, its member in :class:`Tier`. The order
+breaks ties between equally fast tiers in the cost model.
 """
 
 from __future__ import annotations
@@ -29,12 +26,8 @@ _BY_NAME = MappingProxyType({record.name: record for record in TIER_RECORDS})
 
 
 class Tier(str, enum.Enum):
-    """The schedules of the tail, in the registry's order; all compute the same function.
-
-    A member's value is its record's name (``Tier.OVERLAP == "overlap"``); ``Tier.X.record`` holds its
-    facts and ``Tier.X.record.prose.summary`` says what it does. The members are spelled out for type
-    checkers; the check below this class makes them exactly the registry's records, in its order.
-    """
+    """The schedules of the tail, in the registry's order; all compute the same function. A member's value is its
+    record's name (``Tier.OVERLAP == "overlap"``); they are spelled out for type checkers (checked below)."""
 
     NATIVE = native.RECORD.name
     OVERLAP = overlap.RECORD.name
@@ -46,7 +39,6 @@ class Tier(str, enum.Enum):
 
     @property
     def record(self) -> TierRecord:
-        """Everything the library knows about this tier."""
         return _BY_NAME[self.value]
 
     def supports(self, weight_layout: str, config: TailConfig | None = None) -> bool:
@@ -90,10 +82,7 @@ def tier_table() -> str:
 
 
 def tier_rows() -> list[tuple[str, ...]]:
-    """One row of cells (:data:`TIER_TABLE_HEADER`) per tier: schedule, per-rank GEMM FLOPs and kernel
-    bytes, collectives (T tokens, p ranks, L -> H, bf16; an FP8 kernel reads half the kernel bytes plus a
-    float32 scale per column), how it runs when the shared output arrives reduced
-    (``TailConfig.shared_output_is_reduced``), and what it needs."""
+    """One row of cells (:data:`TIER_TABLE_HEADER`) per tier (T tokens, p ranks, L -> H, bf16)."""
     rows = []
     for record in TIER_RECORDS:
         gemm = "2TLH/p" if record.splits_tokens or not record.projects_all_columns else "2TLH"

@@ -21,16 +21,8 @@ from k3_tail.tiers.record import REDUCE_SCATTER, CallShape, CollectiveTerm, GpuK
 
 
 def scatter_gather_tail(routed_partial, shared_partial, norm_weight, up_proj_kernel, call: TailCall) -> jax.Array:
-    """AR(r) + norm; RS(s) over columns; shard GEMM + add on the own block; AG of the blocks (a
-    :class:`~k3_tail.tiers.context.TierFunction`).
-
-    Rank k's block is columns [k*Hb, (k+1)*Hb), the block the reduce-scatter hands it. Cost per rank,
-    either layout: 2TLH/p GEMM FLOPs, 2LH/p weight bytes, AR(T*L), RS(T*H), AG(T*H): the bytes of one
-    AR(T*H), but the add runs on 1/p of the columns and the GEMM can start as soon as the latent is
-    ready. For token-sharded output an all-to-all of (p-1)/p * T*H/p replaces the AG. With
-    ``shared_output_is_reduced`` there is no RS, and the reduced shared output is added to the
-    assembled rows.
-    """
+    """The tier's :class:`~k3_tail.tiers.context.TierFunction`. Cost per rank, either layout: 2TLH/p GEMM FLOPs,
+    2LH/p weight bytes, AR(T*L), RS(T*H), AG(T*H)."""
     config = call.config
     latent = call.normalised_latent(routed_partial, norm_weight)
     block = own_kernel_block(

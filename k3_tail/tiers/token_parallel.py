@@ -1,12 +1,6 @@
 """The token-parallel tier (vLLM's ROCm prefill tail): every collective splits tokens, none reduces whole.
 
-The routed latent is reduce-scattered over tokens (half an all-reduce's bytes), each rank
-RMS-normalises and projects only its own T/p rows with the whole kernel, and the shared partial is
-reduce-scattered over tokens to meet them. Token-sharded output ends there; replicated output
-all-gathers the rows. Per rank that moves RS(T*L) + RS(T*H) (+ AG(T*H)): a quarter fewer bytes than
-the column tier's token-sharded form AR(T*L) + RS(T*H) at Kimi-K3's L = H/2, a sixth fewer than its
-AR(T*L) + AR(T*H) for replicated output, at the column tier's GEMM FLOPs (2TLH/p). Not for decode:
-every rank needs the whole kernel, and T/p rows of a small T leave the GEMM nothing to do.
+Not for decode: every rank needs the whole kernel, and T/p rows of a small T leave the GEMM nothing to do.
 
 Summary: vLLM's ROCm prefill tail: routed and shared partials reduce-scattered over tokens; each rank normalises and
     projects its own T/p rows with the whole kernel
@@ -30,16 +24,9 @@ from k3_tail.tiers.record import ALL_GATHER, REDUCE_SCATTER, CallShape, Collecti
 
 
 def token_parallel_tail(routed_partial, shared_partial, norm_weight, up_proj_kernel, call: TailCall) -> jax.Array:
-    """RS(r) over tokens; norm of the own rows; RS(s) over tokens; own rows @ W + s; [AG over tokens]
-    (a :class:`~k3_tail.tiers.context.TierFunction`).
-
-    Needs the whole kernel ("replicated") and unreduced routed partials: each rank projects its rows
-    onto every column. T need not divide by p: the rows are padded with zeros to T', a multiple of
-    p (zero rows stay zero through the norm), and sliced off again; token-sharded output needs no
-    all-gather at all. Cost per rank: 2(T'/p)LH GEMM FLOPs, 2LH weight bytes, RS(T'*L), RS(T'*H)
-    and, for replicated output, AG(T'*H). With ``shared_output_is_reduced`` there is no RS(T'*H):
-    the rank takes its own rows of the reduced shared output.
-    """
+    """The tier's :class:`~k3_tail.tiers.context.TierFunction`; needs the whole kernel and unreduced routed
+    partials. T is zero-padded to T', a multiple of p (zero rows stay zero through the norm). Cost per rank:
+    2(T'/p)LH GEMM FLOPs, 2LH weight bytes, RS(T'*L), RS(T'*H) and, for replicated output, AG(T'*H)."""
     config = call.config
     RECORD.check_runs(call.weight_layout, config)
     num_tokens = routed_partial.shape[0]
