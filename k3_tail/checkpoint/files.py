@@ -1,20 +1,9 @@
 """A checkpoint's safetensors files: which file holds each tensor, and block reads of it.
 
-A checkpoint is a directory with ``model.safetensors.index.json`` (its ``weight_map`` names each
-tensor's shard: a plain file name in that directory, symbolic links followed, as the Hugging Face hub's
-cache keeps its snapshots), a directory with one ``model.safetensors``, or one ``.safetensors`` file.
-
-The files are read by Hugging Face's ``safetensors`` package (``safe_open(path, framework="numpy")``),
-which checks a file's whole header when it opens it: UTF-8 JSON of at most 100 MB, dims and byte
-offsets non-negative integers, the offsets tiling the data section exactly, each byte count that of
-its dtype and shape. Every file it refuses is a ValueError naming the file, with safetensors' reason
-inside (which names the tensor when one is at fault). Its numpy reader returns no FP8 or FP4 arrays
-(numpy has no such types; it raises AttributeError), so a tensor stored in one is refused by name
-when read. The package maps a file into memory, and reading a mapped page past the end of a file
-truncated since would kill the process (SIGBUS): a file that changed since it was opened (size, inode
-or modification time) is refused before each read, so only a change during one read's copy could slip
-by. A tensor of another shape or dtype than expected is refused, never cast; one stored quantised
-(compressed-tensors' ``weight_packed``) is named as such.
+A checkpoint is a directory with ``model.safetensors.index.json`` (each shard a plain file name in that
+directory, symbolic links followed), a directory with one ``model.safetensors``, or one ``.safetensors`` file.
+Every file ``safetensors`` refuses, and every tensor of another shape or dtype than expected (never cast), is a
+ValueError naming it.
 """
 
 from __future__ import annotations
@@ -54,18 +43,15 @@ def stored_dtype_name(dtype: Any) -> str:
 
 class TensorFiles:
     """A checkpoint's safetensors files opened for reading: its tensor names, where each lies, and block reads.
-
-    Each shard is opened (by safetensors, which checks its header and maps it) when a tensor of it is
-    first asked for, and stays open while this lives; a read copies only its block.
+    Each shard is opened (header checked, file mapped) when first asked for; a read copies only its block.
 
     Args:
       path: a directory with ``model.safetensors.index.json``, a directory with ``model.safetensors``,
         or a ``.safetensors`` file.
 
     Raises:
-      ValueError: when ``path`` is none of them (or is a path no file can have:
-        :func:`k3_tail._checks.check_path`), the index is malformed or names a shard outside the
-        directory, or a file safetensors refuses.
+      ValueError: when ``path`` is none of them, the index is malformed or names a shard outside the directory,
+        or safetensors refuses a file.
     """
 
     def __init__(self, path: str | os.PathLike):
@@ -92,8 +78,7 @@ class TensorFiles:
         return name in self._files
 
     def info(self, name: str) -> TensorInfo:
-        """Tensor ``name``'s dtype, shape and file (opening the file). ValueError when the checkpoint has no
-        such tensor, its file is refused, or the index maps it to a file that lacks it."""
+        """Tensor ``name``'s dtype, shape and file; ValueError when it is missing or its file refused."""
         if name not in self._files:
             raise ValueError(f"{name}: missing from the checkpoint")
         path = self._files[name]
@@ -106,23 +91,12 @@ class TensorFiles:
 
     def expect(self, name: str, shape: Sequence[int], dtype: Any, *, layer: int, what: str,
                dtype_source: str = "config.dtype") -> TensorInfo:
-        """:meth:`info` of ``name``, checked against what the caller expects.
-
-        Args:
-          name: the tensor's name.
-          shape: its expected shape.
-          dtype: one accepted dtype or a tuple of them.
-          layer: the decoder layer, for the message.
-          what: what the tensor is, for the message.
-          dtype_source: where ``dtype`` comes from, for the message.
-
-        Returns:
-          The tensor's :class:`TensorInfo`.
+        """:meth:`info` of ``name``, of ``shape`` and ``dtype`` (one or a tuple of accepted ones). ``layer``,
+        ``what`` (the tensor is) and ``dtype_source`` (where ``dtype`` comes from) are for the message.
 
         Raises:
-          ValueError: naming ``layer``, the tensor and what was expected, when it is missing (named as
-            stored quantised when ``X.weight_packed``, ``X.weight_scale``, ... stand in its place) or has
-            another shape or dtype.
+          ValueError: naming ``layer``, the tensor and what was expected, when it is missing (named as stored
+            quantised when ``X.weight_packed``, ... stand in its place) or has another shape or dtype.
         """
         shape = tuple(shape)
         dtypes = tuple(np.dtype(d) for d in (dtype if isinstance(dtype, tuple) else (dtype,)))
@@ -142,17 +116,9 @@ class TensorFiles:
         return info
 
     def read(self, name: str, index: Sequence[slice] = ()) -> np.ndarray:
-        """Block ``index`` of tensor ``name``, in its stored dtype: safetensors' ``get_slice(name)[index]``,
-        which copies only the block's bytes (a block of rows is one run of them).
-
-        Args:
-          name: the tensor's name.
-          index: one slice of step 1 per leading axis; missing axes are whole.
-
-        Raises:
-          ValueError: for a missing tensor, a dtype safetensors' numpy reader does not return (FP8, FP4),
-            a bad index, or a file that changed since it was opened.
-        """
+        """Block ``index`` (one slice of step 1 per leading axis; missing axes whole) of tensor ``name``, in its
+        stored dtype, copying only the block's bytes. ValueError for a missing tensor, a dtype numpy lacks (FP8,
+        FP4), a bad index, or a file that changed since it was opened."""
         info = self.info(name)
         index = _full_index(name, index, info.shape)
         block_shape = tuple(axis.stop - axis.start for axis in index)
@@ -181,9 +147,7 @@ class TensorFiles:
         return np.ascontiguousarray(self.read(name, (columns, rows)).T)
 
     def _read_dtype(self, info: TensorInfo) -> np.dtype | None:
-        """The numpy dtype safetensors' numpy reader returns ``info``'s tensor in, or None when it returns
-        none (FP8, FP4). Asked of safetensors by reading an empty block, or for a tensor with no elements
-        or a scalar (at most 8 bytes) the whole: neither copies a byte that matters."""
+        """The numpy dtype safetensors reads ``info``'s tensor as, or None (FP8, FP4), from an empty block."""
         shard = self._shard(info.path)
         shard.check_unchanged(info.name)
         empty = () if not info.shape or 0 in info.shape else (slice(0, 0),)
@@ -204,9 +168,10 @@ def _unreadable(info: TensorInfo) -> ValueError:
 
 
 class _Shard:
-    """One safetensors file as safetensors opened it (header checked, file mapped), and which file it was
-    then (device, inode, size, modification time), so that a file changed since is refused before a read
-    touches its map."""
+    """One safetensors file as safetensors opened it, and which file it was then (device, inode, size, mtime).
+
+    Reading a mapped page past the end of a file truncated since kills the process (SIGBUS): hence the check
+    before every read."""
 
     def __init__(self, path: Path):
         self.path = path
@@ -240,8 +205,8 @@ class _Shard:
 
 
 def _identity(path: Path) -> tuple[int, int, int, int]:
-    """(device, inode, size, modification time) of the regular file ``path``; ValueError when it is
-    missing, unreadable or not a regular file (safetensors would wait forever on a FIFO)."""
+    """(device, inode, size, mtime) of the regular file ``path``; ValueError otherwise (safetensors would wait
+    forever on a FIFO)."""
     try:
         status = os.stat(path)
     except FileNotFoundError:
@@ -254,8 +219,7 @@ def _identity(path: Path) -> tuple[int, int, int, int]:
 
 
 def _read_index(path: Path) -> dict[str, Path]:
-    """tensor name -> shard file, from a ``model.safetensors.index.json``; each shard a plain file name in
-    the index's directory."""
+    """tensor name -> shard file, from a ``model.safetensors.index.json``."""
     index = read_json(path, what="checkpoint")
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict):
@@ -270,8 +234,7 @@ def _read_index(path: Path) -> dict[str, Path]:
 
 
 def _plain_file_name(index: Path, name: str, shard: Any) -> str:
-    """``shard`` when it is a plain file name (no directory part) that a file can have; ValueError naming
-    the entry otherwise."""
+    """``shard`` when it is a plain file name (no directory part); ValueError naming the entry otherwise."""
     entry = f"checkpoint: {str(index)!r}: weight_map.{name}"
     separators = {"/", "\\", os.sep, os.altsep} - {None}
     if isinstance(shard, str) and (shard in ("", ".", "..") or any(separator in shard for separator in separators)):

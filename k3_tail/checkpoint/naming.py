@@ -1,13 +1,5 @@
-"""Hugging Face's names of a checkpoint's decoder layers: where they sit, their numbers, their blocks.
-
-The text model's decoder layers sit under one of three prefixes, N in decimal without leading zeros
-(a name under ``layers.01.`` is refused: no layer has that index):
-
-    language_model.model.layers.N.   Kimi-K3 (its multimodal wrapper: the vision tower beside it)
-    language_model.layers.N.         the same, as vLLM and SGLang also accept it
-    model.layers.N.                  a text-only model of the family
-
-A MoE layer's block is ``block_sparse_moe``; a dense layer's is ``mlp``, and that layer has no tail.
+"""Hugging Face's names of a checkpoint's decoder layers: where they sit, their numbers (decimal without leading
+zeros), their blocks (a MoE layer's ``block_sparse_moe``; a dense layer's ``mlp``, which has no tail).
 """
 
 from __future__ import annotations
@@ -18,7 +10,8 @@ from collections.abc import Sequence
 from k3_tail._checks import check_int
 from k3_tail.checkpoint.files import TensorFiles
 
-# Where the text model's decoder layers sit (module docstring), the wrapped forms first.
+# Where the text model's decoder layers sit: Kimi-K3's multimodal wrapper, the same as vLLM and SGLang accept it,
+# a text-only model of the family.
 LAYER_PREFIXES = ("language_model.model.layers.", "language_model.layers.", "model.layers.")
 MOE_BLOCK, DENSE_BLOCK = "block_sparse_moe", "mlp"
 # A layer index has at most this many digits (every int64 of fewer digits is a layer number).
@@ -32,8 +25,8 @@ class Checkpoint(TensorFiles):
       path: as :class:`TensorFiles` takes it.
 
     Raises:
-      ValueError: as :class:`TensorFiles` raises it; when a tensor's layer index is not written as one,
-        or decoder layers sit under none or two of the prefixes.
+      ValueError: as :class:`TensorFiles` raises it; for a malformed layer index, or decoder layers under none or
+        two of the prefixes.
     """
 
     def __init__(self, path: str | os.PathLike):
@@ -93,8 +86,7 @@ def _layers_prefix(names: Sequence[str]) -> str:
 
 
 def _layer_names(names: Sequence[str], prefix: str) -> dict[int, list[str]]:
-    """layer -> the names under ``prefix`` N.; ValueError naming a tensor whose N is not a layer index
-    written as Hugging Face writes one (decimal digits, no leading zero)."""
+    """layer -> the names under ``prefix`` N.; ValueError naming a tensor whose N is not written as one."""
     layers: dict[int, list[str]] = {}
     for name in names:
         if not name.startswith(prefix):

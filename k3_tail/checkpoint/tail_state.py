@@ -1,12 +1,6 @@
-"""A tail's saved ``nnx.state`` restored at another TP size: the column layout's padding re-cut.
-
-A column-layout :class:`k3_tail.LatentMoETail` of p ranks holds its kernel [L, padded_hidden_size(H, p)] (an
-FP8 one its per-column scales [padded_hidden_size(H, p)] too), so its state has other shapes at another p
-(H = 100: [L, 100] at p = 4, [L, 104] at p = 8) and orbax refuses to restore one into the other. The columns
-from H on are padding, zero by construction: restoring refuses any that is not zero (the state of another H,
-or a damaged one), drops them, pads to the new width and shards on the new mesh. The replicated layout's
-[L, H] takes the same path, so a state saved in either layout restores in either.
-"""
+"""A tail's saved ``nnx.state`` restored at another TP size or layout. A column-layout kernel is
+[L, padded_hidden_size(H, p)], which orbax alone cannot restore at another p: its zero padding columns are
+checked, dropped and padded again to the new width."""
 
 from __future__ import annotations
 
@@ -42,26 +36,24 @@ def restore_tail_state(
 
     Args:
       checkpoint: the directory orbax's ``StandardCheckpointer`` saved a tail's ``nnx.state`` to (each device
-        reads only its block of the kernel), or such a state in memory: an ``nnx.State``, the nested dict orbax
-        restores without a target (``{"up_proj_kernel": {"value": array}, ...}``) or ``nnx.to_pure_dict``'s.
-        Saved by a tail of the same H, L, dtype, ``up_proj_dtype`` and norm, on any p, in either layout.
+        reads only its block), or such a state in memory (``nnx.State``, orbax's nested dict or
+        ``nnx.to_pure_dict``'s), of a tail of the same H, L, dtypes and norm, on any p, in either layout.
       config: the tail's :class:`k3_tail.TailConfig`.
       mesh: the Mesh the tail runs on (p' ranks along ``axis_name``).
       axis_name: the TP axis.
       weight_layout: the tail's layout, "column" or "replicated".
 
     Returns:
-      The state ``nnx.update(tail, state)`` and ``nnx.merge(graphdef, state)`` take, as the tail's constructor
-      makes it: ``up_proj_kernel`` [L, Hs] (FP8: with ``up_proj_scale`` float32 [Hs]), Hs =
-      padded_hidden_size(H, p') sharded ``(None, axis_name)`` for "column", Hs = H replicated for "replicated",
-      its first H columns bit for bit the saved ones and the rest zero; ``norm_scale`` [L] replicated.
+      The state ``nnx.update`` and ``nnx.merge`` take, as the tail's constructor makes it: ``up_proj_kernel``
+      [L, Hs] (FP8: with ``up_proj_scale`` float32 [Hs]), Hs = padded_hidden_size(H, p') split on dim 1 for
+      "column", H replicated for "replicated", its first H columns the saved ones bit for bit and the rest
+      zero; ``norm_scale`` [L] replicated.
 
     Raises:
-      ValueError: naming the argument, for a bad config, mesh, axis or layout, a ``checkpoint`` that is no
-        directory or mapping, or a directory without an orbax checkpoint; naming ``checkpoint`` and the entry,
-        for a missing or unknown entry, another L or dtype than ``config``'s, a kernel narrower than H, a
-        scale of another width or an entry that is no array (all checked before any array is read), and
-        nonzero padding (columns from H on: checked before anything is placed on ``mesh``).
+      ValueError: naming the argument, for a bad config, mesh, axis, layout or ``checkpoint``; naming
+        ``checkpoint`` and the entry, for a missing or unknown entry, another L or dtype, a kernel narrower than
+        H, a scale of another width or an entry that is no array (before any array is read), and nonzero padding
+        (before anything is placed on ``mesh``).
     """
     check_config(config)
     axis_name = check_axis_name(axis_name)
@@ -95,8 +87,7 @@ def restore_tail_state(
 
 
 def _entries(state: Mapping) -> dict[str, Any]:
-    """name -> array (or orbax's ArrayMetadata) of a state's entries, whichever form holds them: a Variable,
-    orbax's ``{"value": array}`` or the array itself."""
+    """name -> array (or orbax's ArrayMetadata) of a state's entries, in any of the forms it takes."""
     entries = {}
     for name, entry in state.items():
         if isinstance(entry, nnx.Variable):
@@ -108,8 +99,7 @@ def _entries(state: Mapping) -> dict[str, Any]:
 
 
 def _check_entries(saved: dict[str, Any], config: TailConfig) -> None:
-    """ValueError naming ``checkpoint`` and the entry unless ``saved`` holds the arrays of a tail of ``config``
-    (their shapes and dtypes only: arrays or orbax's ArrayMetadata)."""
+    """ValueError naming ``checkpoint`` and the entry unless ``saved``'s shapes and dtypes are ``config``'s tail's."""
     fp8, latent, hidden = config.up_proj_dtype, config.latent_size, config.hidden_size
     needed = {KERNEL: "the up projection's kernel",
               SCALE: f"config.up_proj_dtype = {None if fp8 is None else fp8.name}",
@@ -145,10 +135,8 @@ def _check_entries(saved: dict[str, Any], config: TailConfig) -> None:
 
 def _read(directory: str, *, config: TailConfig, mesh: Mesh, columns: AxisName | None, tp_size: int,
           width: int) -> dict:
-    """The arrays of the orbax checkpoint in ``directory``, checked by their metadata, then read onto ``mesh``:
-    for "column" (``columns`` the TP axis) each device reads its block of a kernel (and scale) widened with
-    zero columns to a multiple of p' of at least ``width``, so that :func:`_recut` only slices or pads it
-    where it lies; for "replicated" every device reads the whole saved kernel."""
+    """The arrays of the orbax checkpoint in ``directory``, checked by their metadata, then read onto ``mesh``
+    (for "column" widened with zero columns to a multiple of p' >= ``width``, so :func:`_recut` cuts in place)."""
     import orbax.checkpoint as ocp  # flax's dependency, loaded for a restore from a directory only
 
     if not os.path.isdir(directory):
@@ -177,8 +165,7 @@ def _read(directory: str, *, config: TailConfig, mesh: Mesh, columns: AxisName |
 
 
 def _check_padding(name: str, x: Any, hidden: int) -> None:
-    """ValueError naming ``checkpoint`` and ``name`` when a column of ``x`` [..., W] from ``hidden`` on is not
-    zero (NaN included)."""
+    """ValueError naming ``checkpoint`` and ``name`` when a column of ``x`` from ``hidden`` on is not zero."""
     if x.shape[-1] > hidden and bool(_nonzero_past(x, hidden)):
         raise ValueError(f"checkpoint: {name}: its columns from H = {hidden} (config.hidden_size) on are padding, "
                          "zero in every tail's state, but hold nonzero values: the state of a tail of another H, or "
@@ -187,15 +174,13 @@ def _check_padding(name: str, x: Any, hidden: int) -> None:
 
 @functools.partial(jax.jit, static_argnums=1)
 def _nonzero_past(x: jax.Array, hidden: int) -> jax.Array:
-    """Whether a column of ``x`` from ``hidden`` on holds a value other than zero: a mask, not a slice, so it
-    runs on ``x`` in any sharding."""
+    """Whether a column of ``x`` from ``hidden`` on is nonzero (a mask, not a slice: any sharding runs it)."""
     column = lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
     return jnp.any((x != 0) & (column >= hidden))
 
 
 def _recut(x: Any, *, width: int, sharding: NamedSharding, tp_size: int) -> jax.Array:
-    """``x`` [..., W] (its columns past H zero, H <= ``width``) as [..., width] placed in ``sharding``, whose
-    column axis is split in ``tp_size`` shards or replicated."""
+    """``x`` [..., W] (columns past H zero) as [..., width] placed in ``sharding``."""
     if x.shape[-1] == width:
         return jax.device_put(x, sharding)
     # Slicing or padding a sharded axis takes a width that divides into its shards; any other is held
@@ -205,5 +190,5 @@ def _recut(x: Any, *, width: int, sharding: NamedSharding, tp_size: int) -> jax.
 
 
 def _param(value: jax.Array, spec: tuple, mesh: Mesh) -> nnx.Param:
-    """An ``nnx.Param`` holding ``value``, annotated with ``spec`` over ``mesh`` as the tail's constructor does."""
+    """An ``nnx.Param`` of ``value`` annotated with ``spec``, as the tail's constructor makes it."""
     return nnx.Param(nnx.with_partitioning(lambda: value, spec, mesh=mesh)())

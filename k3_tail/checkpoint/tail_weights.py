@@ -1,14 +1,9 @@
-"""The tail's own tensors of a Hugging Face checkpoint's layer, read so that each device reads only its block.
+"""The tail's own tensors of a Hugging Face checkpoint's MoE layer, each device reading only its block:
+``block_sparse_moe.routed_expert_up_proj.weight`` [H, L] (torch's [out, in]: the kernel [L, H] transposed) and
+``block_sparse_moe.routed_expert_norm.weight`` [L] (the RMSNorm scale, with latent_moe_use_norm).
 
-A MoE layer's block (:mod:`k3_tail.checkpoint.naming`) holds
-
-    block_sparse_moe.routed_expert_up_proj.weight   [H, L]  torch's [out, in]: the kernel W [L, H] transposed
-    block_sparse_moe.routed_expert_norm.weight      [L]     the RMSNorm scale g (with latent_moe_use_norm)
-
-Column k of the kernel is row k of the stored tensor, so a column block [L, Hb] is one contiguous run of
-stored rows: each device reads exactly those rows (``get_slice(name)[rows]``) and the whole kernel is
-never in one place (on Kimi-K3 at p = 8: 6.4 MB per device instead of 51 MB). An FP8 kernel is
-quantised block by block as it is read, since a column's scale needs only that column.
+Column k of the kernel is row k of the stored tensor, so each device reads one contiguous run of rows and the
+whole kernel is never in one place; an FP8 kernel is quantised block by block (a column's scale needs only it).
 """
 
 from __future__ import annotations
@@ -37,36 +32,28 @@ def load_tail_weights(
     axis_name: AxisName = "tp",
     weight_layout: str = "column",
 ) -> tuple[jax.Array | None, jax.Array | QuantizedKernel]:
-    """The tail's weights of decoder layer ``layer`` of ``checkpoint``, placed on ``mesh``.
-
-    Each device block is read by its own ``jax.make_array_from_callback`` callback, so each device
-    reads only its block of the kernel.
+    """The tail's weights of decoder layer ``layer`` of ``checkpoint``, placed on ``mesh``, each device reading
+    only its block of the kernel.
 
     Args:
-      checkpoint: a checkpoint path (:mod:`k3_tail.checkpoint.files`) or an opened :class:`Checkpoint`, to load many
-        layers from one parse of its index.
+      checkpoint: a checkpoint path or an opened :class:`Checkpoint` (many layers from one parse of its index).
       layer: the decoder layer, a MoE one.
-      config: the tail's :class:`k3_tail.TailConfig` (e.g. ``TailConfig.from_hf_config(directory)``):
-        H, L, ``use_latent_norm``, ``dtype`` and ``up_proj_dtype`` say what the tensors must be and how
-        the kernel is stored.
+      config: the tail's :class:`k3_tail.TailConfig` (e.g. ``TailConfig.from_hf_config(directory)``).
       mesh: the Mesh to place the weights on.
       axis_name: the TP axis.
       weight_layout: "column": the kernel stored [L, padded_hidden_size(H, p)] with zero padding
         columns, sharded ``P(None, axis_name)``. "replicated": [L, H] on every device (``P()``).
 
     Returns:
-      ``(norm_weight, up_proj_kernel)`` for :func:`k3_tail.latent_moe_tail`, :func:`k3_tail.tail_forward`
-      or :class:`k3_tail.LatentMoETail`: norm_weight [L] of ``config.dtype``, replicated, or None when
-      ``config.use_latent_norm`` is False; up_proj_kernel the transpose [L, H] of the stored [H, L]
-      weight in the layout's shape, or with an FP8 ``config.up_proj_dtype`` a
-      :class:`k3_tail.QuantizedKernel`, each block quantised as :func:`k3_tail.quantize_up_proj` does
-      (padding columns' values and scales zero).
+      ``(norm_weight, up_proj_kernel)``: norm_weight [L] of ``config.dtype``, replicated, or None when
+      ``config.use_latent_norm`` is False; up_proj_kernel the transpose [L, H] of the stored [H, L] weight in
+      the layout's shape, or with an FP8 ``config.up_proj_dtype`` a :class:`k3_tail.QuantizedKernel` as
+      :func:`k3_tail.quantize_up_proj` makes it (padding columns' values and scales zero).
 
     Raises:
-      ValueError: naming the layer and the tensor, for a dense layer, a layer past the last, a missing
-        tensor, another shape or dtype than the config's, a norm weight present while
-        ``use_latent_norm`` is False, or non-finite values in a kernel to quantise; naming the
-        argument for a bad config, mesh, axis or layout.
+      ValueError: naming the layer and the tensor, for a dense layer, a layer past the last, a missing tensor,
+        another shape or dtype, a norm weight without ``use_latent_norm``, or non-finite values to quantise;
+        naming the argument for a bad config, mesh, axis or layout.
     """
     check_config(config)
     axis_name = check_axis_name(axis_name)
@@ -93,8 +80,8 @@ def load_tail_weights(
 
 def _up_projection(checkpoint: Checkpoint, name: str, *, layer: int, config: TailConfig, mesh: Mesh,
                    columns: AxisName | None, tp_size: int) -> jax.Array | QuantizedKernel:
-    """The kernel [L, width] from the stored [H, L] weight, each device's block read (and quantised)
-    by its own callback; sharded by columns over ``columns``, or replicated when that is None."""
+    """The kernel [L, width] from the stored [H, L] weight, each device's block read (and quantised) by its own
+    callback; split over ``columns``, or replicated when that is None."""
     hidden, latent = config.hidden_size, config.latent_size
     width = hidden if columns is None else padded_hidden_size(hidden, tp_size)
     values_sharding = NamedSharding(mesh, P() if columns is None else P(None, columns))
@@ -102,7 +89,7 @@ def _up_projection(checkpoint: Checkpoint, name: str, *, layer: int, config: Tai
     scales: dict[tuple[int, int], np.ndarray] = {}
 
     def real_columns(start: int, stop: int) -> np.ndarray:
-        """Columns [start, stop) of the kernel that are not padding: [L, n] (nothing read when n = 0)."""
+        """Columns [start, stop) of the kernel that are not padding: [L, n]."""
         stop = min(stop, hidden)
         if stop <= start:
             return np.zeros((latent, 0), config.dtype)

@@ -172,7 +172,7 @@ def project(latent: jax.Array, kernel: jax.Array | QuantizedKernel, *, fp8_activ
     rows = latent.shape[0]
     with jax.named_scope(UP_PROJECTION):
         # One row is multiplied as two, the second zero: XLA turns a one-row product into a multiply that writes
-        # a float32 copy of the kernel (GPU) or a slower path (CPU) (docs/design.md, "One-row GEMMs").
+        # a float32 copy of the kernel (GPU) or a slower path (CPU) (docs/design.md, "Two GEMM forms XLA is kept from").
         padded = jnp.pad(latent, [(0, gemm_rows(rows) - rows), (0, 0)])
         return _project_rows(padded, kernel, fp8_activations=fp8_activations)[:rows]
 
@@ -199,7 +199,7 @@ def outside_gemm(projected: jax.Array, *, platform: str | None) -> jax.Array:
     """``projected``, a GEMM's result, behind an optimisation barrier (no kernel) on "rocm", as is on "cuda" and
     "cpu"; for "gpu" or None decided as the program lowers."""
     # XLA's GEMM rewriter folds ``dot + x`` into a GEMM accumulating into C, which faults in hipBLASLt at some
-    # row counts (docs/design.md, "No C-accumulating GEMM on ROCm"); it cannot see through a barrier.
+    # row counts (docs/design.md, "Two GEMM forms XLA is kept from"); it cannot see through a barrier.
     if platform in ("gpu", None):
         return lax.platform_dependent(projected, rocm=lax.optimization_barrier, default=lambda x: x)
     if platform != "rocm":

@@ -5,11 +5,11 @@
 
    - ``gemm_flops``: 2*rows*L*columns, with the tier record's ``gemm_rows`` and ``gemm_columns`` (H or Hb).
    - ``weight_bytes``: the kernel bytes the GEMM reads, w*L*columns (w = d, or 1 for FP8 plus a float32 scale
-     per column; once per ``rows_per_weight_read`` rows), plus d*L of norm weight with ``use_latent_norm``.
+     per column; once per tile of its own kernel's rows), plus d*L of norm weight with ``use_latent_norm``.
    - ``activation_bytes``: d*(T*L + T*H + T*H), the routed and shared inputs and this rank's rows of y (no
      shared partial: no second term; token-sharded output: T'/p rows of y, and of a reduced shared output):
      the program's activation arguments and result per rank. XLA's intermediates are not counted.
-   - ``scratch_bytes``: a kernel's own scratch (``TierRecord.scratch_bytes``), written and read back: twice.
+   - ``scratch_bytes``: a kernel's own scratch (``OwnKernel.scratch_bytes``), written and read back: twice.
    - ``collectives``: the record's terms in issue order, as
      :class:`~k3_tail.selection.collective_cost.CollectiveCost`. With sequence-parallel output, and for a tier
      that splits tokens, the tier works on T' = ``padded_token_count(T, p)`` rows (every figure but the
@@ -160,16 +160,16 @@ def _tier_cost(config: TailConfig, num_tokens: int, tp_size: int, tier: Tier, we
         gpu_kernels={platform: record.gpu_kernels.of(platform, weight_layout, num_tokens)
                      for platform in GPU_VENDOR_PLATFORMS},
         # Written once, read back once.
-        scratch_bytes=0 if record.scratch_bytes is None else 2 * record.scratch_bytes(config, rows, tp_size),
+        scratch_bytes=0 if record.own_kernel is None else 2 * record.own_kernel.scratch_bytes(config, rows, tp_size),
         grid_programs=_grid_programs(config, tier, rows, tp_size),
     )
 
 
 def _grid_programs(config: TailConfig, tier: Tier, rows: int, tp_size: int) -> int | None:
     """The programs of ``tier``'s own kernel's grid for ``rows`` token rows; None where XLA sizes the kernels."""
-    if tier.record.launch_grid is None or rows == 0:
+    if tier.record.own_kernel is None or rows == 0:
         return None
-    return tier.record.launch_grid(config, rows, tp_size).programs
+    return tier.record.own_kernel.launch_grid(config, rows, tp_size).programs
 
 
 @dataclasses.dataclass(frozen=True)

@@ -65,7 +65,7 @@ def _shared_platform(platforms: list[str]) -> str | None:
 def _platform_facts(config, num_tokens, tp_size, tier, weight_layout, platform) -> tuple:
     """What ``tier``'s steps read of ``platform``: whether its kernel compiles, how each collective travels."""
     record = tier.record
-    compiled = None if record.compiled_on is None else not record.runs_interpreted_on(platform)
+    compiled = None if record.own_kernel is None else not record.runs_interpreted_on(platform)
     buffers = collective_buffers(config, num_tokens, tp_size, tier=tier, weight_layout=weight_layout,
                                  sums=config.sum_plan(tp_size, platform))
     return compiled, tuple((buffer.codec, buffer.form) for buffer in buffers)

@@ -25,7 +25,7 @@ from k3_tail.ops.pallas_triton import ignore_triton_deprecation_warning
 from k3_tail.ops.scopes import SHARED_REDUCTION, UP_PROJECTION
 from k3_tail.tiers import column_parallel
 from k3_tail.tiers.context import TailCall
-from k3_tail.tiers.record import GpuKernelCounts, TierRecord
+from k3_tail.tiers.record import GpuKernelCounts, OwnKernel, TierRecord
 
 
 def one_kernel_tail(routed_partial, shared_partial, norm_weight, up_proj_kernel, call: TailCall) -> jax.Array:
@@ -84,10 +84,7 @@ RECORD = TierRecord(
     gpu_kernels=GpuKernelCounts.measured(cuda={"column": (1, 1), "replicated": (1, 1)},
                                   rocm={"column": (1, 1), "replicated": (1, 1)}),
     unavailable=_why_not,
-    rows_per_weight_read=LARGEST_ROW_TILE,
-    compiled_on=COMPILED_ON,
-    scratch_bytes=_scratch_bytes,
     reads_rank=True,
-    launch_grid=_launch_grid,
-    lowering_setup=ignore_triton_deprecation_warning,
+    own_kernel=OwnKernel(compiled_on=COMPILED_ON, rows_per_weight_read=LARGEST_ROW_TILE, launch_grid=_launch_grid,
+                         scratch_bytes=_scratch_bytes, lowering_setup=ignore_triton_deprecation_warning),
 )

@@ -146,17 +146,31 @@ class TierProse:
 
 
 @dataclasses.dataclass(frozen=True)
+class OwnKernel:
+    """A tier's own GPU kernel (one_kernel's Pallas kernel): ``compiled_on``, the device platforms where it
+    compiles (elsewhere it runs interpreted); ``rows_per_weight_read``, the token rows of a tile, each tile reading
+    the weights once; ``launch_grid`` (config, token rows, p) -> its grid; ``scratch_bytes`` (config, T, p) -> the
+    scratch it writes and reads back once a call; ``lowering_setup``, what a program holding it needs done before
+    it lowers (None: nothing)."""
+
+    compiled_on: tuple[str, ...]
+    rows_per_weight_read: int
+    launch_grid: Callable[[TailConfig, int, int], Any]
+    scratch_bytes: Callable[[TailConfig, int, int], int]
+    lowering_setup: Callable[[], None] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class TierRecord:
     """What runs and what it costs, for one tier; its words are its module docstring's (:attr:`prose`).
 
     ``compiler_options``: per-executable XLA options per platform family ("gpu", "cpu", "tpu").
     ``needs_whole_kernel``, ``serves_routed_output_is_reduced``, ``unavailable`` (config -> why not in this
     installation, or None): where it cannot run (:meth:`why_not`). ``reads_rank``: the entry points pass the rank.
-    For a tier with its own kernel: ``compiled_on`` (platforms where it compiles, else interpreted; None: XLA's
-    kernels), ``lowering_setup``, ``launch_grid`` and ``scratch_bytes`` ((config, T, p) -> grid, bytes).
+    ``own_kernel``: its own GPU kernel (:class:`OwnKernel`), or None where it runs XLA's kernels only.
     Cost: ``projects_all_columns`` (all H columns with the replicated kernel, else a block of Hb);
-    ``splits_tokens`` (GEMM on T/p rows); ``rows_per_weight_read`` (None: the kernel is read once);
-    ``collectives`` (a :class:`CallShape` -> its terms, in issue order); ``gpu_kernels``.
+    ``splits_tokens`` (GEMM on T/p rows); ``collectives`` (a :class:`CallShape` -> its terms, in issue order);
+    ``gpu_kernels`` (what the cost model charges and the compiled-program tests compare XLA's thunk sequence with).
     """
 
     name: str
@@ -169,12 +183,8 @@ class TierRecord:
     splits_tokens: bool = False
     compiler_options: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
     unavailable: Callable[[TailConfig | None], str | None] | None = None
-    rows_per_weight_read: int | None = None
-    compiled_on: tuple[str, ...] | None = None
-    scratch_bytes: Callable[[TailConfig, int, int], int] | None = None
     reads_rank: bool = False
-    launch_grid: Callable[[TailConfig, int, int], Any] | None = None
-    lowering_setup: Callable[[], None] | None = None
+    own_kernel: OwnKernel | None = None
 
     @functools.cached_property
     def prose(self) -> TierProse:
@@ -204,19 +214,21 @@ class TierRecord:
         return padded_hidden_size(hidden_size, tp_size) // tp_size
 
     def runs_interpreted_on(self, platform: str | None) -> bool:
-        """Whether its kernel runs interpreted (correct, slow: nothing to time) on device ``platform``."""
-        return self.compiled_on is not None and platform not in self.compiled_on
+        """Whether its own kernel runs interpreted (correct, slow: nothing to time) on device ``platform``."""
+        return self.own_kernel is not None and platform not in self.own_kernel.compiled_on
 
     def before_lowering(self, platform: str | None) -> None:
-        """Run ``lowering_setup`` where the kernel compiles on ``platform``: each program lowers the kernel again."""
-        if self.lowering_setup is not None and not self.runs_interpreted_on(platform):
-            self.lowering_setup()
+        """Its own kernel's ``lowering_setup`` where it compiles on ``platform``: each program lowers it again."""
+        if self.own_kernel is not None and self.own_kernel.lowering_setup is not None and (
+                not self.runs_interpreted_on(platform)):
+            self.own_kernel.lowering_setup()
 
     def weight_reads(self, rows: int) -> int:
-        """How many times the GEMM reads its kernel for ``rows`` token rows (once per ``rows_per_weight_read``)."""
-        if self.rows_per_weight_read is None:
+        """How many times the GEMM reads its kernel for ``rows`` token rows: once, or once per tile of its own
+        kernel's ``rows_per_weight_read`` rows."""
+        if self.own_kernel is None:
             return 1
-        return max(1, -(-rows // self.rows_per_weight_read))
+        return max(1, -(-rows // self.own_kernel.rows_per_weight_read))
 
     def gemm_rows(self, rows: int, tp_size: int) -> int:
         """The rows of one rank's projection of ``rows`` token rows: rows / p when it splits tokens, else rows."""
@@ -225,7 +237,7 @@ class TierRecord:
     def multiplied_rows(self, rows: int, tp_size: int) -> int:
         """The rows its GEMM multiplies: one row as two in :func:`k3_tail.ops.up_projection.project`."""
         rows = self.gemm_rows(rows, tp_size)
-        return rows if self.rows_per_weight_read is not None else gemm_rows(rows)
+        return rows if self.own_kernel is not None else gemm_rows(rows)
 
     def options_for(self, platform: str) -> dict[str, Any]:
         """The per-executable XLA options for a device ``platform`` ("gpu", "cuda", "rocm", "cpu", ...)."""

@@ -1,9 +1,6 @@
-"""Compile one tail call ahead of time, with the per-executable XLA options the library chooses.
-
-A tier's options are its record's ``compiler_options`` per platform family (the tier modules say why).
-Per-executable options override the user's ``XLA_FLAGS``, so a flag that makes all-reduces synchronous
-cannot undo a schedule the library rests on. A model that calls the tail inside its own ``jit`` passes
-:func:`compiler_options` to its own ``.compile(compiler_options=...)`` to keep the overlap there.
+"""Compile one tail call ahead of time, with the per-executable XLA options of its tier (they override the
+user's ``XLA_FLAGS``, so no flag undoes a schedule the tier rests on). A model that calls the tail inside its own
+``jit`` passes :func:`compiler_options` to its own ``.compile(compiler_options=...)``.
 """
 
 from __future__ import annotations
@@ -32,9 +29,7 @@ def compiler_options(tier: Tier | str, platform: str | jax.Device) -> dict[str, 
 
     Args:
       tier: a :class:`k3_tail.Tier` or its value.
-      platform: a device of the program's mesh, or its platform's name as :func:`k3_tail.select_tier` takes
-        it ("gpu" for CUDA and ROCm alike, "cuda", "rocm", "cpu", "tpu"; ValueError naming ``platform`` for
-        another).
+      platform: a device of the program's mesh, or "gpu", "cuda", "rocm", "cpu", "tpu" (ValueError otherwise).
 
     Returns:
       The tier record's ``compiler_options`` for that platform's family (empty when it needs none).
@@ -55,13 +50,12 @@ def tail_arguments(
       weight_layout: "replicated" or "column".
 
     Returns:
-      ``(routed, shared, norm_weight, kernel)`` as ``jax.ShapeDtypeStruct``: routed [p, T, L] split
-      on dim 0 ([T, L] replicated with ``config.routed_output_is_reduced``); shared [p, T, H] split on
-      dim 0 ([T, H] with ``config.shared_output_is_reduced``: split over tokens with
-      ``config.sequence_parallel`` where p divides T > 0, else replicated), or None; norm weight [L]
-      replicated, or None; kernel [L, H] replicated, or [L, padded_hidden_size(H, p)] split on dim 1
-      for "column", a
-      :class:`k3_tail.QuantizedKernel` (float32 scales split alike) with an FP8 ``config.up_proj_dtype``.
+      ``(routed, shared, norm_weight, kernel)`` as ``jax.ShapeDtypeStruct``: routed [p, T, L] split on dim 0
+      ([T, L] replicated with ``config.routed_output_is_reduced``); shared [p, T, H] split on dim 0 ([T, H] with
+      ``config.shared_output_is_reduced``: split over tokens with ``config.sequence_parallel`` where p divides
+      T > 0, else replicated), or None; norm weight [L] replicated, or None; kernel [L, H] replicated, or
+      [L, padded_hidden_size(H, p)] split on dim 1 for "column", a :class:`k3_tail.QuantizedKernel` (float32
+      scales split alike) with an FP8 ``config.up_proj_dtype``.
     """
     tp_size = check_mesh(mesh, axis_name)
     num_tokens = check_int("num_tokens", num_tokens, minimum=0)
@@ -106,25 +100,19 @@ def compile_tail(
     dump_to: str | os.PathLike | None = None,
     xla_options: Mapping[str, Any] | None = None,
 ) -> jax.stages.Compiled:
-    """The compiled executable of one :func:`k3_tail.tail_forward` call for T = ``num_tokens`` on ``mesh``.
-
-    :func:`compiler_options` of the tier and the mesh's platform are applied. Inspect the result with
-    :func:`k3_tail.xla.report.report`.
+    """The compiled executable of one :func:`k3_tail.tail_forward` call for T = ``num_tokens`` on ``mesh``, with
+    :func:`compiler_options` applied.
 
     Args:
       config: the tail's :class:`k3_tail.TailConfig`.
       mesh: a Mesh of real devices or of a deviceless topology (:func:`k3_tail.topology_mesh`).
       num_tokens: T.
-      tier: a :class:`k3_tail.Tier` (or its value) to compile, or None for what :func:`k3_tail.select_tier`
-        picks.
+      tier: a :class:`k3_tail.Tier` (or its value), or None for what :func:`k3_tail.select_tier` picks.
       axis_name: the TP axis.
       weight_layout: "replicated" or "column".
-      dump_to: a directory for XLA's dump of this compile (compiler option ``xla_dump_to``), from which
-        :func:`k3_tail.xla.report.report` reads the GPU kernels the program launches
-        (``report(compiled, dump_dir=dump_to)``); created (with its parents) when absent, after every other
-        argument is checked and before compiling; None: no dump.
-      xla_options: further per-executable XLA options (a mapping of names to values), over the tier's (XLA
-        refuses an unknown name, when it compiles).
+      dump_to: a directory for XLA's dump (``xla_dump_to``; ``report(compiled, dump_dir=dump_to)`` reads it),
+        created once every other argument is checked; None: no dump.
+      xla_options: further XLA options (names to values), over the tier's; XLA refuses an unknown name.
 
     Returns:
       The ``jax.stages.Compiled`` program. Its arguments are :func:`tail_arguments` in that order,
@@ -132,9 +120,8 @@ def compile_tail(
       and after them the per-rank inputs the tier reads (:func:`k3_tail.forward.lowered_tail`).
 
     Raises:
-      ValueError: naming the argument, for a bad config, mesh, token count, tier or layout, ``xla_options``
-        that are no mapping of names, or a ``dump_to``
-        that is no directory and cannot be made one (a file, a FIFO, a path under a file), before compiling.
+      ValueError: naming the argument, for a bad config, mesh, token count, tier, layout or ``xla_options``, or a
+        ``dump_to`` that cannot be a directory, before compiling.
     """
     check_config(config)
     if xla_options is not None and (not isinstance(xla_options, Mapping)

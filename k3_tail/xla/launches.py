@@ -1,13 +1,7 @@
-"""What a compiled GPU program launches: XLA's thunks, read from the dump it writes with ``xla_dump_to``.
-
-A GPU executable runs a sequence of thunks: kernels, library GEMMs, collectives, memcpys, memsets, the
-partition id, command buffers (CUDA/HIP graphs) holding some of them. The compiled HLO does not say
-which of its fusions become kernels (XLA emits a contiguous slice as a memcpy, a broadcast of zero may
-be a memset), but XLA's dump does: ``<module>.thunk_metadata.txt`` names every thunk by the HLO
-instruction it came from and its kind, command buffers' contents included. Deviceless compiles write
-it too. :func:`read_launches` reads it; :mod:`k3_tail.xla.report` counts the kernels. The metadata lists a
-command buffer's thunks after it but not where it ends; the thunk sequence (``<module>.thunk_sequence*.txt``)
-nests them: :func:`read_thunk_sequence` reads it.
+"""What a compiled GPU program launches: XLA's thunks, read from the dump it writes with ``xla_dump_to``
+(deviceless compiles write it too). The compiled HLO does not say which fusions become kernels (a contiguous
+slice may be a memcpy, a broadcast of zero a memset); ``<module>.thunk_metadata.txt`` does
+(:func:`read_launches`), and the thunk sequence nests command buffers' thunks (:func:`read_thunk_sequence`).
 """
 
 from __future__ import annotations
@@ -92,7 +86,7 @@ class SequencedThunk:
 
 def read_thunk_sequence(dump_dir: str | os.PathLike, module_name: str) -> tuple[SequencedThunk, ...]:
     """Every thunk of the compiled module ``module_name``, nested ones included, in the order XLA's dump in
-    ``dump_dir`` prints them (:data:`SEQUENCE_SUFFIXES`: after its command buffers are formed).
+    ``dump_dir`` prints them.
 
     Raises:
       ValueError: naming ``dump_dir`` when it holds no thunk sequence of that module, or that of several compiles.

@@ -1,10 +1,7 @@
 """What XLA made of a compiled tail: per-device cost, every collective, the overlap verdict, the GPU kernels.
 
-:func:`report` reads a compiled executable (:func:`k3_tail.compile_tail`, or any ``jax.jit(...)
-.lower(...).compile()`` of a tail) into an :class:`XlaReport`. The entry computation of a compiled
-module is scheduled, so its instruction order is the order the device runs it in (one stream of
-compute; async collectives run beside it). The GPU kernels it launches come from XLA's dump of the
-compile (:mod:`k3_tail.xla.launches`), where one was written.
+The entry computation of a compiled module is scheduled, so its instruction order is the order the device runs
+it in (one stream of compute; async collectives run beside it).
 """
 
 from __future__ import annotations
@@ -222,9 +219,8 @@ def report(compiled: jax.stages.Compiled, *, shared_argument: int | None = 1,
       shared_argument: the flat index of the shared partial among the program's arguments (1 for
         :func:`k3_tail.compile_tail`'s programs and for a jitted ``tail_forward(routed, shared, ...)``);
         None when there is none, which leaves ``shared_reduction`` and ``overlapped`` None.
-      dump_dir: the directory XLA dumped this compile into (``compile_tail(..., dump_to=...)``, or the
-        compiler option ``xla_dump_to``), for ``gpu_kernels``; None leaves them None. Ignored for a CPU
-        program.
+      dump_dir: the directory XLA dumped this compile into (``xla_dump_to``), for ``gpu_kernels``; None leaves
+        them None. Ignored for a CPU program.
 
     Returns:
       The report, per device.

@@ -228,7 +228,7 @@ def kernel_ratios(rows: list[dict]) -> list[dict]:
     ratios = []
     for num_tokens in sorted({row["num_tokens"] for row in rows}):
         at = [row for row in rows if row["num_tokens"] == num_tokens]
-        fused = [row for row in at if Tier.parse(row["tier"]).record.compiled_on is not None]
+        fused = [row for row in at if Tier.parse(row["tier"]).record.own_kernel is not None]
         kernel = next(iter(fused), None)
         fastest = min((row for row in at if row not in fused), key=lambda row: row["median_s"])
         if kernel is not None:

@@ -1,17 +1,6 @@
-"""The Kimi-K3 latent MoE layer under tensor parallelism, ending in k3_tail's tail, and a decoder stack of it.
-
-- :mod:`~k3_tail.models.kimi_k3.layer`: :func:`layer_forward` (one ``jax.shard_map``), :class:`KimiK3MoELayer`
-  (Flax NNX), :func:`compile_layer`; its shapes :class:`LayerConfig` (:mod:`~k3_tail.models.kimi_k3.layer_config`),
-  its parameters and their partition specs (:mod:`~k3_tail.models.kimi_k3.parameters`), what it holds per rank
-  (:mod:`~k3_tail.models.kimi_k3.packed_parameters`) and its work on one rank (:mod:`~k3_tail.models.kimi_k3.per_rank`).
-- :mod:`~k3_tail.models.kimi_k3.routed_experts`: the routed experts' methods (gather, capacity, ragged_dot).
-- :mod:`~k3_tail.models.kimi_k3.checkpoint`: the config and a layer from a Hugging Face checkpoint.
-- :mod:`~k3_tail.models.kimi_k3.reference`: the float64 numpy reference.
-- :mod:`~k3_tail.models.kimi_k3.cost`, :mod:`~k3_tail.models.kimi_k3.schedule`: predicted cost, compiled schedule.
-- :mod:`~k3_tail.models.kimi_k3.mxfp4`, :mod:`~k3_tail.models.kimi_k3.mxfp4_experts`,
-  :mod:`~k3_tail.models.kimi_k3.mxfp4_matmul`: the released checkpoint's MXFP4 experts, their format and kernel.
-- :mod:`~k3_tail.models.kimi_k3.stack`: :class:`StackConfig`, N layers after their pre-norms as one scan
-  (:func:`stack_forward`, :class:`DecoderStack`, :func:`load_stack`, :func:`compile_stack`).
+"""The Kimi-K3 latent MoE layer under tensor parallelism, ending in k3_tail's tail (:mod:`.layer`), its loading
+from a Hugging Face checkpoint (:mod:`.checkpoint`), its float64 reference (:mod:`.reference`) and a decoder stack
+of it (:mod:`.stack`). docs/kimi_k3.md is the guide.
 """
 
 from k3_tail.models.kimi_k3.checkpoint import layer_config_from_hf, load_layer

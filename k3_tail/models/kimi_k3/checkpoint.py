@@ -1,12 +1,7 @@
 """The Kimi-K3 layer of k3_tail/models/kimi_k3/layer.py from a Hugging Face checkpoint, each rank reading its blocks.
 
-:func:`layer_config_from_hf` makes the layer's :class:`LayerConfig` from the model's config.json;
-:func:`load_layer` builds :class:`KimiK3MoELayer` from decoder layer N of the checkpoint, every
-parameter made with ``jax.make_array_from_callback`` so that each device reads only the block it
-holds (``k3_tail.checkpoint``: safetensors' own reader, any of the layer prefixes it accepts). The
-tail's two tensors come from ``k3_tail.load_tail_weights``; the rest, under
-``...layers.N.block_sparse_moe.``, map to the layer's parameters (Flax layout, y = x @ W; every torch
-Linear weight is [out, in] and read transposed):
+The tensors under ``...layers.N.block_sparse_moe.`` map to the layer's parameters (Flax layout, y = x @ W: every
+torch Linear weight [out, in] is read transposed); the tail's two come from ``k3_tail.load_tail_weights``:
 
     gate.weight                       [E, H]  -> router_kernel [H, E]
     gate.e_score_correction_bias      [E]     -> router_bias [E] (float32)
@@ -21,25 +16,9 @@ Linear weight is [out, in] and read transposed):
     routed_expert_up_proj.weight      [H, L]  -> up_proj_kernel [L, H] (FP8 values and up_proj_scale
                                                  when the tail config asks for FP8)
 
-Kimi-K3 ships its routed experts in MXFP4 only (compressed-tensors' ``mxfp4-pack-quantized``, named
-by ``quantization_config`` in config.json's ``text_config``; everything else stays bf16). With
-``LayerConfig(expert_quantization="mxfp4")`` (which :func:`layer_config_from_hf` sets from that
-``quantization_config``) they load as stored, packed, each rank reading only the bytes of its slice
-(``k3_tail.models.kimi_k3.mxfp4`` has the format):
-
-    experts.e.w1.weight_packed  uint8 [m, L/2]   -> expert_gate[e] [L/2, m]         rank i: rows i*m/p ...
-    experts.e.w1.weight_scale   uint8 [m, L/32]  -> expert_gate_scale[e] [L/32, m]  ... of w1 and w3
-    experts.e.w3.weight_packed, .weight_scale    -> expert_up[e], expert_up_scale[e] (as w1)
-    experts.e.w2.weight_packed  uint8 [L, m/2]   -> expert_down[e] [m/2, L]         its m/(2p) bytes and
-    experts.e.w2.weight_scale   uint8 [L, m/32]  -> expert_down_scale[e] [m/32, L]  m/(32p) scales of w2
-
-A rank's input columns of w2 are whole groups of 32 (Kimi-K3 at p = 8: 384 columns, 192 bytes and 12
-scales per row); a TP size for which they are not (m / p not a multiple of 32) is refused, naming the
-tensor, the slice and the group size. A group whose values pass bfloat16's and float32's largest
-finite (a scale of 2^126 or 2^127 on large codes) is refused too, naming the tensor and the group; a
-scale byte of 255 is NaN (the OCP MX rule) and loads as NaN weights. Experts stored as plain ``weight``
-tensors load with ``expert_quantization=None``; a checkpoint whose experts are stored otherwise than
-the config says is a ValueError naming the tensors found.
+MXFP4 experts (compressed-tensors' ``weight_packed`` and ``weight_scale``, transposed alike, rank i reading its
+slice's bytes) load as stored with ``LayerConfig(expert_quantization="mxfp4")``; docs/kimi_k3.md, "MXFP4 routed
+experts", has their layout.
 """
 
 from __future__ import annotations
@@ -85,16 +64,11 @@ ROUTER_BIAS = "gate.e_score_correction_bias"
 
 
 def layer_config_from_hf(config: Any, **tail_overrides: Any) -> LayerConfig:
-    """The layer's config from a Hugging Face model config (a config.json path, a checkpoint directory or
-    a dict; ``text_config`` read when nested): the tail from ``k3_tail.TailConfig.from_hf_config``
-    (``tail_overrides`` as its keywords), E = ``num_experts``, k = ``num_experts_per_token``,
-    m = ``moe_intermediate_size``, F = ``num_shared_experts`` * m; ``expert_quantization`` "mxfp4"
-    when the text config's ``quantization_config`` is compressed-tensors' ``mxfp4-pack-quantized``
-    (:func:`expert_quantization_from_hf`), else None.
-
-    ValueError naming the field when a size is missing or bad, when the model's activation
-    (``hidden_act``, the SiTU betas) or routing (``moe_renormalize`` false) is not what this layer
-    computes, or when its ``quantization_config`` is another than MXFP4 weights."""
+    """The layer's config from a Hugging Face model config (a config.json path, a checkpoint directory or a dict):
+    the tail from ``k3_tail.TailConfig.from_hf_config`` (``tail_overrides`` as its keywords), E = ``num_experts``,
+    k = ``num_experts_per_token``, m = ``moe_intermediate_size``, F = ``num_shared_experts`` * m and
+    :func:`expert_quantization_from_hf`. ValueError naming the field for a missing or bad size, an activation or
+    routing this layer does not compute, or a ``quantization_config`` other than MXFP4 weights."""
     text = hf_config.text_config(config)
     act = text.get("hidden_act", HIDDEN_ACT)
     if act != HIDDEN_ACT:
@@ -115,10 +89,9 @@ def layer_config_from_hf(config: Any, **tail_overrides: Any) -> LayerConfig:
 
 
 def expert_quantization_from_hf(text: Any) -> str | None:
-    """"mxfp4" when the text config ``text`` (``hf_config.text_config``'s) has a ``quantization_config`` of
-    compressed-tensors' ``mxfp4-pack-quantized`` format (4-bit float weights in groups of 32, activations
-    unquantised), its own or else its wrapper's top-level one (where compressed-tensors writes it), None when
-    neither has one. ValueError naming the field for any other quantisation."""
+    """"mxfp4" when the text config's ``quantization_config`` (or its wrapper's) is compressed-tensors'
+    ``mxfp4-pack-quantized`` with unquantised activations, None when there is none; ValueError naming the field
+    for any other."""
     text = hf_config.text_config(text)
     quantization, where = text.inherited("quantization_config")
     if quantization is None:
@@ -150,8 +123,7 @@ def expert_quantization_from_hf(text: Any) -> str | None:
 def load_layer(checkpoint: str | os.PathLike | Checkpoint, layer: int, *, config: LayerConfig, mesh: Mesh,
                axis_name: str = "tp", weight_layout: str = "replicated") -> KimiK3MoELayer:
     """:class:`KimiK3MoELayer` holding decoder layer ``layer`` of ``checkpoint`` (a path or an opened
-    ``k3_tail.checkpoint.Checkpoint``), on ``mesh``: :func:`layer_weights` placed as
-    ``partition_specs`` says. Arguments and errors as :func:`layer_weights`."""
+    ``k3_tail.checkpoint.Checkpoint``) on ``mesh``; arguments and errors as :func:`layer_weights`."""
     weights = layer_weights(checkpoint, layer, config=config, mesh=mesh, axis_name=axis_name,
                             weight_layout=weight_layout)
     return KimiK3MoELayer(config, mesh, weights, axis_name=axis_name, weight_layout=weight_layout)
@@ -162,12 +134,10 @@ def layer_weights(checkpoint: str | os.PathLike | Checkpoint, layer: int, *, con
     """Every parameter of the layer (``layer_parameters``' names) as a global array placed on ``mesh`` as
     ``partition_specs`` says, each device's block read by its own callback (module docstring).
 
-    ValueError naming the layer and the tensor: a dense layer or one past the last, a missing tensor, a
-    tensor of another shape or dtype than the config says (the bias may be float32 or the layer's dtype;
-    MXFP4 codes and scales uint8; everything else the layer's dtype), routed experts stored otherwise than
-    ``config.expert_quantization`` says (the tensors found are named), MXFP4 slices that split a group
-    of 32 columns, or MXFP4 groups whose values pass the dtype's range; naming the mesh when it has no
-    axis ``axis_name``.
+    ValueError naming the layer and the tensor: a dense layer or one past the last, a missing tensor, another
+    shape or dtype (the bias float32 or the layer's dtype, MXFP4 uint8, the rest the layer's dtype), experts
+    stored otherwise than ``config.expert_quantization`` says, MXFP4 slices that split a group of 32 columns, or
+    MXFP4 groups past the dtype's range; naming the mesh when it has no axis ``axis_name``.
     """
     tp_size = check_mesh(mesh, axis_name)
     checkpoint = open_checkpoint(checkpoint)
@@ -234,18 +204,8 @@ def layer_weights(checkpoint: str | os.PathLike | Checkpoint, layer: int, *, con
 
 def sharded_array(shape: Sequence[int], sharding: NamedSharding, read_block: Callable[[tuple[slice, ...]], np.ndarray],
                   dtype: Any) -> jax.Array:
-    """``jax.make_array_from_callback`` with the index made explicit, for reading the layer's tensors.
-
-    Args:
-      shape: the global shape.
-      sharding: where the blocks go.
-      read_block: called with each device's index (one slice per axis, steps 1, bounds resolved);
-        returns that block.
-      dtype: the array's dtype; a block of another dtype is cast to it.
-
-    Returns:
-      The global array.
-    """
+    """The global array of ``shape`` and ``dtype`` in ``sharding``, each device's block ``read_block(index)``
+    (one resolved slice of step 1 per axis), cast to ``dtype``."""
     shape = tuple(shape)
     dtype = np.dtype(dtype)
 
@@ -258,9 +218,8 @@ def sharded_array(shape: Sequence[int], sharding: NamedSharding, read_block: Cal
 
 
 def _check_expert_storage(checkpoint: Checkpoint, block: str, layer: int, config: LayerConfig) -> None:
-    """ValueError when the routed experts under ``block`` hold tensors other than ``config.expert_quantization``
-    stores (``EXPERT_TENSORS``: plain ``weight``, or MXFP4's ``weight_packed`` and ``weight_scale``), naming
-    what was found and the setting that loads it."""
+    """ValueError, naming what was found and the setting that loads it, when the routed experts under ``block``
+    hold tensors other than :data:`EXPERT_TENSORS` of ``config.expert_quantization``."""
     experts = f"{block}experts."
     wanted = EXPERT_TENSORS[config.expert_quantization]
     other = [name for name in checkpoint.names if name.startswith(experts) and name.rsplit(".", 1)[-1] not in wanted]
@@ -280,7 +239,7 @@ def _check_expert_storage(checkpoint: Checkpoint, block: str, layer: int, config
 
 def _check_group_aligned_slices(block: str, layer: int, config: LayerConfig, tp_size: int) -> None:
     """ValueError naming w2's scale tensor, rank 1's slice and the group size unless each rank's m / p input
-    columns of w2 are whole MXFP4 groups of 32 (and so whole bytes of two codes and whole scales)."""
+    columns of w2 are whole MXFP4 groups of 32."""
     width = config.expert_intermediate_size
     if width % tp_size or (width // tp_size) % mxfp4.GROUP_SIZE == 0:
         return  # p not dividing m: partition_specs names that
@@ -294,9 +253,8 @@ def _check_group_aligned_slices(block: str, layer: int, config: LayerConfig, tp_
 
 def _read_checked_scales(read_packed: Callable, read_scales: Callable, scale_tensors: list[str],
                          index: tuple[slice, ...], *, layer: int, dtype: np.dtype) -> np.ndarray:
-    """Block ``index`` [experts, groups, columns] of the stacked scales, after checking that no group of it
-    decodes past ``dtype``'s range (``mxfp4.overflowing_groups``: the codes are read only for the rare
-    scales of 2^126 and 2^127). ValueError naming the tensor, the row and the input columns otherwise."""
+    """Block ``index`` [experts, groups, columns] of the stacked scales; ValueError naming the tensor, the row and
+    the input columns when a group decodes past ``dtype``'s range (its codes read only under scales 2^126, 2^127)."""
     scales = read_scales(index)
     if not np.isin(scales, mxfp4.OVERFLOWING_SCALES).any():
         return scales
@@ -316,8 +274,7 @@ def _read_checked_scales(read_packed: Callable, read_scales: Callable, scale_ten
 
 
 def _quantization(checkpoint: Checkpoint) -> str:
-    """"; config.json: quantization_config <method>, <format>" when the checkpoint's directory has a
-    config.json that says how it quantises, else ""."""
+    """"; config.json: quantization_config <method>, <format>" from the checkpoint's config.json, or ""."""
     directory = checkpoint.path if checkpoint.path.is_dir() else checkpoint.path.parent
     try:
         whole = read_json(Path(directory, hf_config.CONFIG_FILE), what="config")

@@ -1,13 +1,8 @@
 """What the tail is worth in a Kimi-K3-style latent MoE layer, predicted: a roofline of the layer's
 other kernels plus :mod:`k3_tail.selection.cost_model`'s prediction of the tail tier.
 
-The layer is given by its sizes (:class:`MoELayerSizes`: the tail's config, the experts, their
-widths and where the shared reduction runs), as the example layer of the repository's examples/
-holds them.
-
-Per TP rank, T tokens, p ranks, d bytes per activation and weight element (the config's dtype) and
-d_e per routed-expert weight element (d by default; Kimi-K3's released checkpoint stores the routed
-experts in MXFP4, ``k3_tail.models.kimi_k3.mxfp4.MXFP4_BYTES`` = 4.25 bits: 4-bit values and one 8-bit scale per 32):
+Per TP rank, T tokens, p ranks (layer sizes: :class:`MoELayerSizes`), d bytes per activation and weight element
+and d_e per routed-expert weight element (d by default; MXFP4: ``mxfp4.MXFP4_BYTES``):
 
 | kernel | FLOPs | bytes |
 | --- | --- | --- |
@@ -16,28 +11,12 @@ experts in MXFP4, ``k3_tail.models.kimi_k3.mxfp4.MXFP4_BYTES`` = 4.25 bits: 4-bi
 | routed experts | 6TkLm/p | 3 d_e L m/p per expert read + d Tk(2L + 3m/p) |
 | shared experts | 6THF/p | 3dHF/p + dT(2H + 3F/p) |
 
-At T = 1 the router, down projection and shared-expert FLOPs are those of two rows, as the layer
-multiplies them (the tail's cost model counts its up projection alike).
-
-Each kernel takes max(FLOPs / peak_flops, bytes / hbm_bytes_per_s) of the ``cost_model``
-hardware preset, one after the other (no overlap between them, none of them hidden behind a
-collective); they issue no collective. The experts read are those some token chose: with uniform
-routing E(1 - (1 - k/E)^T) of the E (a grouped GEMM reads each once; the CPU and, in jax 0.10.2, the
-CUDA lowering of ``jax.lax.ragged_dot`` instead compute every group densely). The tail is
-``cost_model.predict_time(cost_model.tier_cost(...))``: its roofline and alpha-beta collectives,
-with the assumptions its docstring lists. Elementwise work (SiTU, the top-k, the sort) costs nothing
-here.
-
-The layer-level gain of a tier is 1 - layer(tier) / layer(native) for the same T: the MoE layer
-only, not a whole model's step (attention, the other layers, sampling and scheduling dilute it).
-
-The shared reduction: with ``early_shared_reduction`` (the default) the shared
-experts' all-reduce (a reduce-scatter over tokens for sequence-parallel output) runs while the
-router, the down projection and the routed experts compute, so only what of its alpha-beta time
-outlasts them is exposed, and the tail's tier runs without it
-(``TailConfig.shared_output_is_reduced``). Without it, the tail's tier carries it, hidden only where
-the tier's record says (overlap: beside the up projection). :func:`early_reduction_gain` is 1 -
-layer(early) / layer(in the tail), each with the tier the cost model predicts fastest.
+At T = 1 the router, down projection and shared-expert FLOPs are those of two rows, as the layer multiplies them.
+Each kernel takes max(FLOPs / peak_flops, bytes / hbm_bytes_per_s) of the ``cost_model`` hardware preset, one
+after the other, none hidden; elementwise work costs nothing. The experts read are those some token chose under
+uniform routing, E(1 - (1 - k/E)^T). The tail is ``cost_model.predict_time(cost_model.tier_cost(...))``. With
+``early_shared_reduction`` the shared reduction runs beside the router, down projection and routed experts, and
+only what of it outlasts them is exposed; without it the tail's tier carries it.
 """
 
 from __future__ import annotations
@@ -54,10 +33,8 @@ from k3_tail.tiers.registry import Tier
 
 @dataclasses.dataclass(frozen=True)
 class MoELayerSizes:
-    """A latent MoE layer's sizes: ``tail`` (H, L, the dtype and the tail's switches), E =
-    ``num_experts`` routed experts of which each token takes ``top_k``, each L -> m =
-    ``expert_intermediate_size`` -> L, shared experts H -> F = ``shared_intermediate_size`` -> H, and
-    whether the shared reduction runs early (``tail.shared_output_is_reduced`` is set to follow it)."""
+    """A latent MoE layer's sizes (E, k, m, F as :class:`~k3_tail.models.kimi_k3.LayerConfig` names them), and whether
+    the shared reduction runs early (``tail.shared_output_is_reduced`` is set to follow it)."""
 
     tail: TailConfig
     num_experts: int
@@ -109,17 +86,15 @@ def layer_kernels(config: MoELayerSizes, num_tokens: int, tp_size: int, *,
 
 def layer_flops(config: MoELayerSizes, num_tokens: int, tp_size: int, *, tier: Tier | str,
                 weight_layout: str = "replicated") -> float:
-    """The layer's useful GEMM FLOPs per rank with the tail ``tier``: every kernel of :func:`layer_kernels`
-    and the tail's GEMM (``cost_model.tier_cost``). What a compiled layer's GEMM FLOPs are measured against."""
+    """The layer's useful GEMM FLOPs per rank with the tail ``tier``: :func:`layer_kernels`' and the tail's GEMM."""
     tail = cost_model.tier_cost(config.tail, num_tokens, tp_size, tier=tier, weight_layout=weight_layout)
     return sum(kernel.flops for kernel in layer_kernels(config, num_tokens, tp_size)) + tail.gemm_flops
 
 
 @dataclasses.dataclass(frozen=True)
 class LayerPrediction:
-    """The predicted per-call seconds of the layer with one tail tier: ``other_s`` for the kernels
-    before the tail (:func:`layer_kernels`), ``tail_s`` for the tail, ``shared_exposed_s`` for what of an
-    early shared reduction the routed work does not hide (0 when the tail reduces the shared output)."""
+    """The predicted per-call seconds of the layer with one tail tier: ``other_s`` before the tail, ``tail_s``
+    for the tail, ``shared_exposed_s`` for what of an early shared reduction the routed work does not hide."""
 
     tier: Tier
     num_tokens: int
@@ -154,9 +129,8 @@ def predict_layer(config: MoELayerSizes, num_tokens: int, tp_size: int, *, tier:
 
 
 def shared_reduction(config: MoELayerSizes, num_tokens: int, tp_size: int) -> CollectiveCost:
-    """The early shared reduction as ````k3_tail.reduce_shared```` issues it, per rank: AR(T*H), or for
-    sequence-parallel output a reduce-scatter over tokens of the T'-row padded partial; quantised
-    where the tail config's quantisation window holds it."""
+    """The early shared reduction as ``k3_tail.reduce_shared`` issues it, per rank: AR(T*H), or for
+    sequence-parallel output a reduce-scatter of the T'-row padded partial; quantised where the config says."""
     element = config.tail.dtype.itemsize
     kind, rows = cost_model.ALL_REDUCE, num_tokens
     if config.tail.sequence_parallel:
@@ -179,8 +153,7 @@ def best_layer(config: MoELayerSizes, num_tokens: int, tp_size: int, *, hardware
 def early_reduction_gain(config: MoELayerSizes, num_tokens: int, tp_size: int, *,
                          hardware: cost_model.Hardware | str, weight_layout: str = "replicated",
                          expert_weight_bytes: float | None = None) -> float:
-    """1 - layer(early shared reduction) / layer(shared reduction in the tail), each with its fastest tier:
-    the predicted fraction of the layer's time that issuing the shared reduction early saves."""
+    """1 - layer(early shared reduction) / layer(shared reduction in the tail), each with its fastest tier."""
     early, late = (best_layer(dataclasses.replace(config, early_shared_reduction=flag), num_tokens, tp_size,
                               hardware=hardware, weight_layout=weight_layout, expert_weight_bytes=expert_weight_bytes)
                    for flag in (True, False))

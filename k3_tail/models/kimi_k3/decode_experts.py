@@ -1,10 +1,7 @@
 """The routed experts at decode on a GPU in two Pallas (Triton) kernels, the router's top-k inside the first.
 
-For this rank's input products P [T, W] float32 (``layer.input_products``: the router's logits in columns
-[0, E), the latent z in [E, E + L)), the correction bias [E] and the rank's expert blocks gate, up [E, L, m]
-and down [E, m, L] (m = the expert width over p; bf16 or MXFP4 codes with their scales, as the layer holds
-them), :func:`decode_experts` computes the routed latent partial of the gather method
-(``routed_experts.experts_by_gather`` after ``layer.route_logits``):
+From this rank's input products P [T, W] (the router's logits in columns [0, E), z in [E, E + L)) and expert
+blocks (m = the expert width over p), :func:`decode_experts` computes the gather method's routed partial:
 
     kernel 1, program (t, j, b): token t's top-k (sigmoid scores + bias, ties to the lower expert, as
               ``jax.lax.top_k``) recomputed from its E logits, its slot j's expert e and weight; then
@@ -12,19 +9,9 @@ them), :func:`decode_experts` computes the routed latent partial of the gather m
               program (t, j, 0) also writes e and the weight
     kernel 2, program (t, c): r[t, c-th block of L] = sum_j weight[t, j] * a[t, j] @ down[e_j][:, block]
 
-Products are multiply-and-reduce in float32 (a decode's rows are too few for the matrix units), z rounded to
-the dtype as the layer rounds it; MXFP4 blocks are decoded in the operand load from their bits
-(``mxfp4.value_bits``), the even and odd rows of a byte's two codes multiplied apart. Each expert block is
-read where it lies, once per (token, slot): the T k blocks the gather method reads. The programs of one kernel
-share nothing and the second reads what the first wrote after it ends: no memory-model question.
-
-A NaN logit (a NaN hidden state) makes the token's weights NaN, as its scores would, so no NaN input comes out
-finite; an expert index is always within [0, E).
-
-Cost per rank: reads T k blocks of 3 L m weights (their stored bytes), and each program its token's E + L
-float32 of P (the first kernel) or its k activations (the second); writes T k m + T L values and T k expert
-indices and weights; 6 T k L m FLOPs; two kernel launches and no scratch. Block sizes are powers of two
-(Triton's), masked at the edges: E, L and m need not be.
+Products are multiply-and-reduce in float32 (a decode's rows are too few for the matrix units); a NaN logit makes
+the token's weights NaN. Cost per rank: the T k chosen blocks of 3 L m weights read where they lie; T k m + T L
+values written; 6 T k L m FLOPs; two kernel launches, no scratch; programs share nothing.
 """
 
 from __future__ import annotations
@@ -53,11 +40,10 @@ def decode_experts(products: jax.Array, correction_bias: jax.Array, gate, up, do
                    top_k: int, dtype, layer: jax.Array | None = None, interpret: bool = False) -> jax.Array:
     """This rank's routed latent partial r_i [T, L] in ``dtype`` (module docstring), in two kernels.
 
-    ``products`` [T, W] float32 with the logits in columns [0, E) and z in [E, E + L); ``gate``, ``up``
-    [E, L, m] and ``down`` [E, m, L] arrays of ``dtype``, or :class:`Mxfp4Kernel` (none selected). ``layer``: an
-    integer scalar when every expert array has a leading axis of layers (a decoder stack's [N, E, ...]): the
-    kernels read that layer's blocks where they lie, so a scan over layers copies none of them out.
-    ``interpret``: Pallas's interpret mode (the GPU's kernels run on any platform, for tests)."""
+    ``products`` [T, W] float32; ``gate``, ``up`` [E, L, m] and ``down`` [E, m, L] arrays of ``dtype``, or
+    :class:`Mxfp4Kernel` (none selected). ``layer``: an integer scalar when every expert array is a stack's
+    [N, E, ...]: that layer's blocks are read in place (a scan's slice would copy them). ``interpret``: Pallas's
+    interpret mode, on any platform."""
     from jax.experimental import pallas as pl  # loaded with the first call: `import k3_tail` stays light
     from jax.experimental.pallas import triton as plt
 
@@ -184,9 +170,8 @@ def _layer(refs, stacked, plt):
 
 
 def _product(vector, kernel, expert, depth, column, column_ok, mxfp4, plt):
-    """sum over k < depth of vector(k) * kernel[*expert][k, column], float32 [BLOCK_COLUMNS]: ``vector(rows,
-    row_ok)`` loads the vector's float32 values; ``kernel`` the block's array, or MXFP4's codes and scales;
-    ``expert`` the block's leading indices (the layer's, where stacked, then the expert's)."""
+    """sum over k < depth of vector(k) * kernel[*expert][k, column], float32 [BLOCK_COLUMNS]; ``kernel`` the
+    block's array, or MXFP4's codes and scales; ``expert`` its leading indices."""
     steps = -(-depth // BLOCK_ROWS)
 
     def dense_step(step, acc):

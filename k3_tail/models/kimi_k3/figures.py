@@ -34,10 +34,8 @@ from k3_tail.xla import hlo_text, report as xla_report
 
 @dataclasses.dataclass(frozen=True)
 class CompiledFigures:
-    """Per rank, one compiled layer: XLA's temp bytes, the bytes it accesses (``XlaReport.bytes_accessed``), the
-    GPU kernels it launches (None for a CPU program) and the elements of the largest floating-point and byte arrays
-    it writes (``k3_tail.xla.hlo_text.largest_write``: a decoded copy of the experts would be the largest of the
-    first, a copy of their packed codes of the second)."""
+    """Per rank, one compiled layer: XLA's temp bytes, bytes accessed, GPU kernels (None for a CPU program) and the
+    elements of the largest floating-point and byte arrays it writes (a decoded or copied expert would be those)."""
 
     temp_bytes: int
     bytes_accessed: float
@@ -48,8 +46,7 @@ class CompiledFigures:
 
 def compiled_figures(quantization: str | None, mesh, num_tokens: int) -> CompiledFigures:
     """The Kimi-K3 layer (896 experts, top 16) with routed experts held as ``quantization`` (None: bf16), compiled
-    for T tokens on ``mesh`` as ``compile_layer`` compiles it, with XLA's dump (where ``XlaReport`` counts the
-    kernels) in a temporary directory."""
+    for T tokens on ``mesh`` by ``compile_layer``, with XLA's dump in a temporary directory."""
     config = LayerConfig.kimi_k3(num_experts=KIMI_K3_NUM_EXPERTS, top_k=KIMI_K3_TOP_K,
                                  expert_quantization=quantization)
     with tempfile.TemporaryDirectory() as dump_dir:

@@ -13,68 +13,20 @@ For hidden states x [T, H], replicated over the p TP ranks as vLLM serves the la
 
 c is the tail config's ``routed_scaling_factor``: the tail applies it, so the router does not.
 
-Tensor parallelism (each parameter's partition spec: :func:`~k3_tail.models.kimi_k3.parameters.partition_specs`):
+Per rank (:func:`~k3_tail.models.kimi_k3.parameters.partition_specs`): W_router [H, E], the correction bias [E]
+(float32), W_down [H, L] and g [L] replicated; each routed expert's width m split (G, U [E, L, m/p], D [E, m/p, L]:
+the routed partial r_i); the shared experts column-parallel in (G_s, U_s [H, F/p]) and row-parallel out
+(D_s [F/p, H]: the shared partial s_i); then :func:`k3_tail.latent_moe_tail` on (r_i, s_i), W_up whole on every
+rank ("replicated") or in column blocks ("column"), whose collectives are the layer's only ones. Kimi-K3's two
+shared experts are one MLP of width F = 6144, concatenated (the same function: SiTU acts on each channel alone).
 
-- replicated: W_router [H, E], the correction bias [E] (float32), W_down [H, L] and g [L]: every
-  rank routes every token and projects it down itself.
-- routed experts: each expert's intermediate width m is split over the ranks, rank i holding
-  G, U [E, L, m/p] and D [E, m/p, L]; its weighted sum over the chosen experts is the routed latent
-  partial r_i, and sum_i r_i = r.
-- shared experts: column-parallel in (G_s, U_s [H, F/p]), row-parallel out (D_s [F/p, H]): rank i
-  ends with the shared partial s_i, and sum_i s_i = s.
-- the tail: :func:`k3_tail.latent_moe_tail` on (r_i, s_i) per rank inside the layer's own
-  ``jax.shard_map``, with W_up whole on every rank ("replicated", vLLM's layout) or in column blocks
-  [L, H/p] ("column"); in FP8 with per-column scales (sharded with its columns) when the tail config's
-  ``up_proj_dtype`` says so. Its collectives are the layer's only ones.
+Numerics: weights and activations in ``config.tail.dtype`` (Kimi-K3: bf16), every GEMM accumulating in float32,
+the router, SiTU and the weighted sum in float32; activations are rounded to the dtype where they enter a GEMM
+and where the partials enter the tail.
 
-Held (:mod:`~k3_tail.models.kimi_k3.packed_parameters`): the four kernels that multiply x, W_router, W_down and
-the rank's blocks of G_s and U_s, are packed at load into one per-rank ``input_kernel`` [H, E + L + 2F/p], so
-one GEMM reads x for all of them; each rank is also given its index (``rank``), so the compiled layer holds no
-partition-id. :meth:`KimiK3MoELayer.checkpoint_values` gives the checkpoint's arrays back, which hold no trace
-of p (:func:`~k3_tail.models.kimi_k3.restore_layer` restores them at any p).
-
-Kimi-K3's two shared experts (SiTU MLPs of width 3072 each) are one MLP of width F = 6144 here:
-their gate and up kernels concatenated along the intermediate width and their down kernels along
-its rows. That is the same function, because SiTU acts on each intermediate channel alone, and it is
-how maxtext's Kimi-K3 block stores them.
-
-The routed experts, per rank (:mod:`~k3_tail.models.kimi_k3.per_rank`), take one of the methods of
-k3_tail/models/kimi_k3/routed_experts.py, picked by
-:func:`~k3_tail.models.kimi_k3.routed_experts.routed_expert_method` with its reason:
-
-- "gather" while T * k <= E (decode): for each (token, slot) the chosen expert's blocks are read in
-  place and applied as a multiply + reduce XLA fuses, so the [T, k, L, m/p] blocks are never copied.
-  That reads T*k expert blocks, at most the E blocks all experts hold, and needs no sort. On a GPU the
-  router's top-k and the method run as two Pallas kernels (:mod:`.decode_experts`): the layer's decode is
-  then 8 GPU kernels besides its collectives on H100, MI300X and MI355X.
-- "capacity" above (prefill): the T*k pairs sorted by expert, each expert's first C pairs in one
-  batched GEMM over all E experts with the weights read in place, once, and the pairs beyond C in
-  overflow rounds: exact for any routing, at about CAPACITY_FACTOR (1.25) times the useful FLOPs.
-- "ragged_dot" (by name only): ``jax.lax.ragged_dot``, which jax 0.10.2 computes densely over all E
-  experts on CPU and in XLA's default GPU pipeline (E times the useful FLOPs).
-
-MXFP4 experts (``LayerConfig(expert_quantization="mxfp4")``, as the released Kimi-K3 ships them) are held
-packed, 0.53 bytes per weight instead of 2, and decoded exactly where used
-(:mod:`~k3_tail.models.kimi_k3.parameters`).
-
-Numerics: weights and activations in ``config.tail.dtype`` (Kimi-K3: bf16), every GEMM accumulating
-in float32, the router, SiTU and the weighted sum in float32; activations are rounded to the dtype
-where they enter a GEMM (z, the SiTU outputs) and where the partials enter the tail. Every GEMM is
-``k3_tail.models.kimi_k3.gemm.matmul``, which multiplies a single row (T = 1) as two, so that XLA's GPU
-pipeline keeps it a GEMM that reads its kernel in place (docs/design.md, "One-row GEMMs").
-
-Per-rank cost, d bytes per element: the input GEMM 2TH(E + L + 2F/p) FLOPs over dH(E + L + 2F/p) weight
-bytes (router, down projection, shared gate and up); routed experts 6TkLm/p over 3dLm/p per expert read
-(gather: T*k of them; capacity: all E, once; MXFP4 experts: d = 0.53125 held, plus what XLA writes of their
-decoding, :mod:`.mxfp4_experts`); the shared experts' down projection 2THF/p over dHF/p; then the tail tier's
-(README tier table).
-
-``KimiK3MoELayer`` holds the packed parameters as ``nnx.Param`` (``build_layer``: random stand-ins for a
-checkpoint; k3_tail/models/kimi_k3/checkpoint.py: a layer of a Hugging Face checkpoint); :func:`layer_forward`
-is the jitted pure function it calls, which also compiles from abstract parameters
-(:func:`~k3_tail.models.kimi_k3.packed_parameters.abstract_parameters`) for a deviceless GPU topology:
-:func:`compile_layer`, with the per-executable XLA options of :func:`layer_compiler_options`. Its shapes are a
-:class:`~k3_tail.models.kimi_k3.layer_config.LayerConfig`.
+Per-rank cost, d bytes per element: the input GEMM 2TH(E + L + 2F/p) FLOPs over dH(E + L + 2F/p) weight bytes;
+routed experts 6TkLm/p over 3dLm/p per expert read (gather: T*k of them; capacity: all E, once; MXFP4:
+d = 0.53125); the shared experts' down projection 2THF/p over dHF/p; then the tail tier's.
 """
 
 from __future__ import annotations
@@ -101,11 +53,9 @@ from k3_tail.models.kimi_k3.parameters import layer_parameters, partition_specs,
 from k3_tail.models.kimi_k3.per_rank import layer_per_rank, rank_partials
 from k3_tail.xla.compilation import compiler_options
 
-# XLA options of every GPU compile of the layer (layer_compiler_options), beside the tail tier's own. XLA's
-# latency-hiding scheduler is what keeps the early shared reduction in flight over the routed experts, and
-# jax 0.10.2's ROCm pipeline runs it only when asked: without it, a prefill's reduction (T = 2048, 8192) starts
-# after all routed work on MI300X and MI355X. Command buffers keep XLA's default command types, which hold no
-# collective on jax 0.10.2 and 0.12 (docs/guide.md, "ROCm graphs and collectives"; tests/test_command_buffers.py).
+# XLA options of every GPU compile of the layer, beside the tail tier's own. The latency-hiding scheduler keeps
+# the early shared reduction in flight over the routed experts; jax 0.10.2's ROCm pipeline runs it only when asked
+# (without it a prefill's reduction starts after all routed work on MI300X and MI355X).
 GPU_COMPILER_OPTIONS = {"xla_gpu_enable_latency_hiding_scheduler": True}
 
 
@@ -113,17 +63,13 @@ GPU_COMPILER_OPTIONS = {"xla_gpu_enable_latency_hiding_scheduler": True}
 def layer_forward(parameters: Mapping[str, jax.Array], hidden_states: jax.Array, *, config: LayerConfig,
                   mesh: Mesh, axis_name: str = "tp", weight_layout: str = "replicated",
                   tier: k3_tail.Tier | str | None = None) -> jax.Array:
-    """y [T, H] of the layer for hidden_states [T, H], as one ``jax.shard_map`` over ``mesh``.
+    """y [T, H] of the layer for hidden_states [T, H] of the layer's dtype, as one ``jax.shard_map`` over ``mesh``.
 
-    ``parameters``: global arrays by the names of
-    :func:`~k3_tail.models.kimi_k3.packed_parameters.held_parameters` (:func:`pack_parameters` of a
-    checkpoint; placed here as :func:`held_partition_specs` says, a no-op for arrays already there).
-    ``tier``: force a tail tier, or None to let the tail select one for T (``k3_tail.select_tier``).
-    y is replicated (``P()``), or with
-    sequence-parallel output (``k3_tail.is_token_sharded_output``) padded to T' rows
-    (``k3_tail.padded_token_count(T, p)``), [T', H], token-sharded over ``axis_name``, the padding rows
-    zero. Jitted: compiled once
-    per T, placement and static argument; ``.lower(...)`` takes :func:`abstract_parameters`.
+    ``parameters``: global arrays by the names of :func:`held_partition_specs` (placed as it says). ``tier``: a
+    tail tier, or None for ``k3_tail.select_tier``'s. y is replicated, or with token-sharded output
+    (``k3_tail.is_token_sharded_output``) [T', H] with T' = ``k3_tail.padded_token_count(T, p)``, split over
+    ``axis_name``, the padding rows zero. ValueError for other hidden states or parameter names. Compiled once per
+    T, placement and static argument; ``.lower(...)`` takes :func:`abstract_parameters`.
     """
     tp_size = mesh.shape[axis_name]
     num_tokens = _check_hidden_states(config, hidden_states)
@@ -136,9 +82,8 @@ def layer_forward(parameters: Mapping[str, jax.Array], hidden_states: jax.Array,
 
 def layer_compiler_options(config: LayerConfig, mesh: Mesh, num_tokens: int, *, axis_name: str = "tp",
                            weight_layout: str = "replicated", tier: k3_tail.Tier | str | None = None) -> dict[str, Any]:
-    """The per-executable XLA options of a :func:`layer_forward` compile for T tokens on ``mesh``: those of the
-    tail tier the call takes (``tier``, or the one ``k3_tail.select_tier`` picks for the mesh's devices, as the
-    tail does; ``k3_tail.xla.compilation.compiler_options``) and, on a GPU, :data:`GPU_COMPILER_OPTIONS`."""
+    """The per-executable XLA options of a :func:`layer_forward` compile for T tokens on ``mesh``: the tail tier's
+    (``tier``, or the one the tail selects) and, on a GPU, :data:`GPU_COMPILER_OPTIONS`."""
     device = mesh.devices.flat[0]
     if tier is None:
         # The device, as the tail's own selection takes it: its platform decides ("rocm" or "cuda").
@@ -153,9 +98,8 @@ def layer_compiler_options(config: LayerConfig, mesh: Mesh, num_tokens: int, *, 
 def compile_layer(config: LayerConfig, mesh: Mesh, num_tokens: int, *, axis_name: str = "tp",
                   weight_layout: str = "replicated", tier: k3_tail.Tier | str | None = None,
                   xla_options: Mapping[str, Any] | None = None) -> jax.stages.Compiled:
-    """:func:`layer_forward` for T tokens compiled from :func:`abstract_parameters` (no values: also for a
-    deviceless GPU topology, ``k3_tail.topology_mesh``) with :func:`layer_compiler_options`, and over them
-    ``xla_options`` (``{"xla_dump_to": directory}`` for XLA's dump of the compile)."""
+    """:func:`layer_forward` for T tokens compiled from :func:`abstract_parameters` (so also for a deviceless
+    topology) with :func:`layer_compiler_options`, and over them ``xla_options``."""
     hidden = jax.ShapeDtypeStruct((num_tokens, config.hidden_size), config.dtype, sharding=NamedSharding(mesh, P()))
     parameters = abstract_parameters(config, mesh, axis_name=axis_name, weight_layout=weight_layout)
     lowered = layer_forward.lower(parameters, hidden, config=config, mesh=mesh, axis_name=axis_name,
@@ -168,8 +112,8 @@ def compile_layer(config: LayerConfig, mesh: Mesh, num_tokens: int, *, axis_name
 @functools.partial(jax.jit, static_argnames=("config", "mesh", "axis_name", "weight_layout"))
 def layer_partials(parameters: Mapping[str, jax.Array], hidden_states: jax.Array, *, config: LayerConfig,
                    mesh: Mesh, axis_name: str = "tp", weight_layout: str = "replicated") -> tuple[jax.Array, jax.Array]:
-    """(routed [p, T, L], shared [p, T, H]): every rank's partials stacked, sharded over ``axis_name``:
-    the tail's inputs as ``k3_tail.tail_forward`` takes them. Arguments as :func:`layer_forward`."""
+    """(routed [p, T, L], shared [p, T, H]): every rank's partials stacked, split over ``axis_name``, as
+    ``k3_tail.tail_forward`` takes them."""
     _check_hidden_states(config, hidden_states)
 
     def per_rank(rank_parameters, rank_hidden_states):
@@ -202,16 +146,11 @@ def _check_hidden_states(config: LayerConfig, hidden_states) -> int:
 class KimiK3MoELayer(nnx.Module):
     """The layer (module docstring) with its parameters as ``nnx.Param``, sharded over ``mesh``.
 
-    ``checkpoint``: every parameter of :func:`layer_parameters` by name, as numpy or jax arrays of its
-    global shape (cast to its dtype; MXFP4 codes and scales must be uint8 already, as no cast makes
-    them); each is placed as :func:`partition_specs` says, so a rank receives only its block (a jax array
-    already placed so, as :func:`~k3_tail.models.kimi_k3.load_layer` loads them, stays where it is), and the
-    kernels that multiply the hidden states are packed into one per rank (:func:`pack_parameters`). The Params
-    are what :func:`layer_forward` takes (``held_parameters``), with their specs as sharding metadata
-    (``nnx.get_partition_spec``); the ranks' indices are an ``nnx.Variable`` of their own
-    (:class:`RankIndices`). ``__call__(hidden_states [T, H], *, tier=None)`` is :func:`layer_forward`;
-    ``partials`` is :func:`layer_partials`; ``plan(T)`` is the tail tier a call with T tokens takes, and why;
-    ``checkpoint_values()`` the checkpoint's arrays back (:func:`unpack_parameters`: what to save, at any p).
+    ``checkpoint``: every parameter of :func:`layer_parameters` by name, numpy or jax arrays of its global shape
+    (cast to its dtype; MXFP4 codes and scales must be uint8), each placed as :func:`partition_specs` says (a jax
+    array already placed so stays where it is), then packed (:func:`pack_parameters`). ValueError for another
+    name, shape or a non-uint8 MXFP4 array. ``__call__(hidden_states, *, tier=None)`` is :func:`layer_forward`;
+    ``partials`` is :func:`layer_partials`; ``plan(T)`` the tail tier a call with T tokens takes, and why.
     """
 
     def __init__(self, config: LayerConfig, mesh: Mesh, checkpoint: Mapping[str, Any], *, axis_name: str = "tp",
@@ -247,7 +186,7 @@ class KimiK3MoELayer(nnx.Module):
         return self.mesh.shape[self.axis_name]
 
     def parameter_values(self) -> dict[str, jax.Array]:
-        """Every array :func:`layer_forward` takes (global arrays), by name: the Params and the ranks' indices."""
+        """Every array :func:`layer_forward` takes (global arrays), by name."""
         return nnx.to_pure_dict(nnx.state(self, nnx.Param)) | {RANK: self.rank.get_value()}
 
     def checkpoint_values(self) -> dict[str, jax.Array]:
@@ -285,11 +224,7 @@ def token_bucket(num_tokens: int) -> int:
 
 
 def pad_to_bucket(hidden_states: np.ndarray) -> np.ndarray:
-    """hidden_states [T, H] on the host, padded with zero rows to token_bucket(T) rows.
-
-    Under jit one program serves every T of a bucket; the caller keeps y's first T rows. Pad where the
-    batch is assembled, on the host: any device op on a [T, H] array (a pad, a slice) compiles once per T.
-    A zero row routes somewhere harmless and gives a zero row of y.
-    """
+    """hidden_states [T, H] on the host, padded with zero rows (each gives a zero row of y) to token_bucket(T)
+    rows, so one program serves every T of a bucket. On the host: any device op on [T, H] compiles once per T."""
     num_tokens = hidden_states.shape[0]
     return np.pad(hidden_states, ((0, token_bucket(num_tokens) - num_tokens), (0, 0)))

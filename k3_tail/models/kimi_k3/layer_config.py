@@ -1,10 +1,4 @@
-"""The Kimi-K3 latent MoE layer's shapes: :class:`LayerConfig`, with Kimi-K3's own widths and counts.
-
-The layer (:mod:`~k3_tail.models.kimi_k3.layer`) has E routed experts, each L -> m -> L, of which the router picks
-k per token, and shared experts H -> F -> H; the tail's config (``k3_tail.TailConfig``) holds H, L, the dtype and
-the tail's switches. The config also says which routed-expert method every call takes (or None: by T), where the
-shared output is reduced, and whether the routed experts are held as MXFP4.
-"""
+"""The Kimi-K3 latent MoE layer's shapes: :class:`LayerConfig`, with Kimi-K3's own widths and counts."""
 
 from __future__ import annotations
 
@@ -26,24 +20,14 @@ KIMI_K3_EXPERT_INTERMEDIATE_SIZE, KIMI_K3_SHARED_INTERMEDIATE_SIZE = 3072, 6144
 
 @dataclasses.dataclass(frozen=True)
 class LayerConfig:
-    """The layer's shapes; ``tail`` holds H, L, the norm's eps, c, the dtype and the tail's switches.
+    """The layer's shapes (frozen, hashable); ``tail`` holds H, L, the norm's eps, c, the dtype and the switches.
 
-    num_experts E and top_k k of the router; each routed expert maps L -> expert_intermediate_size (m)
-    -> L, the shared experts H -> shared_intermediate_size (F) -> H. p must divide m and F. Frozen
-    and hashable, like ``TailConfig``.
-
-    routed_experts: the routed-expert method every call takes (a key of ``ROUTED_EXPERTS``: "gather",
-    "capacity", "ragged_dot"), or None (default) to let
-    :func:`~k3_tail.models.kimi_k3.routed_experts.routed_expert_method` pick by T.
-
-    early_shared_reduction (default True): the shared experts run before the routed ones and their
-    partials are summed (``k3_tail.reduce_shared``) while the routed experts compute; the tail takes
-    the reduced output. False keeps the shared reduction inside the tail, where only the up projection
-    can hide it. ``tail.shared_output_is_reduced`` is set here to follow it.
-
-    expert_quantization: None (default), the routed experts in ``tail.dtype``; "mxfp4", held packed as
-    MXFP4 and decoded where used (:mod:`~k3_tail.models.kimi_k3.parameters`). MXFP4 needs L and m multiples
-    of 32 (its groups) and a bfloat16 or float32 dtype (where every MXFP4 value is exact).
+    E = ``num_experts`` routed experts of width m = ``expert_intermediate_size``, k = ``top_k`` per token; shared
+    experts of width F = ``shared_intermediate_size``; p must divide m and F. ``routed_experts``: the method every
+    call takes (a key of ``ROUTED_EXPERTS``), or None to pick by T. ``early_shared_reduction``: the shared partials
+    summed while the routed experts compute (``tail.shared_output_is_reduced`` follows it), else inside the tail.
+    ``expert_quantization``: None, or "mxfp4" (held packed; L and m multiples of 32, a bfloat16 or float32 dtype).
+    ValueError naming the field for a bad value.
     """
 
     tail: k3_tail.TailConfig
@@ -93,11 +77,9 @@ class LayerConfig:
     def kimi_k3(cls, *, num_experts: int = 8, top_k: int = 2, width_divisor: int = 1,
                 routed_experts: str | None = None, early_shared_reduction: bool = True,
                 expert_quantization: str | None = None, **tail_overrides: Any) -> LayerConfig:
-        """Kimi-K3's widths (H 7168, L 3584, m 3072, F 6144, bf16; the tail's eps 1e-5 and the rest of
-        ``k3_tail.TailConfig.kimi_k3``), each divided by ``width_divisor`` (a
-        smaller layer of the same proportions, for a CPU), with ``num_experts`` experts, ``top_k`` per
-        token (small by default; Kimi-K3 routes to KIMI_K3_TOP_K of KIMI_K3_NUM_EXPERTS). ValueError
-        naming ``width_divisor`` unless it divides every width."""
+        """Kimi-K3's widths (H 7168, L 3584, m 3072, F 6144, bf16, the rest ``k3_tail.TailConfig.kimi_k3``'s), each
+        divided by ``width_divisor``, with ``num_experts`` and ``top_k`` (small by default; Kimi-K3 routes to 16 of
+        896). ValueError naming ``width_divisor`` unless it divides every width."""
         kimi = k3_tail.TailConfig.kimi_k3()
         widths = (kimi.hidden_size, kimi.latent_size, KIMI_K3_EXPERT_INTERMEDIATE_SIZE,
                   KIMI_K3_SHARED_INTERMEDIATE_SIZE)

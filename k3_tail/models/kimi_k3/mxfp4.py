@@ -6,26 +6,11 @@ For each torch Linear weight [out, in] the checkpoint holds (:func:`stored_tenso
     weight_packed  uint8 [out, in / 2]    two E2M1 codes per byte: the LOW nibble is the even input column
     weight_scale   uint8 [out, in / 32]   one E8M0 exponent u per 32 input columns: the scale 2^(u - 127)
 
-An E2M1 code is 4 bits s e e m: magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 by the 3 bits e e m (e = 0 a
-subnormal: m * 0.5; else (1 + m / 2) * 2^(e - 1)), negative when s is set (code 8 is -0). A weight is its
-code's value times its group's scale: 1/2 + 1/32 = 0.53125 bytes (4.25 bits) a weight (:data:`MXFP4_BYTES`).
-u = 0 is 2^-127 (a float32 and bfloat16 subnormal), u = 1 is 2^-126 (the smallest normal) and u = 254 is
-2^127. u = 255 is NaN, as the OCP MX specification (v1.0) defines E8M0's one NaN: every weight of that group
-decodes to NaN. (compressed-tensors' ``decompress`` computes 2^(255 - 127) = inf there instead.)
-
-:func:`decode` takes a kernel in the Flax layout [..., K, N] (y = x @ W) packed along K: codes [..., K/2, N]
-and scales [..., K/32, N]. It decodes through the format's own dtypes: each code read as ``float4_e2m1fn``
-(:func:`decode` bitcasts each byte to its two codes, :func:`decode_by_group` each nibble through uint4: each as XLA
-lays it out best), each scale byte as ``float8_e8m0fnu``, both converted to float32 and multiplied, the product (at
-most 2 significant bits: exact) rounded to the decoded dtype. XLA converts them with integer operations on every
-backend, u = 0 to the subnormal 2^-127 and u = 255 to NaN, so the one float operation is the multiply, and it is
-exact where float arithmetic keeps subnormals: on the GPU backends (XLA's default: ``xla_gpu_ftz`` off, on NVPTX
-and AMDGPU alike). XLA:CPU flushes subnormal operands and results of float arithmetic to zero, which breaks the
-product for u = 0 (its scale is a subnormal operand: every value is 0) and for u = 1 with |code| = 0.5 (2^-127 is a
-subnormal result). There, on the CPU only, every value is built from its bits with integer operations
-(:func:`value_bits`, exact under every scale). A value past the dtype's largest finite (u = 253 with |code| >= 4,
-u = 254 with |code| >= 2: up to 6 * 2^127) is +-inf, as the rounding multiply makes it; the checkpoint loader
-refuses such groups (:func:`overflowing_groups`).
+An E2M1 code s e e m is 0, 0.5, 1, 1.5, 2, 3, 4, 6 by e e m, negative when s is set (code 8 is -0); a weight is
+its code's value times its group's scale, 0.53125 bytes a weight (:data:`MXFP4_BYTES`). u = 255 is NaN, as the OCP
+MX specification defines it (compressed-tensors' ``decompress`` computes inf there). :func:`decode` is exact to
+bfloat16 and float32 on every backend, subnormals included; a value past the dtype's largest finite is +-inf, and
+the checkpoint loader refuses such groups (:func:`overflowing_groups`).
 """
 
 from __future__ import annotations
@@ -49,8 +34,7 @@ SCALE_BIAS, NAN_SCALE = 127, 255
 MXFP4_BYTES = 1 / CODES_PER_BYTE + 1 / GROUP_SIZE
 # The E2M1 magnitudes by their 3 low bits (e e m).
 E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-# The dtypes decode writes: both have 8 exponent bits of bias 127, so every finite MXFP4 value up to 2^128 is
-# exact in them, subnormals included (float16's 5 exponent bits hold only part of E8M0's range).
+# The dtypes decode writes: their 8 exponent bits hold every MXFP4 value exactly (float16's 5 do not).
 DECODED_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(np.float32))
 _MANTISSA_BITS = {np.dtype(jnp.bfloat16): 7, np.dtype(np.float32): 23}
 _BITS_DTYPES = {np.dtype(jnp.bfloat16): jnp.uint16, np.dtype(np.float32): jnp.uint32}
@@ -68,30 +52,25 @@ def stored_tensors(out_features: int, in_features: int) -> dict[str, tuple[tuple
 
 def decode(packed: jax.Array, scale: jax.Array, dtype) -> jax.Array:
     """The values [..., K, N] of MXFP4 codes ``packed`` uint8 [..., K/2, N] (low nibble the even row of K) with
-    E8M0 exponents ``scale`` uint8 [..., K/32, N], in ``dtype`` (bfloat16 or float32), exactly (module docstring):
-    u = 255 gives NaN, a value past the dtype's largest finite +-inf. Elementwise after the unpacking, so XLA
-    fuses it into what consumes the values.
+    E8M0 exponents ``scale`` uint8 [..., K/32, N], in ``dtype`` (bfloat16 or float32), exactly: u = 255 gives NaN,
+    a value past the dtype's largest finite +-inf. Elementwise after the unpacking: XLA fuses it into its consumer.
 
     Raises:
-      ValueError: naming the argument, for another dtype (or no dtype: None, a list), arguments that are no
-        uint8 arrays (a list, bytes, None), or shapes that do not pair (K/2 bytes per 32 rows of one scale).
+      ValueError: naming the argument, for another dtype, non-uint8 arguments, or shapes that do not pair.
     """
     dtype = decoded_dtype(dtype)
     check_packed(packed, scale)
     *leading, half, columns = packed.shape
     groups = half * CODES_PER_BYTE // GROUP_SIZE
-    # Each byte bitcast to its two float4_e2m1fn codes, the low nibble first: the unpacking in the format's dtype.
-    # (Split by shifts into uint4, as decode_by_group splits them, the dense kernels' codes went K-minor in XLA's GPU
-    # layout assignment, which copied every expert's codes transposed: 2.49 GB of temporaries at T = 2048 on H100
-    # in k3_tail/models/kimi_k3/mxfp4_experts.py's layer, against 0.42 GB.)
+    # Each byte bitcast to its two float4_e2m1fn codes, the low nibble first. Split by shifts instead (as
+    # decode_by_group does), XLA's GPU layout assignment copied every expert's codes transposed (K-minor).
     values = jnp.swapaxes(jax.lax.bitcast_convert_type(packed, jnp.float4_e2m1fn), -1, -2)  # [..., K/2, 2, N]
     values = values.reshape(*leading, groups, GROUP_SIZE // CODES_PER_BYTE, CODES_PER_BYTE, columns)
     return _scaled(values, scale, dtype).reshape(*leading, groups * GROUP_SIZE, columns)
 
 
 def decoded_dtype(dtype: Any) -> np.dtype:
-    """``dtype`` (a dtype or its name) as the numpy dtype, when it is one of :data:`DECODED_DTYPES`; ValueError
-    naming ``dtype`` otherwise (None included, which numpy would read as float64)."""
+    """``dtype`` (or its name) as one of :data:`DECODED_DTYPES`; ValueError naming ``dtype`` otherwise (None too)."""
     try:
         value = None if dtype is None else np.dtype(dtype)
     except (TypeError, ValueError):
@@ -103,9 +82,8 @@ def decoded_dtype(dtype: Any) -> np.dtype:
 
 
 def check_packed(packed: Any, scale: Any) -> None:
-    """ValueError naming the argument unless ``packed`` and ``scale`` are uint8 arrays (numpy or jax; concrete or
-    traced) of at least 2 axes that pair as codes [..., K/2, N] and scales [..., K/32, N] (:func:`decode`'s
-    layout, K a multiple of 32)."""
+    """ValueError naming the argument unless ``packed`` and ``scale`` are uint8 arrays that pair as codes
+    [..., K/2, N] and scales [..., K/32, N], K a multiple of 32."""
     for name, value in (("packed", packed), ("scale", scale)):
         if not hasattr(value, "shape") or not hasattr(value, "dtype"):
             raise ValueError(f"{name}: expected a uint8 array of at least 2 axes, got {describe(value)}")
@@ -124,28 +102,21 @@ def check_packed(packed: Any, scale: Any) -> None:
 
 def decode_by_group(packed: jax.Array, scale: jax.Array, dtype) -> jax.Array:
     """:func:`decode`'s values as [..., K/32, 16, 2, N], row 16 g + 2 j + h of K at [g, j, h] (h = 0 the low
-    nibble), for a product over K that reduces those axes. Arguments as :func:`decode`, unchecked.
-
-    Reduced over (g, j, h), the product adds in the order of one over K (XLA merges contiguous reduced axes) and,
-    where the kernels are gathered, XLA fuses the gather into the reduction: merging them into K first made XLA
-    copy the gathered codes, transposed, before reducing them (24 MB at T = 1 on H100 with jax 0.10.2, 387 MB at
-    T = 16 on MI300X, in k3_tail/models/kimi_k3/mxfp4_experts.py's layer)."""
+    nibble); arguments as :func:`decode`, unchecked. A product reduced over (g, j, h) adds in K's order, and XLA
+    fuses a gather of the kernels into it (merged into K first, XLA copied the gathered codes transposed)."""
     dtype = np.dtype(dtype)
     *leading, half, columns = packed.shape
     groups = half * CODES_PER_BYTE // GROUP_SIZE
-    # The low nibble is row 2j, the high one row 2j + 1, as a broadcast shift (elementwise: XLA fuses it into the
-    # consumer, where a stack is a concatenate it writes out), each code then viewed as float4_e2m1fn through
-    # uint4. (decode's bitcast puts the two codes of a byte on a minor axis: moving it beside the rows is a
-    # transpose, which XLA wrote out of the gathered blocks, 33 MB at T = 1 and 0.53 GB at T = 16.) The reshape
-    # splits only minor, unsharded axes, so a global array sharded along K decodes too.
+    # The low nibble is row 2j, the high one row 2j + 1, by a broadcast shift, which XLA fuses into the consumer (a
+    # stack, or decode's bitcast and a transpose, it writes out of gathered blocks). The reshape splits only minor,
+    # unsharded axes, so a global array sharded along K decodes too.
     grouped = packed.reshape(*leading, groups, GROUP_SIZE // CODES_PER_BYTE, 1, columns)
     codes = (grouped >> jnp.array([0, CODE_BITS], jnp.uint8)[:, None]) & 0xF
     return _scaled(jax.lax.bitcast_convert_type(codes.astype(jnp.uint4), jnp.float4_e2m1fn), scale, dtype)
 
 
 def _scaled(values: jax.Array, scale: jax.Array, dtype: np.dtype) -> jax.Array:
-    """``values`` float4_e2m1fn [..., K/32, 16, 2, N] times their scales 2^(u - 127), u = ``scale`` uint8
-    [..., K/32, N], in ``dtype``: the dtypes' product, and on the CPU (which flushes it) the bits built."""
+    """``values`` float4_e2m1fn [..., K/32, 16, 2, N] times their scales (uint8 [..., K/32, N]), in ``dtype``."""
     scales = scale[..., None, None, :]
 
     def by_dtypes(values, scales):
@@ -156,23 +127,21 @@ def _scaled(values: jax.Array, scale: jax.Array, dtype: np.dtype) -> jax.Array:
         bits = value_bits(codes, scales, _MANTISSA_BITS[dtype]).astype(_BITS_DTYPES[dtype])
         return jax.lax.bitcast_convert_type(bits, dtype)
 
-    # Chosen as the program is lowered for its platform: a GPU program holds the dtypes' product only.
+    # XLA:CPU flushes subnormal operands and results to zero (every value under u = 0, +-0.5 under u = 1), so a CPU
+    # program builds the bits; chosen as the program is lowered, a GPU program holds the dtypes' product only.
     return jax.lax.platform_dependent(values, scales, cpu=from_bits, default=by_dtypes)
 
 
 def values_by_dtypes(values: jax.Array, scales: jax.Array) -> jax.Array:
-    """E2M1 ``values`` (float4_e2m1fn) times 2^(u - 127) for E8M0 exponents u ``scales`` (uint8, read as
-    float8_e8m0fnu), broadcast, in float32. Exact where float arithmetic keeps subnormals (module docstring): on
-    XLA:CPU the products under u = 0, and under u = 1 those of +-0.5, flush to +-0."""
+    """E2M1 ``values`` times 2^(u - 127) for E8M0 ``scales`` u (uint8), broadcast, in float32: exact where float
+    arithmetic keeps subnormals (not on XLA:CPU)."""
     return values.astype(jnp.float32) * jax.lax.bitcast_convert_type(scales, jnp.float8_e8m0fnu).astype(jnp.float32)
 
 
 def value_bits(codes: jax.Array, scales: jax.Array, mantissa_bits: int) -> jax.Array:
-    """The bits (uint32, in the low 1 + 8 + n bits) of code * 2^(u - 127) in a float format of 8 exponent bits
-    (bias 127) and n = ``mantissa_bits`` mantissa bits (7: bfloat16, 23: float32), for E2M1 ``codes`` and E8M0
-    exponents u ``scales`` (integers, broadcast), built with integer operations alone, so that no float arithmetic
-    can flush them: every value exact, subnormals included, +-inf past the format's largest finite and NaN where
-    u = 255 (:func:`decode`'s values)."""
+    """The bits (uint32, low 1 + 8 + n bits) of code * 2^(u - 127) in a float format of 8 exponent bits and
+    n = ``mantissa_bits`` (7: bfloat16, 23: float32), for E2M1 ``codes`` and E8M0 ``scales`` (integers, broadcast):
+    :func:`decode`'s values, built with integer operations alone so that nothing flushes a subnormal."""
     n = mantissa_bits
     c, u = codes.astype(jnp.int32), scales.astype(jnp.int32)
     e, m = (c >> 1) & 3, c & 1
@@ -194,11 +163,9 @@ def value_bits(codes: jax.Array, scales: jax.Array, mantissa_bits: int) -> jax.A
 
 
 def overflowing_groups(packed: np.ndarray, scale: np.ndarray) -> np.ndarray:
-    """Which groups hold a value past float32's and bfloat16's largest finite (about 3.4e38), on the host: bool of
-    ``scale``'s shape [..., K/32, N] for ``packed`` [..., K/2, N] (:func:`decode`'s layout). A code of exponent
-    bits e >= 1 times 2^(u - 127) has the biased exponent e + u - 1, past 254 when e + u >= 256; only
-    :data:`OVERFLOWING_SCALES` can (u = 255 is NaN), so the codes matter only where the scale is one of those.
-    ValueError naming the argument for arrays that do not pair (:func:`check_packed`)."""
+    """Which groups hold a value past float32's and bfloat16's largest finite, on the host: bool of ``scale``'s
+    shape [..., K/32, N] for ``packed`` [..., K/2, N]; ValueError naming the argument for arrays that do not pair.
+    The codes are read only under :data:`OVERFLOWING_SCALES` (biased exponent e + u - 1 past 254 when e + u >= 256)."""
     check_packed(packed, scale)
     packed, scale = np.asarray(packed), np.asarray(scale)
     suspect = np.isin(scale, OVERFLOWING_SCALES)

@@ -1,26 +1,10 @@
-"""A batched GEMM over MXFP4 kernels, decoded in the operand load: one GPU kernel (Pallas, Triton backend) that
-reads the packed codes and scales and never writes a decoded weight, with its reference :func:`mxfp4_matmul_reference`.
+"""A batched GEMM over MXFP4 kernels, y[s] = rows[s] @ decode(packed[e[s]], scale[e[s]]), decoded in the operand
+load of one GPU kernel (Pallas, Triton backend) that never writes a decoded weight, and its reference.
 
-For E kernels held as compressed-tensors' MXFP4 (:mod:`.mxfp4`: ``packed`` uint8 [E, K/2, N], two codes a
-byte along K, ``scale`` uint8 [E, K/32, N]), rows [S, C, K] and the kernels' indices e [S], :func:`mxfp4_matmul`
-computes
-
-    y[s] = rows[s] @ decode(packed[e[s]], scale[e[s]])        float32 [S, C, N]
-
-with the products of the rows' dtype (bfloat16 or float32: every MXFP4 value is exact in both) accumulated in
-float32, as XLA's GEMM of the decoded kernel computes them, in another order of the additions.
-
-Why a kernel. Compiled for H100, MI300X and MI355X, XLA fuses no decode into its GEMM's operand, whatever the
-layout (docs/kimi_k3.md, MXFP4 routed experts): at prefill it wrote each group of 56 experts' kernels decoded, 154 MB
-of bf16 a kernel, and read them back, 4.53 bytes moved a weight where the packed one is 0.53. Here program
-(s, j, i) takes kernel e[s]'s column tile j (:data:`BLOCK_COLUMNS` columns) and row tile i, and walks K one
-MXFP4 group (32 rows, 16 bytes a column, one scale) at a time: it loads the group's bytes and scales, builds
-the values' bits with integer operations (:func:`.mxfp4.value_bits`: exact, subnormal scales, inf and
-NaN included, on every GPU whatever its float modes) and multiplies the group's even and odd rows of K by
-the low and the high codes. Each packed byte is read once per row tile (once while C <= 64); the rows are
-read once per column tile. Programs do not talk to each other. The kernels are read where they lie, by their
-indices e: a slice or a gather of them before the call would be a copy of their codes, which XLA writes before any
-custom call (38.5 MB per kernel for a group of 56 experts).
+Why a kernel: XLA fuses no decode into its GEMM's operand load, so it writes the decoded kernels and reads them back
+(docs/kimi_k3.md, "MXFP4 routed experts"). Program (s, j, i) takes kernel e[s]'s column tile j and row tile i and
+walks K one group of 32 rows at a time, building the values' bits with integer operations (exact whatever the
+GPU's float modes).
 """
 
 from __future__ import annotations
@@ -56,39 +40,29 @@ def row_tile(num_rows: int) -> int:
 
 def mxfp4_matmul(rows: jax.Array, packed: jax.Array, scale: jax.Array, *, kernels: jax.Array | None = None,
                  interpret: bool = False) -> jax.Array:
-    """rows[s] @ decode(packed[kernels[s]], scale[kernels[s]]) for each of S kernels, in one kernel (module
-    docstring).
+    """rows[s] @ decode(packed[kernels[s]], scale[kernels[s]]) for each of S kernels, in one GPU kernel.
 
     Args:
-      rows: [S, C, K], bfloat16 or float32: the products' dtype.
-      packed: uint8 [E, K/2, N], two E2M1 codes a byte along K (the low nibble the even row).
-      scale: uint8 [E, K/32, N], one E8M0 exponent per 32 rows of K.
-      kernels: integers [S] (int32 is passed as it is), which of the E kernels each row block multiplies; None
-        for all, in order (S = E). The kernel reads them where they lie: a group of experts or a gathered few
-        cost no copy of their codes. An index outside [0, E) touches no memory outside the arrays and gives
-        that block NaN, judged in the indices' own dtype (an int64 2^32 is no kernel 0); a concrete index that
-        int32 cannot hold is refused.
-      interpret: run in Pallas's interpret mode (a CPU has no Triton): the same kernel, programs in turn. Inside
-        a ``jax.shard_map`` that types values as varying (``check_vma=True``, its default), which Pallas's
-        interpreter cannot take, every device runs every device's call on their gathered inputs and keeps its
-        own result (:func:`k3_tail.ops.pallas_triton.interpreted`): p times the work, the same values.
+      rows: [S, C, K], bfloat16 or float32: the products' dtype, accumulated in float32 (in another order than XLA's).
+      packed, scale: uint8 [E, K/2, N] and [E, K/32, N] (:func:`.mxfp4.decode`'s layout).
+      kernels: integers [S], which of the E kernels each row block multiplies, read where they lie (no copy of
+        their codes); None for all, in order (S = E). An index outside [0, E), judged in its own dtype, gives that
+        block NaN and touches no memory outside the arrays; a concrete index int32 cannot hold is refused.
+      interpret: run in Pallas's interpret mode (a CPU has no Triton); inside a ``jax.shard_map`` with
+        ``check_vma=True`` each device computes every device's call (:func:`k3_tail.ops.pallas_triton.interpreted`).
 
     Returns:
-      float32 [S, C, N]. A NaN scale (u = 255) or a value past the dtype's range (+-inf) reaches the outputs that
-      multiply it, as in the decoded kernel's GEMM. K = 0 or E = 0 (no weight to multiply) gives the empty sum,
-      0, where the block's index is a kernel, NaN where it is not (every index, for E = 0), as the reference.
+      float32 [S, C, N]. NaN and inf weights reach the outputs that multiply them, as in the decoded kernel's
+      GEMM. K = 0 or E = 0 gives 0 where the block's index is a kernel, NaN where it is not, as the reference.
 
-    Differentiable with respect to ``rows`` (``jax.grad``, ``jax.vjp``): the reference's gradient, each block's
-    cotangent times its decoded kernel transposed, through XLA's GEMM. Codes, scales and indices are integers:
-    no gradient. Forward mode (``jax.jvp``) is not defined.
+    Differentiable with respect to ``rows`` (reverse mode only: the reference's gradient, through XLA's GEMM).
 
-    Cost: reads the S kernels' packed bytes (0.53 a weight) once per row tile, the rows once per column tile;
-    writes the output; 2 S C K N FLOPs; one kernel launch. No scratch.
+    Cost: the S kernels' packed bytes (0.53 a weight) read once per row tile, the rows once per column tile;
+    2 S C K N FLOPs; one kernel launch, no scratch.
 
     Raises:
-      ValueError: naming the argument, for arguments that are no arrays (a list, bytes, None), shapes that do
-        not pair, dtypes other than those above, a concrete index int32 cannot hold, or a non-bool
-        ``interpret``.
+      ValueError: naming the argument, for non-arrays, shapes that do not pair, other dtypes, a concrete index
+        int32 cannot hold, or a non-bool ``interpret``.
     """
     kernels = _check(rows, packed, scale, kernels)
     if not isinstance(interpret, bool):
@@ -105,7 +79,7 @@ def mxfp4_matmul(rows: jax.Array, packed: jax.Array, scale: jax.Array, *, kernel
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _product(rows: jax.Array, packed: jax.Array, scale: jax.Array, kernels: jax.Array | None,
              interpret: bool) -> jax.Array:
-    """:func:`mxfp4_matmul` of checked, non-empty operands (``kernels``: int32 or None): the pallas_call."""
+    """:func:`mxfp4_matmul` of checked, non-empty operands: the pallas_call."""
     from jax.experimental import pallas as pl  # loaded with the first call: `import k3_tail` stays light
     from jax.experimental.pallas import triton as plt
 
@@ -130,8 +104,8 @@ def _product(rows: jax.Array, packed: jax.Array, scale: jax.Array, kernels: jax.
         # Compiled, lowered for the GPUs only: a multi-platform program holds it in its GPUs' branch.
         return call(*inputs) if interpret else gpu_only(lambda *inputs: (call(*inputs),), *inputs)[0]
 
-    # Without indices block s multiplies kernel s, and the call takes no index array (XLA would make an iota of
-    # them a kernel of its own).
+    # Indices, not a slice or gather of the kernels, which XLA would copy before the custom call. Without indices
+    # the call takes no index array (XLA would make an iota of them a kernel of its own).
     inputs = [rows, packed, scale] if kernels is None else [kernels, rows, packed, scale]
     return interpreted(run, inputs) if interpret else run(inputs)
 
@@ -141,7 +115,7 @@ def _product_forward(rows, packed, scale, kernels, interpret):
 
 
 def _product_backward(interpret, residuals, cotangent):
-    """The reference's VJP with respect to the rows (the integer operands take none)."""
+    """The reference's VJP with respect to the rows."""
     rows, packed, scale, kernels = residuals
     _, rows_vjp = jax.vjp(lambda x: mxfp4_matmul_reference(x, packed, scale, kernels=kernels), rows)
     return (*rows_vjp(cotangent), None, None, None)
@@ -160,8 +134,7 @@ def _empty_sum(rows: jax.Array, num_kernels: int, columns: int, kernels: jax.Arr
 
 
 def _kernel(*refs, indexed, block_rows, pl, plt):
-    """Program (s, j, i): rows tile i of block s times its kernel's column tile j, group by group (module
-    docstring). ``refs``: the kernels' indices when ``indexed``, then the rows, codes, scales and the output."""
+    """Program (s, j, i): rows tile i of block s times its kernel's column tile j, group by group."""
     kernels_ref, rows_ref, packed_ref, scale_ref, out_ref = refs if indexed else (None, *refs)
     num_rows, depth = rows_ref.shape[1:]
     num_kernels, columns = packed_ref.shape[0], packed_ref.shape[-1]
@@ -195,9 +168,8 @@ def _kernel(*refs, indexed, block_rows, pl, plt):
 
 def mxfp4_matmul_reference(rows: jax.Array, packed: jax.Array, scale: jax.Array, *,
                            kernels: jax.Array | None = None) -> jax.Array:
-    """:func:`mxfp4_matmul`'s function in plain jnp: the kernels gathered, decoded (:func:`.mxfp4.decode`) to
-    the rows' dtype and multiplied by XLA's GEMM, accumulating in float32. Arguments and result as
-    :func:`mxfp4_matmul`."""
+    """:func:`mxfp4_matmul` in plain jnp: the kernels gathered, decoded to the rows' dtype and multiplied by XLA's
+    GEMM, accumulating in float32."""
     kernels = _check(rows, packed, scale, kernels)
     if packed.shape[0] == 0:  # nothing to gather: no index is a kernel
         return _empty_sum(rows, 0, packed.shape[-1], kernels)
@@ -209,10 +181,7 @@ def mxfp4_matmul_reference(rows: jax.Array, packed: jax.Array, scale: jax.Array,
 
 
 def _check(rows, packed, scale, kernels) -> jax.Array | None:
-    """The indices as the kernel takes them (int32, an index outside [0, E) in their own dtype made -1; None
-    stays None), or ValueError naming the argument unless rows [S, C, K] (a decoded dtype), packed uint8
-    [E, K/2, N] and scale uint8 [E, K/32, N] are arrays that pair, K a multiple of 32, and kernels are integers
-    [S] (concrete ones int32 can hold) or None, with S = E."""
+    """The indices as the kernel takes them, or ValueError naming the argument :func:`mxfp4_matmul` refuses."""
     if not hasattr(rows, "shape") or not hasattr(rows, "dtype"):
         raise ValueError(f"rows: expected an array [S, C, K] of {tuple(d.name for d in DECODED_DTYPES)}, got "
                          f"{describe(rows)}")
@@ -240,9 +209,8 @@ def _check(rows, packed, scale, kernels) -> jax.Array | None:
 
 
 def _kernel_indices(kernels, batch: int, num_kernels: int) -> jax.Array:
-    """``kernels`` checked (integers [S]; concrete ones int32 can hold) and as int32, each index outside
-    [0, E) judged in its own dtype, before any cast could wrap it onto a kernel (an int64 2^32 + 1 onto kernel 1),
-    and made -1."""
+    """``kernels`` checked and as int32, each index outside [0, E) made -1, judged before any cast could wrap it
+    onto a kernel (an int64 2^32 + 1 onto kernel 1)."""
     if not hasattr(kernels, "shape") or not hasattr(kernels, "dtype"):
         raise ValueError(f"kernels: expected integers [{batch}] (one per row block), got {describe(kernels)}")
     if tuple(kernels.shape) != (batch,) or not jnp.issubdtype(kernels.dtype, jnp.integer):

@@ -1,12 +1,5 @@
-"""What the Kimi-K3 layer holds per rank: the checkpoint's parameters with the kernels that multiply x packed into one.
-
-The four kernels that multiply the hidden states x, W_router, W_down and the rank's blocks of G_s and U_s, are
-packed at load into one per-rank ``input_kernel`` [H, E + L + 2F/p] (:func:`pack_parameters`), so one GEMM reads
-x for all of them; each rank is also given its index (``rank``), so the compiled layer holds no partition-id.
-:func:`unpack_parameters` gives the checkpoint's arrays back, which hold no trace of p
-(:func:`~k3_tail.models.kimi_k3.restore_layer` restores them at any p). :func:`held_parameters` and
-:func:`held_partition_specs` name, shape and place every array :func:`~k3_tail.models.kimi_k3.layer.layer_forward`
-takes; :func:`abstract_parameters` gives them without values, to compile from.
+"""What the Kimi-K3 layer holds per rank: the checkpoint's parameters with the kernels that multiply x packed into
+one, and each rank's index. :func:`unpack_parameters` gives the checkpoint's arrays back, which hold no trace of p.
 """
 
 from __future__ import annotations
@@ -32,10 +25,8 @@ RANK = "rank"
 
 
 def held_parameters(config: LayerConfig, tp_size: int) -> dict[str, Parameter]:
-    """Every array the layer takes (what :class:`~k3_tail.models.kimi_k3.layer.KimiK3MoELayer` holds), by name: the
-    checkpoint's (:func:`layer_parameters`) with :data:`INPUT_WEIGHTS` packed into ``input_kernel`` [H, p W],
-    W = E + L + 2F/p (rank i's block [H, W]: router, down projection, and its blocks of the shared gate and up
-    kernels, :func:`input_columns`), and ``rank`` int32 [p] (:func:`pack_parameters`)."""
+    """Every array the layer takes, by name: the checkpoint's with :data:`INPUT_WEIGHTS` packed into
+    ``input_kernel`` [H, p W], W = E + L + 2F/p (rank i's block: :func:`input_columns`), and ``rank`` int32 [p]."""
     checkpoint = layer_parameters(config)
     width = config.num_experts + config.latent_size + 2 * config.shared_intermediate_size // tp_size
     held = {name: parameter for name, parameter in checkpoint.items() if name not in INPUT_WEIGHTS}
@@ -54,10 +45,8 @@ def held_partition_specs(config: LayerConfig, tp_size: int, *, axis_name: str = 
 
 def pack_parameters(checkpoint: Mapping[str, jax.Array], config: LayerConfig, mesh: Mesh, *, axis_name: str = "tp",
                     weight_layout: str = "replicated") -> dict[str, jax.Array]:
-    """The arrays the layer takes (:func:`held_parameters`) from the checkpoint's (global arrays by the names of
-    :func:`layer_parameters`, of their shapes and dtypes): each rank concatenates its blocks of
-    :data:`INPUT_WEIGHTS` where they lie (no collective; a transient copy of them), and ``rank`` is each rank's
-    index. The inverse is :func:`unpack_parameters`."""
+    """The arrays the layer takes (:func:`held_parameters`) from the checkpoint's global arrays: each rank
+    concatenates its blocks of :data:`INPUT_WEIGHTS` where they lie (no collective; a transient copy)."""
     specs = partition_specs(config, mesh.shape[axis_name], axis_name=axis_name, weight_layout=weight_layout)
     placed = {name: jax.device_put(checkpoint[name], NamedSharding(mesh, specs[name])) for name in INPUT_WEIGHTS}
     packed = _pack(placed, mesh=mesh, specs=tuple(specs[name] for name in INPUT_WEIGHTS), axis_name=axis_name)
@@ -76,9 +65,7 @@ def _pack(placed, *, mesh, specs, axis_name):
 
 
 def unpack_parameters(held: Mapping[str, jax.Array], config: LayerConfig, tp_size: int) -> dict[str, jax.Array]:
-    """The checkpoint's arrays (:func:`layer_parameters`' names, global) from what :func:`pack_parameters` made:
-    the router and down projection from rank 0's block (every rank holds the same), the shared kernels' blocks
-    in rank order, replicated. Copies what it slices."""
+    """The checkpoint's global arrays from what :func:`pack_parameters` made; the unpacked ones replicated."""
     kernel = held[INPUT_KERNEL]
     # Replicated first: the slices below then read no other rank's block (and an Explicit mesh types them).
     blocks = jax.device_put(kernel, NamedSharding(kernel.sharding.mesh, P())).reshape(config.hidden_size, tp_size, -1)
@@ -91,8 +78,7 @@ def unpack_parameters(held: Mapping[str, jax.Array], config: LayerConfig, tp_siz
 def abstract_parameters(config: LayerConfig, mesh: Mesh, *, axis_name: str = "tp",
                         weight_layout: str = "replicated") -> dict[str, jax.ShapeDtypeStruct]:
     """Every array the layer takes (:func:`held_parameters`) as a ``jax.ShapeDtypeStruct`` placed on ``mesh``: to
-    lower and compile :func:`~k3_tail.models.kimi_k3.layer.layer_forward` without values (also on a deviceless
-    topology, ``k3_tail.topology_mesh``)."""
+    compile :func:`~k3_tail.models.kimi_k3.layer.layer_forward` without values."""
     tp_size = mesh.shape[axis_name]
     specs = held_partition_specs(config, tp_size, axis_name=axis_name, weight_layout=weight_layout)
     return {name: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=NamedSharding(mesh, specs[name]))
@@ -100,8 +86,8 @@ def abstract_parameters(config: LayerConfig, mesh: Mesh, *, axis_name: str = "tp
 
 
 def input_columns(array: jax.Array, config: LayerConfig) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """``array`` [..., W] laid out as a rank's block of the input kernel, W = E + L + 2F/p, split along its last
-    axis: (router [..., E], down projection [..., L], shared gate [..., F/p], shared up [..., F/p]). Slices."""
+    """``array`` [..., W] laid out as a rank's block of the input kernel split along its last axis: (router
+    [..., E], down projection [..., L], shared gate [..., F/p], shared up [..., F/p])."""
     experts, latent = config.num_experts, config.latent_size
     shared = (array.shape[-1] - experts - latent) // 2
     bounds = np.cumsum([0, experts, latent, shared, shared])

@@ -1,17 +1,5 @@
-"""The Kimi-K3 layer's parameters as a checkpoint holds them: names, global shapes, dtypes, partition specs.
-
-:func:`layer_parameters` lists them in Flax layout (y = x @ W), :func:`partition_specs` says how the TP ranks
-hold each (the layer's tensor parallelism: :mod:`~k3_tail.models.kimi_k3.layer`), and :func:`random_checkpoint`
-draws stand-in values for them. What the layer holds per rank, the kernels that multiply the hidden states packed
-into one, is :mod:`~k3_tail.models.kimi_k3.packed_parameters`.
-
-MXFP4 experts (``LayerConfig(expert_quantization="mxfp4")``, as the released Kimi-K3 ships them): each
-routed kernel is held packed, its E2M1 codes two per byte and one E8M0 scale per 32 input rows (the
-format: :mod:`.mxfp4`; the kernels: :mod:`.mxfp4_experts`), under the same names and partition
-specs, with a scale parameter beside each (``ROUTED_EXPERT_SCALES``): ``expert_gate``, ``expert_up``
-uint8 [E, L/2, m] with ``expert_gate_scale``, ``expert_up_scale`` [E, L/32, m], ``expert_down`` uint8
-[E, m/2, L] with ``expert_down_scale`` [E, m/32, L]. The routed-expert methods decode them exactly to the
-layer's dtype where they use them: 0.53 bytes per weight held instead of 2.
+"""The Kimi-K3 layer's parameters as a checkpoint holds them: names, global shapes, dtypes, partition specs, and
+stand-in values. What the layer holds per rank is :mod:`~k3_tail.models.kimi_k3.packed_parameters`'s.
 """
 
 from __future__ import annotations
@@ -50,15 +38,10 @@ class Parameter:
 
 
 def layer_parameters(config: LayerConfig) -> dict[str, Parameter]:
-    """Every parameter of the layer, by name, in Flax layout (y = x @ W).
-
-    Kernels are drawn with variance 1 / fan-in, so every GEMM output has about unit scale. The
-    correction bias (float32) and the norm scale are spread (``ROUTER_BIAS_STDDEV``,
-    ``NORM_SCALE_STDDEV``) so that the bias changes some top-k choices and the scale is not all ones.
-    With an FP8 ``config.tail.up_proj_dtype`` the up projection is its FP8 values [L, H] and their
-    float32 scales ``up_proj_scale`` [H] (``k3_tail.quantize_up_proj`` of the checkpoint's kernel).
-    With MXFP4 experts each routed kernel [E, K, N] is its packed codes uint8 [E, K/2, N] (``stddev``
-    that of the decoded values) and ``<name>_scale`` uint8 [E, K/32, N] (made with the codes).
+    """Every parameter of the layer, by name, in Flax layout (y = x @ W); kernels' stand-ins of variance 1 / fan-in.
+    With an FP8 ``config.tail.up_proj_dtype`` the up projection is its FP8 values [L, H] and float32 scales
+    ``up_proj_scale`` [H]; with MXFP4 experts each routed kernel [E, K, N] is its codes uint8 [E, K/2, N] and
+    ``<name>_scale`` uint8 [E, K/32, N].
     """
     hidden, latent, experts, dtype = config.hidden_size, config.latent_size, config.num_experts, config.dtype
     expert_width, shared_width = config.expert_intermediate_size, config.shared_intermediate_size
@@ -96,13 +79,8 @@ def layer_parameters(config: LayerConfig) -> dict[str, Parameter]:
 
 def partition_specs(config: LayerConfig, tp_size: int, *, axis_name: str = "tp",
                     weight_layout: str = "replicated") -> dict[str, P]:
-    """How the TP ranks hold each parameter (:mod:`~k3_tail.models.kimi_k3.layer`), by name; an MXFP4 scale as
-    its kernel.
-
-    ValueError unless p divides what it splits: m, F, and H for the column layout (the tail's column
-    tiers would otherwise want the kernel stored padded; Kimi-K3's widths divide by 1, 2, 4, 8, 16);
-    with MXFP4 experts, unless 32 p divides m, so that each rank's rows of the down kernel are whole
-    groups of 32 under one scale (Kimi-K3's m = 3072: p up to 96).
+    """How the TP ranks hold each parameter, by name; an MXFP4 scale as its kernel. ValueError unless p divides
+    m, F, and H for the column layout, and with MXFP4 experts unless 32 p divides m (whole groups per rank).
     """
     splits = {"expert_intermediate_size": config.expert_intermediate_size,
               "shared_intermediate_size": config.shared_intermediate_size}
@@ -131,12 +109,9 @@ def partition_specs(config: LayerConfig, tp_size: int, *, axis_name: str = "tp",
 
 
 def random_checkpoint(config: LayerConfig, *, seed: int = 0) -> dict[str, np.ndarray]:
-    """Stand-in weights for a checkpoint, by name, each in its dtype: drawn on the host with numpy, so
-    nothing is compiled (XLA's CPU compiler takes seconds per ``jax.random.normal`` shape). With an FP8
-    up projection the kernel is drawn in the layer's dtype, as the checkpoint ships it, and quantised
-    (``k3_tail.quantize_up_proj``: values and per-column scales), as a server does at load. MXFP4
-    experts are random codes with one scale per kernel (``kimi_k3_mxfp4.random_codes``), of the bf16 kernels'
-    spread."""
+    """Stand-in weights for a checkpoint, by name, each in its dtype; an FP8 up projection drawn in the layer's
+    dtype and quantised, as a server does at load. Drawn on the host with numpy: ``jax.random`` would compile
+    per shape."""
     rng = np.random.default_rng(seed)
     weights = {}
     for name, p in layer_parameters(config).items():

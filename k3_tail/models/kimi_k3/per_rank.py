@@ -1,13 +1,5 @@
-"""The Kimi-K3 layer on one TP rank, inside its ``jax.shard_map``: its partials, then the tail on them.
-
-:func:`input_products` is the one GEMM that reads the hidden states (x @ the rank's ``input_kernel``,
-:mod:`~k3_tail.models.kimi_k3.packed_parameters`), :func:`split_products` names its columns. From them
-:func:`shared_partial` gives the rank's shared-expert partial s_i and :func:`routed_partial` the router's choice
-(:func:`route_logits`) and the routed latent partial r_i by the routed-expert method
-(:mod:`~k3_tail.models.kimi_k3.routed_experts`); at decode on a GPU, two Pallas kernels
-(:mod:`~k3_tail.models.kimi_k3.decode_experts`), differentiated as XLA's route. :func:`layer_per_rank` orders
-them around the early shared reduction and ends in ``k3_tail.latent_moe_tail``. Nothing here but the tail and
-the shared reduction issues a collective.
+"""The Kimi-K3 layer on one TP rank, inside its ``jax.shard_map``: its partials, then the tail on them. Nothing
+here but the tail and the shared reduction issues a collective.
 """
 
 from __future__ import annotations
@@ -31,12 +23,9 @@ from k3_tail.models.kimi_k3.situ import situ
 
 def route(hidden_states: jax.Array, router_kernel: jax.Array, correction_bias: jax.Array, *,
           top_k: int) -> tuple[jax.Array, jax.Array]:
-    """(chosen [T, k] expert ids, combine weights [T, k] float32) of hidden_states [T, H].
-
-    The bias is added to the sigmoid scores only to choose the top k; the combine weights are the
-    chosen experts' un-biased scores, renormalised to sum 1 per token when top_k > 1 (at top_k = 1 the
-    one weight is the expert's score itself, as in Kimi-K3's reference, MaxText and tpu-inference).
-    """
+    """(chosen [T, k] expert ids, combine weights [T, k] float32) of hidden_states [T, H]: the bias only chooses;
+    the weights are the chosen un-biased sigmoid scores, renormalised to sum 1 when top_k > 1 (at top_k = 1 the
+    score itself, as in Kimi-K3's reference, MaxText and tpu-inference)."""
     return route_logits(matmul(hidden_states, router_kernel), correction_bias, top_k=top_k)
 
 
@@ -49,9 +38,8 @@ def route_logits(logits: jax.Array, correction_bias: jax.Array, *, top_k: int) -
 
 
 class InputProducts(NamedTuple):
-    """The products of the hidden states x [T, H] with this rank's ``input_kernel``, split by kernel, float32: the
-    router's logits [T, E], the routed latent z [T, L] (rounded to the dtype where the experts take it) and the
-    rank's shared gate and up products [T, F/p]."""
+    """x [T, H] @ this rank's ``input_kernel`` split by kernel: logits [T, E] float32, the routed latent z [T, L]
+    in the dtype, the shared gate and up products [T, F/p] float32."""
 
     logits: jax.Array
     latent: jax.Array
@@ -60,9 +48,8 @@ class InputProducts(NamedTuple):
 
 
 def input_products(parameters: Mapping[str, jax.Array], hidden_states: jax.Array) -> jax.Array:
-    """x @ input_kernel, float32 [T, W], W = E + L + 2F/p (:func:`split_products` names its columns). Per rank,
-    inside a shard_map: ``parameters`` are this rank's blocks, ``hidden_states`` [T, H] the whole (replicated)
-    input. 2 T H W FLOPs over d H W weight bytes: one GEMM, no collective."""
+    """x @ input_kernel, float32 [T, W], W = E + L + 2F/p, for this rank's ``parameters`` and the replicated
+    ``hidden_states`` [T, H]: one GEMM, 2 T H W FLOPs over d H W weight bytes."""
     return matmul(hidden_states, parameters[INPUT_KERNEL])
 
 
@@ -73,9 +60,8 @@ def split_products(products: jax.Array, config: LayerConfig) -> InputProducts:
 
 
 def routed_inputs(products: jax.Array, config: LayerConfig) -> jax.Array | InputProducts:
-    """What the routed experts read of the :func:`input_products`: at decode (the gather method) the products as
-    they are, where a GPU's kernels read the logits and z; else only the logits and z, split (what the layer
-    carries past the early shared reduction is then no more than those two)."""
+    """What the routed experts read of the :func:`input_products`: at decode (gather) the products whole, which a
+    GPU's kernels read; else only the logits and z, so no more is carried past the early shared reduction."""
     if routed_expert_method(config, products.shape[0]).method == "gather":
         return products
     split = split_products(products, config)
@@ -84,10 +70,8 @@ def routed_inputs(products: jax.Array, config: LayerConfig) -> jax.Array | Input
 
 def routed_partial(parameters: Mapping[str, jax.Array], products: jax.Array | InputProducts, *, config: LayerConfig,
                    layer_index: jax.Array | None = None) -> jax.Array:
-    """This rank's routed latent partial r_i [T, L] in the config's dtype: the router's choice and the routed
-    experts on the :func:`input_products` (or their split, :func:`routed_inputs`). ``layer_index``: given, the
-    :data:`~k3_tail.models.kimi_k3.parameters.STACKED_IN_PLACE` arrays hold every layer of a stack [N, ...] and
-    this is the layer's index. No collective."""
+    """This rank's routed latent partial r_i [T, L] in the config's dtype, from :func:`routed_inputs`.
+    ``layer_index``: in a stack, the layer's index into the ``STACKED_IN_PLACE`` arrays [N, ...]."""
     split_first = isinstance(products, InputProducts)
     method = routed_expert_method(config, (products.logits if split_first else products).shape[0]).method
     kernels = routed_expert_kernels(parameters)
@@ -154,8 +138,7 @@ def _as_kernels(quantized, arrays) -> list:
 
 
 def shared_partial(parameters: Mapping[str, jax.Array], products: jax.Array, *, config: LayerConfig) -> jax.Array:
-    """This rank's shared-expert partial s_i [T, H] in the config's dtype, from its gate and up products among the
-    :func:`input_products`. No collective."""
+    """This rank's shared-expert partial s_i [T, H] in the config's dtype, from the :func:`input_products`."""
     split = split_products(products, config)
     activation = situ(split.shared_gate, split.shared_up).astype(config.dtype)
     return matmul(activation, parameters["shared_down"]).astype(config.dtype)
@@ -163,8 +146,7 @@ def shared_partial(parameters: Mapping[str, jax.Array], products: jax.Array, *, 
 
 def rank_partials(parameters: Mapping[str, jax.Array], hidden_states: jax.Array, *,
                   config: LayerConfig) -> tuple[jax.Array, jax.Array]:
-    """(routed latent partial r_i [T, L], shared partial s_i [T, H]) of this rank, in the config's dtype
-    (:func:`routed_partial`, :func:`shared_partial`). No collective."""
+    """(routed latent partial r_i [T, L], shared partial s_i [T, H]) of this rank, in the config's dtype."""
     products = input_products(parameters, hidden_states)
     return (routed_partial(parameters, products, config=config),
             shared_partial(parameters, products, config=config))
@@ -173,25 +155,19 @@ def rank_partials(parameters: Mapping[str, jax.Array], hidden_states: jax.Array,
 def layer_per_rank(parameters: Mapping[str, jax.Array], hidden_states: jax.Array, *, config: LayerConfig,
                    axis_name: str, weight_layout: str, tier: k3_tail.Tier | str | None,
                    device: jax.Device, layer_index: jax.Array | None = None) -> jax.Array:
-    """This rank's y: its partials, then ``k3_tail.latent_moe_tail`` on them (given the rank's index).
+    """This rank's y: its partials, then ``k3_tail.latent_moe_tail`` on them; with ``config.early_shared_reduction``
+    ``k3_tail.reduce_shared`` sums the shared partials while the routed experts compute. ``layer_index``: as
+    :func:`routed_partial` takes it.
 
-    With ``config.early_shared_reduction`` the shared experts run first and ``k3_tail.reduce_shared``
-    sums their partials while the routed experts compute; the tail then takes the reduced shared
-    output (``TailConfig.shared_output_is_reduced``). Two ordering barriers (they order values and
-    emit no kernel) make XLA's schedule keep the reduction around the routed experts: the routed
-    experts' inputs wait for the shared partial, and the routed partial waits for the reduced
-    shared output, so the tail cannot start before both are done.
-
-    ``layer_index``: in a decoder stack, the layer's index, the
-    :data:`~k3_tail.models.kimi_k3.parameters.STACKED_IN_PLACE` arrays holding every layer's (:func:`routed_partial`).
-
-    Returns [T, H], or with sequence-parallel output this rank's [T'/p, H] rows of y padded to
-    T' = ``k3_tail.padded_token_count(T, p)`` rows (``k3_tail.is_token_sharded_output``).
+    Returns [T, H], or with token-sharded output (``k3_tail.is_token_sharded_output``) this rank's [T'/p, H] rows
+    of y padded to T' = ``k3_tail.padded_token_count(T, p)`` rows.
     """
     products = input_products(parameters, hidden_states)
     shared = shared_partial(parameters, products, config=config)
     routed_in = routed_inputs(products, config)
     if config.early_shared_reduction:
+        # Ordering barriers (no kernel) keep XLA's schedule from moving the reduction out of the routed work: the
+        # routed inputs wait for the shared partial, and the routed partial for the reduced shared output.
         routed_in, shared = jax.lax.optimization_barrier((routed_in, shared))
         shared = k3_tail.reduce_shared(shared, config=config.tail, axis_name=axis_name, device=device)
     routed = routed_partial(parameters, routed_in, config=config, layer_index=layer_index)

@@ -1,15 +1,6 @@
-"""A float64 numpy reference of the Kimi-K3 latent MoE layer, independent of JAX and of the layer's code.
-
-    scores  = sigmoid(x @ W_router)                  chosen = the k largest of scores + correction_bias
-    weights = scores[chosen] / sum scores[chosen]    (k > 1; at k = 1 the score itself)
-    z       = x @ W_down
-    r       = sum over the chosen experts e of weights_e * SiTU(z @ G_e, z @ U_e) @ D_e
-    s       = SiTU(x @ G_s, x @ U_s) @ D_s
-    y       = RMSNorm_g(c * r) @ W_up + s,   RMSNorm_g(v) = v / sqrt(mean(v^2) + eps) * g
-    SiTU(g, u) = 4 tanh(g / 4) sigmoid(g) * 25 tanh(u / 25)
-
-It works on the whole (unsharded) weights, one token and one chosen expert at a time, without any
-rounding between steps: what the tensor-parallel layer must equal up to its dtype's rounding.
+"""A float64 numpy reference of the Kimi-K3 latent MoE layer (the function k3_tail/models/kimi_k3/layer.py's
+docstring states; at k = 1 the weight is the score itself), independent of JAX and of the layer's code: whole
+weights, one token and one chosen expert at a time, no rounding between steps.
 """
 
 from collections.abc import Mapping
@@ -19,12 +10,9 @@ import numpy as np
 
 def reference_layer(weights: Mapping[str, np.ndarray], hidden_states: np.ndarray, *, top_k: int,
                     rms_norm_eps: float, routed_scaling_factor: float) -> np.ndarray:
-    """y [T, H] in float64.
-
-    weights: router_kernel [H, E], router_bias [E], down_proj [H, L], expert_gate and expert_up
-    [E, L, m], expert_down [E, m, L], shared_gate and shared_up [H, F], shared_down [F, H],
-    norm_scale [L], up_proj_kernel [L, H] (and up_proj_scale [H] for FP8 values); hidden_states [T, H].
-    """
+    """y [T, H] in float64 for hidden_states [T, H] and whole weights: router_kernel [H, E], router_bias [E],
+    down_proj [H, L], expert_gate and expert_up [E, L, m], expert_down [E, m, L], shared_gate and shared_up
+    [H, F], shared_down [F, H], norm_scale [L], up_proj_kernel [L, H] (and up_proj_scale [H] for FP8 values)."""
     routed, shared = reference_partials(weights, hidden_states, top_k=top_k)
     latent = routed_scaling_factor * routed
     rms = np.sqrt(np.mean(latent * latent, axis=-1, keepdims=True) + rms_norm_eps)
@@ -37,8 +25,7 @@ def reference_layer(weights: Mapping[str, np.ndarray], hidden_states: np.ndarray
 
 def reference_partials(weights: Mapping[str, np.ndarray], hidden_states: np.ndarray, *,
                        top_k: int) -> tuple[np.ndarray, np.ndarray]:
-    """(r [T, L], s [T, H]) in float64: the routed experts' weighted sum in the latent, and the shared
-    experts' output; what the TP ranks' partials add up to. Arguments as :func:`reference_layer`."""
+    """(r [T, L], s [T, H]) in float64: what the TP ranks' routed and shared partials add up to."""
     w = {name: np.asarray(value, np.float64) for name, value in weights.items()}
     x = np.asarray(hidden_states, np.float64)
     scores = _sigmoid(x @ w["router_kernel"])
@@ -52,11 +39,8 @@ def reference_partials(weights: Mapping[str, np.ndarray], hidden_states: np.ndar
 
 def reference_routed_experts(latent: np.ndarray, chosen: np.ndarray, combine: np.ndarray, gate: np.ndarray,
                              up: np.ndarray, down: np.ndarray) -> np.ndarray:
-    """r [T, L] in float64, one (token, chosen expert) pair at a time: sum over j of combine[t, j] *
-    SiTU(latent[t] @ gate[e], latent[t] @ up[e]) @ down[e], e = chosen[t, j].
-
-    latent [T, L], chosen and combine [T, k], gate and up [E, L, m], down [E, m, L] (whole experts).
-    """
+    """r [T, L] in float64, one (token, chosen expert) pair at a time, for latent [T, L], chosen and combine
+    [T, k], gate and up [E, L, m], down [E, m, L] (whole experts)."""
     gate, up, down = (np.asarray(kernel, np.float64) for kernel in (gate, up, down))
     latent = np.asarray(latent, np.float64)
     routed = np.zeros_like(latent)

@@ -1,71 +1,23 @@
 """The routed experts of the Kimi-K3 layer on one TP rank: three methods, and which one a call takes.
 
-Every method computes this rank's routed latent partial
+Every method computes this rank's routed latent partial, float32 [T, L],
 
     r_i[t] = sum_j combine[t, j] * SiTU(latent[t] @ G_e, latent[t] @ U_e) @ D_e,   e = chosen[t, j]
 
-for latent [T, L] (the layer's dtype), chosen [T, k] expert ids, combine [T, k] float32, and this rank's
-blocks gate, up [E, L, m/p] and down [E, m/p, L] (each expert's intermediate width m split over the p
-ranks), exactly: every (token, expert) pair, for any routing. A block may be MXFP4
-(``k3_tail.models.kimi_k3.mxfp4_experts.Mxfp4Kernel``: packed codes and scales); each method decodes it exactly
-(``mxfp4.dense``) where it uses the weights, and gathers blocks while they are still packed.
-Each returns float32 [T, L]; GEMMs take
-the dtype's operands and accumulate in float32 (the capacity method's are k3_tail.models.kimi_k3.gemm.matmul,
-which multiplies a capacity of one row as two, or for MXFP4 kernels on a GPU the Pallas kernel, whose
-additions run in another order: within float32 accumulation of XLA's), the SiTU output is rounded to
-the dtype where it enters the down GEMM, and the k slots' outputs are summed with their weights as a
-multiply and a reduce. No method issues a collective.
+for latent [T, L] (the layer's dtype), chosen [T, k] expert ids, combine [T, k] float32 and this rank's blocks
+gate, up [E, L, m/p] and down [E, m/p, L] (arrays, or :class:`Mxfp4Kernel` decoded exactly where used), for any
+routing: GEMMs take the dtype's operands and accumulate in float32, and SiTU's output is rounded to the dtype
+before the down GEMM. No method issues a collective.
 
-- "gather" (decode, T * k <= E): for each (token, slot) the chosen expert's blocks are read where they
-  lie and applied as a multiply and a reduce over the gathered block, which XLA fuses into one loop:
-  the [T, k, L, m/p] weight blocks are never written out. Reads T*k blocks of 3 L m/p elements; MXFP4
-  blocks are decoded inside that loop, so only their codes and scales are read.
-- "capacity" (prefill, T * k > E): the T*k pairs sorted by expert; each expert's first C pairs
-  (:func:`expert_capacity`) in one batched GEMM over all E experts, [E, C, L] x [E, L, m/p] with the
-  weights read in place, once; the pairs beyond C in overflow rounds of S = :func:`overflow_slots`
-  chunks (up to C pairs of one expert each, that expert's blocks gathered for the round) until none
-  is left. 6 E C L m/p FLOPs for the first pass and 6 S C L m/p per round; routing every token to the
-  same k experts takes about k T / (C S) rounds: exact, but slow. MXFP4 weights are taken S experts
-  at a time: the first pass runs as a loop over groups of S experts, and each round takes its S gathered
-  blocks; each GEMM is ``Mxfp4Kernel.matmul``, on a GPU one Pallas kernel that decodes the codes in its
-  operand load (no decoded weight is written), on the CPU XLA's GEMM of the group's decoded kernels.
-  An empty slot's zero row meets its expert's weights; its output is selected away, not weighted by
-  zero, so a non-finite weight reaches only the tokens that chose its expert.
-- "ragged_dot": the pairs sorted by expert and one ``jax.lax.ragged_dot`` per kernel. It is the
-  grouped GEMM's API, not its kernel: with jax 0.10.2 the CPU backend and XLA's default GPU pipeline
-  compute it densely over all E groups, every row against every expert's weights, the other groups'
-  rows masked out (E times the useful FLOPs). XLA's GPU plugin has two opt-in grouped lowerings,
-  ``--xla_gpu_experimental_use_ragged_dot_fusion`` (cuDNN) and
-  ``--xla_gpu_experimental_use_ragged_dot_grouped_gemm`` with ``--xla_gpu_enable_cublaslt``
-  (hipBLASLt); neither is verified here (no GPU). Never selected; call it by name.
+- "gather" (decode, T * k <= E): each pair's blocks read where they lie, as a multiply and a reduce that XLA
+  fuses (no [T, k, L, m/p] copy); 6 T k L m/p FLOPs.
+- "capacity" (prefill, T * k > E): each expert's first C pairs (:func:`expert_capacity`) in one batched GEMM
+  over all E experts, 6 E C L m/p FLOPs, the rest in overflow rounds of S = :func:`overflow_slots` chunks,
+  6 S C L m/p FLOPs each (about k T / (C S) rounds when every token picks the same k experts).
+- "ragged_dot": one ``jax.lax.ragged_dot`` per kernel, which jax 0.10.2 lowers densely over all E groups on
+  CPU and in XLA's default GPU pipeline (E times the FLOPs). Never selected; call it by name.
 
-Why these. Compiled for a deviceless 8 x H100 at Kimi-K3's shapes (896 experts, top 16, L 3584,
-m/p 384, bf16), the whole layer with the tail tier it selects (``python scripts/kimi_k3_layer_share.py
---parts cost``: GEMM FLOPs per device from the HLO, a while loop's body counted once, over the
-layer's useful FLOPs; XLA's temp memory):
-
-| prefill, T = 256 / 2048 / 8192 | GEMM FLOPs / useful | temp memory (GB) |
-| --- | --- | --- |
-| ragged_dot (the layer's method before) | 422x / 503x / 502x | 26.3 / 210.6 / 842.2 |
-| tiles of 8 sorted pairs, one expert each, every tile's blocks gathered | 1.82x / 1.12x / 1.03x | 11.7 / 41.6 / 143.9 |
-| the same, tiles of 32 pairs | 4.29x / 1.49x / 1.12x | 8.8 / 16.4 / 42.6 |
-| capacity, factor 1.0, S = E/8 | 1.11x / 1.08x / 1.07x | 0.94 / 1.00 / 2.05 |
-| capacity, factor 1.25, S = E/4 | 1.30x / 1.32x / 1.32x | 1.88 / 1.97 / 2.54 |
-| capacity, factor 1.25, S = E/8 | 1.22x / 1.23x / 1.23x | 0.94 / 1.00 / 2.54 |
-| **capacity, factor 1.25, S = E/16 (this module)** | **1.19x / 1.19x / 1.18x** | **0.48 / 0.66 / 2.54** |
-| capacity, factor 1.5, S = E/8 | 1.34x / 1.39x / 1.39x | 0.95 / 1.01 / 3.04 |
-
-A tiled grouped GEMM in plain JAX takes each tile's weight blocks as an operand, so it copies at
-least E blocks (7.4 GB per device here) however the tiles are sized; the capacity dispatch reads
-every expert's weights in place and copies only one round's S blocks. The compiled count holds one
-overflow round; how many run depends on the routing. Under uniform random routing (a numpy
-simulation of top 16 of 896) a factor of 1.0 puts C at the mean load and runs about 4 rounds at
-T = 2048 and 8192, where 1.25 runs about one: hence 1.25, with the smallest S measured (its rounds
-copy the fewest blocks). Decode, T = 1 / 16: the gather method needs 0.4 / 7 MB of temp memory,
-against 88 / 1413 MB for the einsums over gathered [T, k, L, m/p] blocks it replaces (XLA copied
-those blocks, transposed).
-
-:func:`routed_expert_method` picks by T and says why.
+The compiled figures of each: docs/measurements/2026-12-01-routed-experts.md.
 """
 
 from __future__ import annotations
@@ -80,10 +32,10 @@ from k3_tail.models.kimi_k3.gemm import matmul
 from k3_tail.models.kimi_k3.mxfp4_experts import Mxfp4Kernel, dense
 from k3_tail.models.kimi_k3.situ import situ
 
-# Capacity per expert over the mean pairs per expert, T*k/E: pairs beyond it go to overflow rounds.
+# Capacity per expert over the mean pairs per expert, T*k/E: pairs beyond it go to overflow rounds. Under uniform
+# routing 1.0 runs about 4 rounds at T = 2048 and 8192, 1.25 about one.
 CAPACITY_FACTOR = 1.25
-# Overflow chunks per round, as a share of E: the chunks' weight blocks are gathered (copied), so this
-# bounds that copy; rounds repeat until every chunk is done.
+# Overflow chunks per round, as a share of E: it bounds the copy of the chunks' gathered weight blocks.
 OVERFLOW_SLOTS_PER_EXPERT = 1 / 16
 
 
@@ -96,10 +48,8 @@ class RoutedExpertMethod:
 
 
 def routed_expert_method(config, num_tokens: int) -> RoutedExpertMethod:
-    """For a ``LayerConfig`` (the layer imports this module): ``config.routed_experts`` when it names a method;
-    else "gather" while T * k <= E (it reads at most
-    the E blocks all experts hold, with no sort), "capacity" above (each expert's weights read once).
-    ValueError for a negative T."""
+    """For a ``LayerConfig``: ``config.routed_experts`` when it names a method, else "gather" while T * k <= E,
+    "capacity" above. ValueError for a negative T."""
     if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
         raise ValueError(f"num_tokens: expected an integer >= 0, got {num_tokens!r}")
     if config.routed_experts is not None:
@@ -115,8 +65,8 @@ def routed_expert_method(config, num_tokens: int) -> RoutedExpertMethod:
 
 
 def expert_capacity(num_tokens: int, top_k: int, num_experts: int) -> int:
-    """C, the pairs each expert takes in the capacity method's first pass: ceil(CAPACITY_FACTOR * T*k / E),
-    at least 1 and at most T (the most a router choosing k distinct experts per token gives one expert)."""
+    """C, the pairs each expert takes in the capacity method's first pass: ceil(CAPACITY_FACTOR * T*k / E) in
+    [1, T]."""
     return max(1, min(num_tokens, math.ceil(CAPACITY_FACTOR * num_tokens * top_k / num_experts)))
 
 
@@ -126,13 +76,9 @@ def overflow_slots(num_experts: int) -> int:
 
 
 def experts_by_gather(latent, chosen, combine, gate, up, down) -> jax.Array:
-    """This rank's routed partial [T, L] float32 (module docstring), each pair's blocks read in place.
-
-    Per (token, slot) the products are formed as multiply + reduce over the gathered blocks, in float32
-    (a product of two bf16 values is exact there, as in a GEMM accumulating in float32), so XLA fuses
-    gather, multiply and reduce. 6 T k L m/p FLOPs, T*k blocks read; the largest arrays written are
-    [T, k, m/p] and [T, k, L] float32.
-    """
+    """This rank's routed partial [T, L] float32 (module docstring), each pair's blocks read in place; the
+    largest arrays written are [T, k, m/p] and [T, k, L] float32."""
+    # Multiply + reduce in float32 (a product of two bf16 values is exact there), which XLA fuses with the gather.
     rows = latent.astype(jnp.float32)[:, None, :]                                   # [T, 1, L]
     gate_in = _products(rows, gate[chosen])                                         # [T, k, m/p]
     up_in = _products(rows, up[chosen])
@@ -142,11 +88,9 @@ def experts_by_gather(latent, chosen, combine, gate, up, down) -> jax.Array:
 
 
 def _products(rows: jax.Array, blocks: jax.Array | Mxfp4Kernel) -> jax.Array:
-    """sum over K of rows[t, j, K] * blocks[t, j, K, N] in float32: rows [T, k or 1, K] float32, blocks gathered
-    [T, k, K, N] -> [T, k, N], as a multiply and a reduce. MXFP4 blocks are decoded by group
-    (``Mxfp4Kernel.decode_by_group``) and reduced over the group axes, which adds in the same order and lets XLA
-    fuse the gather of the codes into the reduction instead of copying them."""
+    """rows [T, k or 1, K] float32 times gathered blocks [T, k, K, N], summed over K in float32 -> [T, k, N]."""
     if isinstance(blocks, Mxfp4Kernel):
+        # Reduced over the group axes, in the same order, so XLA fuses the codes' gather into the reduction.
         values = blocks.decode_by_group(jnp.float32)                                # [T, k, K/32, 16, 2, N]
         grouped = rows.reshape(*rows.shape[:-1], *values.shape[-4:-1], 1)
         return (grouped * values).sum(axis=(-4, -3, -2))
@@ -156,13 +100,9 @@ def _products(rows: jax.Array, blocks: jax.Array | Mxfp4Kernel) -> jax.Array:
 def experts_by_capacity(latent, chosen, combine, gate, up, down) -> jax.Array:
     """This rank's routed partial [T, L] float32 (module docstring), by capacity dispatch and overflow rounds.
 
-    A chunk is up to C consecutive pairs of one expert in the expert-sorted order (C =
-    :func:`expert_capacity`). The first pass takes chunk 0 of every expert with the weights in place:
-    [E, C, L] rows, 6 E C L m/p FLOPs. Each overflow round takes the next S = :func:`overflow_slots`
-    chunks beyond the first, their experts' blocks gathered ([S, L, m/p] per kernel), 6 S C L m/p
-    FLOPs; a ``jax.lax.fori_loop`` runs ceil(chunks / S) rounds, none when no expert has more than C
-    pairs. Outputs are weighted and added into their tokens' rows (a scatter-add: on a GPU its float
-    additions may land in any order).
+    A chunk is up to C consecutive pairs of one expert in expert order. The first pass takes chunk 0 of every
+    expert, weights in place; each overflow round the next S chunks, their blocks gathered ([S, L, m/p] per
+    kernel). Outputs are scatter-added into their tokens' rows (on a GPU in any order).
     """
     num_tokens, top_k = chosen.shape
     num_experts = gate.shape[0]
@@ -175,8 +115,8 @@ def experts_by_capacity(latent, chosen, combine, gate, up, down) -> jax.Array:
     token_of_pair, combine_of_pair = order // top_k, combine.reshape(-1)[order]
 
     def add_chunks(result, experts, offsets, gate_blocks, up_blocks, down_blocks):
-        """result + the outputs of the chunks of ``experts`` [S] starting ``offsets`` [S] pairs into each
-        expert's pairs (an offset at or past the expert's count leaves the chunk empty)."""
+        """result + the outputs of the chunks of ``experts`` [S] starting ``offsets`` [S] pairs into each (at or
+        past the expert's count: an empty chunk)."""
         within = offsets[:, None] + jnp.arange(capacity)                            # [S, C]
         present = within < counts[experts][:, None]
         pair = jnp.where(present, starts[experts][:, None] + within, 0)
@@ -190,9 +130,8 @@ def experts_by_capacity(latent, chosen, combine, gate, up, down) -> jax.Array:
 
     result = jnp.zeros(latent.shape, jnp.float32)
     if isinstance(gate, Mxfp4Kernel):
-        # Decoded S experts at a time, each group's codes right before its GEMMs, so that no more than one group's
-        # decoded kernels (3 S L m/p values) exist at once; the last group starts at E - S, its experts that an
-        # earlier group took left empty. Arrays are read in place by one GEMM over all E.
+        # S experts at a time, so at most one group's decoded kernels exist; the last group starts at E - S, its
+        # experts that an earlier group took left empty.
         def first_pass_group(index, result):
             start = jnp.minimum(index * slots, num_experts - slots)
             experts = start + jnp.arange(slots)
@@ -219,12 +158,8 @@ def experts_by_capacity(latent, chosen, combine, gate, up, down) -> jax.Array:
 
 
 def experts_by_ragged_dot(latent, chosen, combine, gate, up, down) -> jax.Array:
-    """This rank's routed partial [T, L] float32 (module docstring): the T*k pairs sorted by expert, one
-    ``jax.lax.ragged_dot`` per kernel, the pairs' outputs put back in token order and weighted.
-
-    The largest intermediates are [T*k, L] and [T*k, m/p]; FLOPs as the lowering computes them
-    (module docstring: E times 6 T k L m/p where it is dense).
-    """
+    """This rank's routed partial [T, L] float32 (module docstring), by one ``jax.lax.ragged_dot`` per kernel
+    over the pairs sorted by expert."""
     num_tokens, top_k = chosen.shape
     order, group_sizes = _sort_pairs(chosen, gate.shape[0])
     rows = latent[order // top_k]
@@ -249,14 +184,13 @@ def _sort_pairs(chosen: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Arr
 
 
 def _weighted_sum(combine: jax.Array, out: jax.Array) -> jax.Array:
-    """sum_j combine[t, j] * out[t, j]: combine [T, k] float32, out [T, k, L] float32 -> [T, L], as a multiply
-    and a reduce over the k slots (what XLA makes of it as a dot too: one side has no free dimension)."""
+    """sum_j combine[t, j] * out[t, j]: combine [T, k] float32, out [T, k, L] float32 -> [T, L]."""
     return (combine[..., None] * out).sum(axis=1)
 
 
 def _expert_mlp(rows: jax.Array, gate, up, down) -> jax.Array:
     """SiTU(rows @ gate, rows @ up) @ down per expert: rows [S, C, L], gate and up [S, L, m/p], down
-    [S, m/p, L] (arrays, or MXFP4 multiplied by ``Mxfp4Kernel.matmul``) -> [S, C, L] float32."""
+    [S, m/p, L] (arrays or MXFP4) -> [S, C, L] float32."""
     activation = situ(_grouped_product(rows, gate), _grouped_product(rows, up)).astype(rows.dtype)
     return _grouped_product(activation, down)
 

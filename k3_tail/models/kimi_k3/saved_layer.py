@@ -1,11 +1,5 @@
-"""A Kimi-K3 layer saved at one TP size, restored at another.
-
-What a layer holds depends on p (its packed input kernel is p blocks of [router | down projection | the rank's
-shared gate and up blocks], and its ranks' indices p entries); what it saves does not: save
-``layer.checkpoint_values()`` (the checkpoint's arrays, :func:`~k3_tail.models.kimi_k3.parameters.layer_parameters`'
-names and global shapes) with orbax's ``StandardCheckpointer``, and :func:`restore_layer` builds the layer at any
-p' from it, each device reading only its block of every array as p' places it, then packing. No padding is
-involved: the layer needs p' to divide what it splits (``partition_specs`` says what).
+"""A Kimi-K3 layer saved at one TP size, restored at another: ``layer.checkpoint_values()`` hold no trace of p, and
+:func:`restore_layer` builds the layer at any p' from them, each device reading only its block of every array.
 """
 
 from __future__ import annotations
@@ -32,9 +26,8 @@ def restore_layer(checkpoint: str | os.PathLike | Mapping, *, config: LayerConfi
       config, mesh, axis_name, weight_layout: as :class:`KimiK3MoELayer` takes them.
 
     Raises:
-      ValueError: naming ``checkpoint`` for a path that is no orbax checkpoint, a missing or unknown entry, or an
-        entry of another shape or dtype than ``config``'s layer has (checked before any array is read); as
-        :class:`KimiK3MoELayer` raises it for the rest.
+      ValueError: naming ``checkpoint`` for a path that is no orbax checkpoint, or a missing, unknown or mis-shaped
+        entry (before any array is read); as :class:`KimiK3MoELayer` raises it for the rest.
     """
     expected = layer_parameters(config)
     specs = partition_specs(config, mesh.shape[axis_name], axis_name=axis_name, weight_layout=weight_layout)

@@ -1,13 +1,6 @@
-"""Where a compiled latent MoE layer runs its shared reduction, against the routed experts' work.
-
-The layer's collectives carry the tail's named scopes (``k3_tail/shared_reduction``,
-``k3_tail/latent_reduction``: :mod:`k3_tail.xla.report`), so the shared reduction is found by name.
-The routed experts' work is found by data flow: every instruction computed, directly or through
-others, from a routed-expert weight (the parameters whose names the caller gives, e.g.
-``expert_gate``, ``expert_up``, ``expert_down``) that the schedule places before the latent
-reduction starts. The entry computation of a compiled module is scheduled, so positions are the
-order the device runs it in (one compute stream; an async collective runs beside it between its
-start and its done).
+"""Where a compiled latent MoE layer runs its shared reduction (found by its named scope), against the routed
+experts' work (found by data flow: every instruction computed from a routed-expert weight that the schedule places
+before the latent reduction starts). Positions are the entry computation's schedule order.
 """
 
 from __future__ import annotations
@@ -27,13 +20,9 @@ _NO_COMPUTE = {"parameter", "constant", "bitcast", "get-tuple-element", "tuple",
 
 @dataclasses.dataclass(frozen=True)
 class SharedReductionPlacement:
-    """Schedule positions in one compiled layer (module docstring).
-
-    start, done: the shared reduction's (equal for a synchronous collective); is_async: a start/done
-    pair. first_routed_read: the first instruction that reads a routed-expert weight. last_routed: the
-    last routed-expert instruction before latent_reduction_start, the latent reduction's start.
-    routed_positions: every routed-expert instruction before it, in order.
-    """
+    """Schedule positions in one compiled layer: the shared reduction's ``start`` and ``done`` (equal when
+    synchronous), the first instruction reading a routed-expert weight, the routed-expert instructions before the
+    latent reduction's start (``routed_positions``, the last ``last_routed``)."""
 
     start: int
     done: int

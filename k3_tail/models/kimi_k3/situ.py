@@ -1,9 +1,4 @@
-"""Kimi-K3's SiTU gated activation, which its routed and its shared experts both apply.
-
-    SiTU(g, u) = 4 tanh(g / 4) sigmoid(g) * 25 tanh(u / 25)        (per element)
-
-Both factors are bounded: the gate's by 4, the up projection's by 25.
-"""
+"""Kimi-K3's SiTU gated activation, which its routed and its shared experts both apply."""
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +7,6 @@ SITU_GATE_BOUND, SITU_UP_BOUND = 4.0, 25.0
 
 
 def situ(gate: jax.Array, up: jax.Array) -> jax.Array:
-    """Kimi-K3's SiTU gated activation, per element: 4 tanh(g/4) sigmoid(g) * 25 tanh(u/25)."""
+    """Per element: 4 tanh(g/4) sigmoid(g) * 25 tanh(u/25), its factors bounded by 4 and 25."""
     bounded_gate = SITU_GATE_BOUND * jnp.tanh(gate / SITU_GATE_BOUND) * jax.nn.sigmoid(gate)
     return bounded_gate * (SITU_UP_BOUND * jnp.tanh(up / SITU_UP_BOUND))

@@ -5,26 +5,11 @@ For hidden states h [T, H], replicated over the p TP ranks, each layer l = 0 .. 
     h = attention(h)                          a per-rank function the caller passes (default: the identity)
     h = h + moe_l(RMSNorm_{g_l}(h))           moe_l: the layer of k3_tail/models/kimi_k3/layer.py
 
-RMSNorm_g(v) = v / sqrt(mean(v^2) + eps) * g is the MoE layer's pre-norm (Kimi-K3's and DeepSeek's
-``post_attention_layernorm``, g [H], eps ``StackConfig.norm_eps``), computed in float32 from the rounded h
-and rounded once to the layer's dtype. The residual stream stays in that dtype (bf16 for Kimi-K3): h rounds
-where each layer adds its output (and wherever ``attention`` rounds); everything inside a layer rounds as
-that layer's docstring says.
+RMSNorm_g(v) = v / sqrt(mean(v^2) + eps) * g is the MoE layer's pre-norm (``post_attention_layernorm``, g [H], eps
+``StackConfig.norm_eps``), in float32 and rounded once to the layer's dtype, in which the residual stream stays.
 
-Parameters (:func:`stack_partition_specs`): ``pre_norm`` [N, H], replicated, and ``layers``: every array
-one layer's ``layer_forward`` takes (``held_partition_specs``' names), each stacked along a new leading
-layer axis [N, ...] with spec ``P(None, *spec)``, so a rank holds its blocks of every layer. The stack never
-names one layer's parameters: whatever the layer holds is stacked and scanned over.
-
-Cost: the scan body is one layer, traced and compiled once (one while loop, N trips, each layer's collectives
-once in its body): the FLOPs of N layers, and a program of one layer's size whatever N. The routed experts'
-arrays go to every trip whole with the layer's index (``STACKED_IN_PLACE``), so their kernels read the
-layer's blocks where they lie; XLA still copies each trip's packed input kernel out of the stacked arrays before
-its GEMM (a loop-indexed dynamic slice: 86 MB per rank at Kimi-K3's sizes, compiled for 8 x H100 and 8 x MI300X),
-which tests/test_kimi_k3_stack.py records.
-
-``python -m k3_tail.models.kimi_k3.stack --help``: the stack's decode step timed with the tail tier the
-library selects against an XLA tier forced.
+Cost: the FLOPs of N layers in a program of one layer's size (one while loop of N trips); XLA copies each trip's
+packed input kernel out of the stacked arrays before its GEMM.
 """
 
 from __future__ import annotations
@@ -59,10 +44,8 @@ PARAMETER_GROUPS = ("layers", "pre_norm")
 
 @dataclasses.dataclass(frozen=True)
 class StackConfig:
-    """N = ``num_layers`` MoE layers of ``layer``'s config, each after a pre-norm of eps ``norm_eps``.
-
-    The residual stream is replicated, so the layer's tail must return y whole on every rank: a
-    ``layer.tail.sequence_parallel`` config is refused. Frozen and hashable, like ``LayerConfig``."""
+    """N = ``num_layers`` MoE layers of ``layer``'s config, each after a pre-norm of eps ``norm_eps``. ValueError
+    for a bad field or a ``layer.tail.sequence_parallel`` config (the residual stream is replicated)."""
 
     layer: LayerConfig
     num_layers: int
@@ -97,8 +80,7 @@ def stack_partition_specs(config: StackConfig, tp_size: int, *, axis_name: str =
 
 def abstract_stack_parameters(config: StackConfig, mesh: Mesh, *, axis_name: str = "tp",
                               weight_layout: str = "replicated") -> dict[str, Any]:
-    """The stack's parameters as ``jax.ShapeDtypeStruct``s placed on ``mesh`` (one layer's
-    ``abstract_parameters`` with the layer axis N in front): to compile without values."""
+    """The stack's parameters as ``jax.ShapeDtypeStruct``s placed on ``mesh``: to compile without values."""
     specs = stack_partition_specs(config, mesh.shape[axis_name], axis_name=axis_name, weight_layout=weight_layout)
     layer = abstract_parameters(config.layer, mesh, axis_name=axis_name, weight_layout=weight_layout)
     n = config.num_layers
@@ -120,15 +102,12 @@ def rms_norm(hidden_states: jax.Array, scale: jax.Array, *, eps: float) -> jax.A
 def stack_forward(parameters: Mapping[str, Any], hidden_states: jax.Array, *, config: StackConfig, mesh: Mesh,
                   attention: Callable[[jax.Array], jax.Array] | None = None, axis_name: str = "tp",
                   weight_layout: str = "replicated", tier: k3_tail.Tier | str | None = None) -> jax.Array:
-    """h [T, H] after the N layers (module docstring), replicated (``P()``), in the layer's dtype.
+    """h [T, H] after the N layers (module docstring), replicated, in the layer's dtype.
 
     ``parameters``: {"pre_norm": [N, H], "layers": {name: [N, ...]}} as :func:`abstract_stack_parameters`
-    describes them (placed here as :func:`stack_partition_specs` says; a no-op for arrays already there).
-    ``attention``: a function of h [T, H] -> [T, H] of the same dtype, called per rank inside the shard_map
-    before each layer; it may use collectives over ``axis_name`` and must return the same h on every rank.
-    ``tier``: force the tail's tier in every layer, or None to let the tail select one for T. ValueError naming
-    the argument before any work. Jitted: compiled once per T, placement and static argument (the loop body
-    once, whatever N); ``.lower(...)`` takes :func:`abstract_stack_parameters`.
+    describes them. ``attention``: a per-rank function of h [T, H] -> [T, H] of the same dtype, called before each
+    layer, returning the same h on every rank. ``tier``: the tail's tier in every layer, or None for the tail's
+    selection. ValueError naming the argument before any work. Compiled once per T, placement and static argument.
     """
     _check_hidden_states(config, hidden_states)
     if attention is not None and not callable(attention):
@@ -140,8 +119,7 @@ def stack_forward(parameters: Mapping[str, Any], hidden_states: jax.Array, *, co
                                   weight_layout=weight_layout, tier=tier, device=mesh.devices.flat[0])
 
     def per_rank(rank_parameters, rank_hidden_states):
-        # The routed experts' arrays go to every trip whole, with the layer's index: their kernels read the layer's
-        # blocks in place (a scanned slice of them would be a copy of one layer's experts, GBs, every trip).
+        # Whole to every trip, with the layer's index: a scanned slice would copy a layer's experts (GBs) every trip.
         layers = rank_parameters["layers"]
         in_place = {name: layers[name] for name in STACKED_IN_PLACE if name in layers}
 
@@ -171,9 +149,8 @@ def compile_stack(config: StackConfig, mesh: Mesh, num_tokens: int, *,
                   attention: Callable[[jax.Array], jax.Array] | None = None, axis_name: str = "tp",
                   weight_layout: str = "replicated", tier: k3_tail.Tier | str | None = None,
                   xla_options: Mapping[str, Any] | None = None) -> jax.stages.Compiled:
-    """:func:`stack_forward` for T tokens compiled from :func:`abstract_stack_parameters` (also for a deviceless
-    GPU topology, ``k3_tail.topology_mesh``) with one layer's ``layer_compiler_options`` and, over them,
-    ``xla_options`` (``{"xla_dump_to": directory}`` for XLA's dump)."""
+    """:func:`stack_forward` for T tokens compiled from :func:`abstract_stack_parameters` (so also for a deviceless
+    topology) with one layer's ``layer_compiler_options`` and, over them, ``xla_options``."""
     hidden = jax.ShapeDtypeStruct((num_tokens, config.hidden_size), config.dtype, sharding=NamedSharding(mesh, P()))
     parameters = abstract_stack_parameters(config, mesh, axis_name=axis_name, weight_layout=weight_layout)
     lowered = stack_forward.lower(parameters, hidden, config=config, mesh=mesh, attention=attention,
@@ -212,11 +189,9 @@ def _check_parameters(config: StackConfig, parameters: Any, expected: Mapping[st
 class DecoderStack(nnx.Module):
     """The stack (module docstring) with its parameters as ``nnx.Param``, sharded over ``mesh``.
 
-    ``layers``: N per-layer checkpoints (dicts as ``random_checkpoint`` returns, each made a
-    ``KimiK3MoELayer``, which checks and places it) or N built ``KimiK3MoELayer``s of ``config.layer``, ``mesh``,
-    ``axis_name`` and ``weight_layout``; their arrays are stacked once (each rank stacks its own blocks, so
-    while building it holds the layers twice). ``pre_norm``: the N pre-norm weights [N, H] (cast to the dtype).
-    ``__call__(hidden_states [T, H], *, attention=None, tier=None)`` is :func:`stack_forward`.
+    ``layers``: N per-layer checkpoints (as ``random_checkpoint`` returns) or N ``KimiK3MoELayer``s built alike,
+    stacked once (holding the layers twice while building). ``pre_norm``: [N, H]. ValueError for another count,
+    shape or layer set-up. ``__call__(hidden_states, *, attention=None, tier=None)`` is :func:`stack_forward`.
     """
 
     def __init__(self, config: StackConfig, mesh: Mesh, layers: Sequence[Mapping[str, Any] | KimiK3MoELayer],
@@ -251,8 +226,7 @@ class DecoderStack(nnx.Module):
                                 for name, value in stacked.items()})
 
     def parameter_values(self) -> dict[str, Any]:
-        """{"pre_norm": [N, H], "layers": {name: [N, ...]}}: the global arrays :func:`stack_forward` takes (every
-        Variable of the stack: its Params and, as the layer holds them, the ranks' indices)."""
+        """{"pre_norm": [N, H], "layers": {name: [N, ...]}}: the global arrays :func:`stack_forward` takes."""
         return nnx.to_pure_dict(nnx.state(self))
 
     def __call__(self, hidden_states: jax.Array, *, attention: Callable[[jax.Array], jax.Array] | None = None,
@@ -263,8 +237,7 @@ class DecoderStack(nnx.Module):
 
 
 def random_stack_weights(config: StackConfig, *, seed: int = 0) -> tuple[list[dict[str, np.ndarray]], np.ndarray]:
-    """(N per-layer checkpoints, pre_norm [N, H]): layer l is ``random_checkpoint(config.layer, seed=seed + l)``,
-    the pre-norm weights 1 + NORM_SCALE_STDDEV * N(0, 1), as a trained norm's, drawn on the host."""
+    """(N per-layer checkpoints, pre_norm [N, H]): layer l ``random_checkpoint(config.layer, seed=seed + l)``."""
     checkpoints = [random_checkpoint(config.layer, seed=seed + index)
                    for index in range(config.num_layers)]
     rng = np.random.default_rng([seed, config.num_layers])  # a stream of its own, not any layer's seed
@@ -281,11 +254,9 @@ def build_stack(config: StackConfig, mesh: Mesh, *, seed: int = 0, axis_name: st
 
 def load_stack(checkpoint: str | os.PathLike | Checkpoint, layers: Sequence[int], *, config: StackConfig, mesh: Mesh,
                axis_name: str = "tp", weight_layout: str = "replicated") -> DecoderStack:
-    """:class:`DecoderStack` of the decoder layers ``layers`` (N indices, in order) of a Hugging Face checkpoint:
-    each MoE part as ``checkpoint.load_layer`` loads it (each rank reading its blocks), its pre-norm from
-    ``...layers.N.post_attention_layernorm.weight`` [H]. ValueError naming ``layers`` unless it holds
-    ``config.num_layers`` indices, and naming the layer and the tensor (as ``load_layer``) for a dense layer, a
-    layer past the last, a missing tensor or one of another shape or dtype; all checked before any layer loads."""
+    """:class:`DecoderStack` of the decoder layers ``layers`` (N indices) of a Hugging Face checkpoint, each as
+    ``load_layer`` loads it, its pre-norm from ``...layers.N.post_attention_layernorm.weight`` [H]. ValueError
+    for another count, and as ``load_layer`` raises it; the pre-norms checked before any layer loads."""
     checkpoint = open_checkpoint(checkpoint)
     layers = tuple(layers)
     if len(layers) != config.num_layers:
@@ -304,9 +275,7 @@ def load_stack(checkpoint: str | os.PathLike | Checkpoint, layers: Sequence[int]
 
 def reference_stack(checkpoints: Sequence[Mapping[str, np.ndarray]], pre_norm: np.ndarray, hidden_states: np.ndarray,
                     *, config: StackConfig, attention: Callable[[np.ndarray], np.ndarray] | None = None) -> np.ndarray:
-    """h [T, H] after the N layers in float64, without rounding: ``reference.reference_layer`` on each layer's
-    checkpoint (names as ``random_checkpoint``'s), the pre-norm in float64, and ``attention`` a numpy function
-    of h (float64) before each layer."""
+    """h [T, H] after the N layers in float64; ``attention`` a numpy function of h before each layer."""
     tail = config.layer.tail
     h = np.asarray(hidden_states, np.float64)
     for weights, scale in zip(checkpoints, np.asarray(pre_norm, np.float64), strict=True):
