@@ -48,7 +48,8 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(config, items):
     """Leave out the ``slow`` tests unless -m names them, and the compiled tests of topologies not named when
-    K3_TAIL_TEST_TOPOLOGIES names some; skip the ``rocm`` ones unless on a ROCm GPU."""
+    K3_TAIL_TEST_TOPOLOGIES names some; skip the ``rocm`` ones unless on a ROCm GPU; run the ``compiled`` tests
+    first (below)."""
     if "slow" not in (config.option.markexpr or ""):
         slow = [item for item in items if item.get_closest_marker("slow") is not None]
         if slow:
@@ -65,6 +66,10 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if item.get_closest_marker("rocm") is not None:
                 item.add_marker(skip)
+    # The compiled tests of several modules compile the same programs (helpers.compiled_tail keeps them per
+    # process): first in the order, they start together on one pytest-xdist worker (which gets the first half
+    # and is stolen from at its end), not half of them on each. A stable sort: the rest keep their order.
+    items.sort(key=lambda item: item.get_closest_marker("compiled") is None)
 
 
 def _topology(item):

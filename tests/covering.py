@@ -126,21 +126,19 @@ class _Design:
         items = assignment.items() if isinstance(assignment, dict) else enumerate(assignment)
         return {self.names[f]: self.values[f][i] for f, i in sorted(items)}
 
-    def allowed(self, assignment):
-        return self.constraint is None or bool(self.constraint(self.as_dict(assignment)))
-
     def completable(self, assignment):
         """Whether some complete case that satisfies the constraint extends ``assignment``."""
-        return self._completable(tuple(sorted(assignment.items())))
+        return self._completable(tuple(assignment.get(f) for f in range(len(self.names))))
 
     def _completable_uncached(self, key):
-        assignment = dict(key)
-        if not self.allowed(assignment):
+        """``key``: each factor's value index, None where unset. Depth first over the first unset factor."""
+        if self.constraint is not None and not self.constraint(
+                {self.names[f]: self.values[f][i] for f, i in enumerate(key) if i is not None}):
             return False
-        free = [f for f in range(len(self.names)) if f not in assignment]
-        if not free:
+        if None not in key:
             return True
-        return any(self.completable({**assignment, free[0]: i}) for i in range(len(self.values[free[0]])))
+        f = key.index(None)
+        return any(self._completable((*key[:f], i, *key[f + 1:])) for i in range(len(self.values[f])))
 
     def feasible_pairs(self):
         return [

@@ -1,6 +1,6 @@
-"""Helpers shared by the test modules: meshes (deviceless GPU topologies among them), the (tier, weight
-layout) pairs, once-per-session results, running one case of the covering design (tests/covering.py), and
-the column tier's contract check.
+"""Helpers shared by the test modules: what is installed (the extras), meshes (deviceless GPU topologies among
+them), the (tier, weight layout) pairs, once-per-session results, pairwise params of a product and running one case
+of the covering design (tests/covering.py), and the column tier's contract check.
 
 Import them with ``from helpers import ...`` (``conftest.py`` only sets up the platform and the hooks).
 """
@@ -9,6 +9,7 @@ import atexit
 import dataclasses
 import functools
 import importlib.util
+import itertools
 import json
 import os
 import shutil
@@ -31,11 +32,12 @@ from reference import TOLERANCE, make_inputs, reference_latent, relative_error
 
 # LLVM's optimisation and XLA CPU's newer (MLIR) fusion emitters off: XLA compiles the same HLO programs in
 # about a quarter of the CPU time (measured: 0.25 s instead of 1.0-1.3 s per program), which the suite's
-# time budget needs. For programs and processes whose results the tests check, not their speed; both are
-# XLA DebugOptions (every backend accepts them; the LLVM level is codegen's only) and change no HLO and no
-# platform choice. As per-executable compiler options, and as XLA_FLAGS for the test process on the CPU
-# backend (tests/conftest.py) and the processes the tests start.
-FAST_COMPILE_OPTIONS = {"xla_backend_optimization_level": 0}
+# time budget needs; and XLA CPU's LLVM module in one piece, not split for parallel codegen threads (about 12%
+# less CPU per compile on the suite's 2 cores, measured). For programs and processes whose results the tests
+# check, not their speed; all are XLA DebugOptions (every backend accepts them; the LLVM level is codegen's only)
+# and change no HLO and no platform choice. As per-executable compiler options, and as XLA_FLAGS for the test
+# process on the CPU backend (tests/conftest.py) and the processes the tests start.
+FAST_COMPILE_OPTIONS = {"xla_backend_optimization_level": 0, "xla_cpu_parallel_codegen_split_count": 1}
 # The XLA of jax 0.12 no longer has the fusion-emitter switch, and XLA aborts on an unknown flag.
 if jax.__version_info__ < (0, 11):
     FAST_COMPILE_OPTIONS["xla_cpu_use_fusion_emitters"] = False
@@ -217,6 +219,23 @@ def once_per_session(tmp_path_factory, name, produce, *, timeout_s):
     if "error" in outcome:
         pytest.fail(f"{name}: {outcome['error']}", pytrace=False)
     return directory, outcome["result"]
+
+
+def pairwise_params(factors, id_of, constraint=None):
+    """pytest params of the product of ``factors`` (name -> values, hashable), each case its values in factor order,
+    named ``id_of(values)``: the cases of a pairwise covering design (``covering.pairwise_cases``: every feasible pair
+    of values of any two factors) run by default, the rest of the product are marked ``slow`` (``pytest -m slow``).
+    ``constraint`` (a predicate on a dict of the factors set so far, as covering's) leaves out the cases it refuses."""
+    design = {tuple(case.values()) for case in covering.pairwise_cases(factors, constraint=constraint)}
+    return [pytest.param(*values, id=id_of(values), marks=() if values in design else pytest.mark.slow)
+            for values in itertools.product(*factors.values())
+            if constraint is None or constraint(dict(zip(factors, values, strict=True)))]
+
+
+def tier_supports_layout(case):
+    """A covering constraint (:func:`pairwise_params`): the case's tier runs with its weight layout (either unset: yet
+    unknown)."""
+    return "tier" not in case or "weight_layout" not in case or case["tier"].supports(case["weight_layout"])
 
 
 def case_config(case):

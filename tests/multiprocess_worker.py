@@ -65,18 +65,19 @@ class Case:
 TIERS_AND_LAYOUTS = tuple(
     (tier, layout) for tier, layout in itertools.product(k3_tail.Tier, WEIGHT_LAYOUTS) if tier.supports(layout)
 )
-# T = 5 and H = 99 divide by no TP size > 1 (the column tiers pad H). The sizes alternate with the
-# dtype and the input kind rather than multiply: each case costs a compilation in both processes,
-# and the single-process tests already cover the full product of sizes.
-CASES = (
-    # Every tier, layout and dtype from global arrays: the form a multi-process model has.
-    *(
-        Case(tier, layout, dtype, num_tokens, hidden_size, "global")
-        for tier, layout in TIERS_AND_LAYOUTS
-        for dtype, num_tokens, hidden_size in (("bfloat16", 5, 99), ("float32", 16, 96))
-    ),
-    # Every tier and layout from host numpy arrays: tail_forward places them on the global mesh too.
-    *(Case(tier, layout, "bfloat16", 16, 96, "host") for tier, layout in TIERS_AND_LAYOUTS),
+# T = 5 and H = 99 divide by no TP size > 1 (the column tiers pad H); the sizes go with the dtype.
+DTYPES_AND_SIZES = (("bfloat16", 5, 99), ("float32", 16, 96))
+# Global arrays (the form a multi-process model has), and host numpy arrays (tail_forward places them on the
+# global mesh).
+INPUT_KINDS = ("global", "host")
+# Every tier and layout in both dtypes and from both kinds of input, the pairs covered rather than the product (each
+# case costs a compilation in both processes): the kind that goes with each dtype swaps from one (tier, layout) to
+# the next, so every dtype meets every kind too. The single-process tests cover the full product of sizes.
+CASES = tuple(
+    Case(tier, layout, dtype, num_tokens, hidden_size, inputs)
+    for index, (tier, layout) in enumerate(TIERS_AND_LAYOUTS)
+    for (dtype, num_tokens, hidden_size), inputs in zip(
+        DTYPES_AND_SIZES, INPUT_KINDS[index % 2:] + INPUT_KINDS[:index % 2], strict=True)
 )
 
 

@@ -285,15 +285,15 @@ def test_bench_progress_off_a_terminal_is_one_line_per_step(bench_run):
     assert "\r" not in result.stderr and "Traceback" not in result.stderr
 
 
-def test_bench_json_to_stdout_leaves_the_table_to_stderr():
-    result = run_cli("bench", *SMALL_FLAGS, "--tokens", "4", "--repeats", "1", "--tp-sizes", "2",
-                     "--weight-layout", "replicated", "--tiers", "native,one_shot", "--json", "-")
-    assert result.returncode == 0, result.stderr
-    document = json.loads(result.stdout)
+def test_bench_json_to_stdout_leaves_the_table_to_stderr(capsys):
+    assert main(["bench", *SMALL_FLAGS, "--tokens", "4", "--repeats", "1", "--tp-sizes", "2",
+                 "--weight-layout", "replicated", "--tiers", "native,one_shot", "--json", "-"]) == 0
+    output = capsys.readouterr()
+    document = json.loads(output.out)
     assert [(m["tier"], m["weight_layout"]) for m in document["measurements"]] == [
         ("native", "replicated"), ("one_shot", "replicated")
     ]
-    assert "median ms" in result.stderr
+    assert "median ms" in output.err
 
 
 # ---- the plot, drawn from synthetic measurements (no timing run) ----

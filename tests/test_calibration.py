@@ -10,6 +10,7 @@ import pytest
 
 from helpers import command_environment, make_tp_mesh
 from k3_tail import TailConfig, Tier, select_tier, tail_forward
+from k3_tail.cli import main
 from k3_tail.selection.cost_model import CostModelPolicy
 from k3_tail.selection.table import (
     FORMAT,
@@ -197,9 +198,10 @@ def test_calibrate_writes_a_table_that_tail_forward_follows(tmp_path):
     assert decision.tier == measured_table.range_for(8).tier and "k3-tail calibrate" in decision.reason
 
 
-def test_calibrate_into_a_missing_directory_is_a_one_line_error(tmp_path):
-    result = run_cli("calibrate", "--out", str(tmp_path / "missing" / "table.json"))
-    assert result.returncode == 2 and result.stderr.startswith("k3-tail calibrate: error: --out")
+def test_calibrate_into_a_missing_directory_is_a_one_line_error(tmp_path, capsys):
+    assert main(["calibrate", "--out", str(tmp_path / "missing" / "table.json")]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("k3-tail calibrate: error: --out") and error.count("\n") == 1
 
 
 # ---- a strict schema at load: unknown keys, invalid values, duplicates, size ----

@@ -15,7 +15,15 @@ import re
 import jax
 import pytest
 
-from helpers import compiled_tail, gpu_mesh_for, make_tp_mesh, tier_layouts, topology_params
+from helpers import (
+    compiled_tail,
+    gpu_mesh_for,
+    make_tp_mesh,
+    pairwise_params,
+    tier_layouts,
+    tier_supports_layout,
+    topology_params,
+)
 from k3_tail import TailConfig, Tier
 from k3_tail.selection.collective_cost import CollectiveCost
 from k3_tail.selection.cost_model import (
@@ -106,8 +114,17 @@ def assert_agree(model, compiled):
     assert not off, f"model vs compiled beyond {TOLERANCE:.0%}: {off}"
 
 
-@pytest.mark.parametrize("tier, weight_layout", tier_layouts())
-@pytest.mark.parametrize("num_tokens", [1, 16, 256])
+def agreement_case_id(values):
+    num_tokens, tier, weight_layout = values
+    return f"{num_tokens}-{tier.value}-{weight_layout}"
+
+
+# Every pair of T (one row, decode, the overlap threshold), tier and layout; the whole product with ``pytest -m slow``.
+AGREEMENT_FACTORS = {"num_tokens": (1, 16, 256), "tier": tuple(Tier), "weight_layout": ("column", "replicated")}
+AGREEMENT_CASES = pairwise_params(AGREEMENT_FACTORS, agreement_case_id, tier_supports_layout)
+
+
+@pytest.mark.parametrize("num_tokens, tier, weight_layout", AGREEMENT_CASES)
 def test_counts_agree_with_the_gpu_compiled_program(gpu_mesh, num_tokens, tier, weight_layout):
     """GEMM FLOPs, weight, activation and collective bytes per kind (XLA may combine all-reduces)."""
     assert_agree(model_figures(K3, num_tokens, tier, weight_layout),
@@ -351,10 +368,22 @@ def test_column_layout_one_kernel_then_column_parallel_then_scatter_gather(hardw
     assert last.num_tokens > 256
 
 
-@pytest.mark.parametrize(("hardware", "weight_layout", "sequence_parallel", "quantization"), [
-    (hardware, layout, sequence_parallel, None)
-    for hardware in ("mi355x", "h200") for layout in ("column", "replicated") for sequence_parallel in (False, True)
-] + [("mi355x", "replicated", False, "int4"), ("h200", "column", True, "int8"), ("mi300x", "column", False, None)])
+def scan_case_id(values):
+    hardware, weight_layout, sequence_parallel, quantization = values
+    return "-".join((hardware, weight_layout, "sp" if sequence_parallel else "nosp", quantization or "bf16"))
+
+
+# Every pair of the GPU, layout and output form (the whole product with ``pytest -m slow``), quantised sums of either
+# codec, and MI300X's column layout.
+SCAN_CASES = [
+    *pairwise_params({"hardware": ("mi355x", "h200"), "weight_layout": ("column", "replicated"),
+                      "sequence_parallel": (False, True), "quantization": (None,)}, scan_case_id),
+    *(pytest.param(*values, id=scan_case_id(values)) for values in (
+        ("mi355x", "replicated", False, "int4"), ("h200", "column", True, "int8"), ("mi300x", "column", False, None))),
+]
+
+
+@pytest.mark.parametrize(("hardware", "weight_layout", "sequence_parallel", "quantization"), SCAN_CASES)
 def test_crossovers_are_where_best_tier_changes(hardware, weight_layout, sequence_parallel, quantization):
     """The vectorised scan agrees with best_tier at every T of the range (with quantised sums too, whose
     default size window makes each sum's time piecewise in T, and on MI300X's column layout, where one_kernel's

@@ -9,7 +9,7 @@ from jax import export
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import k3_tail
-from helpers import make_tp_mesh
+from helpers import make_tp_mesh, pairwise_params
 from k3_tail.selection.lowering import LOWERING_PLATFORMS, per_lowering_platform
 
 CONFIG = k3_tail.TailConfig.kimi_k3()
@@ -80,9 +80,16 @@ LAYOUTS = ("column", "replicated")
 TOKEN_COUNTS = (1, 16, 64, 1024)
 
 
-@pytest.mark.parametrize("weight_layout", LAYOUTS)
-@pytest.mark.parametrize("num_tokens", TOKEN_COUNTS)
-@pytest.mark.parametrize("platform", ["rocm", "cuda"])
+def gpu_export_id(values):
+    return "-".join(map(str, values))
+
+
+# Every pair of GPU, T (one_kernel's, its limit and beyond) and layout; the whole product with ``pytest -m slow``.
+GPU_EXPORTS = pairwise_params({"platform": ("rocm", "cuda"), "num_tokens": TOKEN_COUNTS, "weight_layout": LAYOUTS},
+                              gpu_export_id)
+
+
+@pytest.mark.parametrize(("platform", "num_tokens", "weight_layout"), GPU_EXPORTS)
 def test_an_export_for_a_gpu_holds_that_gpus_tier(platform, num_tokens, weight_layout):
     module = exported((platform,), num_tokens, weight_layout).mlir_module()
     assert module.count(TRITON_CALL) == selects_one_kernel(platform, num_tokens, weight_layout)

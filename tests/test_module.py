@@ -9,7 +9,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import k3_tail
-from helpers import make_tp_mesh, tier_layouts
+from helpers import make_tp_mesh, pairwise_params, tier_supports_layout
 from reference import TOLERANCE, TailInputs, make_inputs, reference_tail, relative_error
 
 CONFIG = k3_tail.TailConfig(hidden_size=96, latent_size=64)
@@ -62,9 +62,18 @@ def test_norm_scale_starts_at_one_and_is_absent_without_the_norm():
     assert without.norm_scale is None
 
 
-@pytest.mark.parametrize("config", [CONFIG, ODD], ids=["H96", "H90"])
-@pytest.mark.parametrize(("tier", "weight_layout"), tier_layouts())
-def test_every_tier_works_with_both_layouts(tier, config, weight_layout):
+def layout_case_id(values):
+    tier, weight_layout, config = values
+    return f"{tier.value}-{weight_layout}-H{config.hidden_size}"
+
+
+# Every pair of tier, layout and H (divisible by p = 8 or not); the whole product with ``pytest -m slow``.
+LAYOUT_CASES = pairwise_params({"tier": tuple(k3_tail.Tier), "weight_layout": ("column", "replicated"),
+                                "config": (CONFIG, ODD)}, layout_case_id, tier_supports_layout)
+
+
+@pytest.mark.parametrize(("tier", "weight_layout", "config"), LAYOUT_CASES)
+def test_every_tier_works_with_both_layouts(tier, weight_layout, config):
     module = k3_tail.LatentMoETail(config, make_tp_mesh(8), rngs=nnx.Rngs(0), weight_layout=weight_layout)
     inputs = module_inputs(module, 16)
     y = module(inputs.routed, inputs.shared, tier=tier)

@@ -6,6 +6,7 @@ float32 reference is plain jnp; the tier against the float64 reference is in the
 """
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -79,9 +80,11 @@ def arguments(case):
     return dict(tp_size=P, block_width=HB, hidden_size=H, eps=1e-5, scale=case.scale)
 
 
+@functools.cache
 def kernel_call(case, **overrides):
     """The kernel for ``case`` (norm_project_add_into with an "into" addend, else norm_project_add) in interpret
-    mode, jitted, taking (latent, weight, kernel, addend, rank)."""
+    mode, jitted, taking (latent, weight, kernel, addend, rank): one function per case, so that the tests of a case
+    (its ranks among them, an argument) compile it once."""
     options = dict(arguments(case), interpret=True, target_programs=case.target_programs) | overrides
     kernel = norm_project_add_into if case.addend == "into" else norm_project_add
     return jax.jit(lambda latent, weight, kernel_, addend, rank: kernel(

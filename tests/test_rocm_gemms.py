@@ -283,9 +283,9 @@ def gemm_cases():
     (bf16, FP8 weights, FP8 activations), T (one row, decode, prefill) and the GEMM path; every pair on the
     library path with shared partials and with a reduced shared output."""
     # Not one_kernel: its product is its own Pallas kernel's, accumulated in registers, no GEMM of XLA's to fold an
-    # add into (its record's compiled_on: a kernel of its own).
+    # add into (its record's own_kernel).
     pairs = [(tier.value, layout) for tier in k3_tail.Tier for layout in k3_tail.ops.columns.WEIGHT_LAYOUTS
-             if tier.supports(layout) and tier.record.compiled_on is None]
+             if tier.supports(layout) and tier.record.own_kernel is None]
     factors = {"pair": pairs, "shared": ["partials", "reduced", "none"], "sequence_parallel": [False, True],
                "kernel": ["bf16", "fp8", "fp8-activations"], "num_tokens": [1, 16, 2048],
                "library_gemms": [True, False]}

@@ -15,7 +15,7 @@ import sys
 import jax
 import pytest
 
-from helpers import compiled_tail, gpu_mesh_for, topology_params
+from helpers import compiled_tail, gpu_mesh_for, pairwise_params, tier_supports_layout, topology_params
 from k3_tail import TailConfig, Tier, tail_forward
 from k3_tail.ops.codecs import CODECS
 from k3_tail.ops.up_projection import gemm_rows
@@ -269,7 +269,8 @@ def test_fp8_weights_halve_the_kernel_bytes_each_device_holds(target_mesh):
 
 # XLA fuses only a static slice of a parameter into a GEMM; a column tier's block of the whole (replicated)
 # kernel sits at its rank's offset, a dynamic slice, which XLA copies out before the GEMM at every T
-# (docs/design.md, "One-row GEMMs"). There the temporary memory is that copy, [L, H/p], and little more.
+# (docs/design.md, "Two GEMM forms XLA is kept from"). There the temporary memory is that copy, [L, H/p], and
+# little more.
 COPIES_ITS_BLOCK = {(Tier.COLUMN_PARALLEL, "replicated"), (Tier.SCATTER_GATHER, "replicated")}
 TEMPORARY_LIMIT_BYTES = 2e6
 
@@ -281,9 +282,18 @@ def temporary_limit(tier, weight_layout, up_proj_dtype):
     return (1 if up_proj_dtype else 2) * L * H // P + 0.2e6
 
 
-@pytest.mark.parametrize(("tier", "weight_layout", "fp8"), [
-    pytest.param(tier, layout, fp8, id=f"{tier.value}-{layout}-{'fp8' if fp8 else 'bf16'}")
-    for tier in Tier for layout in LAYOUTS if tier.supports(layout) for fp8 in (False, True)])
+def one_token_case_id(values):
+    tier, weight_layout, fp8 = values
+    return f"{tier.value}-{weight_layout}-{'fp8' if fp8 else 'bf16'}"
+
+
+# Every pair of tier, layout and kernel dtype (each tier with both kernels, each layout with both, every tier with
+# each layout it runs); the whole product with ``pytest -m slow``.
+ONE_TOKEN_CASES = pairwise_params({"tier": tuple(Tier), "weight_layout": tuple(LAYOUTS), "fp8": (False, True)},
+                                  one_token_case_id, tier_supports_layout)
+
+
+@pytest.mark.parametrize(("tier", "weight_layout", "fp8"), ONE_TOKEN_CASES)
 def test_a_one_token_call_reads_its_kernel_once_without_a_kernel_sized_intermediate(target_mesh, tier, weight_layout,
                                                                                       fp8):
     """Per device: bytes accessed at T = 1 at most 1.15x those at T = 2, temporary memory at most 2 MB at both

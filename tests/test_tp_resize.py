@@ -16,7 +16,7 @@ import pytest
 from flax import nnx
 
 import k3_tail
-from helpers import make_tp_mesh
+from helpers import make_tp_mesh, pairwise_params
 from k3_tail.checkpoint import restore_tail_state
 from k3_tail.models.kimi_k3 import LayerConfig, layer as layer_module
 from k3_tail.models.kimi_k3.saved_layer import restore_layer
@@ -24,7 +24,6 @@ from reference import TOLERANCE, relative_error
 
 CONFIG = k3_tail.TailConfig(hidden_size=100, latent_size=64)
 FP8 = "float8_e4m3fn"
-RESIZES = [pytest.param(4, 8, id="4to8"), pytest.param(8, 2, id="8to2")]
 LAYOUTS = k3_tail.ops.columns.WEIGHT_LAYOUTS
 
 
@@ -70,12 +69,22 @@ def first_rank_inputs(config, tp_size, num_tokens=16):
     return routed, shared
 
 
-@pytest.mark.parametrize("weight_layout", LAYOUTS)
-@pytest.mark.parametrize("up_proj_dtype", [None, FP8], ids=["bf16", "fp8"])
-@pytest.mark.parametrize("hidden_size", [100, 96], ids=["H100", "H96"])
-@pytest.mark.parametrize(("from_tp", "to_tp"), RESIZES)
+# Every pair of a resize (widening or narrowing), H (padded at p = 8 or not), the kernel's dtype and the layout; the
+# whole product with ``pytest -m slow``.
+def restore_case_id(values):
+    (from_tp, to_tp), hidden_size, up_proj_dtype, weight_layout = values
+    return f"{from_tp}to{to_tp}-H{hidden_size}-{'fp8' if up_proj_dtype else 'bf16'}-{weight_layout}"
+
+
+RESTORE_CASES = pairwise_params(
+    {"resize": ((4, 8), (8, 2)), "hidden_size": (100, 96), "up_proj_dtype": (None, FP8), "weight_layout": LAYOUTS},
+    restore_case_id)
+
+
+@pytest.mark.parametrize(("resize", "hidden_size", "up_proj_dtype", "weight_layout"), RESTORE_CASES)
 def test_restored_parameters_are_the_saved_ones_in_the_new_tails_shapes(
-        tmp_path, from_tp, to_tp, hidden_size, up_proj_dtype, weight_layout):
+        tmp_path, resize, hidden_size, up_proj_dtype, weight_layout):
+    from_tp, to_tp = resize
     config = dataclasses.replace(CONFIG, hidden_size=hidden_size, up_proj_dtype=up_proj_dtype)
     tail = saved_tail(config, from_tp, weight_layout)
     restored = k3_tail.LatentMoETail.restore(save(tail, tmp_path / "tail"), config=config, mesh=make_tp_mesh(to_tp),
