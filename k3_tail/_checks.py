@@ -81,10 +81,13 @@ def variation_over(axis_name: AxisName, values: Mapping[str, Any]) -> dict[str, 
     the TP axis (a per-rank partial: True) or not (a sum over it, or a replicated input: False); None where the
     types cannot tell (``check_vma=False``, or an axis of size 1)."""
     names = set(axis_names(axis_name))
-    probe = lax.pcast(jnp.zeros((), jnp.float32), tuple(names), to="varying")
-    if not names & varying_axes(probe):
-        return None
-    return {name: bool(names & varying_axes(value)) for name, value in values.items() if value is not None}
+    variation = {name: bool(names & varying_axes(value)) for name, value in values.items() if value is not None}
+    # Where nothing varies, a probe cast to vary tells whether the types track variation at all.
+    if not any(variation.values()):
+        probe = lax.pcast(jnp.zeros((), jnp.float32), tuple(names), to="varying")
+        if not names & varying_axes(probe):
+            return None
+    return variation
 
 
 def varying_axes(x: Any) -> set:
@@ -129,10 +132,15 @@ def describe(x: Any) -> str:
 def expect_array(
     x: Any, name: str, shapes: Sequence[tuple[int, ...]], dtype: np.dtype, sizes: str, *,
     dtype_field: str = "config.dtype", shape_hint: Callable[[tuple[int, ...]], str | None] | None = None,
+    none_because: str | None = None,
 ) -> None:
     """ValueError naming ``name`` unless ``x`` is an array of one of ``shapes`` and of ``dtype``; ``sizes``
     ("p=8, L=3584") and ``dtype_field`` say where they come from, for the message, and ``shape_hint(shape)``
-    (when given and not None) the likely fix for a wrong shape."""
+    (when given and not None) the likely fix for a wrong shape. With ``none_because`` (why), ``x`` must be None."""
+    if none_because is not None:
+        if x is not None:
+            raise ValueError(f"{name}: expected None because {none_because}")
+        return
     if x is None or not hasattr(x, "shape") or not hasattr(x, "dtype"):
         raise ValueError(f"{name}: expected an array of shape {shapes[0]}, got {describe(x)}")
     if tuple(x.shape) not in shapes:
@@ -142,15 +150,3 @@ def expect_array(
                          + ("" if hint is None else f"; {hint}"))
     if jnp.dtype(x.dtype) != dtype:
         raise ValueError(f"{name}: expected dtype {dtype.name} ({dtype_field}), got {jnp.dtype(x.dtype).name}")
-
-
-def expect_optional(
-    x: Any, name: str, *, present: bool, absent_because: str, shapes: Sequence[tuple[int, ...]], dtype: np.dtype,
-    sizes: str,
-) -> None:
-    """:func:`expect_array` when ``present``, else ValueError naming ``name`` unless ``x`` is None
-    (``absent_because`` says why it must be)."""
-    if present:
-        expect_array(x, name, shapes, dtype, sizes)
-    elif x is not None:
-        raise ValueError(f"{name}: expected None because {absent_because}")

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from k3_tail._checks import AxisName, check_axis_name, check_mesh, expect_array, expect_optional, expect_rank
+from k3_tail._checks import AxisName, check_axis_name, check_mesh, expect_array, expect_rank
 from k3_tail.config import TailConfig, check_config
 from k3_tail.hardware import device_platform
 from k3_tail.ops.columns import check_weight_layout, pad_columns, padded_hidden_size
@@ -186,12 +186,10 @@ def _check_global_inputs(routed_partials, shared_partials, norm_weight, up_proj_
     if config.shared_output_is_reduced:
         shared_shape = (num_tokens, hidden)
         shared_sizes = f"the reduced shared output (shared_output_is_reduced): T={num_tokens}, H={hidden}"
-    expect_optional(shared_partials, "shared_partials", present=config.has_shared_experts,
-                    absent_because="config.has_shared_experts is False", shapes=[shared_shape],
-                    dtype=config.dtype, sizes=shared_sizes)
-    expect_optional(norm_weight, "norm_weight", present=config.use_latent_norm,
-                    absent_because="config.use_latent_norm is False", shapes=[(latent,)], dtype=config.dtype,
-                    sizes=f"L={latent}")
+    expect_array(shared_partials, "shared_partials", [shared_shape], config.dtype, shared_sizes,
+                 none_because=None if config.has_shared_experts else "config.has_shared_experts is False")
+    expect_array(norm_weight, "norm_weight", [(latent,)], config.dtype, f"L={latent}",
+                 none_because=None if config.use_latent_norm else "config.use_latent_norm is False")
 
     kernel_shapes = [(latent, hidden)]
     padded = padded_hidden_size(hidden, tp_size)

@@ -6,18 +6,10 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from k3_tail._checks import (
-    AxisName,
-    axis_size_in_scope,
-    check_axis_name,
-    expect_array,
-    expect_optional,
-    expect_rank,
-    variation_over,
-)
+from k3_tail._checks import AxisName, axis_size_in_scope, check_axis_name, expect_array, expect_rank, variation_over
 from k3_tail.config import TailConfig, check_config
 from k3_tail.hardware import check_device, device_platform
-from k3_tail.ops.columns import check_weight_layout, padded_hidden_size
+from k3_tail.ops.columns import check_weight_layout, column_block_width
 from k3_tail.ops.tokens import pad_tokens, padded_token_count
 from k3_tail.ops.up_projection import QuantizedKernel, check_fp8_activations, check_up_proj_kernel
 from k3_tail.selection.lowering import TailBranch, per_lowering_platform, tail_branches
@@ -173,14 +165,12 @@ def _check_per_rank_inputs(routed_partial, shared_partial, norm_weight, up_proj_
                         f"p={tp_size}, as k3_tail.reduce_shared returns them; H={hidden}")
     elif config.shared_output_is_reduced:
         shared_sizes = f"the reduced shared output, as k3_tail.reduce_shared returns it: T={num_tokens}, H={hidden}"
-    expect_optional(shared_partial, "shared_partial", present=config.has_shared_experts,
-                    absent_because="config.has_shared_experts is False", shapes=[(shared_rows, hidden)],
-                    dtype=config.dtype, sizes=shared_sizes)
-    expect_optional(norm_weight, "norm_weight", present=config.use_latent_norm,
-                    absent_because="config.use_latent_norm is False", shapes=[(latent,)], dtype=config.dtype,
-                    sizes=f"L={latent}")
+    expect_array(shared_partial, "shared_partial", [(shared_rows, hidden)], config.dtype, shared_sizes,
+                 none_because=None if config.has_shared_experts else "config.has_shared_experts is False")
+    expect_array(norm_weight, "norm_weight", [(latent,)], config.dtype, f"L={latent}",
+                 none_because=None if config.use_latent_norm else "config.use_latent_norm is False")
     if weight_layout == "column":
-        block = padded_hidden_size(hidden, tp_size) // tp_size
+        block = column_block_width(hidden, tp_size)
         shapes, sizes = [(latent, block)], f"this rank's column block: L={latent}, ceil(H/p) = ceil({hidden}/{tp_size})"
     else:
         shapes, sizes = [(latent, hidden)], f"L={latent}, H={hidden}"

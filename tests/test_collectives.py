@@ -8,7 +8,7 @@ import pytest
 
 import k3_tail
 from helpers import make_tp_mesh, tier_layouts
-from k3_tail.ops.collectives import ALL_REDUCE, SPLIT, resolved_form
+from k3_tail.ops.collectives import ALL_REDUCE, SPLIT, SumPlan
 from reference import TOLERANCE, make_inputs, reference_tail, relative_error
 
 MIB = 2**20
@@ -28,7 +28,7 @@ MIB = 2**20
     ids=["cpu-bf16-large", "cpu-bf16-below", "cpu-f32", "gpu", "unknown-platform", "forced-all-reduce", "forced-split"],
 )
 def test_auto_splits_only_where_it_was_measured_faster(form, platform, dtype, nbytes, expected):
-    assert resolved_form(form, platform, dtype, nbytes) == expected
+    assert SumPlan(form, platform).form_for(dtype, nbytes) == expected
 
 
 # A [1024, 4096] bf16 shared sum is 8 MiB: split on CPU; the [1024, 64] latent stays one all-reduce.

@@ -17,6 +17,7 @@ import k3_tail
 from k3_tail.ops import float_bits, fused_launch, fused_projection
 from k3_tail.ops.fused_launch import TARGET_PROGRAMS, fused_grid
 from k3_tail.ops.fused_projection import (
+    BlockProjection,
     norm_project_add,
     norm_project_add_into,
     norm_project_add_into_reference,
@@ -77,7 +78,7 @@ def inputs(case, seed=0):
 
 
 def arguments(case):
-    return dict(tp_size=P, block_width=HB, hidden_size=H, eps=1e-5, scale=case.scale)
+    return dict(projection=BlockProjection(tp_size=P, hidden_size=H, eps=1e-5, scale=case.scale))
 
 
 @functools.cache

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 import k3_tail
-from k3_tail.tiers.record import CallShape
+from k3_tail.tiers.record import CallShape, GpuKernelCounts, TierRecord
 from k3_tail.tiers.registry import TIER_RECORDS, tier_table
 
 ROOT = Path(__file__).parent.parent
@@ -24,6 +24,15 @@ def test_the_tier_enum_is_the_registry_in_order():
 def test_each_record_holds_the_public_tier_function_of_its_module(record):
     assert record.function is getattr(importlib.import_module(f"k3_tail.tiers.{record.name}"), f"{record.name}_tail")
     assert record.function.__module__ == f"k3_tail.tiers.{record.name}"
+
+
+def test_a_record_refuses_a_function_not_named_after_its_tier():
+    def overlap_step(*arguments):
+        return None
+
+    with pytest.raises(ValueError, match="^function: .*<tier name>_tail, got 'overlap_step'"):
+        TierRecord(function=overlap_step, projects_all_columns=True, collectives=tuple,
+                   gpu_kernels=GpuKernelCounts(replicated={}))
 
 
 @pytest.mark.parametrize("record", TIER_RECORDS, ids=RECORD_NAMES)

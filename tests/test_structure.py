@@ -15,8 +15,8 @@ from reference import make_inputs
 
 ROOT = structure.ROOT
 # A per-rank decode call on a CPU device traced and lowered: the calls of its checks, its selection and the
-# overlap tier's trace (70 at this writing; 110 when selection built its notes and checks ran twice).
-CPU_DECODE_CALL_BUDGET = 75
+# overlap tier's trace (59 at this writing; 110 when selection built its notes and checks ran twice).
+CPU_DECODE_CALL_BUDGET = 60
 
 
 @pytest.fixture(scope="module")

@@ -37,15 +37,6 @@ QUICK_REDUCE_MIN_MIB = MappingProxyType({
 })
 
 
-def resolved_form(all_reduce_form: str, platform: str | None, dtype: jnp.dtype, nbytes: int) -> str:
-    """The form ("all-reduce" or "reduce-scatter+all-gather") of a sum of ``nbytes`` bytes of ``dtype`` on
-    ``platform`` (None: not known) under ``all_reduce_form``."""
-    if all_reduce_form != "auto":
-        return all_reduce_form
-    threshold = SPLIT_FROM_BYTES.get((platform, jnp.dtype(dtype).name))
-    return SPLIT if threshold is not None and nbytes >= threshold else ALL_REDUCE
-
-
 def describe_auto(platform: str | None, dtype: jnp.dtype) -> str | None:
     """What "auto" does on ``platform`` for ``dtype``, in words, or None when it keeps one all-reduce."""
     threshold = SPLIT_FROM_BYTES.get((platform, jnp.dtype(dtype).name))
@@ -71,7 +62,11 @@ class SumPlan:
         return self.codec if self.codec is not None and smallest <= nbytes <= largest else None
 
     def form_for(self, dtype: jnp.dtype, nbytes: int) -> str:
-        return resolved_form(self.form, self.platform, dtype, nbytes)
+        """The form ("all-reduce" or "reduce-scatter+all-gather") a sum of ``nbytes`` bytes of ``dtype`` takes."""
+        if self.form != "auto":
+            return self.form
+        threshold = SPLIT_FROM_BYTES.get((self.platform, jnp.dtype(dtype).name))
+        return SPLIT if threshold is not None and nbytes >= threshold else ALL_REDUCE
 
 
 def all_reduce(x: jax.Array, *, axis_name: AxisName, sums: SumPlan) -> jax.Array:

@@ -35,7 +35,12 @@ def padded_hidden_size(hidden_size: int, tp_size: int) -> int:
     """
     hidden_size = check_int("hidden_size", hidden_size, minimum=1)
     tp_size = check_int("tp_size", tp_size, minimum=1)
-    return -(-hidden_size // tp_size) * tp_size
+    return column_block_width(hidden_size, tp_size) * tp_size
+
+
+def column_block_width(hidden_size: int, tp_size: int) -> int:
+    """Hb = ceil(H / p), the columns a rank owns, for integers H, p >= 1 (checked by :func:`padded_hidden_size`)."""
+    return -(-hidden_size // tp_size)
 
 
 def pad_columns(x: Kernel, width: int) -> Kernel:
@@ -54,7 +59,7 @@ def own_kernel_block(up_proj_kernel: Kernel, *, hidden_size: int, weight_layout:
     if weight_layout == "column":
         return up_proj_kernel
     tp_size = lax.axis_size(axis_name)
-    block_width = padded_hidden_size(hidden_size, tp_size) // tp_size
+    block_width = column_block_width(hidden_size, tp_size)
     start = lax.axis_index(axis_name) * block_width
     return map_columns(lambda x: lax.dynamic_slice_in_dim(x, start, block_width, axis=-1),
                        pad_columns(up_proj_kernel, block_width * tp_size))

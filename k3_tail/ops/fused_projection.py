@@ -31,6 +31,7 @@ import numpy as np
 from jax import lax
 
 from k3_tail.hardware import GPU_VENDOR_PLATFORMS
+from k3_tail.ops.columns import column_block_width
 from k3_tail.ops.float_bits import decode_fp8, exponent_at_or_above, power_of_two
 from k3_tail.ops.fused_launch import (
     COLUMN_TILE,
@@ -48,6 +49,8 @@ from k3_tail.ops.scopes import GEMM_FLOPS_KEY
 from k3_tail.ops.up_projection import QuantizedKernel
 
 _PALLAS_TRITON = "jax.experimental.pallas.triton"
+
+
 @functools.cache  # asked by every why_not of the tier; a failed import would search the path again each time
 def triton_unavailable() -> str | None:
     """Why the kernel cannot be built with this jax (its Pallas Triton backend cannot be imported), or None."""
@@ -58,6 +61,22 @@ def triton_unavailable() -> str | None:
     return None
 
 
+@dataclasses.dataclass(frozen=True)
+class BlockProjection:
+    """The static parameters of :func:`norm_project_add` and of its reference: p, H, and the norm's epsilon and c
+    (norm_is_computable holds for them)."""
+
+    tp_size: int
+    hidden_size: int
+    eps: float
+    scale: float
+
+    @property
+    def block_width(self) -> int:
+        """Hb = padded_hidden_size(H, p) / p."""
+        return column_block_width(self.hidden_size, self.tp_size)
+
+
 def norm_project_add(
     latent: jax.Array,
     norm_weight: jax.Array | None,
@@ -65,11 +84,7 @@ def norm_project_add(
     addend: jax.Array | None,
     *,
     rank: jax.Array,
-    tp_size: int,
-    block_width: int,
-    hidden_size: int,
-    eps: float,
-    scale: float,
+    projection: BlockProjection,
     interpret: bool,
     platform: str | None = None,
     target_programs: int | None = None,
@@ -86,8 +101,7 @@ def norm_project_add(
       addend: [T, Wa] (Wa >= H) in the latent's dtype whose columns C are added, or None.
       rank: int32 [1], k in [0, p); a traced index outside touches no memory outside the arrays and gives NaN
         in the first block's columns.
-      tp_size, block_width, hidden_size: p, Hb = padded_hidden_size(H, p) / p, H.
-      eps, scale: the norm's epsilon and c (norm_is_computable holds for them).
+      projection: p, H, the norm's epsilon and c.
       interpret, platform, serial_split: Pallas's interpret mode; the platform it compiles for; see above.
       target_programs: the grid's aim (1: no split of K; None: :data:`TARGET_PROGRAMS` compiled, 1 interpreted).
 
@@ -95,12 +109,10 @@ def norm_project_add(
     :meth:`FusedGrid.scratch_bytes` of scratch, one kernel launch (and when S > 1 a memcpy of the counters).
     """
     if latent.shape[0] == 0:
-        return jnp.zeros((0, block_width), latent.dtype)
+        return jnp.zeros((0, projection.block_width), latent.dtype)
     kernel_options = dict(interpret=interpret, platform=platform, target_programs=target_programs,
                           serial_split=serial_split)
-    return _with_reference_gradient(False, latent, norm_weight, kernel, addend, rank, kernel_options,
-                                    dict(tp_size=tp_size, block_width=block_width, hidden_size=hidden_size, eps=eps,
-                                         scale=scale))
+    return _with_reference_gradient(False, latent, norm_weight, kernel, addend, rank, projection, kernel_options)
 
 
 def norm_project_add_into(
@@ -108,45 +120,42 @@ def norm_project_add_into(
     norm_weight: jax.Array | None,
     kernel: jax.Array | QuantizedKernel,
     addend: jax.Array,
-    **options,
+    *,
+    rank: jax.Array,
+    projection: BlockProjection,
+    **kernel_options,
 ) -> jax.Array:
-    """``addend`` [T, Wa] with its columns C below H replaced by :func:`norm_project_add`'s (``options``: its
-    keywords), the output aliasing ``addend``. Cost: :func:`norm_project_add`'s."""
+    """``addend`` [T, Wa] with its columns C below H replaced by :func:`norm_project_add`'s (its keywords), the
+    output aliasing ``addend``. Cost: :func:`norm_project_add`'s."""
     if addend is None:
         raise ValueError("addend: expected the [T, W] array to write into, got None")
     if latent.shape[0] == 0:
         return addend
-    kernel_options = {name: options.pop(name) for name in _KERNEL_ONLY_OPTIONS if name in options}
-    rank = options.pop("rank")
-    return _with_reference_gradient(True, latent, norm_weight, kernel, addend, rank, kernel_options, options)
+    return _with_reference_gradient(True, latent, norm_weight, kernel, addend, rank, projection, kernel_options)
 
 
-# The keywords of norm_project_add that say how the kernel runs, not what it computes.
-_KERNEL_ONLY_OPTIONS = ("interpret", "platform", "target_programs", "serial_split")
-
-
-def _with_reference_gradient(into_addend: bool, latent, norm_weight, kernel, addend, rank, kernel_options: dict,
-                             function_options: dict) -> jax.Array:
+def _with_reference_gradient(into_addend: bool, latent, norm_weight, kernel, addend, rank,
+                             projection: BlockProjection, kernel_options: dict) -> jax.Array:
     """The kernel's result with the reference's derivatives: Pallas differentiates no kernel writing its input."""
     reference = norm_project_add_into_reference if into_addend else norm_project_add_reference
 
     @jax.custom_jvp
     def fused(latent, norm_weight, kernel, addend, rank):
         return _fused_call(latent, norm_weight, kernel, addend, into_addend=into_addend, rank=rank,
-                           **function_options, **kernel_options)
+                           projection=projection, **kernel_options)
 
     @fused.defjvp
     def _derivative(primals, tangents):
         *values, rank = primals
-        _, derivative = jax.jvp(lambda *values: reference(*values, rank=rank, **function_options), tuple(values),
+        _, derivative = jax.jvp(lambda *values: reference(*values, rank=rank, projection=projection), tuple(values),
                                 tangents[:-1])
         return fused(*primals), derivative
 
     return fused(latent, norm_weight, kernel, addend, rank)
 
 
-def _fused_call(latent, norm_weight, kernel, addend, *, into_addend: bool, rank, tp_size, block_width, hidden_size,
-                eps, scale, interpret, platform=None, target_programs=None, serial_split=False):
+def _fused_call(latent, norm_weight, kernel, addend, *, into_addend: bool, rank, projection: BlockProjection,
+                interpret, platform=None, target_programs=None, serial_split=False):
     # Pallas is loaded with the first call only: `import k3_tail` stays light, and a jax without it imports.
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plt
@@ -155,6 +164,7 @@ def _fused_call(latent, norm_weight, kernel, addend, *, into_addend: bool, rank,
         ignore_triton_deprecation_warning()
     num_tokens, latent_size = latent.shape
     dtype = latent.dtype
+    block_width, eps, scale = projection.block_width, projection.eps, projection.scale
     if target_programs is None:
         target_programs = 1 if interpret else TARGET_PROGRAMS
     grid = fused_grid(num_tokens, latent_size, block_width, target_programs=target_programs)
@@ -163,8 +173,8 @@ def _fused_call(latent, norm_weight, kernel, addend, *, into_addend: bool, rank,
     values = kernel.values if quantized else kernel
     use_norm = norm_weight is not None and scale != 0
     spec = _KernelSpec(
-        grid=grid, num_tokens=num_tokens, latent_size=latent_size, tp_size=tp_size, block_width=block_width,
-        hidden_size=hidden_size, scale=float(scale), sqrt_eps=math.sqrt(eps / scale**2) if use_norm else 0.0,
+        grid=grid, num_tokens=num_tokens, latent_size=latent_size, tp_size=projection.tp_size, block_width=block_width,
+        hidden_size=projection.hidden_size, scale=float(scale), sqrt_eps=math.sqrt(eps / scale**2) if use_norm else 0.0,
         # Without the norm the slabs are only scaled down (2^e >= 1): the products of huge latents and FP8
         # codes stay finite until the column scale; ordinary latents are multiplied as they are.
         floor_exponent=int(math.log2(row_scale_floor(eps, scale, latent_size))) if use_norm else 0,
@@ -393,21 +403,16 @@ def norm_project_add_reference(
     addend: jax.Array | None,
     *,
     rank: jax.Array,
-    tp_size: int,
-    block_width: int,
-    hidden_size: int,
-    eps: float,
-    scale: float,
+    projection: BlockProjection,
 ) -> jax.Array:
     """:func:`norm_project_add` in plain float32 jnp, [T, Hb], for a ``rank`` (int32 [1]) in [0, p)."""
-    del tp_size  # the kernel's bound on rank, which the reference is not asked outside
-    dtype = latent.dtype
+    dtype, block_width, scale = latent.dtype, projection.block_width, projection.scale
     weights = kernel.dequantize() if isinstance(kernel, QuantizedKernel) else jnp.asarray(kernel, jnp.float32)
     start = rank.astype(jnp.int32).reshape(())[()] * block_width
-    own = start + jnp.arange(block_width) < hidden_size
+    own = start + jnp.arange(block_width) < projection.hidden_size
     if weights.shape[1] != block_width:  # the whole kernel: the rank's columns, zero past H
         weights = lax.dynamic_slice_in_dim(_padded_columns(weights, block_width), start, block_width, 1)
-    normed = rms_norm(latent, norm_weight if scale != 0 else None, eps=eps, scale=scale)
+    normed = rms_norm(latent, norm_weight if scale != 0 else None, eps=projection.eps, scale=scale)
     if norm_weight is None or scale == 0:
         normed = normed.astype(dtype).astype(jnp.float32)
     projected = jnp.dot(normed, weights, precision=lax.Precision.HIGHEST)
@@ -417,14 +422,16 @@ def norm_project_add_reference(
     return jnp.where(own, projected, 0.0).astype(dtype)
 
 
-def norm_project_add_into_reference(latent, norm_weight, kernel, addend: jax.Array, **options) -> jax.Array:
-    """:func:`norm_project_add_into` in plain float32 jnp (``options``: the reference's keywords)."""
-    block = norm_project_add_reference(latent, norm_weight, kernel, addend, **options)
-    start = options["rank"].astype(jnp.int32).reshape(())[()] * options["block_width"]
+def norm_project_add_into_reference(latent, norm_weight, kernel, addend: jax.Array, *, rank: jax.Array,
+                                    projection: BlockProjection) -> jax.Array:
+    """:func:`norm_project_add_into` in plain float32 jnp."""
+    block = norm_project_add_reference(latent, norm_weight, kernel, addend, rank=rank, projection=projection)
+    block_width = projection.block_width
+    start = rank.astype(jnp.int32).reshape(())[()] * block_width
     width = addend.shape[1]
-    padded = _padded_columns(addend, options["block_width"])
-    own = lax.dynamic_slice_in_dim(padded, start, options["block_width"], 1)
-    keep = start + jnp.arange(options["block_width"]) < options["hidden_size"]
+    padded = _padded_columns(addend, block_width)
+    own = lax.dynamic_slice_in_dim(padded, start, block_width, 1)
+    keep = start + jnp.arange(block_width) < projection.hidden_size
     padded = lax.dynamic_update_slice_in_dim(padded, jnp.where(keep, block, own), start, 1)
     return padded[:, :width]
 

@@ -36,7 +36,7 @@ def vary_alike(arrays: list) -> tuple[list, object]:
     """``arrays`` cast to vary over their union of mesh axes, and that manual-axis type for the outputs."""
     varying = [varying_axes(array) for array in arrays]
     axes = set().union(*varying)
-    cast = [_vary_over(array, axes - own) for array, own in zip(arrays, varying, strict=True)]
+    cast = [_vary_over(array, axes - own) if own != axes else array for array, own in zip(arrays, varying, strict=True)]
     aval = jax.typeof(cast[0])
     return cast, getattr(aval, "manual_axis_type", None) or getattr(aval, "mat", None)
 

@@ -66,10 +66,8 @@ def _collectives(shape: CallShape) -> tuple[CollectiveTerm, ...]:
 
 
 RECORD = TierRecord(
-    name="column_parallel",
     function=column_parallel_tail,
     projects_all_columns=False,
     collectives=_collectives,
-    gpu_kernels=GpuKernelCounts.measured(cuda={"column": (6, 4), "replicated": (7, 5)},
-                                  rocm={"column": (7, 5), "replicated": (8, 6)}),
+    gpu_kernels=GpuKernelCounts(column=dict(cuda=(6, 4), rocm=(7, 5)), replicated=dict(cuda=(7, 5), rocm=(8, 6))),
 )

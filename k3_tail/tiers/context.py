@@ -34,7 +34,9 @@ def is_token_sharded_output(config: TailConfig, num_tokens: int, tp_size: int) -
 @dataclasses.dataclass(frozen=True)
 class TailCall:
     """The facts of one call that the tiers read, fixed at trace time. platform: "cpu", "cuda", "rocm", "gpu" or
-    None (:mod:`k3_tail.selection.lowering`). rank: this rank's index, int32 [1], where the entry point has it."""
+    None (:mod:`k3_tail.selection.lowering`). token_sharded: whether the tier returns this rank's [T/p, H] rows
+    of y (``config.sequence_parallel``) rather than y. rank: this rank's index, int32 [1], where the entry point
+    has it."""
 
     config: TailConfig
     axis_name: AxisName
@@ -42,6 +44,7 @@ class TailCall:
     weight_layout: str
     platform: str | None
     sums: SumPlan
+    token_sharded: bool
     rank: jax.Array | None = None
 
     @classmethod
@@ -49,15 +52,8 @@ class TailCall:
                          platform: str | None, rank: jax.Array | None = None) -> TailCall:
         """The call of a tier traced inside ``jax.shard_map`` over ``axis_name``."""
         tp_size = lax.axis_size(axis_name)
-        return cls(config, axis_name, tp_size, weight_layout, platform, config.sum_plan(tp_size, platform), rank)
-
-    @property
-    def token_sharded(self) -> bool:
-        """Whether the tier returns this rank's [T/p, H] rows of y (``config.sequence_parallel``) rather than y."""
-        return self.config.sequence_parallel
-
-    def all_reduce(self, x: jax.Array) -> jax.Array:
-        return all_reduce(x, axis_name=self.axis_name, sums=self.sums)
+        return cls(config, axis_name, tp_size, weight_layout, platform, config.sum_plan(tp_size, platform),
+                   config.sequence_parallel, rank)
 
     def reduce_scatter(self, x: jax.Array, scatter_dimension: int) -> jax.Array:
         return reduce_scatter(x, axis_name=self.axis_name, sums=self.sums, scatter_dimension=scatter_dimension)
@@ -67,14 +63,14 @@ class TailCall:
         with jax.named_scope(scope):
             if self.token_sharded:
                 return self.reduce_scatter(x, scatter_dimension=0)
-            return self.all_reduce(x)
+            return all_reduce(x, axis_name=self.axis_name, sums=self.sums)
 
     def reduced_latent(self, routed_partial: jax.Array) -> jax.Array:
         """``psum(r)`` [T, L]: one all-reduce of T*L elements, none with ``config.routed_output_is_reduced``."""
         if self.config.routed_output_is_reduced:
             return routed_partial
         with jax.named_scope(LATENT_REDUCTION):
-            return self.all_reduce(routed_partial)
+            return all_reduce(routed_partial, axis_name=self.axis_name, sums=self.sums)
 
     def normalised_latent(self, routed_partial: jax.Array, norm_weight: jax.Array | None) -> jax.Array:
         """``RMSNorm_g(c * psum(r))`` [T, L] in ``config.dtype``: :meth:`reduced_latent` and O(TL) elementwise work."""

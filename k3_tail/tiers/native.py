@@ -38,10 +38,8 @@ def _collectives(shape: CallShape) -> tuple[CollectiveTerm, ...]:
 
 
 RECORD = TierRecord(
-    name="native",
     function=native_tail,
     projects_all_columns=True,
     collectives=_collectives,
-    gpu_kernels=GpuKernelCounts.measured(cuda={"column": (7, 6), "replicated": (6, 4)},
-                                  rocm={"column": (7, 6), "replicated": (6, 5)}),
+    gpu_kernels=GpuKernelCounts(column=dict(cuda=(7, 6), rocm=(7, 6)), replicated=dict(cuda=(6, 4), rocm=(6, 5))),
 )

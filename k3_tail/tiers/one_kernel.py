@@ -18,9 +18,9 @@ import jax
 import jax.numpy as jnp
 
 from k3_tail.config import TailConfig
-from k3_tail.ops.columns import assemble_column_blocks, padded_hidden_size
+from k3_tail.ops.columns import assemble_column_blocks, column_block_width
 from k3_tail.ops.fused_launch import COMPILED_ON, LARGEST_ROW_TILE, FusedGrid, fused_grid
-from k3_tail.ops.fused_projection import norm_project_add, norm_project_add_into, triton_unavailable
+from k3_tail.ops.fused_projection import BlockProjection, norm_project_add, norm_project_add_into, triton_unavailable
 from k3_tail.ops.pallas_triton import ignore_triton_deprecation_warning
 from k3_tail.ops.scopes import SHARED_REDUCTION, UP_PROJECTION
 from k3_tail.tiers import column_parallel
@@ -52,16 +52,15 @@ def one_kernel_tail(routed_partial, shared_partial, norm_weight, up_proj_kernel,
 
 def _kernel_options(call: TailCall) -> dict:
     config = call.config
-    return dict(rank=call.rank_index(), tp_size=call.tp_size,
-                block_width=padded_hidden_size(config.hidden_size, call.tp_size) // call.tp_size,
-                hidden_size=config.hidden_size, eps=config.rms_norm_eps, scale=config.routed_scaling_factor,
+    projection = BlockProjection(tp_size=call.tp_size, hidden_size=config.hidden_size, eps=config.rms_norm_eps,
+                                 scale=config.routed_scaling_factor)
+    return dict(rank=call.rank_index(), projection=projection,
                 # Interpreted (a CPU), the kernel does not split K (the split's path is tested on the kernel).
                 interpret=RECORD.runs_interpreted_on(call.platform), platform=call.platform)
 
 
 def _launch_grid(config: TailConfig, num_tokens: int, tp_size: int) -> FusedGrid:
-    """The kernel's grid on a GPU for T >= 1 tokens on p ranks."""
-    return fused_grid(num_tokens, config.latent_size, padded_hidden_size(config.hidden_size, tp_size) // tp_size)
+    return fused_grid(num_tokens, config.latent_size, column_block_width(config.hidden_size, tp_size))
 
 
 def _scratch_bytes(config: TailConfig, num_tokens: int, tp_size: int) -> int:
@@ -77,12 +76,10 @@ def _why_not(config: TailConfig | None) -> str | None:
 
 
 RECORD = TierRecord(
-    name="one_kernel",
     function=one_kernel_tail,
     projects_all_columns=False,
     collectives=column_parallel.RECORD.collectives,
-    gpu_kernels=GpuKernelCounts.measured(cuda={"column": (1, 1), "replicated": (1, 1)},
-                                  rocm={"column": (1, 1), "replicated": (1, 1)}),
+    gpu_kernels=GpuKernelCounts(column=dict(cuda=(1, 1), rocm=(1, 1)), replicated=dict(cuda=(1, 1), rocm=(1, 1))),
     unavailable=_why_not,
     reads_rank=True,
     own_kernel=OwnKernel(compiled_on=COMPILED_ON, rows_per_weight_read=LARGEST_ROW_TILE, launch_grid=_launch_grid,

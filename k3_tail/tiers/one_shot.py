@@ -61,12 +61,10 @@ def _collectives(shape: CallShape) -> tuple[CollectiveTerm, ...]:
 
 
 RECORD = TierRecord(
-    name="one_shot",
     function=one_shot_tail,
     projects_all_columns=True,
     collectives=_collectives,
-    gpu_kernels=GpuKernelCounts.measured(cuda={"replicated": (5, 5)},
-                                  rocm={"replicated": (5, 5)}),
+    gpu_kernels=GpuKernelCounts(replicated=dict(cuda=(5, 5), rocm=(5, 5))),
     needs_whole_kernel=True,
     serves_routed_output_is_reduced=False,
 )

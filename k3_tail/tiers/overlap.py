@@ -52,12 +52,10 @@ def _collectives(shape: CallShape) -> tuple[CollectiveTerm, ...]:
 
 
 RECORD = TierRecord(
-    name="overlap",
     function=overlap_tail,
     projects_all_columns=True,
     collectives=_collectives,
-    gpu_kernels=GpuKernelCounts.measured(cuda={"column": (7, 5), "replicated": (7, 4)},
-                                  rocm={"column": (7, 5), "replicated": (6, 4)}),
+    gpu_kernels=GpuKernelCounts(column=dict(cuda=(7, 5), rocm=(7, 5)), replicated=dict(cuda=(7, 4), rocm=(6, 4))),
     # In a program of several tails XLA would combine the shared all-reduce (and a quantised sum's second shot,
     # an all-gather) with others before the GEMM, and nothing would overlap. The latency-hiding scheduler moves
     # the GEMM inside the async pair: XLA's default for CUDA, for ROCm only from jax 0.12 on.

@@ -17,7 +17,7 @@ from types import MappingProxyType
 from typing import Any
 
 from k3_tail.config import TailConfig
-from k3_tail.ops.columns import padded_hidden_size
+from k3_tail.ops.columns import column_block_width
 from k3_tail.ops.up_projection import gemm_rows
 from k3_tail.tiers.context import TierFunction
 
@@ -70,7 +70,7 @@ class CallShape:
     @property
     def block_width(self) -> int:
         """Hb = padded_hidden_size(H, p) / p: the width of one rank's column block."""
-        return padded_hidden_size(self.hidden_size, self.tp_size) // self.tp_size
+        return column_block_width(self.hidden_size, self.tp_size)
 
     @property
     def output_reduction(self) -> str:
@@ -96,22 +96,17 @@ class CallShape:
 
 @dataclasses.dataclass(frozen=True)
 class GpuKernelCounts:
-    """The GPU kernels a tier's compiled call launches besides collectives and copies (one token, more) per XLA
-    platform and weight layout, counted for Kimi-K3 at p = 8: XLA's fusion decisions, not a formula."""
+    """The GPU kernels a tier's compiled call launches besides collectives and copies, {XLA platform: (one token,
+    more)} per weight layout it runs with, counted for Kimi-K3 at p = 8: XLA's fusion decisions, not a formula."""
 
-    counts: Mapping[tuple[str, str], tuple[int, int]]
-
-    @classmethod
-    def measured(cls, *, cuda: Mapping[str, tuple[int, int]], rocm: Mapping[str, tuple[int, int]]) -> GpuKernelCounts:
-        """From {layout: (one token, more)} per platform."""
-        return cls(MappingProxyType({(platform, layout): pair for platform, by_layout in
-                                     (("cuda", cuda), ("rocm", rocm)) for layout, pair in by_layout.items()}))
+    replicated: Mapping[str, tuple[int, int]]
+    column: Mapping[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
 
     def of(self, platform: str, weight_layout: str, num_tokens: int) -> int:
         """The kernels of a call of ``num_tokens`` (0 launches none) on ``platform`` with ``weight_layout``."""
         if num_tokens == 0:
             return 0
-        one, more = self.counts[(platform, weight_layout)]
+        one, more = (self.column if weight_layout == "column" else self.replicated)[platform]
         return one if num_tokens == 1 else more
 
 
@@ -162,18 +157,15 @@ class OwnKernel:
 
 @dataclasses.dataclass(frozen=True)
 class TierRecord:
-    """What runs and what it costs, for one tier; its words are its module docstring's (:attr:`prose`).
+    """What runs and what it costs, for one tier: ``function``, named ``<name>_tail`` (ValueError otherwise), and
+    its words, its module docstring's (:attr:`prose`). ``compiler_options``: per-executable XLA options per
+    platform family ("gpu", "cpu", "tpu"). ``needs_whole_kernel``, ``serves_routed_output_is_reduced``,
+    ``unavailable`` (config -> why not in this installation, or None): where it cannot run (:meth:`why_not`).
+    ``reads_rank``: the entry points pass the rank. ``own_kernel``: its own GPU kernel (:class:`OwnKernel`), or
+    None where it runs XLA's kernels only. Cost: ``projects_all_columns`` (all H columns with the replicated
+    kernel, else a block of Hb); ``splits_tokens`` (GEMM on T/p rows); ``collectives`` (a :class:`CallShape` ->
+    its terms, in issue order); ``gpu_kernels`` (charged by the cost model, checked on compiled programs)."""
 
-    ``compiler_options``: per-executable XLA options per platform family ("gpu", "cpu", "tpu").
-    ``needs_whole_kernel``, ``serves_routed_output_is_reduced``, ``unavailable`` (config -> why not in this
-    installation, or None): where it cannot run (:meth:`why_not`). ``reads_rank``: the entry points pass the rank.
-    ``own_kernel``: its own GPU kernel (:class:`OwnKernel`), or None where it runs XLA's kernels only.
-    Cost: ``projects_all_columns`` (all H columns with the replicated kernel, else a block of Hb);
-    ``splits_tokens`` (GEMM on T/p rows); ``collectives`` (a :class:`CallShape` -> its terms, in issue order);
-    ``gpu_kernels`` (what the cost model charges and the compiled-program tests compare XLA's thunk sequence with).
-    """
-
-    name: str
     function: TierFunction
     projects_all_columns: bool
     collectives: Callable[[CallShape], tuple[CollectiveTerm, ...]]
@@ -185,6 +177,15 @@ class TierRecord:
     unavailable: Callable[[TailConfig | None], str | None] | None = None
     reads_rank: bool = False
     own_kernel: OwnKernel | None = None
+
+    def __post_init__(self):
+        if not self.function.__name__.endswith("_tail"):
+            raise ValueError(f"function: expected a tier's function, named <tier name>_tail, got "
+                             f"{self.function.__name__!r}")
+
+    @property
+    def name(self) -> str:
+        return self.function.__name__.removesuffix("_tail")
 
     @functools.cached_property
     def prose(self) -> TierProse:
@@ -211,7 +212,7 @@ class TierRecord:
         """The width of one rank's projection [T, L] x [L, columns]: H or padded_hidden_size(H, p) / p."""
         if self.projects_all_columns and weight_layout == "replicated":
             return hidden_size
-        return padded_hidden_size(hidden_size, tp_size) // tp_size
+        return column_block_width(hidden_size, tp_size)
 
     def runs_interpreted_on(self, platform: str | None) -> bool:
         """Whether its own kernel runs interpreted (correct, slow: nothing to time) on device ``platform``."""

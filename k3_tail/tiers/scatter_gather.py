@@ -47,12 +47,10 @@ def _collectives(shape: CallShape) -> tuple[CollectiveTerm, ...]:
 
 
 RECORD = TierRecord(
-    name="scatter_gather",
     function=scatter_gather_tail,
     projects_all_columns=False,
     collectives=_collectives,
-    gpu_kernels=GpuKernelCounts.measured(cuda={"column": (5, 5), "replicated": (6, 6)},
-                                  rocm={"column": (6, 6), "replicated": (7, 7)}),
+    gpu_kernels=GpuKernelCounts(column=dict(cuda=(5, 5), rocm=(6, 6)), replicated=dict(cuda=(6, 6), rocm=(7, 7))),
     # Async collectives pinned on, for the reduce-scatter that runs beside the GEMM.
     compiler_options=MappingProxyType({"gpu": MappingProxyType({"xla_gpu_disable_async_collectives": ""})}),
 )

@@ -65,13 +65,11 @@ def _collectives(shape: CallShape) -> tuple[CollectiveTerm, ...]:
 
 
 RECORD = TierRecord(
-    name="token_parallel",
     function=token_parallel_tail,
     projects_all_columns=True,
     splits_tokens=True,
     collectives=_collectives,
-    gpu_kernels=GpuKernelCounts.measured(cuda={"replicated": (7, 3)},
-                                  rocm={"replicated": (7, 3)}),
+    gpu_kernels=GpuKernelCounts(replicated=dict(cuda=(7, 3), rocm=(7, 3))),
     needs_whole_kernel=True,
     serves_routed_output_is_reduced=False,
 )

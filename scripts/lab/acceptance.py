@@ -39,7 +39,7 @@ from k3_tail.config import TailConfig
 from k3_tail.hardware import GPU_PLATFORMS, device_platform, native_fp8_formats
 from k3_tail.ops.columns import padded_hidden_size
 from k3_tail.ops.fused_launch import TARGET_PROGRAMS, fused_grid, runs_interpreted_on
-from k3_tail.ops.fused_projection import norm_project_add_into, norm_project_add_into_reference
+from k3_tail.ops.fused_projection import BlockProjection, norm_project_add_into, norm_project_add_into_reference
 from k3_tail.ops.up_projection import quantize_up_proj
 from k3_tail.tiers.registry import Tier
 from k3_tail.xla.hlo_text import parse_module
@@ -126,8 +126,9 @@ def check_call(call: jax.Array, *, case: Case, config: TailConfig, seed: int, pl
     rank = (call + device) % TP_SIZE
     latent, norm_weight, kernel, addend = random_inputs(key, case, config)
     block_width = _block_width(config)
-    shape = dict(rank=rank.reshape(1).astype(jnp.int32), tp_size=TP_SIZE, block_width=block_width,
-                 hidden_size=config.hidden_size, eps=config.rms_norm_eps, scale=config.routed_scaling_factor)
+    shape = dict(rank=rank.reshape(1).astype(jnp.int32),
+                 projection=BlockProjection(tp_size=TP_SIZE, hidden_size=config.hidden_size, eps=config.rms_norm_eps,
+                                            scale=config.routed_scaling_factor))
     # The GPU's grid (split K) in interpret mode too, whose own default is one program per tile.
     arguments = dict(shape, platform=platform, interpret=runs_interpreted_on(platform),
                      target_programs=TARGET_PROGRAMS)

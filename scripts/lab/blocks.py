@@ -46,8 +46,9 @@ def norm_project_add(latent: jax.Array, weight: jax.Array | None, kernel: jax.Ar
     [T, L] x [L, N] + [T, N] -> [T, N] in ``config.dtype``; interpreted on a CPU, compiled on a GPU, as the tier."""
     platform = device_platform(jax.devices()[0])
     return fused_projection.norm_project_add(
-        latent, weight, kernel, addend, rank=jnp.zeros((1,), jnp.int32), tp_size=1, block_width=kernel.shape[1],
-        hidden_size=kernel.shape[1], eps=config.rms_norm_eps, scale=config.routed_scaling_factor,
+        latent, weight, kernel, addend, rank=jnp.zeros((1,), jnp.int32),
+        projection=fused_projection.BlockProjection(tp_size=1, hidden_size=kernel.shape[1], eps=config.rms_norm_eps,
+                                                    scale=config.routed_scaling_factor),
         interpret=fused_launch.runs_interpreted_on(platform), platform=platform)
 
 
