@@ -1,7 +1,7 @@
 """The strict JSON reader (k3_tail/json_files.py) that reads config.json, checkpoint indexes and selection tables.
 
 Each way a file can fail is one case here, read through ``read_json`` itself; the tests of its users
-(test_checkpoint.py, test_kimi_k3_checkpoint.py, test_calibration.py) check that each of them reads
+(test_hf_config.py, test_checkpoint.py, test_kimi_k3_checkpoint.py, test_calibration.py) check that each of them reads
 through it, with one failure each.
 """
 

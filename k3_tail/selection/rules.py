@@ -125,10 +125,11 @@ def _fused_kernel_rules(config: TailConfig, num_tokens: int, tp_size: int, platf
             f"use_scatter_gather is True and T={num_tokens} <= "
             f"scatter_gather_max_tokens={config.scatter_gather_max_tokens}",
         )
+    one_kernel = Tier.ONE_KERNEL.record
     # Where its kernel runs compiled (the GPU platforms), not interpreted.
-    if not Tier.ONE_KERNEL.record.runs_interpreted_on(platform) and num_tokens <= config.one_kernel_max_tokens:
+    if not one_kernel.runs_interpreted_on(platform) and num_tokens <= config.one_kernel_max_tokens:
         why = f"T={num_tokens} <= one_kernel_max_tokens={config.one_kernel_max_tokens} on {platform}"
-        reason = Tier.ONE_KERNEL.why_not("column", config)
+        reason = one_kernel.why_not("column", config)
         if reason is None:
             return TierDecision(Tier.ONE_KERNEL, f"{why}: one GPU kernel per call besides its two all-reduces")
         later = _overlap_threshold_rules(config, num_tokens, tp_size)
