@@ -54,7 +54,7 @@ def compared_outputs(cell: nbformat.NotebookNode) -> list[str]:
 
 def main() -> None:
     # No options: --help says what it does, anything else is a usage error (exit 2) before the kernel starts.
-    argparse.ArgumentParser(description="Run notebooks/tier_analysis.ipynb from a clean kernel (about 50 s) and "
+    argparse.ArgumentParser(description="Run notebooks/tier_analysis.ipynb from a clean kernel (about 40 s) and "
                                         "write it back with its fresh outputs.").parse_args()
     os.environ.pop("XLA_FLAGS", None)
     with tempfile.TemporaryDirectory() as directory:

@@ -242,12 +242,17 @@ TAIL_FACTORS = {
 }
 
 
+# (tier, layout) pairs a tier's record refuses, asked once: the generator asks the constraint ~10^5 times.
+_REFUSED_LAYOUTS = frozenset((tier.value, layout) for tier in k3_tail.Tier for layout in WEIGHT_LAYOUTS
+                             if tier.why_not(layout))
+
+
 def tail_constraint(case: Mapping[str, Any]) -> bool:
     """A tier runs only where its record says it can (one_shot: the whole kernel; one_kernel: no FP8
     activations); every H divides by p = 1; FP8 activations need an FP8 kernel."""
-    tier, weight_layout = case.get("tier"), case.get("weight_layout")
-    if tier not in (None, "selected") and weight_layout is not None and k3_tail.Tier(tier).why_not(weight_layout):
+    if (case.get("tier"), case.get("weight_layout")) in _REFUSED_LAYOUTS:
         return False
+    tier = case.get("tier")
     if case.get("tp_size") == 1 and case.get("hidden_divisible") is False:
         return False
     if case.get("fp8_activations") is True and "up_proj_dtype" in case and case["up_proj_dtype"] is None:

@@ -377,3 +377,12 @@ def kimi_layer_compiled(tmp_path_factory, topology, num_tokens, quantization=Non
 
     name = f"kimi-layer-{topology}-T{num_tokens}-{quantization or 'bfloat16'}"
     return once_per_session(tmp_path_factory, name, produce, timeout_s=600)[1]
+
+
+def preferred_tier_layouts(preferred="column"):
+    """:func:`tier_layouts`, each tier's pair with :func:`layout_for` ``(tier, preferred)`` run by default and its
+    other pair marked ``slow`` (``pytest -m slow``): for behaviours of a tier that its weight layout does not change,
+    both layouts still meet every tier in the covering designs."""
+    return [pytest.param(*param.values, id=param.id,
+                         marks=() if param.values[1] == layout_for(param.values[0], preferred) else pytest.mark.slow)
+            for param in tier_layouts()]

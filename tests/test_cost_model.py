@@ -115,34 +115,32 @@ def assert_agree(model, compiled):
 
 
 def agreement_case_id(values):
-    num_tokens, tier, weight_layout = values
-    return f"{num_tokens}-{tier.value}-{weight_layout}"
+    num_tokens, tier, weight_layout, sequence_parallel = values
+    return f"{num_tokens}-{tier.value}-{weight_layout}-{'token_sharded' if sequence_parallel else 'replicated'}_output"
 
 
-# Every pair of T (one row, decode, the overlap threshold), tier and layout; the whole product with ``pytest -m slow``.
-AGREEMENT_FACTORS = {"num_tokens": (1, 16, 256), "tier": tuple(Tier), "weight_layout": ("column", "replicated")}
+# Every pair of T (one row, decode, the overlap threshold), tier, layout and output form (replicated, or token-sharded:
+# sequence-parallel, its rows padded to a multiple of p at T = 1); the whole product with ``pytest -m slow``.
+AGREEMENT_FACTORS = {"num_tokens": (1, 16, 256), "tier": tuple(Tier), "weight_layout": ("column", "replicated"),
+                     "sequence_parallel": (False, True)}
 AGREEMENT_CASES = pairwise_params(AGREEMENT_FACTORS, agreement_case_id, tier_supports_layout)
 
 
-@pytest.mark.parametrize("num_tokens, tier, weight_layout", AGREEMENT_CASES)
-def test_counts_agree_with_the_gpu_compiled_program(gpu_mesh, num_tokens, tier, weight_layout):
+@pytest.mark.parametrize("num_tokens, tier, weight_layout, sequence_parallel", AGREEMENT_CASES)
+def test_counts_agree_with_the_gpu_compiled_program(gpu_mesh, num_tokens, tier, weight_layout, sequence_parallel):
     """GEMM FLOPs, weight, activation and collective bytes per kind (XLA may combine all-reduces)."""
-    assert_agree(model_figures(K3, num_tokens, tier, weight_layout),
-                 compiled_figures(K3, gpu_mesh, num_tokens, tier, weight_layout))
-
-
-@pytest.mark.parametrize("tier, weight_layout", tier_layouts())
-def test_sequence_parallel_counts_agree_with_the_gpu_compiled_program(gpu_mesh, tier, weight_layout):
-    config = TailConfig.kimi_k3(sequence_parallel=True)
-    assert_agree(model_figures(config, 16, tier, weight_layout),
-                 compiled_figures(config, gpu_mesh, 16, tier, weight_layout))
+    config = TailConfig.kimi_k3(sequence_parallel=sequence_parallel)
+    assert_agree(model_figures(config, num_tokens, tier, weight_layout),
+                 compiled_figures(config, gpu_mesh, num_tokens, tier, weight_layout))
 
 
 # Where a config switch changes what a tier moves or reads (T = 16): padded column blocks (H = 1001, p = 8),
 # no shared reduction, no x in one_shot's packed buffer, no latent all-reduce, an FP8 kernel, a shared output
 # reduced before the tail (the tiers whose collectives change shape, and native, which only loses one).
+# Overlap's padded column collectives are native's (the same three, one hidden): it runs with ``pytest -m slow``.
 VARIANT_CASES = [
-    *(pytest.param("h1001", tier, layout, id=f"h1001-{tier.value}-{layout}")
+    *(pytest.param("h1001", tier, layout, id=f"h1001-{tier.value}-{layout}",
+                   marks=pytest.mark.slow if tier is Tier.OVERLAP else ())
       for tier in Tier for layout in ("column", "replicated") if tier.supports(layout)
       and (layout == "column" or tier is Tier.ONE_SHOT)),
     *(pytest.param("no_shared", tier, "replicated", id=f"no_shared-{tier.value}")
@@ -166,6 +164,9 @@ def test_counts_agree_for_config_variants(gpu_mesh, variant, tier, weight_layout
                  compiled_figures(config, gpu_mesh, 16, tier, weight_layout))
 
 
+# The agreement design pairs T = 1 with the token-sharded output (every pair of values is in it): padded rows, as here,
+# which repeats it with ``pytest -m slow``.
+@pytest.mark.slow
 @pytest.mark.parametrize("tier", [Tier.NATIVE, Tier.SCATTER_GATHER])
 def test_padded_sequence_parallel_call_agrees_with_the_gpu_compiled_program(gpu_mesh, tier):
     """p does not divide T = 5: the tier runs on 8 rows and each rank returns its one row of them (tail_forward)."""
@@ -577,9 +578,12 @@ def test_fp8_weights_move_the_crossovers_later_on_mi355x(weight_layout):
 # --- Quantised sums ---------------------------------------------------------------------------------------------
 
 
+# Native's quantised sums on the replicated kernel are column_parallel's on the column layout (the latent's and the
+# shared output's all-reduces, nothing else): it runs with ``pytest -m slow``.
 @pytest.mark.parametrize("tier, weight_layout", [
-    (Tier.NATIVE, "replicated"), (Tier.OVERLAP, "column"), (Tier.COLUMN_PARALLEL, "column"),
-    (Tier.SCATTER_GATHER, "replicated"), (Tier.ONE_SHOT, "replicated"), (Tier.TOKEN_PARALLEL, "replicated"),
+    pytest.param(Tier.NATIVE, "replicated", marks=pytest.mark.slow), (Tier.OVERLAP, "column"),
+    (Tier.COLUMN_PARALLEL, "column"), (Tier.SCATTER_GATHER, "replicated"), (Tier.ONE_SHOT, "replicated"),
+    (Tier.TOKEN_PARALLEL, "replicated"),
 ])
 def test_quantised_wire_bytes_agree_with_the_gpu_compiled_program(gpu_mesh, tier, weight_layout):
     """Every sum int4-quantised (T = 256): the model's encoded wire bytes are the program's all-to-alls

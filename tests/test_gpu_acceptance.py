@@ -2,12 +2,16 @@
 
 On the CPU the kernel runs interpreted: the run exercises the checks' code, not the split's memory ordering,
 and reports the command-buffer mode and the timing as not applicable. What the GPU compiles for the two modes
-is checked on deviceless GPU topologies.
+is checked on deviceless GPU topologies. How a mismatch fails the run and which rank each device checks do not
+depend on Kimi-K3's size: those tests run at small shapes whose grid still splits K (an interpreted call at
+Kimi-K3's shapes takes seconds).
 """
 
+import functools
 import importlib.util
 import json
 import sys
+import types
 from pathlib import Path
 
 import jax
@@ -16,12 +20,15 @@ import pytest
 from jax import lax
 
 import k3_tail
-from helpers import gpu_mesh_for, topology_params
+from helpers import gpu_mesh_for, once_per_session, topology_params
 from k3_tail.cli.harness import tp_mesh
 from lab import acceptance
 
 SCRIPTS = Path(__file__).parent.parent / "scripts"
 KIMI_K3 = k3_tail.TailConfig.kimi_k3()
+# Kimi-K3's tail at H = L = 256: a rank's [256, 32] block in a grid of 8 programs, K split in 4.
+SMALL = k3_tail.TailConfig.kimi_k3(hidden_size=256, latent_size=256)
+RUN_LIMIT_S = 600  # how long a worker waits for the CPU run another worker makes
 # On a GPU backend (JAX_PLATFORMS=rocm) the run is the real one, minutes long: the README's command, not a test.
 on_the_cpu = pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU run; a GPU runs the script itself")
 
@@ -41,9 +48,15 @@ def script():
 
 @pytest.fixture(scope="module")
 def passing_run(script, tmp_path_factory):
-    path = tmp_path_factory.mktemp("gpu_acceptance") / "report.json"
-    status = script.main(["--devices", "1", "--json", str(path)])
-    return status, json.loads(path.read_text())
+    """(exit status, JSON report) of the CPU run on one device, once per session: about half a minute, which a
+    second pytest-xdist worker taking some of these tests would otherwise spend again."""
+    def run(directory):
+        path = directory / "report.json"
+        status = script.main(["--devices", "1", "--json", str(path)])
+        return {"status": status, "report": json.loads(path.read_text())}
+
+    _, outcome = once_per_session(tmp_path_factory, "gpu_acceptance", run, timeout_s=RUN_LIMIT_S)
+    return outcome["status"], outcome["report"]
 
 
 @on_the_cpu
@@ -89,15 +102,18 @@ def one_flipped_bit(latent, norm_weight, kernel, addend, **arguments):
 
 @on_the_cpu
 def test_a_mismatch_with_the_oracle_fails_the_case_and_the_run(monkeypatch, tmp_path, script):
-    """One case is enough (each case compiles its own interpreted program): a one-ulp difference fails it, and the
-    command exits 1."""
+    """One case at small shapes is enough (each case compiles its own interpreted program): a one-ulp difference
+    fails it, and the command exits 1."""
     monkeypatch.setattr(acceptance, "kimi_k3_cases", lambda config, device: (acceptance.Case(1, "bfloat16"),))
+    monkeypatch.setattr(script, "TailConfig", types.SimpleNamespace(kimi_k3=functools.partial(
+        k3_tail.TailConfig.kimi_k3, hidden_size=SMALL.hidden_size, latent_size=SMALL.latent_size)))
     path = tmp_path / "report.json"
     assert script.main(["--calls", "1", "--devices", "1", "--json", str(path)], oracle=one_flipped_bit) == 1
     report = json.loads(path.read_text())
     (plain,) = [case for case in report["cases"] if case["mode"] == "plain"]
     assert report["passed"] is False
     assert plain["status"] == "fail" and plain["mismatches"] == plain["mismatching_calls"] == 1
+    assert plain["splits"] > 1
 
 
 @pytest.mark.parametrize("json_path", ["missing/report.json", "."])
@@ -123,9 +139,10 @@ def test_a_run_that_cannot_finish_exits_2_not_1(monkeypatch, script, capsys):
 def test_every_device_checks_a_rank_of_its_own():
     """Call c on device d is rank (c + d) mod p: call 7 on two devices checks ranks 7 and 0."""
     mesh = tp_mesh(jax.devices()[:2])
-    report = acceptance.run_case(acceptance.Case(1, "bfloat16"), "plain", mesh, calls=1, first_call=7, config=KIMI_K3,
+    report = acceptance.run_case(acceptance.Case(1, "bfloat16"), "plain", mesh, calls=1, first_call=7, config=SMALL,
                                  seed=1)
     assert report["status"] == "pass" and report["devices"] == 2 and report["ranks"] == [0, 7]
+    assert report["splits"] > 1
 
 
 @pytest.mark.parametrize("topology", topology_params("h100x8", "mi300xx8"))

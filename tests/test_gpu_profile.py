@@ -1,11 +1,13 @@
-"""scripts/gpu_profile.py in a fresh process on the CPU, at tiny shapes.
+"""scripts/gpu_profile.py on the CPU, at tiny shapes: once in a fresh process, once in this one.
 
 The script is meant for a GPU host; here it runs on the CPU backend (no JAX_PLATFORMS and no forced
 device count, as a user would start it; compiled fast: helpers.command_environment), and the tests
-check what it reports, not how fast anything is.
+check what it reports, not how fast anything is. The second run, of other flags, calls its main here (it
+profiles one device: this process's first CPU device), without a second interpreter's start-up.
 The GEMM shapes are worked out here by hand, not from the tier records the script reads.
 """
 
+import importlib.util
 import json
 import math
 import subprocess
@@ -14,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import command_environment
+from helpers import command_environment, once_per_session
 from k3_tail import Tier
 from k3_tail.hardware import HARDWARE
 from lab.blocks import WEIGHT_LAYOUTS
@@ -47,15 +49,20 @@ def assert_consistent(row, repeats):
 
 @pytest.fixture(scope="module")
 def profile(tmp_path_factory):
-    path = tmp_path_factory.mktemp("gpu_profile") / "profile.json"
-    result = run_script(*small_flags(), "--hardware", "h200", "--json", path)
-    assert result.returncode == 0, result.stderr
-    assert "Traceback" not in result.stderr
-    return result, json.loads(path.read_text())
+    """(stdout, JSON report) of the fresh process's run, once per session (pytest-xdist workers share it)."""
+    def run(directory):
+        path = directory / "profile.json"
+        result = run_script(*small_flags(), "--hardware", "h200", "--json", path)
+        assert result.returncode == 0, result.stderr
+        assert "Traceback" not in result.stderr
+        return {"stdout": result.stdout, "report": json.loads(path.read_text())}
+
+    _, outcome = once_per_session(tmp_path_factory, "gpu_profile", run, timeout_s=RUN_LIMIT_S)
+    return outcome["stdout"], outcome["report"]
 
 
 def test_one_row_per_tier_layout_tp_size_and_token_count(profile):
-    result, report = profile
+    stdout, report = profile
     keys = [(row["tier"], row["weight_layout"], row["tp_size"], row["num_tokens"]) for row in report["rows"]]
     expected = {(tier.value, layout, p, tokens) for tier in COMPILED_HERE for layout in WEIGHT_LAYOUTS
                 if tier.supports(layout) for p in TP_SIZES for tokens in TOKENS}
@@ -63,7 +70,7 @@ def test_one_row_per_tier_layout_tp_size_and_token_count(profile):
     assert {row["tier"] for row in report["rows"]} == {tier.value for tier in COMPILED_HERE}
     for row in report["rows"]:
         assert_consistent(row, repeats=1)
-        assert f"{row['tier']:<16}{row['weight_layout']:<11}" in result.stdout
+        assert f"{row['tier']:<16}{row['weight_layout']:<11}" in stdout
     assert report["settings"]["tp_sizes"] == list(TP_SIZES) and report["settings"]["tokens"] == list(TOKENS)
     assert report["config"]["hidden_size"] == HIDDEN and report["config"]["latent_size"] == LATENT
     assert report["machine"]["backend"] == "cpu"
@@ -92,21 +99,24 @@ def test_gemm_flops_and_bytes_follow_the_rank_s_shapes(profile, tier, layout, p,
 
 
 def test_the_report_says_the_cpu_fractions_are_meaningless(profile):
-    result, report = profile
+    stdout, report = profile
     assert report["hardware"]["name"] == "h200"
-    assert "meaningless" in report["hardware_note"] and "meaningless" in result.stdout
+    assert "meaningless" in report["hardware_note"] and "meaningless" in stdout
     assert report["dispatch_floor"]["median_s"] > 0
 
 
-def test_json_to_stdout_puts_the_table_on_stderr_and_no_preset_means_no_fractions():
-    result = run_script(*small_flags(tokens=(3,), tp_sizes=(2,)), "--weight-layout", "replicated", "--json", "-")
-    assert result.returncode == 0, result.stderr
-    assert "Traceback" not in result.stderr
-    report = json.loads(result.stdout)
+def test_json_to_stdout_puts_the_table_on_stderr_and_no_preset_means_no_fractions(capsys):
+    specification = importlib.util.spec_from_file_location("gpu_profile", SCRIPT)
+    script = importlib.util.module_from_spec(specification)
+    specification.loader.exec_module(script)
+    assert script.main([*map(str, small_flags(tokens=(3,), tp_sizes=(2,))), "--weight-layout", "replicated",
+                        "--json", "-"]) == 0
+    printed = capsys.readouterr()
+    report = json.loads(printed.out)
     assert report["hardware"] is None
     rows = report["rows"]
     assert [row["tier"] for row in rows] == [tier.value for tier in COMPILED_HERE if tier.supports("replicated")]
     assert all(row["peak_flops_fraction"] is None and row["hbm_bandwidth_fraction"] is None for row in rows)
     token_parallel = next(row for row in rows if row["tier"] == "token_parallel")
     assert (token_parallel["rows"], token_parallel["gemm_rows"]) == (4, 2)  # T = 3 padded to 4, 2 per rank
-    assert "token_parallel  replicated" in result.stderr
+    assert "token_parallel  replicated" in printed.err

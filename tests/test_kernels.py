@@ -2,8 +2,8 @@
 k3_tail.xla.report from the compile's dump), at Kimi-K3 shapes on deviceless 8-GPU topologies.
 
 Every tier's count is its record's (``Tier.X.record.gpu_kernels``, the cost model's per-kernel term) on each
-target, T = 1 and 16, both layouts; the default decode call (the one_kernel tier) is ONE kernel, reads its
-weight block where it lies and launches a grid that fills the device.
+target, every pair of tier, layout and T = 1 or 16 (the whole product with ``slow``); the default decode call (the
+one_kernel tier) is ONE kernel, reads its weight block where it lies and launches a grid that fills the device.
 """
 
 import atexit
@@ -17,7 +17,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 import k3_tail
-from helpers import compiled_report, compiled_tail, gpu_mesh_for, tier_layouts, topology_params
+from helpers import compiled_report, compiled_tail, gpu_mesh_for, pairwise_params, tier_supports_layout, topology_params
 from k3_tail import TailConfig, Tier, padded_hidden_size
 from k3_tail.hardware import device_platform
 from k3_tail.ops.fused_launch import TARGET_PROGRAMS
@@ -32,8 +32,18 @@ def target_mesh(request):
     return gpu_mesh_for(request.param, P)
 
 
-@pytest.mark.parametrize("num_tokens", DECODE)
-@pytest.mark.parametrize("tier, weight_layout", tier_layouts())
+def each_tier_case_id(values):
+    tier, weight_layout, num_tokens = values
+    return f"{tier.value}-{weight_layout}-{num_tokens}"
+
+
+# Every pair of tier, layout and decode T (each tier at both T and with each layout it runs); the whole product with
+# ``pytest -m slow``.
+EACH_TIER_CASES = pairwise_params({"tier": tuple(Tier), "weight_layout": ("column", "replicated"),
+                                   "num_tokens": tuple(DECODE)}, each_tier_case_id, tier_supports_layout)
+
+
+@pytest.mark.parametrize("tier, weight_layout, num_tokens", EACH_TIER_CASES)
 def test_each_tier_launches_the_kernels_its_record_counts(target_mesh, tier, weight_layout, num_tokens):
     result = compiled_report(CONFIG, target_mesh, num_tokens, tier, weight_layout)
     platform = device_platform(target_mesh.devices.flat[0])
@@ -92,7 +102,8 @@ def model_pattern_report(mesh, num_tokens, pass_rank):
     return k3_tail.xla.report.report(compiled, dump_dir=dump_dir)
 
 
-@pytest.mark.parametrize("num_tokens", DECODE)
+# What rank= saves (the partition id's convert) is the same at every T: T = 16 repeats T = 1 (with ``pytest -m slow``).
+@pytest.mark.parametrize("num_tokens", [1, pytest.param(16, marks=pytest.mark.slow)])
 def test_the_readme_model_pattern_is_one_gpu_kernel_with_its_rank_passed(target_mesh, num_tokens):
     """latent_moe_tail inside a model's shard_map with rank=: one kernel; without it the partition id's convert
     adds a second (what the README says of rank=)."""

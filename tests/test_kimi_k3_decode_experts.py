@@ -10,6 +10,7 @@ Tolerances, relative Frobenius error against the XLA route on the same inputs: f
 another order, within float32 accumulation), bfloat16 <= 8e-3 (the same sums, each rounded once to bf16).
 """
 
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -62,24 +63,31 @@ def relative_error(a, b):
     return np.linalg.norm(a - b) / np.linalg.norm(b)
 
 
+@functools.cache
+def kernels_on_experts(dtype, quantization):
+    """``in_kernels`` of ``experts(dtype, quantization)`` (seed 0), interpreted once for the tests that read it."""
+    return in_kernels(*experts(dtype, quantization), dtype)
+
+
 @pytest.mark.parametrize(("dtype", "quantization"),
                          [(jnp.float32, None), (jnp.bfloat16, None), (jnp.bfloat16, "mxfp4")])
 def test_the_two_kernels_compute_the_gather_method_after_the_routers_top_k(dtype, quantization):
-    arguments = experts(dtype, quantization)
-    got = in_kernels(*arguments, dtype)
+    got = kernels_on_experts(dtype, quantization)
     assert got.shape == (3, LATENT) and got.dtype == dtype
-    assert relative_error(got, in_xla(*arguments, dtype)) <= TOLERANCE[np.dtype(dtype)]
+    assert relative_error(got, in_xla(*experts(dtype, quantization), dtype)) <= TOLERANCE[np.dtype(dtype)]
 
 
 @pytest.mark.parametrize("quantization", [None, "mxfp4"], ids=["bf16", "mxfp4"])
 def test_a_stacks_layer_index_reads_that_layers_experts_where_they_lie(quantization):
-    products, bias, *layer_1 = experts(jnp.bfloat16, quantization, seed=1)
-    _, _, *layer_0 = experts(jnp.bfloat16, quantization, seed=0)
+    """Layer 1 of the stack holds seed 0's experts, layer 0 another draw's: index 1 computes what the unstacked
+    seed-0 experts compute."""
+    products, bias, *layer_1 = experts(jnp.bfloat16, quantization, seed=0)
+    _, _, *layer_0 = experts(jnp.bfloat16, quantization, seed=1)
     stacked = [jax.tree.map(lambda *arrays: jnp.stack(arrays), one, other) for one, other in zip(layer_0, layer_1,
                                                                                                   strict=True)]
     got = decode_experts(products, bias, *stacked, num_experts=EXPERTS, top_k=TOP_K, dtype=jnp.bfloat16,
                          layer=jnp.int32(1), interpret=True)
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(in_kernels(products, bias, *layer_1, jnp.bfloat16)))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(kernels_on_experts(jnp.bfloat16, quantization)))
 
 
 def test_tied_scores_choose_the_lower_experts_as_top_k_does():

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from helpers import FAST_COMPILE_OPTIONS, make_tp_mesh
+from helpers import FAST_COMPILE_OPTIONS, make_tp_mesh, pairwise_params
 from k3_tail.models.kimi_k3 import mxfp4_experts as mxfp4, routed_experts
 from k3_tail.models.kimi_k3.mxfp4 import NAN_SCALE
 
@@ -68,10 +68,23 @@ def method_on_ranks(method):
                    compiler_options=FAST_COMPILE_OPTIONS)
 
 
-@pytest.mark.parametrize("chosen_by_some", [False, True], ids=["expert-no-token-chose", "expert-some-tokens-chose"])
-@pytest.mark.parametrize("routing_name", ROUTINGS)
-@pytest.mark.parametrize("weight_format", ["bfloat16", "mxfp4"])
-@pytest.mark.parametrize("method", tuple(routed_experts.ROUTED_EXPERTS))
+# A pairwise design (helpers.pairwise_params): every method meets both formats, both routings and both experts;
+# ``pytest -m slow`` runs the rest of the product.
+ISOLATION_FACTORS = {
+    "method": tuple(routed_experts.ROUTED_EXPERTS),
+    "weight_format": ("bfloat16", "mxfp4"),
+    "routing_name": tuple(ROUTINGS),
+    "chosen_by_some": (False, True),
+}
+
+
+def isolation_id(values):
+    method, weight_format, routing_name, chosen_by_some = values
+    expert = "expert-some-tokens-chose" if chosen_by_some else "expert-no-token-chose"
+    return f"{method}-{weight_format}-{routing_name}-{expert}"
+
+
+@pytest.mark.parametrize(tuple(ISOLATION_FACTORS), pairwise_params(ISOLATION_FACTORS, isolation_id))
 def test_non_finite_weights_reach_exactly_the_tokens_routed_to_that_expert(method, weight_format, routing_name,
                                                                            chosen_by_some, request):
     expert = ROUTINGS[routing_name][1][chosen_by_some]

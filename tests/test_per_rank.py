@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import k3_tail
 import k3_tail.selection.cost_model
-from helpers import make_tp_mesh, tier_layouts, token_sharded_rows
+from helpers import make_tp_mesh, preferred_tier_layouts, token_sharded_rows
 from reference import TOLERANCE, make_inputs, reference_tail, relative_error
 
 TP = ("x", "y")
@@ -104,7 +104,7 @@ def assert_close(config, y, expected):
 
 @pytest.mark.parametrize(("tier", "weight_layout"), [pytest.param(None, "replicated", id="selected-replicated"),
                                                      pytest.param(None, "column", id="selected-column"),
-                                                     *tier_layouts()])
+                                                     *preferred_tier_layouts()])
 def test_every_tier_in_a_models_shard_map_over_a_tuple_axis(mesh, tier, weight_layout):
     layer = Layer.random(CONFIG, 5)
     y = run_layer(mesh, CONFIG, layer, tier=tier, weight_layout=weight_layout)

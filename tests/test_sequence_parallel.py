@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import k3_tail
 from covering import DIVISIBLE_HIDDEN_SIZE, LATENT_SIZE, TAIL_CASES
-from helpers import make_tp_mesh, run_case, tier_layouts, token_sharded_rows
+from helpers import make_tp_mesh, preferred_tier_layouts, run_case, token_sharded_rows
 from reference import TOLERANCE, TailInputs, make_inputs, reference_tail, relative_error, tolerance
 
 SP = k3_tail.TailConfig(hidden_size=DIVISIBLE_HIDDEN_SIZE, latent_size=LATENT_SIZE, sequence_parallel=True)
@@ -46,7 +46,7 @@ def test_the_covering_design_runs_padded_rows_for_every_tier():
     assert {tier.value for tier in k3_tail.Tier} <= padded
 
 
-@pytest.mark.parametrize(("tier", "weight_layout"), tier_layouts())
+@pytest.mark.parametrize(("tier", "weight_layout"), preferred_tier_layouts())
 def test_each_rank_holds_its_own_rows(tier, weight_layout):
     """Rank k's shard is rows [k*T/p, (k+1)*T/p) of y: the shards are not merely right in sum."""
     inputs = make_inputs(SP, 4, 8)

@@ -16,7 +16,13 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import k3_tail
 from covering import COLUMN_CASES, DIVISIBLE_HIDDEN_SIZE, INDIVISIBLE_HIDDEN_SIZE, LATENT_SIZE, TAIL_CASES
-from helpers import assert_column_tier_writes_only_its_own_block, layout_for, make_tp_mesh, run_case, tier_layouts
+from helpers import (
+    assert_column_tier_writes_only_its_own_block,
+    layout_for,
+    make_tp_mesh,
+    preferred_tier_layouts,
+    run_case,
+)
 from reference import TOLERANCE, WRONG_TAILS, make_inputs, reference_tail, relative_error, tolerance
 
 SMALL = k3_tail.TailConfig(hidden_size=DIVISIBLE_HIDDEN_SIZE, latent_size=LATENT_SIZE)
@@ -80,7 +86,7 @@ def test_the_tolerance_detects_a_wrong_tail(use_latent_norm, wrong_tail):
 # --- Optional inputs and placements --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("tier", "weight_layout"), tier_layouts())
+@pytest.mark.parametrize(("tier", "weight_layout"), preferred_tier_layouts())
 def test_tier_without_shared_experts_projects_the_latent_only(tier, weight_layout):
     """has_shared_experts=False: no shared partial is passed and y is the projected latent alone."""
     config = dataclasses.replace(SMALL_ODD, has_shared_experts=False)
