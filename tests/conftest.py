@@ -8,10 +8,12 @@ Markers: ``rocm`` tests are skipped unless the default backend is a ROCm GPU; ``
 full Cartesian products of tests/test_exhaustive.py) are left out (deselected) unless the ``-m``
 expression names them: ``pytest -m slow`` (scripts/rocm_check.sh's ``-m "(rocm or not rocm) and not compiled"``
 and ``-m compiled`` leave them out);
-``compiled`` tests compile for a deviceless GPU topology (``helpers.topology_params``) or the host's ROCm mesh.
-``--topologies h100x8,mi300xx8`` (or ``K3_TAIL_TEST_TOPOLOGIES``) names the topologies they must compile for
-(helpers.gpu_mesh_for); .ci/run's ROCm environments run ``-m compiled`` for h100x8, mi300xx8 and mi355xx8 (jax
-0.12) and for mi300xx8 and mi355xx8 (jax 0.10.2).
+``compiled`` tests compile for a deviceless GPU topology (``helpers.topology_params``) or the host's ROCm mesh, or
+test how. Those of a GPU topology are left out too unless ``-m`` names ``compiled`` or ``--topologies`` (or
+``K3_TAIL_TEST_TOPOLOGIES``) names topologies: ``pytest -n 2`` checks what runs on this machine, ``pytest -n 2 -m
+compiled`` the GPU programs for every topology that compiles here. ``--topologies h100x8,mi300xx8`` names the
+topologies they must compile for (helpers.gpu_mesh_for); .ci/run runs ``-m compiled`` for h100x8, mi300xx8 and
+mi355xx8 in environments with the ROCm wheels, on jax 0.12 and on jax 0.10.2.
 The helpers the test modules share live in ``helpers.py``.
 """
 
@@ -47,20 +49,16 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Leave out the ``slow`` tests unless -m names them, and the compiled tests of topologies not named when
-    K3_TAIL_TEST_TOPOLOGIES names some; skip the ``rocm`` ones unless on a ROCm GPU; run the ``compiled`` tests
-    first (below)."""
-    if "slow" not in (config.option.markexpr or ""):
-        slow = [item for item in items if item.get_closest_marker("slow") is not None]
-        if slow:
-            config.hook.pytest_deselected(items=slow)
-            items[:] = [item for item in items if item.get_closest_marker("slow") is None]
+    """Leave out the ``slow`` tests unless -m names them; the compiled tests of GPU topologies unless -m names
+    ``compiled`` or K3_TAIL_TEST_TOPOLOGIES names topologies, and then those of the topologies it does not name;
+    skip the ``rocm`` ones unless on a ROCm GPU; run the ``compiled`` tests first (below)."""
     named = named_topologies()
-    if named is not None:  # compiled tests for the topologies not named are left out
-        left_out = [item for item in items if _topology(item) not in (None, *named)]
-        if left_out:
-            config.hook.pytest_deselected(items=left_out)
-            items[:] = [item for item in items if _topology(item) in (None, *named)]
+    if "slow" not in (config.option.markexpr or ""):
+        _deselect(config, items, lambda item: item.get_closest_marker("slow") is not None)
+    if named is None and not _compiled_asked_for(config):
+        _deselect(config, items, lambda item: _topology(item) is not None)
+    if named is not None:
+        _deselect(config, items, lambda item: _topology(item) not in (None, *named))
     if not _on_rocm():
         skip = pytest.mark.skip(reason="needs a ROCm GPU mesh: run scripts/rocm_check.sh on a ROCm host")
         for item in items:
@@ -70,6 +68,24 @@ def pytest_collection_modifyitems(config, items):
     # process): first in the order, they start together on one pytest-xdist worker (which gets the first half
     # and is stolen from at its end), not half of them on each. A stable sort: the rest keep their order.
     items.sort(key=lambda item: item.get_closest_marker("compiled") is None)
+
+
+def pytest_report_header(config):
+    if named_topologies() is None and not _compiled_asked_for(config):
+        return "k3_tail: the GPU-program tests are left out (pytest -m compiled runs them)"
+    return None
+
+
+def _compiled_asked_for(config):
+    return "compiled" in (config.option.markexpr or "")
+
+
+def _deselect(config, items, left_out):
+    """Remove the items ``left_out`` picks from ``items``, reporting them deselected."""
+    deselected = [item for item in items if left_out(item)]
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = [item for item in items if not left_out(item)]
 
 
 def _topology(item):
