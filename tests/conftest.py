@@ -53,9 +53,9 @@ def pytest_collection_modifyitems(config, items):
     ``compiled`` or K3_TAIL_TEST_TOPOLOGIES names topologies, and then those of the topologies it does not name;
     skip the ``rocm`` ones unless on a ROCm GPU; run the ``compiled`` tests first (below)."""
     named = named_topologies()
-    if "slow" not in (config.option.markexpr or ""):
+    if not _named_by_markexpr(config, "slow"):
         _deselect(config, items, lambda item: item.get_closest_marker("slow") is not None)
-    if named is None and not _compiled_asked_for(config):
+    if _leaves_out_gpu_programs(config):
         _deselect(config, items, lambda item: _topology(item) is not None)
     if named is not None:
         _deselect(config, items, lambda item: _topology(item) not in (None, *named))
@@ -71,13 +71,18 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_report_header(config):
-    if named_topologies() is None and not _compiled_asked_for(config):
+    if _leaves_out_gpu_programs(config):
         return "k3_tail: the GPU-program tests are left out (pytest -m compiled runs them)"
     return None
 
 
-def _compiled_asked_for(config):
-    return "compiled" in (config.option.markexpr or "")
+def _named_by_markexpr(config, marker):
+    return marker in (config.option.markexpr or "")
+
+
+def _leaves_out_gpu_programs(config):
+    """Whether this run leaves out the compiled tests of GPU topologies: neither -m nor --topologies asks for them."""
+    return named_topologies() is None and not _named_by_markexpr(config, "compiled")
 
 
 def _deselect(config, items, left_out):

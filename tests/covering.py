@@ -24,28 +24,33 @@ import dataclasses
 import functools
 import itertools
 import random
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import k3_tail
 
 Constraint = Callable[[Mapping[str, Any]], bool]
+Exempt = Collection[tuple[str, str]]
 
 
-def feasible_pairs(factors: Mapping[str, Sequence[Any]], constraint: Constraint | None = None) -> list[tuple]:
-    """Every feasible pair ((name_a, value_a), (name_b, value_b)), name_a before name_b in ``factors``."""
-    design = _Design(factors, constraint)
+def feasible_pairs(
+    factors: Mapping[str, Sequence[Any]], constraint: Constraint | None = None, exempt: Exempt = ()
+) -> list[tuple]:
+    """Every feasible pair ((name_a, value_a), (name_b, value_b)), name_a before name_b in ``factors``, but those of
+    the factor pairs in ``exempt``."""
+    design = _Design(factors, constraint, exempt)
     return [design.named(pair) for pair in design.feasible_pairs()]
 
 
 def uncovered_pairs(
-    factors: Mapping[str, Sequence[Any]], cases: Sequence[Mapping[str, Any]], constraint: Constraint | None = None
+    factors: Mapping[str, Sequence[Any]], cases: Sequence[Mapping[str, Any]], constraint: Constraint | None = None,
+    exempt: Exempt = (),
 ) -> list[tuple]:
     """The feasible pairs (as :func:`feasible_pairs` names them) that no case in ``cases`` contains."""
     covered = {
         ((a, case[a]), (b, case[b])) for case in cases for a, b in itertools.combinations(list(factors), 2)
     }
-    return [pair for pair in feasible_pairs(factors, constraint) if pair not in covered]
+    return [pair for pair in feasible_pairs(factors, constraint, exempt) if pair not in covered]
 
 
 def pairwise_cases(
@@ -53,6 +58,7 @@ def pairwise_cases(
     *,
     constraint: Constraint | None = None,
     seeds: Sequence[Mapping[str, Any]] = (),
+    exempt: Exempt = (),
     seed: int = 0,
     candidates: int = 24,
 ) -> list[dict[str, Any]]:
@@ -61,12 +67,13 @@ def pairwise_cases(
     Returns cases as dicts {name: value} in the order of ``factors``. Every case satisfies
     ``constraint`` (see the module docstring), every feasible pair of values of two factors appears
     in some case, and every partial assignment in ``seeds`` (a combination that must be tried
-    together, e.g. a three-way interaction of interest) is contained in some case.
+    together, e.g. a three-way interaction of interest) is contained in some case. The value pairs of a pair of
+    factors in ``exempt`` (name, name) need not be covered (another design covers them).
     ``seed`` fixes the random choices: equal arguments give equal designs. ``candidates`` is how
     many candidate cases are built per accepted case (more: fewer cases, slower).
     Raises ValueError for an empty factor, repeated values, an unknown name or an infeasible seed.
     """
-    design = _Design(factors, constraint)
+    design = _Design(factors, constraint, exempt)
     rng = random.Random(seed)
     uncovered = dict.fromkeys(design.feasible_pairs())
     rows: list[tuple[int, ...]] = []
@@ -96,7 +103,7 @@ def pairwise_cases(
 class _Design:
     """Factors by position and values by index, so that pairs are tuples of ints: ((a, i), (b, j))."""
 
-    def __init__(self, factors, constraint):
+    def __init__(self, factors, constraint, exempt=()):
         self.names = list(factors)
         self.values = [tuple(factors[name]) for name in self.names]
         for name, values in zip(self.names, self.values, strict=True):
@@ -105,18 +112,22 @@ class _Design:
             if len(set(values)) != len(values):
                 raise ValueError(f"factors: {name!r} repeats a value: {values!r}")
         self.constraint = constraint
+        self.exempt = {frozenset(map(self.position, pair)) for pair in exempt}
         self._completable = functools.lru_cache(maxsize=None)(self._completable_uncached)
 
     def named(self, pair):
         return tuple((self.names[f], self.values[f][i]) for f, i in pair)
 
+    def position(self, name):
+        if name not in self.names:
+            raise ValueError(f"unknown factor {name!r}; the factors are {self.names}")
+        return self.names.index(name)
+
     def indices(self, partial):
         """{factor position: value index} of a named partial assignment."""
         out = {}
         for name, value in partial.items():
-            if name not in self.names:
-                raise ValueError(f"unknown factor {name!r}; the factors are {self.names}")
-            position = self.names.index(name)
+            position = self.position(name)
             if value not in self.values[position]:
                 raise ValueError(f"{value!r} is not a value of {name!r}: {self.values[position]!r}")
             out[position] = self.values[position].index(value)
@@ -144,14 +155,16 @@ class _Design:
         return [
             ((a, i), (b, j))
             for a, b in itertools.combinations(range(len(self.names)), 2)
+            if frozenset((a, b)) not in self.exempt
             for i in range(len(self.values[a]))
             for j in range(len(self.values[b]))
             if self.completable({a: i, b: j})
         ]
 
-    @staticmethod
-    def pairs_of(row):
-        return [((a, row[a]), (b, row[b])) for a, b in itertools.combinations(range(len(row)), 2)]
+    def pairs_of(self, row):
+        """The pairs ``row`` covers (none of an exempt pair of factors)."""
+        return [((a, row[a]), (b, row[b])) for a, b in itertools.combinations(range(len(row)), 2)
+                if frozenset((a, b)) not in self.exempt]
 
     def score(self, row, uncovered):
         return sum(pair in uncovered for pair in self.pairs_of(row))
@@ -252,12 +265,11 @@ def tail_constraint(case: Mapping[str, Any]) -> bool:
     activations); every H divides by p = 1; FP8 activations need an FP8 kernel."""
     if (case.get("tier"), case.get("weight_layout")) in _REFUSED_LAYOUTS:
         return False
-    tier = case.get("tier")
     if case.get("tp_size") == 1 and case.get("hidden_divisible") is False:
         return False
     if case.get("fp8_activations") is True and "up_proj_dtype" in case and case["up_proj_dtype"] is None:
         return False
-    if case.get("fp8_activations") is True and tier == k3_tail.Tier.ONE_KERNEL.value:
+    if case.get("fp8_activations") is True and case.get("tier") == k3_tail.Tier.ONE_KERNEL.value:
         return False
     return True
 

@@ -13,8 +13,10 @@ import itertools
 import json
 import os
 import shutil
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -58,6 +60,20 @@ def command_environment():
 # the ROCm ones need the [rocm-aot] extra, which .ci/run installs in an environment of its own (.venv-rocm).
 GPU_TOPOLOGIES = ("h100x8", "mi300xx8", "mi355xx8")
 TOPOLOGIES_VARIABLE = "K3_TAIL_TEST_TOPOLOGIES"
+
+
+def script_module(path):
+    """The script at ``path`` (scripts/ and examples/ are no packages) as a module, loaded with its folder on
+    ``sys.path`` so that it imports the scripts beside it as it does when run."""
+    path = Path(path)
+    sys.path.insert(0, str(path.parent))
+    try:
+        specification = importlib.util.spec_from_file_location(path.stem, path)
+        module = importlib.util.module_from_spec(specification)
+        specification.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(path.parent))
+    return module
 
 
 def named_topologies():

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import command_environment
+from helpers import command_environment, script_module
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = sorted(str(path.relative_to(ROOT)) for pattern in ("examples/*.py", "scripts/kimi_k3_*.py")
@@ -27,15 +27,7 @@ def command_main(command):
     may import another beside it)."""
     if command in MODULES:
         return importlib.import_module(command).main
-    path = ROOT / command
-    sys.path.insert(0, str(path.parent))
-    try:
-        specification = importlib.util.spec_from_file_location(path.stem, path)
-        module = importlib.util.module_from_spec(specification)
-        specification.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(path.parent))
-    return module.main
+    return script_module(ROOT / command).main
 
 
 def exit_of(command, argv):

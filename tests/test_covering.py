@@ -83,11 +83,23 @@ def test_seeds_are_each_contained_in_some_case():
     assert covering.uncovered_pairs(TOY_FACTORS, cases) == []
 
 
+def test_the_pairs_of_exempt_factors_need_not_be_covered_and_every_other_pair_is():
+    """The colour paired by another design: the 2 x 2 pairs of the other factors need fewer than 3 colours x 2."""
+    exempt = [("colour", "size"), ("colour", "shape"), ("colour", "lid")]
+    cases = pairwise_cases(TOY_FACTORS, exempt=exempt)
+    pairs = set(covering.feasible_pairs(TOY_FACTORS, exempt=exempt))
+    assert not any("colour" in (a, b) for (a, _), (b, _) in pairs)
+    assert pairs <= pairs_in(cases, TOY_FACTORS)
+    assert len(cases) < 6
+
+
 def test_an_infeasible_seed_or_a_bad_factor_is_refused():
     with pytest.raises(ValueError, match="breaks the constraint"):
         pairwise_cases(TOY_FACTORS, constraint=no_blue_square, seeds=[{"colour": "blue", "shape": "square"}])
     with pytest.raises(ValueError, match="unknown factor"):
         pairwise_cases(TOY_FACTORS, seeds=[{"weight": 3}])
+    with pytest.raises(ValueError, match="unknown factor"):
+        pairwise_cases(TOY_FACTORS, exempt=[("colour", "weight")])
     with pytest.raises(ValueError, match="no values"):
         pairwise_cases({"a": (), "b": (1, 2)})
     with pytest.raises(ValueError, match="repeats a value"):

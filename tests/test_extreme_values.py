@@ -84,11 +84,11 @@ def assert_non_finite_where_the_reference_is(y, expected):
 # its buffers' blocks fall, which this design meets once per tier. ``pytest -m slow`` runs the rest of the product.
 # one_kernel's Pallas kernel runs interpreted here (seconds a call at these widths): its own NaN and infinity
 # handling is in its kernel, ahead of the sums, and its sums are column_parallel's.
-QUANTISED_BY_DEFAULT = {"native": ("int8",), "overlap": ("int6",), "column_parallel": ("int4",), "one_shot": ("int8",),
+CODECS_RUN_BY_DEFAULT = {"native": ("int8",), "overlap": ("int6",), "column_parallel": ("int4",), "one_shot": ("int8",),
                         "scatter_gather": ("int6",), "token_parallel": ("int8", "int4")}
 NON_FINITE_CASES = [
     pytest.param(tier, codec, id=f"{tier.value}-{codec or 'bf16'}",
-                 marks=() if codec in (None, *QUANTISED_BY_DEFAULT.get(tier.value, ())) else pytest.mark.slow)
+                 marks=() if codec in (None, *CODECS_RUN_BY_DEFAULT.get(tier.value, ())) else pytest.mark.slow)
     for tier in k3_tail.Tier for codec in CODECS if tier is not k3_tail.Tier.ONE_KERNEL or codec is None
 ]
 

@@ -8,9 +8,7 @@ Kimi-K3's shapes takes seconds).
 """
 
 import functools
-import importlib.util
 import json
-import sys
 import types
 from pathlib import Path
 
@@ -20,7 +18,7 @@ import pytest
 from jax import lax
 
 import k3_tail
-from helpers import gpu_mesh_for, once_per_session, topology_params
+from helpers import gpu_mesh_for, once_per_session, script_module, topology_params
 from k3_tail.cli.harness import tp_mesh
 from lab import acceptance
 
@@ -36,14 +34,7 @@ on_the_cpu = pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU 
 @pytest.fixture(scope="module")
 def script():
     """scripts/gpu_acceptance.py as a module (scripts/ is no package; it imports gpu_profile beside it)."""
-    sys.path.insert(0, str(SCRIPTS))
-    try:
-        specification = importlib.util.spec_from_file_location("gpu_acceptance", SCRIPTS / "gpu_acceptance.py")
-        module = importlib.util.module_from_spec(specification)
-        specification.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(SCRIPTS))
-    return module
+    return script_module(SCRIPTS / "gpu_acceptance.py")
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ profiles one device: this process's first CPU device), without a second interpre
 The GEMM shapes are worked out here by hand, not from the tier records the script reads.
 """
 
-import importlib.util
 import json
 import math
 import subprocess
@@ -16,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import command_environment, once_per_session
+from helpers import command_environment, once_per_session, script_module
 from k3_tail import Tier
 from k3_tail.hardware import HARDWARE
 from lab.blocks import WEIGHT_LAYOUTS
@@ -106,11 +105,8 @@ def test_the_report_says_the_cpu_fractions_are_meaningless(profile):
 
 
 def test_json_to_stdout_puts_the_table_on_stderr_and_no_preset_means_no_fractions(capsys):
-    specification = importlib.util.spec_from_file_location("gpu_profile", SCRIPT)
-    script = importlib.util.module_from_spec(specification)
-    specification.loader.exec_module(script)
-    assert script.main([*map(str, small_flags(tokens=(3,), tp_sizes=(2,))), "--weight-layout", "replicated",
-                        "--json", "-"]) == 0
+    flags = [*map(str, small_flags(tokens=(3,), tp_sizes=(2,))), "--weight-layout", "replicated", "--json", "-"]
+    assert script_module(SCRIPT).main(flags) == 0
     printed = capsys.readouterr()
     report = json.loads(printed.out)
     assert report["hardware"] is None

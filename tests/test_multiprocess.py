@@ -7,7 +7,6 @@ show that a failed or lonely process ends the run with such a report instead of 
 """
 
 import dataclasses
-import importlib.util
 import json
 import os
 import signal
@@ -20,7 +19,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import pytest
 
-from helpers import FAST_COMPILE_XLA_FLAGS, once_per_session
+from helpers import FAST_COMPILE_XLA_FLAGS, once_per_session, script_module
 from lab.multiprocess import initialize
 from multiprocess_worker import CASES, TIERS_AND_LAYOUTS
 from reference import TOLERANCE
@@ -212,10 +211,7 @@ def test_a_process_whose_peer_dies_after_joining_ends_by_itself(tmp_path):
 @pytest.fixture(scope="module")
 def launcher():
     """scripts/run_multiprocess.py as a module (scripts/ is no package)."""
-    specification = importlib.util.spec_from_file_location("run_multiprocess", LAUNCHER)
-    module = importlib.util.module_from_spec(specification)
-    specification.loader.exec_module(module)
-    return module
+    return script_module(LAUNCHER)
 
 
 def test_the_launcher_runs_every_tier_on_local_processes():

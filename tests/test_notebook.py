@@ -2,7 +2,6 @@
 outputs are what a fresh run prints: every cell but the measured ones (tag "measured")."""
 
 import difflib
-import importlib.util
 import re
 import subprocess
 import sys
@@ -10,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import FAST_COMPILE_XLA_FLAGS
+from helpers import FAST_COMPILE_XLA_FLAGS, script_module
 
 nbformat = pytest.importorskip("nbformat", reason="needs the [notebook] extra (nbformat, nbclient, ipykernel)")
 nbclient = pytest.importorskip("nbclient", reason="needs the [notebook] extra (nbformat, nbclient, ipykernel)")
@@ -20,15 +19,7 @@ SCRIPT = Path(__file__).parent.parent / "scripts" / "execute_notebook.py"
 MAX_OUTPUT_LINE = 160
 
 
-def load_script():
-    """scripts/execute_notebook.py as a module (scripts/ is no package): how the notebook is run and compared."""
-    specification = importlib.util.spec_from_file_location("execute_notebook", SCRIPT)
-    module = importlib.util.module_from_spec(specification)
-    specification.loader.exec_module(module)
-    return module
-
-
-SCRIPT_MODULE = load_script()
+SCRIPT_MODULE = script_module(SCRIPT)  # how the notebook is run and compared
 NOTEBOOK = SCRIPT_MODULE.NOTEBOOK
 
 
